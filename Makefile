@@ -1,0 +1,26 @@
+# The two commands a fresh machine needs (Python 3.11 and a C++ compiler, nothing else):
+#   make demo   set everything up and run the main job
+#   make test   set everything up and run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: setup test clean
+
+# torch is pinned first and alone: this exact version is the CPU build available locally;
+# any other request would pull several GB of CUDA packages.
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*/*.cpp csrc/*/*.h)
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf build $(VENV) offload/*.so *.egg-info

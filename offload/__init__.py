@@ -1,0 +1,32 @@
+"""offload: a heterogeneous offload engine for PyTorch training.
+
+Public surface (see DESIGN.md): `initialize`, `Config`, `CPUAdamW`, `Engine`.
+"""
+from offload.errors import (  # noqa: F401
+    ConfigError,
+    InsufficientMemoryError,
+    InsufficientSpaceError,
+    NonFiniteError,
+    OffloadError,
+    SwapCorruptError,
+    SwapError,
+)
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Imported lazily so that `import offload` stays cheap and a CLI subcommand loads only what it uses.
+    if name == "CPUAdamW":
+        from offload.optim import CPUAdamW
+
+        return CPUAdamW
+    if name in ("Config", "load_config"):
+        from offload import config
+
+        return getattr(config, name)
+    if name in ("initialize", "Engine"):
+        from offload import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'offload' has no attribute {name!r}")

@@ -1,0 +1,29 @@
+"""Exceptions offload raises. Each message names the thing that is wrong and what to do."""
+
+
+class OffloadError(Exception):
+    """Base class of every error offload raises on purpose."""
+
+
+class ConfigError(OffloadError, ValueError):
+    """A config key or value that cannot be honoured (unknown key, wrong type, bad range)."""
+
+
+class InsufficientMemoryError(OffloadError, MemoryError):
+    """The placement needs more host RAM than this machine has free."""
+
+
+class InsufficientSpaceError(OffloadError, OSError):
+    """The swap path has less free space than the placement needs."""
+
+
+class SwapError(OffloadError, OSError):
+    """A swap read or write failed; the message names the file, operation and offset."""
+
+
+class SwapCorruptError(SwapError):
+    """A swap file is truncated, has a wrong header, or its checksum does not match."""
+
+
+class NonFiniteError(OffloadError, FloatingPointError):
+    """A loss or gradient is NaN or infinite where training cannot skip it."""
