@@ -16,6 +16,7 @@ import inspect
 import json
 import os
 import textwrap
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,7 +168,7 @@ def _coerce(path: str, value: Any, hint: Any) -> Any:
         if not isinstance(value, dict):
             raise _fail(path, f"expected an object with keys {sorted(f.name for f in dataclasses.fields(hint))}, got {value!r}")
         return _from_mapping(path, value, hint)
-    if origin is Union:
+    if origin is Union or origin is types.UnionType:  # `int | None` (PEP 604) as well as Optional[int]
         if value is None and type(None) in args:
             return None
         errors = []
