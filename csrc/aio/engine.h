@@ -1,0 +1,114 @@
+// Asynchronous file I/O on host buffers: a pool of worker threads doing pread/pwrite.
+//
+// Concurrency contract
+// - submit() (caller thread) splits a request into pieces of `piece_size` bytes and appends
+//   them to one FIFO queue; it never blocks on I/O.
+// - `threads` workers pop pieces; at most `queue_depth` pieces execute at once (so the
+//   number of pieces in flight is min(threads, queue_depth)). A worker reads into / writes
+//   from the caller's buffer directly (no copy), and, when asked, checksums its piece
+//   (after the read, before the write) so the checksum costs no extra pass on the caller.
+// - The buffer belongs to the request from submit() until wait() returns true: the caller
+//   must neither free nor modify it before then. Pieces of different requests are not
+//   ordered against each other; callers order overlapping requests by waiting.
+// - The last piece to finish joins the piece checksums and wakes the waiters.
+// - Errors: every failing piece is counted; the first is kept with errno, op, file and
+//   offset and thrown (IoError) by wait(). Short reads (EOF before the requested length)
+//   are errors, short writes are retried until an errno comes back (e.g. ENOSPC).
+// - close()/the destructor lets workers finish every queued piece, then joins them, so no
+//   worker touches a buffer after close() returns.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace offload_aio {
+
+struct IoError {
+    int err;           // errno (EIO for a short read)
+    std::string msg;   // "<op> of N bytes at offset O in <path>: <reason>"
+    std::string path;
+};
+
+enum class Op { Read = 0, Write = 1 };
+
+class Request {
+public:
+    Request(Op op, int fd, char* buf, uint64_t offset, size_t nbytes, size_t crc_nbytes, bool want_crc,
+            size_t piece_size, std::string path);
+    // Blocks (caller must have released the GIL) for up to `timeout_s` (< 0: forever).
+    // Returns false on timeout; throws IoError if any piece failed.
+    bool wait(double timeout_s);
+    bool done() const { return finished_.load(std::memory_order_acquire); }
+    uint32_t checksum() const { return checksum_; }
+    size_t nbytes() const { return nbytes_; }
+
+private:
+    friend class Engine;
+    void finish_piece(size_t index, uint32_t crc, const IoError* error);
+
+    const Op op_;
+    const int fd_;
+    char* const buf_;
+    const uint64_t offset_;
+    const size_t nbytes_;      // bytes transferred
+    const size_t crc_nbytes_;  // leading bytes covered by the checksum (<= nbytes_)
+    const bool want_crc_;
+    const size_t piece_size_;
+    const size_t npieces_;
+    const std::string path_;
+
+    std::vector<uint32_t> piece_crc_;  // written by the worker of each piece, read by the last
+    std::atomic<size_t> remaining_;
+    std::atomic<bool> finished_{false};
+    uint32_t checksum_ = 0;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    bool has_error_ = false;
+    IoError error_;
+    size_t nerrors_ = 0;
+};
+
+class Engine {
+public:
+    Engine(size_t block_size, size_t queue_depth, size_t threads);
+    ~Engine();
+    // piece_size 0: the engine's block_size.
+    std::shared_ptr<Request> submit(Op op, int fd, char* buf, uint64_t offset, size_t nbytes, size_t crc_nbytes,
+                                    bool want_crc, size_t piece_size, const std::string& path);
+    void close();
+    // Fault injection for tests: pieces of `op` whose range ends past `after_offset` fail with `err`.
+    void set_fault(int op, int err, uint64_t after_offset);
+    void clear_fault();
+    size_t block_size() const { return block_size_; }
+    size_t queue_depth() const { return queue_depth_; }
+    size_t threads() const { return workers_.size(); }
+
+private:
+    struct Piece {
+        std::shared_ptr<Request> req;
+        size_t index;
+    };
+    void worker();
+    void run_piece(const Piece& p);
+
+    const size_t block_size_;
+    const size_t queue_depth_;
+    std::vector<std::thread> workers_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<Piece> queue_;
+    size_t in_flight_ = 0;
+    bool stop_ = false;
+    std::atomic<int> fault_op_{-1};
+    std::atomic<int> fault_err_{0};
+    std::atomic<uint64_t> fault_after_{0};
+};
+
+}  // namespace offload_aio

@@ -1,0 +1,254 @@
+"""Asynchronous reads and writes of host tensors to file offsets (wrapper over `offload._aio_ext`).
+
+The C++ engine (csrc/aio) splits each request into `block_size` pieces, keeps at most
+`queue_depth` pieces in flight on a pool of `threads` workers doing pread/pwrite, and can
+checksum (CRC-32C) each piece in the worker that moves it. Waiting releases the GIL.
+
+Who owns what: from `submit_*` until the handle's `wait()` returns, the tensor belongs to the
+engine (do not free, resize or write it); the handle keeps a reference so it cannot be
+garbage-collected early. An fd passed in stays the caller's; a path passed in is opened by
+the handle and closed when the request completes (in `wait()`).
+
+O_DIRECT needs the buffer address, file offset and transfer length 4 KiB-aligned. A path
+target uses O_DIRECT when all three are aligned and the filesystem accepts it
+(`probe_o_direct`), else buffered I/O; the first refusal on a filesystem is logged once.
+"""
+from __future__ import annotations
+
+import errno as _errno
+import logging
+import mmap
+import os
+import threading
+import uuid
+
+import torch
+
+from offload import _aio_ext
+from offload.errors import SwapError
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+_WAIT_SLICE_S = 0.2  # wait() wakes this often so Ctrl-C is handled while I/O runs
+
+_probe_lock = threading.Lock()
+_probe_cache: dict[int, bool] = {}  # st_dev -> O_DIRECT accepted
+_warned_devices: set[int] = set()
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def crc32c(data, crc: int = 0) -> int:
+    """CRC-32C of bytes-like `data` or of a tensor's bytes, continuing `crc`."""
+    if isinstance(data, torch.Tensor):
+        t = data.contiguous()
+        return _aio_ext.crc32c(t.data_ptr(), t.numel() * t.element_size(), crc)
+    return _aio_ext.crc32c_bytes(bytes(data), crc)
+
+
+def _warn_buffered(path: str, dev: int, reason: str) -> None:
+    with _probe_lock:
+        if dev in _warned_devices:
+            return
+        _warned_devices.add(dev)
+    log.warning("%s does not accept O_DIRECT (%s): using buffered I/O there; throughput will depend on the "
+                "page cache. Put nvme_path on a local ext4/xfs filesystem for direct I/O.", path, reason)
+
+
+def probe_o_direct(path: str | os.PathLike) -> bool:
+    """Whether the filesystem holding `path` (a directory or a file) accepts O_DIRECT I/O.
+
+    Writes and reads back one aligned 4 KiB block in a temporary file (open alone is not
+    enough: some filesystems accept the flag and fail the I/O). Logs once per filesystem
+    when refused. The result is cached per device.
+    """
+    path = os.fspath(path)
+    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    dev = os.stat(directory).st_dev
+    with _probe_lock:
+        if dev in _probe_cache:
+            return _probe_cache[dev]
+    probe = os.path.join(directory, f".offload-odirect-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    ok, reason = True, ""
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0), 0o600)
+        try:
+            os.pwritev(fd, [buf], 0)
+            os.preadv(fd, [buf], 0)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.errno in (_errno.EINVAL, _errno.EOPNOTSUPP, _errno.ENOTSUP):
+            ok, reason = False, os.strerror(e.errno)
+        else:
+            raise SwapError(e.errno, f"cannot create a probe file in {directory}: {e.strerror}; "
+                                     "check the path exists and is writable", directory) from None
+    finally:
+        buf.close()
+        try:
+            os.unlink(probe)
+        except FileNotFoundError:
+            pass
+    if not hasattr(os, "O_DIRECT"):
+        ok, reason = False, "O_DIRECT not available on this platform"
+    with _probe_lock:
+        _probe_cache[dev] = ok
+    if not ok:
+        _warn_buffered(directory, dev, reason)
+    return ok
+
+
+def storage_capacity(tensor: torch.Tensor) -> int:
+    """Bytes available from the tensor's first element to the end of its storage."""
+    return tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
+
+
+def direct_ok(tensor: torch.Tensor, offset: int, io_nbytes: int) -> bool:
+    """Whether a transfer of io_nbytes at `offset` from/to this tensor satisfies O_DIRECT alignment."""
+    return (tensor.data_ptr() % ALIGN == 0 and offset % ALIGN == 0 and io_nbytes % ALIGN == 0
+            and storage_capacity(tensor) >= io_nbytes)
+
+
+class AioHandle:
+    """One submitted request. `wait()` blocks (GIL released), raises SwapError on failure."""
+
+    def __init__(self, request, tensor: torch.Tensor, path: str, owned_fd: int | None = None, on_done=None):
+        self._request = request
+        self._tensor = tensor  # keeps the buffer alive until completion
+        self._path = path
+        self._owned_fd = owned_fd
+        self._on_done = on_done
+        self._finished = False
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._finished or self._request.done()
+
+    @property
+    def checksum(self) -> int:
+        """CRC-32C of the checksummed bytes (valid after wait(); 0 if no checksum was asked)."""
+        return self._request.checksum
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for completion; True when done, False when `timeout` seconds passed first.
+
+        Raises SwapError (errno, message naming op, offset and file) if any piece failed; the
+        same error again on every later call.
+        """
+        if self._finished:
+            if self._error is not None:
+                raise self._error
+            return True
+        remaining = timeout
+        while True:
+            slice_s = _WAIT_SLICE_S if remaining is None else min(_WAIT_SLICE_S, max(remaining, 0.0))
+            try:
+                if self._request.wait(slice_s):
+                    break
+            except OSError as e:
+                self._error = SwapError(e.errno, e.strerror, e.filename)
+                self._complete()
+                raise self._error from None
+            if remaining is not None:
+                remaining -= slice_s
+                if remaining <= 0:
+                    return False
+        self._complete()
+        return True
+
+    def _complete(self) -> None:
+        self._finished = True
+        if self._owned_fd is not None:
+            os.close(self._owned_fd)
+            self._owned_fd = None
+        if self._on_done is not None:
+            cb, self._on_done = self._on_done, None
+            cb(self)
+        self._tensor = None
+
+
+class AioEngine:
+    """Asynchronous file I/O on host tensors; see the module docstring for ownership rules."""
+
+    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 4):
+        try:
+            self._engine = _aio_ext.Engine(int(block_size), int(queue_depth), int(threads))
+        except ValueError as e:
+            raise ValueError(f"io settings: {e}") from None
+        self.block_size, self.queue_depth, self.threads = int(block_size), int(queue_depth), int(threads)
+        self._closed = False
+
+    def _submit(self, op, target, tensor: torch.Tensor, offset: int, nbytes: int | None, io_nbytes: int | None,
+                checksum: bool, piece_size: int, path: str | None) -> AioHandle:
+        if self._closed:
+            raise SwapError(_errno.EBADF, "the I/O engine is closed; create a new AioEngine", path or str(target))
+        if not tensor.is_contiguous():
+            raise ValueError("aio needs a contiguous host tensor")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"aio needs a host (cpu) tensor, got one on {tensor.device}")
+        size = tensor.numel() * tensor.element_size()
+        nbytes = size if nbytes is None else int(nbytes)
+        io_nbytes = nbytes if io_nbytes is None else int(io_nbytes)
+        if nbytes > size:
+            raise ValueError(f"nbytes {nbytes} exceeds the tensor's {size} bytes")
+        if io_nbytes < nbytes or io_nbytes > storage_capacity(tensor):
+            raise ValueError(f"io_nbytes {io_nbytes} must lie between nbytes {nbytes} and the buffer capacity "
+                             f"{storage_capacity(tensor)}")
+        owned = None
+        if isinstance(target, int):
+            fd, name = target, path or f"<fd {target}>"
+        else:
+            name = os.fspath(target)
+            flags = os.O_RDONLY if op == _aio_ext.Op.READ else (os.O_WRONLY | os.O_CREAT)
+            direct = direct_ok(tensor, offset, io_nbytes) and probe_o_direct(name)
+            if not direct:
+                io_nbytes = nbytes  # buffered: move exactly the data bytes
+            try:
+                fd = os.open(name, flags | (os.O_DIRECT if direct else 0), 0o600)
+            except OSError as e:
+                raise SwapError(e.errno, f"cannot open {name} for {'reading' if op == _aio_ext.Op.READ else 'writing'}: "
+                                         f"{e.strerror}", name) from None
+            owned = fd
+        try:
+            req = self._engine.submit(op, fd, tensor.data_ptr(), int(offset), io_nbytes, nbytes if checksum else 0,
+                                      bool(checksum), int(piece_size), name)
+        except BaseException:
+            if owned is not None:
+                os.close(owned)
+            raise
+        return AioHandle(req, tensor, name, owned)
+
+    def submit_read(self, target, tensor: torch.Tensor, offset: int = 0, *, nbytes: int | None = None,
+                    io_nbytes: int | None = None, checksum: bool = False, piece_size: int = 0,
+                    path: str | None = None) -> AioHandle:
+        """Read `io_nbytes` (default: the tensor's size) at `offset` of fd or path into the tensor."""
+        return self._submit(_aio_ext.Op.READ, target, tensor, offset, nbytes, io_nbytes, checksum, piece_size, path)
+
+    def submit_write(self, target, tensor: torch.Tensor, offset: int = 0, *, nbytes: int | None = None,
+                     io_nbytes: int | None = None, checksum: bool = False, piece_size: int = 0,
+                     path: str | None = None) -> AioHandle:
+        """Write the tensor's bytes (or `io_nbytes` of its buffer, padding included) at `offset`."""
+        return self._submit(_aio_ext.Op.WRITE, target, tensor, offset, nbytes, io_nbytes, checksum, piece_size, path)
+
+    def set_fault(self, op: str, err: int, after_offset: int = 0) -> None:
+        """Test hook: make every `op` ("read"/"write") piece ending past `after_offset` fail with errno `err`."""
+        self._engine.set_fault(0 if op == "read" else 1, int(err), int(after_offset))
+
+    def clear_fault(self) -> None:
+        self._engine.clear_fault()
+
+    def close(self) -> None:
+        """Finish every queued piece, then stop the workers (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
