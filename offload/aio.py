@@ -241,6 +241,10 @@ class AioEngine:
     def clear_fault(self) -> None:
         self._engine.clear_fault()
 
+    def set_delay(self, seconds: float) -> None:
+        """Test hook: every piece sleeps this long before its I/O (0 turns it off)."""
+        self._engine.set_delay_us(int(seconds * 1e6))
+
     def close(self) -> None:
         """Finish every queued piece, then stop the workers (idempotent)."""
         if not self._closed:

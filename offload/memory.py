@@ -88,6 +88,11 @@ class _Block:
         self.mm, self.capacity, self.nbytes, self.category, self.registered = mm, capacity, nbytes, category, registered
 
 
+def _key(tensor: torch.Tensor) -> int:
+    # The storage's address: an empty tensor's data_ptr() is 0, its storage's is not.
+    return tensor.untyped_storage().data_ptr()
+
+
 def available_ram() -> int:
     return int(psutil.virtual_memory().available)
 
@@ -170,20 +175,20 @@ class HostBufferPool:
 
     def capacity_of(self, tensor: torch.Tensor) -> int:
         with self._lock:
-            block = self._blocks.get(tensor.data_ptr())
+            block = self._blocks.get(_key(tensor))
         if block is None:
-            raise ValueError(f"tensor at {tensor.data_ptr():#x} was not allocated by {self.name}")
+            raise ValueError(f"tensor at {_key(tensor):#x} was not allocated by {self.name}")
         return block.capacity
 
     def free(self, tensor: torch.Tensor) -> None:
         """Return a buffer. The memory is unmapped when the last view of it is gone."""
         with self._lock:
-            block = self._blocks.pop(tensor.data_ptr(), None)
+            block = self._blocks.pop(_key(tensor), None)
             if block is None:
-                raise ValueError(f"{self.name}.free: tensor at {tensor.data_ptr():#x} was not allocated by this pool "
+                raise ValueError(f"{self.name}.free: tensor at {_key(tensor):#x} was not allocated by this pool "
                                  "or was already freed")
             self.allocated_bytes -= block.capacity
-        self._release(tensor.data_ptr(), block)
+        self._release(_key(tensor), block)
 
     def _release(self, ptr: int, block: _Block) -> None:
         if block.registered:

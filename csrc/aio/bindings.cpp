@@ -50,6 +50,7 @@ PYBIND11_MODULE(_aio_ext, m) {
         .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
         .def("set_fault", &Engine::set_fault, py::arg("op"), py::arg("err"), py::arg("after_offset"))
         .def("clear_fault", &Engine::clear_fault)
+        .def("set_delay_us", &Engine::set_delay_us, py::arg("us"))
         .def_property_readonly("block_size", &Engine::block_size)
         .def_property_readonly("queue_depth", &Engine::queue_depth)
         .def_property_readonly("threads", &Engine::threads);

@@ -158,6 +158,7 @@ void Engine::run_piece(const Piece& p) {
 
     if (r.want_crc_ && r.op_ == Op::Write) crc = crc32c_extend(0, buf, crc_len);
 
+    if (uint64_t us = delay_us_.load()) std::this_thread::sleep_for(std::chrono::microseconds(us));
     int fop = fault_op_.load();
     if (fop == static_cast<int>(r.op_) && off + len > fault_after_.load()) {
         int err = fault_err_.load();

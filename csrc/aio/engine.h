@@ -86,6 +86,8 @@ public:
     // Fault injection for tests: pieces of `op` whose range ends past `after_offset` fail with `err`.
     void set_fault(int op, int err, uint64_t after_offset);
     void clear_fault();
+    // Test hook: every piece sleeps this long before its I/O (0: off).
+    void set_delay_us(uint64_t us) { delay_us_.store(us); }
     size_t block_size() const { return block_size_; }
     size_t queue_depth() const { return queue_depth_; }
     size_t threads() const { return workers_.size(); }
@@ -109,6 +111,7 @@ private:
     std::atomic<int> fault_op_{-1};
     std::atomic<int> fault_err_{0};
     std::atomic<uint64_t> fault_after_{0};
+    std::atomic<uint64_t> delay_us_{0};
 };
 
 }  // namespace offload_aio
