@@ -1,0 +1,95 @@
+// AVX-512 variant (F, BW, VL, DQ): 16 fp32 lanes, masked loads/stores for the tail so the
+// tail goes through exactly the same instructions as the body.
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#pragma GCC optimize("fp-contract=off")
+// GCC 12 warns about the deliberately undefined registers inside its own avx512fintrin.h.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <immintrin.h>
+
+#include "adam/adam_kernels.h"
+
+namespace offload_adam {
+namespace {
+
+template <int GradType>
+inline __m512 load_grad(const void* grad, size_t i, __mmask16 mask) {
+  if (GradType == kF32) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(grad) + i);
+  __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(grad) + i);
+  if (GradType == kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+// Round to nearest even like c10::BFloat16, NaN -> 0x7fc0.
+inline __m256i to_bf16(__m512 p) {
+  __m512i u = _mm512_castps_si512(p);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  __mmask16 is_nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+template <int GradType, int OutType>
+inline void adam_vector(const AdamArgs& a, size_t i, __mmask16 mask, bool lerp_small, __m512 lerp_coeff) {
+  __m512 g = load_grad<GradType>(a.grad, i, mask);
+  __m512 p = _mm512_maskz_loadu_ps(mask, a.param + i);
+  __m512 m = _mm512_maskz_loadu_ps(mask, a.exp_avg + i);
+  __m512 v = _mm512_maskz_loadu_ps(mask, a.exp_avg_sq + i);
+  if (a.apply_scale) g = _mm512_mul_ps(g, _mm512_set1_ps(a.grad_scale));
+  if (a.l2_decay) g = _mm512_fmadd_ps(p, _mm512_set1_ps(a.weight_decay), g);
+  if (a.decoupled_decay) p = _mm512_mul_ps(p, _mm512_set1_ps(a.decay_factor));
+  m = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(g, m), lerp_small ? m : g);
+  v = _mm512_mul_ps(v, _mm512_set1_ps(a.beta2));
+  // addcmul_: torch's build contracts self + (value * t1) * t2 into one fused multiply-add
+  v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(a.one_minus_beta2), g), g, v);
+  __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(a.bias_correction2_sqrt)),
+                               _mm512_set1_ps(a.eps));
+  p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(a.neg_step_size), m), denom));
+  _mm512_mask_storeu_ps(a.param + i, mask, p);
+  _mm512_mask_storeu_ps(a.exp_avg + i, mask, m);
+  _mm512_mask_storeu_ps(a.exp_avg_sq + i, mask, v);
+  uint16_t* out16 = static_cast<uint16_t*>(a.param_out16);
+  if (OutType == kBF16) _mm256_mask_storeu_epi16(out16 + i, mask, to_bf16(p));
+  if (OutType == kF16)
+    _mm256_mask_storeu_epi16(out16 + i, mask, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+template <int GradType, int OutType>
+void adam_range(const AdamArgs& a, size_t begin, size_t end) {
+  const bool lerp_small = __builtin_fabsf(a.beta1_weight) < 0.5f;
+  const __m512 lerp_coeff = _mm512_set1_ps(lerp_small ? a.beta1_weight : a.beta1_weight - 1.0f);
+  size_t i = begin;
+  for (; i + 16 <= end; i += 16) adam_vector<GradType, OutType>(a, i, 0xffff, lerp_small, lerp_coeff);
+  if (i < end) adam_vector<GradType, OutType>(a, i, __mmask16((1u << (end - i)) - 1u), lerp_small, lerp_coeff);
+}
+
+template <int GradType>
+void adam_out(const AdamArgs& a, size_t begin, size_t end) {
+  if (a.out_type == kBF16) return adam_range<GradType, kBF16>(a, begin, end);
+  if (a.out_type == kF16) return adam_range<GradType, kF16>(a, begin, end);
+  return adam_range<GradType, kNone>(a, begin, end);
+}
+
+void adam(const AdamArgs& a, size_t begin, size_t end) {
+  if (a.grad_type == kBF16) return adam_out<kBF16>(a, begin, end);
+  if (a.grad_type == kF16) return adam_out<kF16>(a, begin, end);
+  return adam_out<kF32>(a, begin, end);
+}
+
+double sum_squares(const void* data, int type, size_t begin, size_t end) {
+  return sum_squares_any(data, type, begin, end);
+}
+
+bool any_nonfinite(const void* data, int type, size_t begin, size_t end) {
+  return any_nonfinite_any(data, type, begin, end);
+}
+
+}  // namespace
+
+const IsaKernels& avx512_kernels() {
+  static const IsaKernels table{"avx512", adam, sum_squares, any_nonfinite};
+  return table;
+}
+
+}  // namespace offload_adam

@@ -1,0 +1,172 @@
+// Shared declarations of the CPU Adam extension.
+//
+// Each instruction-set variant (adam_avx512.cpp, adam_avx2.cpp, adam_portable.cpp) fills one
+// IsaKernels table with plain functions over raw pointers and an index range [begin, end).
+// The variants must not define any inline function with external linkage: the linker could
+// otherwise keep an AVX-512 copy of it for the whole library. Everything they share lives in
+// this header as `static inline` (internal linkage, one copy per translation unit).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace offload_adam {
+
+// Element types of the buffers the kernels read or write; values match kernels.py.
+enum ElemType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
+
+// Everything one Adam step needs. Pointers are borrowed from the caller (torch tensors that
+// Python keeps alive for the duration of the call); the kernel never frees them.
+struct AdamArgs {
+  float* param;          // fp32 master weights, updated in place
+  const void* grad;      // gradient, element type grad_type
+  float* exp_avg;        // fp32 first moment, updated in place
+  float* exp_avg_sq;     // fp32 second moment, updated in place
+  void* param_out16;     // optional 16-bit copy of the updated weights (nullptr: none)
+  int grad_type;         // kF32 | kBF16 | kF16
+  int out_type;          // kBF16 | kF16 | kNone
+  // Scalars, already rounded to fp32 the way torch rounds a Python scalar operand.
+  float grad_scale;      // gradient multiplier (1 skips the multiply)
+  bool apply_scale;
+  float weight_decay;    // L2 coefficient (adamw_mode false)
+  bool l2_decay;
+  float decay_factor;    // 1 - lr * weight_decay (adamw_mode true)
+  bool decoupled_decay;
+  float beta1_weight;    // 1 - beta1, the lerp weight of exp_avg
+  float beta2;
+  float one_minus_beta2;
+  float bias_correction2_sqrt;
+  float eps;
+  float neg_step_size;   // -lr / bias_correction1
+};
+
+struct IsaKernels {
+  const char* name;
+  void (*adam)(const AdamArgs& args, size_t begin, size_t end);
+  // Sum of squares of elements [begin, end) in double, in a fixed order (deterministic).
+  double (*sum_squares)(const void* data, int type, size_t begin, size_t end);
+  // True when any element of [begin, end) is NaN or infinite.
+  bool (*any_nonfinite)(const void* data, int type, size_t begin, size_t end);
+};
+
+const IsaKernels& avx512_kernels();
+const IsaKernels& avx2_kernels();
+const IsaKernels& portable_kernels();
+
+// ---- scalar conversions shared by the portable path and the reductions -------------------
+
+static inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+static inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline float bf16_to_float(uint16_t h) { return bits_float(uint32_t(h) << 16); }
+
+// Round to nearest even, like c10::BFloat16; NaN becomes the canonical quiet NaN 0x7fc0.
+static inline uint16_t float_to_bf16(float f) {
+  uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float f16_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0) {
+    // zero or subnormal: mantissa * 2^-24 is exact in fp32
+    float magnitude = float(mantissa) * (1.0f / 16777216.0f);
+    return bits_float(float_bits(magnitude) | sign);
+  }
+  if (exponent == 31) return bits_float(sign | 0x7f800000u | (mantissa << 13));
+  return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+// IEEE binary16 with round to nearest even (what F16C's vcvtps2ph does with
+// _MM_FROUND_TO_NEAREST_INT): subnormals kept, overflow to infinity, NaN stays NaN (quieted).
+static inline uint16_t float_to_f16(float f) {
+  uint32_t u = float_bits(f);
+  uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  uint32_t x = u & 0x7fffffffu;
+  if (x >= 0x7f800000u) {
+    if (x == 0x7f800000u) return sign | 0x7c00u;
+    return sign | 0x7e00u | uint16_t((x >> 13) & 0x3ffu);
+  }
+  if (x >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to infinity
+  if (x < 0x38800000u) {                         // below 2^-14: half subnormal or zero
+    if (x <= 0x33000000u) return sign;           // <= 2^-25 rounds (ties to even) to zero
+    uint32_t mantissa = (x & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126u - (x >> 23);           // 14 .. 24
+    uint32_t result = mantissa >> shift;
+    uint32_t rest = mantissa & ((1u << shift) - 1u);
+    uint32_t half = 1u << (shift - 1u);
+    if (rest > half || (rest == half && (result & 1u))) ++result;
+    return sign | uint16_t(result);
+  }
+  uint32_t rebased = x - 0x38000000u;            // exponent bias 127 -> 15
+  return sign | uint16_t((rebased + 0xfffu + ((rebased >> 13) & 1u)) >> 13);
+}
+
+// ---- reductions, written once, compiled per instruction set by each variant ------------
+
+// Sum of squares over [begin, end) with 16 double accumulators combined in a fixed order.
+// Squares of fp32 values are exact in double, so the result does not depend on whether the
+// compiler fuses multiply and add; it depends only on the range.
+template <typename Load>
+static inline double sum_squares_generic(Load load, size_t begin, size_t end) {
+  double acc[16] = {0};
+  size_t i = begin;
+  for (; i + 16 <= end; i += 16)
+    for (int j = 0; j < 16; ++j) {
+      double x = load(i + j);
+      acc[j] += x * x;
+    }
+  for (int j = 0; i < end; ++i, ++j) {
+    double x = load(i);
+    acc[j] += x * x;
+  }
+  // pairwise combine: fixed order
+  for (int width = 8; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
+  return acc[0];
+}
+
+static inline double sum_squares_any(const void* data, int type, size_t begin, size_t end) {
+  if (type == kF32) {
+    const float* x = static_cast<const float*>(data);
+    return sum_squares_generic([x](size_t i) { return double(x[i]); }, begin, end);
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(data);
+  if (type == kBF16)
+    return sum_squares_generic([h](size_t i) { return double(bits_float(uint32_t(h[i]) << 16)); }, begin, end);
+  return sum_squares_generic([h](size_t i) { return double(f16_to_float(h[i])); }, begin, end);
+}
+
+template <typename Word>
+static inline bool any_exponent_all_ones(const Word* x, Word exponent_mask, size_t begin, size_t end) {
+  const size_t kBlock = 4096;
+  for (size_t start = begin; start < end; start += kBlock) {
+    size_t stop = start + kBlock < end ? start + kBlock : end;
+    Word found = 0;
+    for (size_t i = start; i < stop; ++i) found |= Word((x[i] & exponent_mask) == exponent_mask);
+    if (found) return true;
+  }
+  return false;
+}
+
+static inline bool any_nonfinite_any(const void* data, int type, size_t begin, size_t end) {
+  if (type == kF32)
+    return any_exponent_all_ones(static_cast<const uint32_t*>(data), uint32_t(0x7f800000u), begin, end);
+  const uint16_t mask = type == kBF16 ? 0x7f80 : 0x7c00;
+  return any_exponent_all_ones(static_cast<const uint16_t*>(data), mask, begin, end);
+}
+
+}  // namespace offload_adam

@@ -1,0 +1,73 @@
+// Portable variant: plain C++ for any x86-64 (and any other CPU). No target pragma.
+// It performs the same fp32 operations in the same order as the vector variants (and as
+// torch.optim.AdamW), with the fused multiply-adds made explicit through __builtin_fmaf, so
+// every variant gives bit-identical results.
+#pragma GCC optimize("fp-contract=off")
+
+#include "adam/adam_kernels.h"
+
+namespace offload_adam {
+namespace {
+
+template <int GradType>
+inline float load_grad(const void* grad, size_t i) {
+  if (GradType == kF32) return static_cast<const float*>(grad)[i];
+  if (GradType == kBF16) return bf16_to_float(static_cast<const uint16_t*>(grad)[i]);
+  return f16_to_float(static_cast<const uint16_t*>(grad)[i]);
+}
+
+template <int GradType, int OutType>
+void adam_range(const AdamArgs& a, size_t begin, size_t end) {
+  const bool lerp_small = __builtin_fabsf(a.beta1_weight) < 0.5f;
+  const float lerp_coeff = lerp_small ? a.beta1_weight : a.beta1_weight - 1.0f;
+  uint16_t* out16 = static_cast<uint16_t*>(a.param_out16);
+  for (size_t i = begin; i < end; ++i) {
+    float g = load_grad<GradType>(a.grad, i);
+    float p = a.param[i];
+    float m = a.exp_avg[i];
+    float v = a.exp_avg_sq[i];
+    if (a.apply_scale) g = g * a.grad_scale;
+    if (a.l2_decay) g = __builtin_fmaf(p, a.weight_decay, g);        // grad.add(param, alpha=wd)
+    if (a.decoupled_decay) p = p * a.decay_factor;                   // param.mul_(1 - lr*wd)
+    m = __builtin_fmaf(lerp_coeff, g - m, lerp_small ? m : g);       // exp_avg.lerp_(grad, 1-beta1)
+    v = v * a.beta2;                                                 // exp_avg_sq.mul_(beta2)
+    v = __builtin_fmaf(a.one_minus_beta2 * g, g, v);                 //   .addcmul_(grad, grad, 1-beta2)
+    float denom = __builtin_sqrtf(v) / a.bias_correction2_sqrt + a.eps;
+    p = p + (a.neg_step_size * m) / denom;                           // addcdiv_(m, denom, -step)
+    a.param[i] = p;
+    a.exp_avg[i] = m;
+    a.exp_avg_sq[i] = v;
+    if (OutType == kBF16) out16[i] = float_to_bf16(p);
+    if (OutType == kF16) out16[i] = float_to_f16(p);
+  }
+}
+
+template <int GradType>
+void adam_out(const AdamArgs& a, size_t begin, size_t end) {
+  if (a.out_type == kBF16) return adam_range<GradType, kBF16>(a, begin, end);
+  if (a.out_type == kF16) return adam_range<GradType, kF16>(a, begin, end);
+  return adam_range<GradType, kNone>(a, begin, end);
+}
+
+void adam(const AdamArgs& a, size_t begin, size_t end) {
+  if (a.grad_type == kBF16) return adam_out<kBF16>(a, begin, end);
+  if (a.grad_type == kF16) return adam_out<kF16>(a, begin, end);
+  return adam_out<kF32>(a, begin, end);
+}
+
+double sum_squares(const void* data, int type, size_t begin, size_t end) {
+  return sum_squares_any(data, type, begin, end);
+}
+
+bool any_nonfinite(const void* data, int type, size_t begin, size_t end) {
+  return any_nonfinite_any(data, type, begin, end);
+}
+
+}  // namespace
+
+const IsaKernels& portable_kernels() {
+  static const IsaKernels table{"portable", adam, sum_squares, any_nonfinite};
+  return table;
+}
+
+}  // namespace offload_adam

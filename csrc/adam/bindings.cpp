@@ -1,0 +1,260 @@
+// Python bindings of offload._adam_ext: run-time ISA dispatch, work splitting over the
+// thread pool, and the GIL released around every kernel. Pointers come from
+// torch.Tensor.data_ptr() and are validated (device, dtype, contiguity, sizes) by
+// offload/optim/kernels.py; this layer checks what it can see (types, null pointers).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "adam/adam_kernels.h"
+#include "adam/thread_pool.h"
+
+namespace py = pybind11;
+using namespace offload_adam;
+
+namespace {
+
+// Below this many elements a call runs on the calling thread: waking workers costs more.
+constexpr size_t kSerialElements = size_t(1) << 15;
+// Reductions split into blocks of this fixed size; partial sums are combined in block
+// order, so the result does not depend on the number of threads.
+constexpr size_t kReduceBlock = size_t(1) << 16;
+// Per-thread ranges of the elementwise kernel start at multiples of this many elements
+// (256 bytes of fp32, 128 of 16-bit): no two threads write the same cache line.
+constexpr size_t kSplitAlign = 64;
+
+int default_thread_count() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// The process-wide pool, created on first use and never destroyed (its workers may be
+// blocked at interpreter exit; the OS reclaims them).
+ThreadPool& pool() {
+  static ThreadPool* instance = new ThreadPool(default_thread_count());
+  return *instance;
+}
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+const IsaKernels* best_kernels() {
+  if (cpu_has_avx512()) return &avx512_kernels();
+  if (cpu_has_avx2()) return &avx2_kernels();
+  return &portable_kernels();
+}
+
+std::atomic<const IsaKernels*> g_kernels{nullptr};  // the variant every call uses
+
+const IsaKernels& kernels() {
+  const IsaKernels* k = g_kernels.load();
+  if (!k) {
+    k = best_kernels();
+    g_kernels.store(k);
+  }
+  return *k;
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names;
+  if (cpu_has_avx512()) names.push_back("avx512");
+  if (cpu_has_avx2()) names.push_back("avx2");
+  names.push_back("portable");
+  return names;
+}
+
+void force_isa(const std::string& name) {
+  if (name.empty()) {
+    g_kernels.store(best_kernels());
+  } else if (name == "avx512") {
+    if (!cpu_has_avx512()) throw std::invalid_argument("force_isa: this CPU lacks AVX-512 (F/BW/VL/DQ)");
+    g_kernels.store(&avx512_kernels());
+  } else if (name == "avx2") {
+    if (!cpu_has_avx2()) throw std::invalid_argument("force_isa: this CPU lacks AVX2/FMA/F16C");
+    g_kernels.store(&avx2_kernels());
+  } else if (name == "portable") {
+    g_kernels.store(&portable_kernels());
+  } else {
+    throw std::invalid_argument("force_isa: unknown instruction set '" + name +
+                                "' (expected 'avx512', 'avx2' or 'portable')");
+  }
+}
+
+void check_type(const char* op, const char* what, int type, bool allow_none) {
+  if (type == kF32 || type == kBF16 || type == kF16 || (allow_none && type == kNone)) return;
+  throw std::invalid_argument(std::string(op) + ": invalid element type code for " + what);
+}
+
+void check_pointer(const char* op, const char* what, uintptr_t ptr) {
+  if (!ptr) throw std::invalid_argument(std::string(op) + ": " + what + " is a null pointer");
+}
+
+// Calls body(begin, end) over [0, n) split into one contiguous range per thread.
+template <typename Body>
+void parallel_ranges(size_t n, const Body& body) {
+  if (n < kSerialElements) {
+    body(size_t(0), n);
+    return;
+  }
+  pool().run([&](int index, int count) {
+    size_t per_thread = (n + size_t(count) - 1) / size_t(count);
+    per_thread = (per_thread + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+    size_t begin = std::min(n, per_thread * size_t(index));
+    size_t end = std::min(n, begin + per_thread);
+    if (begin < end) body(begin, end);
+  });
+}
+
+void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t param_out16,
+               size_t n, int grad_type, int out_type, double grad_scale, double weight_decay, bool l2_decay,
+               double decay_factor, bool decoupled_decay, double beta1_weight, double beta2, double one_minus_beta2,
+               double bias_correction2_sqrt, double eps, double neg_step_size) {
+  const char* op = "adam_step";
+  check_type(op, "grad", grad_type, false);
+  check_type(op, "param_out16", out_type, true);
+  if (out_type == kF32) throw std::invalid_argument("adam_step: param_out16 must be bf16 or fp16");
+  if (n == 0) return;
+  check_pointer(op, "param", param);
+  check_pointer(op, "grad", grad);
+  check_pointer(op, "exp_avg", exp_avg);
+  check_pointer(op, "exp_avg_sq", exp_avg_sq);
+  if (out_type != kNone) check_pointer(op, "param_out16", param_out16);
+  AdamArgs args;
+  args.param = reinterpret_cast<float*>(param);
+  args.grad = reinterpret_cast<const void*>(grad);
+  args.exp_avg = reinterpret_cast<float*>(exp_avg);
+  args.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
+  args.param_out16 = out_type == kNone ? nullptr : reinterpret_cast<void*>(param_out16);
+  args.grad_type = grad_type;
+  args.out_type = out_type;
+  // Each scalar is rounded to fp32 once, as torch rounds a Python scalar operand.
+  args.grad_scale = float(grad_scale);
+  args.apply_scale = grad_scale != 1.0;
+  args.weight_decay = float(weight_decay);
+  args.l2_decay = l2_decay;
+  args.decay_factor = float(decay_factor);
+  args.decoupled_decay = decoupled_decay;
+  args.beta1_weight = float(beta1_weight);
+  args.beta2 = float(beta2);
+  args.one_minus_beta2 = float(one_minus_beta2);
+  args.bias_correction2_sqrt = float(bias_correction2_sqrt);
+  args.eps = float(eps);
+  args.neg_step_size = float(neg_step_size);
+  const IsaKernels& k = kernels();
+  parallel_ranges(n, [&](size_t begin, size_t end) { k.adam(args, begin, end); });
+}
+
+double sq_norm(uintptr_t data, size_t n, int type) {
+  check_type("sq_norm", "tensor", type, false);
+  if (n == 0) return 0.0;
+  check_pointer("sq_norm", "tensor", data);
+  const void* ptr = reinterpret_cast<const void*>(data);
+  const IsaKernels& k = kernels();
+  const size_t blocks = (n + kReduceBlock - 1) / kReduceBlock;
+  std::vector<double> partial(blocks, 0.0);  // one slot per block, written by whichever thread ran it
+  auto run_block = [&](size_t b) {
+    partial[b] = k.sum_squares(ptr, type, b * kReduceBlock, std::min(n, (b + 1) * kReduceBlock));
+  };
+  if (blocks == 1) {
+    run_block(0);
+  } else {
+    std::atomic<size_t> next{0};
+    pool().run([&](int, int) {
+      for (size_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) run_block(b);
+    });
+  }
+  // pairwise combination in a fixed tree over block order
+  for (size_t width = 1; width < blocks; width *= 2)
+    for (size_t b = 0; b + width < blocks; b += 2 * width) partial[b] += partial[b + width];
+  return partial[0];
+}
+
+bool has_nonfinite(uintptr_t data, size_t n, int type) {
+  check_type("has_nonfinite", "tensor", type, false);
+  if (n == 0) return false;
+  check_pointer("has_nonfinite", "tensor", data);
+  const void* ptr = reinterpret_cast<const void*>(data);
+  const IsaKernels& k = kernels();
+  const size_t blocks = (n + kReduceBlock - 1) / kReduceBlock;
+  if (blocks == 1) return k.any_nonfinite(ptr, type, 0, n);
+  std::atomic<bool> found{false};
+  std::atomic<size_t> next{0};
+  pool().run([&](int, int) {
+    for (size_t b = next.fetch_add(1); b < blocks && !found.load(std::memory_order_relaxed); b = next.fetch_add(1))
+      if (k.any_nonfinite(ptr, type, b * kReduceBlock, std::min(n, (b + 1) * kReduceBlock))) found.store(true);
+  });
+  return found.load();
+}
+
+void set_num_threads(int n) {
+  if (n < 1) throw std::invalid_argument("set_num_threads: n must be >= 1, got " + std::to_string(n));
+  pool().resize(n);
+}
+
+// STREAM-style bandwidth kernels for the benchmark (portable C++, auto-vectorized, on the
+// same pool as Adam). triad: a = b + s*c (STREAM counts 24 bytes per element);
+// scale_add: a = a + s*b, in place like Adam's state updates (12 bytes, no write-allocate).
+void stream_triad(uintptr_t a, uintptr_t b, uintptr_t c, size_t n, double scalar) {
+  float* out = reinterpret_cast<float*>(a);
+  const float* x = reinterpret_cast<const float*>(b);
+  const float* y = reinterpret_cast<const float*>(c);
+  const float s = float(scalar);
+  parallel_ranges(n, [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) out[i] = x[i] + s * y[i];
+  });
+}
+
+void stream_scale_add(uintptr_t a, uintptr_t b, size_t n, double scalar) {
+  float* out = reinterpret_cast<float*>(a);
+  const float* x = reinterpret_cast<const float*>(b);
+  const float s = float(scalar);
+  parallel_ranges(n, [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) out[i] = out[i] + s * x[i];
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_adam_ext, m) {
+  m.doc() = "CPU Adam/AdamW kernel, squared norm and non-finite check over raw buffers (offload.optim.kernels wraps it)";
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.attr("F32") = int(kF32);
+  m.attr("BF16") = int(kBF16);
+  m.attr("F16") = int(kF16);
+  m.attr("NONE") = int(kNone);
+  m.def("adam_step", &adam_step, release(), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("param_out16"), py::arg("n"), py::arg("grad_type"), py::arg("out_type"),
+        py::arg("grad_scale"), py::arg("weight_decay"), py::arg("l2_decay"), py::arg("decay_factor"),
+        py::arg("decoupled_decay"), py::arg("beta1_weight"), py::arg("beta2"), py::arg("one_minus_beta2"),
+        py::arg("bias_correction2_sqrt"), py::arg("eps"), py::arg("neg_step_size"));
+  m.def("sq_norm", &sq_norm, release(), py::arg("data"), py::arg("n"), py::arg("type"));
+  m.def("has_nonfinite", &has_nonfinite, release(), py::arg("data"), py::arg("n"), py::arg("type"));
+  m.def("set_num_threads", &set_num_threads, release(), py::arg("n"));
+  m.def("get_num_threads", [] { return pool().num_threads(); }, release());
+  m.def("default_num_threads", &default_thread_count);
+  m.def("active_isa", [] { return std::string(kernels().name); });
+  m.def("available_isas", &available_isas);
+  m.def("force_isa", &force_isa, py::arg("name"));
+  m.def("stream_triad", &stream_triad, release(), py::arg("a"), py::arg("b"), py::arg("c"), py::arg("n"),
+        py::arg("scalar"));
+  m.def("stream_scale_add", &stream_scale_add, release(), py::arg("a"), py::arg("b"), py::arg("n"),
+        py::arg("scalar"));
+}

@@ -1,0 +1,173 @@
+"""offload.CPUAdamW: a drop-in torch.optim.Optimizer on the C++ CPU Adam kernel."""
+from __future__ import annotations
+
+import torch
+
+from offload.errors import OffloadError
+from offload.optim import kernels
+
+__all__ = ["CPUAdamW"]
+
+
+def _as_float(name: str, value) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"CPUAdamW: {name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        return float(value.item())
+    return float(value)
+
+
+class CPUAdamW(torch.optim.Optimizer):
+    """AdamW (or Adam with ``adamw_mode=False``) over fp32 CPU parameters.
+
+    Same hyperparameters, param groups and state layout as torch.optim.AdamW (state keys
+    ``step`` as a float32 scalar tensor, ``exp_avg``, ``exp_avg_sq``), so a state dict saved
+    by either loads into the other and training continues identically. Every step runs the
+    vectorized, multithreaded C++ kernel (offload.optim.kernels.adam_step) and matches
+    torch's single-tensor AdamW bit for bit.
+
+    Parameters must be fp32, dense, contiguous and on the CPU. ``amsgrad`` and ``maximize``
+    are not supported and raise.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        adamw_mode: bool = True,
+        *,
+        bias_correction: bool = True,
+        amsgrad: bool = False,
+        maximize: bool = False,
+    ):
+        lr = _as_float("lr", lr)
+        if not lr >= 0.0:
+            raise ValueError(f"CPUAdamW: invalid lr {lr} (must be >= 0)")
+        if not eps >= 0.0:
+            raise ValueError(f"CPUAdamW: invalid eps {eps} (must be >= 0)")
+        if len(tuple(betas)) != 2:
+            raise ValueError(f"CPUAdamW: betas must be a pair (beta1, beta2), got {betas!r}")
+        beta1, beta2 = (_as_float("betas", b) for b in betas)
+        for index, beta in enumerate((beta1, beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"CPUAdamW: invalid beta at index {index}: {beta} (must be in [0, 1))")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"CPUAdamW: invalid weight_decay {weight_decay} (must be >= 0)")
+        self._check_unsupported(amsgrad, maximize)
+        adamw_mode = bool(adamw_mode)
+        defaults = dict(
+            lr=lr,
+            betas=(beta1, beta2),
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+            bias_correction=bool(bias_correction),
+            amsgrad=False,
+            maximize=False,
+            # torch.optim.Adam/AdamW's group keys, so that a state dict saved here loads there
+            # with the same meaning (torch.optim.Adam reads decoupled_weight_decay).
+            foreach=None,
+            capturable=False,
+            differentiable=False,
+            fused=None,
+            decoupled_weight_decay=adamw_mode,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._check_param(p)
+
+    @staticmethod
+    def _check_unsupported(amsgrad, maximize) -> None:
+        if amsgrad:
+            raise OffloadError("CPUAdamW: amsgrad=True is not supported (use torch.optim.AdamW for AMSGrad)")
+        if maximize:
+            raise OffloadError("CPUAdamW: maximize=True is not supported (negate the loss instead)")
+
+    @staticmethod
+    def _check_param(p: torch.Tensor) -> None:
+        if p.device.type != "cpu":
+            raise OffloadError(f"CPUAdamW: parameters must be on the CPU, got one on {p.device}")
+        if p.layout != torch.strided:
+            raise OffloadError(f"CPUAdamW: parameters must be dense tensors, got layout {p.layout}")
+        if p.dtype != torch.float32:
+            raise TypeError(f"CPUAdamW: parameters must be float32 (fp32 master weights), got {p.dtype}")
+        if not p.is_contiguous():
+            raise OffloadError(f"CPUAdamW: parameters must be contiguous, got one of shape {tuple(p.shape)} "
+                               f"with strides {p.stride()}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        # A group added later (by the user) chooses adamw_mode; keep torch's key consistent.
+        if "adamw_mode" in param_group and "decoupled_weight_decay" not in param_group:
+            param_group["decoupled_weight_decay"] = bool(param_group["adamw_mode"])
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            self._check_param(p)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            # A state dict saved by torch.optim.AdamW has no adamw_mode: AdamW saves
+            # decoupled_weight_decay=True (torch.optim.Adam saves False).
+            if "adamw_mode" not in group:
+                group["adamw_mode"] = bool(group.get("decoupled_weight_decay", self.defaults["adamw_mode"]))
+            group.setdefault("bias_correction", True)
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("fused", None)
+            group["decoupled_weight_decay"] = group["adamw_mode"]
+            for p in group["params"]:
+                p_state = self.state.get(p, {})
+                if p_state and not torch.is_tensor(p_state.get("step")):
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._check_unsupported(group.get("amsgrad", False), group.get("maximize", False))
+            beta1, beta2 = group["betas"]
+            lr = _as_float("lr", group["lr"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse:
+                    raise OffloadError("CPUAdamW: sparse gradients are not supported")
+                self._check_param(p)
+                if grad.shape != p.shape:
+                    raise ValueError(f"CPUAdamW: gradient of shape {tuple(grad.shape)} for a parameter of "
+                                     f"shape {tuple(p.shape)}")
+                if not grad.is_contiguous():
+                    grad = grad.contiguous()
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                step_t = state["step"]
+                step_t += 1
+                kernels.adam_step(
+                    p,
+                    grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    step=step_t.item(),
+                    lr=lr,
+                    beta1=_as_float("betas", beta1),
+                    beta2=_as_float("betas", beta2),
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    adamw_mode=group["adamw_mode"],
+                    bias_correction=group.get("bias_correction", True),
+                )
+        return loss
