@@ -1,0 +1,265 @@
+"""`offload bench-io --path DIR`: swap read/write throughput over block size x queue depth x threads.
+
+Writes then reads a scratch file at DIR with the same engine the swap store uses (O_DIRECT
+where the filesystem allows it), prints a table in GB/s (1e9 bytes/s) and the best `io`
+section to paste in a config; `--json` prints the whole result instead. The scratch file
+is removed on every exit path, Ctrl-C and SIGTERM included.
+
+Note on the engine: a pool of `threads` workers each doing one pread/pwrite at a time, so
+the number of requests in flight is min(threads, queue_depth); combinations with more
+threads than queue depth are skipped (they equal threads == queue_depth).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+
+import torch
+
+from offload.aio import AioEngine, probe_o_direct, round_up
+from offload.memory import HostBufferPool
+
+log = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "afs", "virtiofs",
+              "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "beegfs", "gpfs"}
+MEMORY_FS = {"tmpfs", "ramfs"}
+CHUNK_BYTES = 64 << 20  # one request per 64 MiB of the file; the engine splits each into blocks
+
+
+def parse_size(text: str) -> int:
+    """'4M', '512KiB', '2G', '1048576' -> bytes (binary units)."""
+    s = text.strip().upper()
+    num = s.rstrip("BKMGTI")
+    unit = s[len(num):]
+    if unit not in _UNITS or not num:
+        raise argparse.ArgumentTypeError(f"cannot read size {text!r}; use e.g. 1048576, 512K, 4M, 2G")
+    try:
+        value = float(num) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read size {text!r}; use e.g. 1048576, 512K, 4M, 2G") from None
+    return int(value)
+
+
+def _size_list(text: str) -> list[int]:
+    return [parse_size(x) for x in text.split(",") if x.strip()]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def human(n: int) -> str:
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def filesystem_type(path: str) -> str:
+    """The filesystem type of the mount holding `path` (longest matching mount point), or 'unknown'."""
+    path = os.path.realpath(path)
+    best, fstype = "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, fstype = mnt, parts[2]
+    except OSError:
+        pass
+    return fstype
+
+
+def path_warnings(path: str, direct: bool) -> tuple[str, list[str]]:
+    fstype = filesystem_type(path)
+    warnings = []
+    if fstype in MEMORY_FS:
+        warnings.append(f"{path} is on {fstype} (memory): the numbers measure RAM, not a disk; point --path at "
+                        "the NVMe you will swap to")
+    if fstype in NETWORK_FS or fstype.startswith("fuse"):
+        warnings.append(f"{path} is on {fstype}, a network/FUSE filesystem: swap there will be slow and may not "
+                        "honour O_DIRECT; use a local NVMe")
+    if not direct:
+        warnings.append(f"{path} refuses O_DIRECT: buffered I/O was measured (page cache dropped before reads)")
+    return fstype, warnings
+
+
+class _Terminated(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """Turn SIGTERM into an exception so `finally` blocks (scratch file removal) run."""
+    def handler(signum, frame):
+        raise _Terminated()
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _drop_cache(fd: int) -> None:
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _one_pass(engine: AioEngine, fd: int, buf: torch.Tensor, size: int, op: str, direct: bool) -> float:
+    """Move `size` bytes between buf (reused for every chunk) and the file; returns seconds."""
+    chunk = buf.numel()
+    if not direct and op == "read":
+        _drop_cache(fd)
+    submit = engine.submit_read if op == "read" else engine.submit_write
+    t0 = time.perf_counter()
+    handles = []
+    for off in range(0, size, chunk):
+        n = min(chunk, size - off)
+        handles.append(submit(fd, buf, off, nbytes=n, path="bench scratch file"))
+    for h in handles:
+        h.wait()
+    if not direct and op == "write":
+        os.fsync(fd)  # buffered writes count only once they are on the disk
+    return time.perf_counter() - t0
+
+
+def run_sweep(path: str, size: int, block_sizes: list[int], queue_depths: list[int], threads_list: list[int],
+              *, repeat: int = 1, progress=None, ops=("write", "read")) -> dict:
+    """Measure every (op, block size, queue depth, threads) on a scratch file under `path`."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--path {path} is not an existing directory; create it first")
+    direct = probe_o_direct(path)
+    fstype, warnings = path_warnings(path, direct)
+    size = round_up(max(size, 4096))
+    combos = [(b, q, t) for b in block_sizes for q in queue_depths for t in threads_list if t <= q]
+    if not combos:
+        raise ValueError("no combination with threads <= queue_depth; widen --queue-depths or --threads")
+    scratch = os.path.join(path, f".offload-bench-io-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    rows = []
+    pool = HostBufferPool(None, pin=False, name="bench-io buffer")
+    fd = -1
+    try:
+        buf = pool.alloc(min(size, CHUNK_BYTES), torch.uint8)
+        buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))
+        fd = os.open(scratch, os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o600)
+        os.posix_fallocate(fd, 0, size)
+        with AioEngine(max(block_sizes), max(queue_depths), max(threads_list)) as warm:
+            _one_pass(warm, fd, buf, size, "write", direct)  # turn unwritten extents into written ones
+        total = len(combos) * len(ops) * repeat
+        done = 0
+        for b, q, t in combos:
+            with AioEngine(b, q, t) as engine:
+                for op in ops:
+                    best = 0.0
+                    for _ in range(repeat):
+                        secs = _one_pass(engine, fd, buf, size, op, direct)
+                        best = max(best, size / secs / 1e9)
+                        done += 1
+                    row = {"op": op, "block_size": b, "queue_depth": q, "threads": t, "gbps": round(best, 3)}
+                    rows.append(row)
+                    if progress:
+                        progress(done, total, row)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(scratch)
+        pool.close()
+    best = {op: max((r for r in rows if r["op"] == op), key=lambda r: r["gbps"]) for op in ops}
+    io = _best_io(rows, ops)
+    return {"path": path, "filesystem": fstype, "o_direct": direct, "size": size, "repeat": repeat,
+            "warnings": warnings, "rows": rows, "best": best, "io": io}
+
+
+def _best_io(rows: list[dict], ops) -> dict:
+    """One io section: the combination with the best harmonic mean over the ops measured."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["block_size"], r["queue_depth"], r["threads"]), {})[r["op"]] = r["gbps"]
+    def score(v):
+        vals = [v.get(op, 0.0) for op in ops]
+        return 0.0 if min(vals) <= 0 else len(vals) / sum(1.0 / x for x in vals)
+    (b, q, t), _ = max(by.items(), key=lambda kv: score(kv[1]))
+    return {"block_size": b, "queue_depth": q, "threads": t}
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'op':<6} {'block':>7} {'depth':>6} {'threads':>8} {'GB/s':>8}"]
+    for r in result["rows"]:
+        lines.append(f"{r['op']:<6} {human(r['block_size']):>7} {r['queue_depth']:>6} {r['threads']:>8} "
+                     f"{r['gbps']:>8.2f}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--path", required=True, help="directory on the disk to measure (e.g. the nvme_path)")
+    parser.add_argument("--size", type=parse_size, default=parse_size("2G"),
+                        help="scratch file size (default 2G: several times any drive cache)")
+    parser.add_argument("--block-sizes", type=_size_list, default=_size_list("1M,4M,8M"),
+                        help="comma-separated block sizes (default 1M,4M,8M)")
+    parser.add_argument("--queue-depths", type=_int_list, default=_int_list("8,16,32"),
+                        help="comma-separated queue depths (default 8,16,32)")
+    parser.add_argument("--threads", type=_int_list, default=_int_list("4,8,16"),
+                        help="comma-separated thread counts (default 4,8,16; only those <= the depth run)")
+    parser.add_argument("--repeat", type=int, default=1, help="passes per combination; the best is kept")
+    parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def run(args) -> int:
+    for b in args.block_sizes:
+        if b <= 0 or b % 4096:
+            print(f"offload bench-io: block size {b} must be a positive multiple of 4096", file=sys.stderr)
+            return 2
+
+    def progress(done, total, row):
+        if not args.quiet:
+            print(f"[{done}/{total}] {row['op']:<5} block {human(row['block_size']):>4} depth {row['queue_depth']:>3} "
+                  f"threads {row['threads']:>3}: {row['gbps']:.2f} GB/s", file=sys.stderr, flush=True)
+
+    try:
+        with _sigterm_raises():
+            result = run_sweep(args.path, args.size, args.block_sizes, args.queue_depths, args.threads,
+                               repeat=args.repeat, progress=progress)
+    except (KeyboardInterrupt, _Terminated):
+        print("offload bench-io: interrupted; scratch file removed", file=sys.stderr)
+        return 130
+    except (OSError, ValueError) as e:
+        print(f"offload bench-io: {e}", file=sys.stderr)
+        return 1
+    for w in result["warnings"]:
+        log.warning("%s", w)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{result['path']} ({result['filesystem']}, O_DIRECT {'on' if result['o_direct'] else 'refused'}), "
+          f"{human(result['size'])} scratch file")
+    print(format_table(result))
+    for op, r in result["best"].items():
+        print(f"best {op}: {r['gbps']:.2f} GB/s at block {human(r['block_size'])}, depth {r['queue_depth']}, "
+              f"threads {r['threads']}")
+    print("io section to paste in the config:")
+    print(json.dumps({"io": result["io"]}, indent=2))
+    return 0
