@@ -1,0 +1,86 @@
+import argparse
+import json
+import os
+
+import pytest
+
+from offload.cli import bench_io, main
+
+
+def run_cli(capsys, *argv):
+    rc = main(["bench-io", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+SMALL = ["--size", "1M", "--block-sizes", "64K,256K", "--queue-depths", "2,4", "--threads", "1,2"]
+
+
+def test_json_result_shape_and_cleanup(tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "--path", str(tmp_path), "--json", *SMALL)
+    assert rc == 0
+    res = json.loads(out)
+    # threads <= depth only: (1,2),(2,2),(1,4),(2,4) per block size, x2 ops
+    assert len(res["rows"]) == 2 * 4 * 2
+    for row in res["rows"]:
+        assert set(row) == {"op", "block_size", "queue_depth", "threads", "gbps"}
+        assert row["gbps"] > 0 and row["threads"] <= row["queue_depth"]
+    for op in ("read", "write"):
+        best = res["best"][op]
+        assert best["op"] == op
+        assert best["gbps"] == max(r["gbps"] for r in res["rows"] if r["op"] == op)
+    assert set(res["io"]) == {"block_size", "queue_depth", "threads"}
+    assert res["size"] == 1 << 20
+    assert "[16/16]" in err  # progress on stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_table_and_pasteable_io_section(tmp_path, capsys):
+    rc, out, _ = run_cli(capsys, "--path", str(tmp_path), "--quiet", "--size", "256K", "--block-sizes", "64K",
+                         "--queue-depths", "2", "--threads", "2")
+    assert rc == 0
+    assert "GB/s" in out and "write" in out and "read" in out
+    section = json.loads(out[out.index("{"):])
+    assert section == {"io": {"block_size": 65536, "queue_depth": 2, "threads": 2}}
+    assert os.listdir(tmp_path) == []
+
+
+def test_interrupt_removes_scratch(tmp_path, monkeypatch):
+    seen = []
+
+    def progress(done, total, row):
+        seen.extend(os.listdir(tmp_path))
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bench_io.run_sweep(str(tmp_path), 1 << 20, [65536], [2], [2], progress=progress)
+    assert any(name.startswith(".offload-bench-io-") for name in seen)  # it existed mid-run
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_path_is_clear(tmp_path, capsys):
+    rc, _, err = run_cli(capsys, "--path", str(tmp_path / "nope"), *SMALL)
+    assert rc == 1 and "not an existing directory" in err
+
+
+def test_tmpfs_warning(caplog):
+    if bench_io.filesystem_type("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not tmpfs here")
+    _, warnings = bench_io.path_warnings("/dev/shm", True)
+    assert any("tmpfs" in w and "RAM" in w for w in warnings)
+    _, warnings = bench_io.path_warnings("/dev/shm", False)
+    assert any("refuses O_DIRECT" in w for w in warnings)
+
+
+def test_parse_size():
+    assert bench_io.parse_size("4M") == 4 << 20
+    assert bench_io.parse_size("512KiB") == 512 << 10
+    assert bench_io.parse_size("2G") == 2 << 30
+    assert bench_io.parse_size("1048576") == 1 << 20
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench_io.parse_size("lots")
+
+
+def test_bad_block_size_rejected(tmp_path, capsys):
+    rc, _, err = run_cli(capsys, "--path", str(tmp_path), "--block-sizes", "1000", "--size", "64K")
+    assert rc == 2 and "multiple of 4096" in err
