@@ -1,0 +1,576 @@
+"""DeepSpeed / accelerate config translation: real-world-shaped configs load to the expected Config,
+keys with no meaning here are all named in one message, values that cannot be honoured are errors."""
+import copy
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from offload import deepspeed_config
+from offload.config import (
+    Config,
+    IOConfig,
+    LossScaleConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    load_config,
+)
+from offload.deepspeed_config import load_accelerate_config, translate
+from offload.errors import ConfigError
+
+DATA = Path(__file__).parent / "data" / "deepspeed"
+
+
+@pytest.fixture(autouse=True)
+def _single_process_cpu(monkeypatch):
+    """Deterministic environment: world size 1 and a machine without CUDA (bf16 runs on the CPU)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(deepspeed_config, "_bf16_supported", lambda: True)
+    monkeypatch.setattr(deepspeed_config, "_cuda_available", lambda: False)
+
+
+def listed_keys(message: str) -> set[str]:
+    """The keys named in the one 'no meaning' message (lines '  - key, key: why')."""
+    keys = set()
+    for line in message.splitlines():
+        match = re.match(r"\s+- (.+?): ", line)
+        if match:
+            keys.update(k.strip() for k in match.group(1).split(","))
+    return keys
+
+
+TUNING3 = {
+    "zero_optimization.stage3_max_live_parameters",
+    "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.sub_group_size",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+}
+
+CASES = {
+    "hf_ds_config_zero2.json": (
+        Config(
+            precision="bf16",
+            optimizer=OptimizerConfig(type="adamw"),
+            gradient_accumulation_steps=1,
+            gradient_clipping=0.0,
+            offload=OffloadConfig(param="none", optimizer="cpu", pin_memory=True),
+        ),
+        {
+            "scheduler", "steps_per_print", "wall_clock_breakdown",
+            "zero_optimization.allgather_partitions", "zero_optimization.allgather_bucket_size",
+            "zero_optimization.overlap_comm", "zero_optimization.reduce_scatter",
+            "zero_optimization.reduce_bucket_size", "zero_optimization.contiguous_gradients",
+        },
+    ),
+    "hf_ds_config_zero3.json": (
+        Config(
+            precision="bf16",
+            gradient_accumulation_steps=1,
+            gradient_clipping=0.0,
+            offload=OffloadConfig(param="cpu", optimizer="cpu", pin_memory=True),
+        ),
+        {
+            "scheduler", "steps_per_print", "wall_clock_breakdown",
+            "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
+            "zero_optimization.reduce_bucket_size",
+        } | TUNING3,
+    ),
+    "zero_infinity_nvme_aio_thread_count.json": (
+        Config(
+            precision="bf16",
+            optimizer=OptimizerConfig(type="adamw", lr=3e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+            gradient_accumulation_steps=8,  # derived: 32 / (4 * world 1)
+            gradient_clipping=1.0,
+            offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path="/local_nvme", pin_memory=True, buffer_count=5),
+            io=IOConfig(block_size=1048576, queue_depth=16, threads=2),
+        ),
+        {
+            "steps_per_print", "wall_clock_breakdown",
+            "zero_optimization.offload_param.buffer_size", "zero_optimization.offload_param.max_in_cpu",
+            "zero_optimization.offload_optimizer.fast_init", "aio.single_submit", "aio.overlap_events",
+        } | TUNING3,
+    ),
+    "zero_infinity_nvme_aio_intra_op.json": (
+        Config(
+            precision="bf16",
+            optimizer=OptimizerConfig(type="adamw", lr=2e-5, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01),
+            gradient_accumulation_steps=4,
+            offload=OffloadConfig(param="cpu", optimizer="nvme", nvme_path="/mnt/nvme0/offload", pin_memory=True, buffer_count=4),
+            io=IOConfig(block_size=262144, queue_depth=32, threads=8),
+        ),
+        {
+            "steps_per_print", "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
+            "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_prefetch_bucket_size",
+            "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write",
+            "aio.single_submit", "aio.overlap_events", "aio.use_gds",
+        },
+    ),
+    "stage2_cpu_offload.json": (
+        Config(
+            precision="bf16",
+            # type Adam with adam_w_mode false: L2 weight decay, i.e. offload's "adam".
+            optimizer=OptimizerConfig(type="adam", lr=1e-4, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01),
+            gradient_accumulation_steps=2,
+            gradient_clipping=0.5,
+            offload=OffloadConfig(param="none", optimizer="cpu", pin_memory=False),
+        ),
+        set(),
+    ),
+    "fp16_loss_scale.json": (
+        Config(
+            precision="fp16",
+            optimizer=OptimizerConfig(type="adamw", lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+            gradient_accumulation_steps=4,
+            gradient_clipping=1.0,
+            offload=OffloadConfig(param="none", optimizer="cpu", pin_memory=True),
+            loss_scale=LossScaleConfig(initial=4096.0, growth_interval=500, min_scale=2.0),
+        ),
+        {
+            "zero_allow_untested_optimizer", "zero_optimization.contiguous_gradients", "zero_optimization.overlap_comm",
+            "fp16.auto_cast", "fp16.hysteresis", "fp16.consecutive_hysteresis",
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_real_config_loads_to_expected_config(name, caplog):
+    expected, no_meaning = CASES[name]
+    with caplog.at_level(logging.WARNING, logger="offload.deepspeed_config"):
+        config = load_config(DATA / name, strict=False)
+    assert config == expected
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    if no_meaning:
+        assert len(warned) == 1, "all keys with no meaning belong in ONE warning"
+        assert listed_keys(warned[0].getMessage()) == no_meaning
+    else:
+        assert warned == []
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (_, keys) in CASES.items() if keys))
+def test_strict_names_every_key_with_no_meaning_in_one_error(name):
+    _, no_meaning = CASES[name]
+    with pytest.raises(ConfigError) as error:
+        load_config(DATA / name)
+    message = str(error.value)
+    assert listed_keys(message) == no_meaning
+    assert f"{len(no_meaning)} keys with no meaning" in message
+    assert "strict=False" in message
+
+
+def test_clean_config_loads_strictly_and_translate_returns_a_dict():
+    mapping = json.loads((DATA / "stage2_cpu_offload.json").read_text())
+    before = copy.deepcopy(mapping)
+    out = translate(mapping)
+    assert isinstance(out, dict) and "zero_optimization" not in out
+    assert mapping == before, "translate must not modify its input"
+    assert load_config(out) == CASES["stage2_cpu_offload.json"][0]
+    assert load_config(mapping) == CASES["stage2_cpu_offload.json"][0]
+
+
+def test_reasons_are_given_in_the_message():
+    with pytest.raises(ConfigError, match="sizes every buffer per unit"):
+        load_config(DATA / "hf_ds_config_zero3.json")
+    with pytest.raises(ConfigError, match="learning rate from your training loop"):
+        load_config(DATA / "hf_ds_config_zero2.json")
+
+
+def test_hf_auto_precision_on_a_gpu_without_bf16_gives_fp16(monkeypatch):
+    monkeypatch.setattr(deepspeed_config, "_bf16_supported", lambda: False)
+    monkeypatch.setattr(deepspeed_config, "_cuda_available", lambda: True)
+    config = load_config(DATA / "hf_ds_config_zero2.json", strict=False)
+    expected = CASES["hf_ds_config_zero2.json"][0]
+    expected.precision = "fp16"
+    assert config == expected
+    # The fp16 section is now live: its hysteresis has no counterpart and is listed.
+    with pytest.raises(ConfigError) as error:
+        load_config(DATA / "hf_ds_config_zero2.json")
+    assert "fp16.hysteresis" in listed_keys(str(error.value))
+
+
+def test_auto_precision_without_bf16_or_gpu_is_fp32(monkeypatch):
+    monkeypatch.setattr(deepspeed_config, "_bf16_supported", lambda: False)
+    cfg = {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    assert load_config(cfg).precision == "fp32"
+
+
+def test_auto_values_are_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="offload.deepspeed_config"):
+        load_config(DATA / "hf_ds_config_zero3.json", strict=False)
+    text = caplog.text
+    assert "gradient_clipping 'auto' resolved to 0" in text
+    assert "gradient_accumulation_steps 'auto' resolved to 1" in text
+    assert "optimizer.params.lr 'auto' resolved to offload's default 0.0001" in text
+    assert "bf16.enabled 'auto' resolved to true" in text
+
+
+# -- optimizer ---------------------------------------------------------------------------
+
+
+def ds(**top):
+    """A minimal DeepSpeed config (recognised by its zero_optimization section)."""
+    return {"zero_optimization": {"stage": 2}, **top}
+
+
+@pytest.mark.parametrize(
+    "kind, params, expected",
+    [
+        ("Adam", {}, "adamw"),  # DeepSpeed's default adam_w_mode is true
+        ("adam", {"adam_w_mode": True}, "adamw"),
+        ("Adam", {"adam_w_mode": False}, "adam"),
+        ("AdamW", {}, "adamw"),
+        ("adamw", {}, "adamw"),
+        ("CPUAdam", {}, "adamw"),
+        ("DeepSpeedCPUAdam", {"adam_w_mode": False}, "adam"),
+        ("FusedAdam", {}, "adamw"),
+    ],
+)
+def test_optimizer_type_and_adam_w_mode(kind, params, expected):
+    config = load_config(ds(optimizer={"type": kind, "params": {"lr": 0.01, **params}}))
+    assert config.optimizer == OptimizerConfig(type=expected, lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
+def test_absent_optimizer_params_take_deepspeed_defaults():
+    config = load_config(ds(optimizer={"type": "AdamW"}))
+    assert config.optimizer == OptimizerConfig(type="adamw", lr=1e-3)
+
+
+def test_adamw_with_adam_w_mode_false_stays_adamw_and_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="offload.deepspeed_config"):
+        config = load_config(ds(optimizer={"type": "AdamW", "params": {"adam_w_mode": False}}))
+    assert config.optimizer.type == "adamw"
+    assert "adam_w_mode false has no effect" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["Lamb", "OneBitAdam", "SGD", "Lion"])
+def test_other_optimizer_types_are_errors_naming_the_type(kind):
+    with pytest.raises(ConfigError, match=rf"optimizer\.type.*'{kind}'"):
+        load_config(ds(optimizer={"type": kind, "params": {}}), strict=False)
+
+
+def test_optimizer_errors():
+    with pytest.raises(ConfigError, match="amsgrad"):
+        load_config(ds(optimizer={"type": "Adam", "params": {"amsgrad": True}}), strict=False)
+    with pytest.raises(ConfigError, match="max_grad_norm.*gradient_clipping"):
+        load_config(ds(optimizer={"type": "Adam", "params": {"max_grad_norm": 1.0}}), strict=False)
+    with pytest.raises(ConfigError, match="optimizer.params"):
+        load_config(ds(optimizer={"type": "AdamW", "lr": 1e-3}))
+    with pytest.raises(ConfigError, match=r"must be >= 0.*DeepSpeed key 'optimizer\.params\.lr'"):
+        load_config(ds(optimizer={"type": "AdamW", "params": {"lr": -1.0}}))
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.betas"):
+        load_config(ds(optimizer={"type": "AdamW", "params": {"betas": [0.9, 1.5]}}))
+    # torch_adam false is what offload does anyway; true is listed.
+    assert load_config(ds(optimizer={"type": "Adam", "params": {"torch_adam": False}})).optimizer.type == "adamw"
+    with pytest.raises(ConfigError) as error:
+        load_config(ds(optimizer={"type": "Adam", "params": {"torch_adam": True}}))
+    assert listed_keys(str(error.value)) == {"optimizer.params.torch_adam"}
+
+
+# -- zero_optimization -------------------------------------------------------------------
+
+
+def test_stage_rules():
+    assert load_config({"zero_optimization": {"stage": 3}}).offload == OffloadConfig(param="none", optimizer="cpu")
+    assert load_config({"zero_optimization": {"stage": 0}}).offload == OffloadConfig(param="none", optimizer="cpu")
+    with pytest.raises(ConfigError, match="stage 0 cannot offload"):
+        load_config({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, strict=False)
+    with pytest.raises(ConfigError, match=r"offload_param.*needs zero_optimization.stage 3"):
+        load_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, strict=False)
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stage.*0, 1, 2 or 3"):
+        load_config({"zero_optimization": {"stage": 4}})
+    with pytest.raises(ConfigError, match=r"offload_param\.device.*'gpu'"):
+        load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}})
+
+
+def test_device_none_section_is_ignored_like_deepspeed(caplog):
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "none", "pin_memory": False, "buffer_size": 1e8},
+                                 "offload_optimizer": {"device": "none"}}}
+    with caplog.at_level(logging.INFO, logger="offload.deepspeed_config"):
+        config = load_config(cfg)
+    assert config.offload == OffloadConfig(param="none", optimizer="cpu", pin_memory=True)
+    assert "buffer_size, pin_memory are ignored" in caplog.text
+    assert "offload always keeps the optimizer on the host" in caplog.text
+
+
+def test_nvme_paths_must_agree():
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/a"},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/b"}}
+    with pytest.raises(ConfigError) as error:
+        load_config({"zero_optimization": zero}, strict=False)
+    message = str(error.value)
+    assert "zero_optimization.offload_param.nvme_path" in message
+    assert "zero_optimization.offload_optimizer.nvme_path" in message
+    assert "same path" in message
+    zero["offload_optimizer"]["nvme_path"] = "/a/"
+    assert load_config({"zero_optimization": zero}).offload == OffloadConfig(param="nvme", optimizer="nvme", nvme_path="/a")
+
+
+def test_nvme_device_needs_a_path():
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path.*needs a directory"):
+        load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
+
+
+def test_nvme_path_of_a_cpu_section_is_not_used():
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/a"},
+            "offload_optimizer": {"device": "cpu", "nvme_path": "/b"}}
+    assert load_config({"zero_optimization": zero}).offload == OffloadConfig(param="nvme", optimizer="cpu", nvme_path="/a")
+
+
+def test_pin_memory_must_agree():
+    zero = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    with pytest.raises(ConfigError, match="one pin_memory switch"):
+        load_config({"zero_optimization": zero})
+
+
+def test_buffer_count(caplog):
+    zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/n", "buffer_count": 1}}
+    with caplog.at_level(logging.WARNING, logger="offload.deepspeed_config"):
+        assert load_config({"zero_optimization": zero}).offload.buffer_count == 2
+    assert "below offload's minimum of 2" in caplog.text
+    zero["offload_optimizer"]["buffer_count"] = 6
+    assert load_config({"zero_optimization": zero}).offload.buffer_count == 6
+
+
+def test_legacy_cpu_offload_spelling():
+    config = load_config({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_params": True,
+                                                "cpu_offload_use_pin_memory": False}})
+    assert config.offload == OffloadConfig(param="cpu", optimizer="cpu", pin_memory=False)
+
+
+# -- aio ---------------------------------------------------------------------------------
+
+
+def test_aio_old_and_new_thread_spelling():
+    old = load_config({"aio": {"block_size": 8192, "queue_depth": 4, "thread_count": 3}})
+    new = load_config({"aio": {"block_size": 8192, "queue_depth": 4, "intra_op_parallelism": 3}})
+    assert old.io == new.io == IOConfig(block_size=8192, queue_depth=4, threads=3)
+    assert load_config({"aio": {"thread_count": 3, "intra_op_parallelism": 3}}).io.threads == 3
+    with pytest.raises(ConfigError, match="keep one of them"):
+        load_config({"aio": {"thread_count": 2, "intra_op_parallelism": 3}})
+
+
+def test_use_gds_true_is_an_error_even_when_not_strict():
+    with pytest.raises(ConfigError, match=r"aio\.use_gds.*GPUDirect"):
+        load_config({"aio": {"use_gds": True}}, strict=False)
+
+
+def test_validation_errors_name_the_deepspeed_key():
+    with pytest.raises(ConfigError, match=r"io\.block_size.*multiple of 4096.*'aio\.block_size'"):
+        load_config({"aio": {"block_size": 1000}})
+    with pytest.raises(ConfigError, match=r"'aio\.queue_depth'"):
+        load_config({"aio": {"queue_depth": 0}})
+    with pytest.raises(ConfigError, match=r"aio\.block_size.*expected a number"):
+        load_config({"aio": {"block_size": "big"}})
+    with pytest.raises(ConfigError, match=r"aio\.queue_depth.*'auto' cannot be resolved"):
+        load_config({"aio": {"queue_depth": "auto"}})
+
+
+# -- precision ---------------------------------------------------------------------------
+
+
+def test_precision_rules():
+    assert load_config({"bf16": {"enabled": True}}).precision == "bf16"
+    # (is_deepspeed_config does not know the legacy "bfloat16" marker, so translate directly.)
+    assert translate({"bfloat16": {"enabled": True}})["precision"] == "bf16"
+    assert load_config({"fp16": {"enabled": True}}).precision == "fp16"
+    assert load_config({"fp16": {"enabled": False}, "bf16": {"enabled": False}}).precision == "fp32"
+    assert load_config({"zero_optimization": {"stage": 2}}).precision == "fp32"
+    with pytest.raises(ConfigError, match="both true"):
+        load_config({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, strict=False)
+    with pytest.raises(ConfigError, match=r"bf16\.enabled.*true or false"):
+        load_config({"bf16": {"enabled": "yes"}})
+
+
+def test_static_loss_scale_is_an_error_even_when_not_strict():
+    with pytest.raises(ConfigError, match=r"fp16\.loss_scale.*static loss scaling"):
+        load_config({"fp16": {"enabled": True, "loss_scale": 128}}, strict=False)
+    # In a disabled section DeepSpeed ignores it, and so does offload.
+    assert load_config({"fp16": {"enabled": False, "loss_scale": 128, "hysteresis": 2}}).precision == "fp32"
+
+
+def test_fp16_defaults_match_deepspeed():
+    config = load_config({"fp16": {"enabled": True, "loss_scale": 0}})
+    assert config.loss_scale == LossScaleConfig(initial=2.0**16, growth_interval=1000, min_scale=1.0)
+
+
+# -- steps and batch sizes ---------------------------------------------------------------
+
+
+def test_batch_size_consistency(monkeypatch):
+    with pytest.raises(ConfigError, match="train_batch_size 30 != train_micro_batch_size_per_gpu 4"):
+        load_config({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8})
+    with pytest.raises(ConfigError, match="not a multiple"):
+        load_config({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4})
+    assert load_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}).gradient_accumulation_steps == 8
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert load_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}).gradient_accumulation_steps == 4
+    assert load_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                        "gradient_accumulation_steps": 4}).gradient_accumulation_steps == 4
+    with pytest.raises(ConfigError, match="world size 2"):
+        load_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8})
+    # "auto" batch sizes are not checked.
+    assert load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
+                        "gradient_accumulation_steps": 3}).gradient_accumulation_steps == 3
+
+
+def test_gradient_clipping_and_accumulation_map_directly():
+    config = load_config({"bf16": {"enabled": True}, "gradient_clipping": 2.5, "gradient_accumulation_steps": 16})
+    assert (config.gradient_clipping, config.gradient_accumulation_steps) == (2.5, 16)
+    with pytest.raises(ConfigError, match=r"'gradient_clipping'.*must be >= 0"):
+        load_config({"bf16": {"enabled": True}, "gradient_clipping": -1})
+
+
+# -- unknown keys and mixing -------------------------------------------------------------
+
+
+def test_all_unknown_keys_are_named_with_suggestions():
+    cfg = {
+        "bf16": {"enabled": True},
+        "zero_optimisation": {"stage": 3},
+        "gradient_clippin": 1.0,
+        "aio": {"queue_dept": 8},
+        "flops_profiler": {"enabled": False},
+    }
+    with pytest.raises(ConfigError) as error:
+        load_config(cfg)
+    message = str(error.value)
+    assert listed_keys(message) == {"zero_optimisation", "gradient_clippin", "aio.queue_dept", "flops_profiler"}
+    assert "did you mean 'zero_optimization'?" in message
+    assert "did you mean 'gradient_clipping'?" in message
+    assert "did you mean 'queue_depth'?" in message
+
+
+def test_offload_keys_in_a_deepspeed_config_are_an_error():
+    with pytest.raises(ConfigError, match=r"'offload', 'precision'.*don't mix"):
+        load_config({"bf16": {"enabled": True}, "precision": "bf16", "offload": {"param": "cpu"}}, strict=False)
+
+
+def test_not_strict_warns_once_and_loads(caplog):
+    cfg = {"bf16": {"enabled": True}, "steps_per_print": 10, "zero_optimization": {"stage": 2, "overlap_comm": True}}
+    with caplog.at_level(logging.WARNING, logger="offload.deepspeed_config"):
+        config = load_config(cfg, strict=False)
+    assert config == Config(precision="bf16")
+    [record] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert listed_keys(record.getMessage()) == {"steps_per_print", "zero_optimization.overlap_comm"}
+
+
+# -- accelerate --------------------------------------------------------------------------
+
+
+ACCELERATE_WITH_FILE = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+deepspeed_config:
+  deepspeed_config_file: {file}
+  zero3_init_flag: true
+distributed_type: DEEPSPEED
+downcast_bf16: 'no'
+machine_rank: 0
+main_training_function: main
+mixed_precision: {mixed}
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+ACCELERATE_INLINE = """\
+compute_environment: LOCAL_MACHINE
+deepspeed_config:
+  deepspeed_multinode_launcher: standard
+  gradient_accumulation_steps: 4
+  gradient_clipping: 1.0
+  offload_optimizer_device: nvme
+  offload_optimizer_nvme_path: /nvme
+  offload_param_device: cpu
+  zero3_init_flag: false
+  zero_stage: 3
+distributed_type: DEEPSPEED
+machine_rank: 0
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+"""
+
+
+def test_accelerate_yaml_pointing_at_a_deepspeed_json(tmp_path):
+    (tmp_path / "ds.json").write_text((DATA / "stage2_cpu_offload.json").read_text())
+    yaml_path = tmp_path / "accelerate.yaml"
+    yaml_path.write_text(ACCELERATE_WITH_FILE.format(file="ds.json", mixed="bf16"))
+    with pytest.raises(ConfigError) as error:
+        load_accelerate_config(yaml_path)
+    assert listed_keys(str(error.value)) == {"deepspeed_config.zero3_init_flag"}
+    assert load_accelerate_config(yaml_path, strict=False) == CASES["stage2_cpu_offload.json"][0]
+
+
+def test_accelerate_mixed_precision_resolves_auto_in_the_json(tmp_path):
+    yaml_path = tmp_path / "accelerate.yaml"
+    yaml_path.write_text(ACCELERATE_WITH_FILE.format(file=DATA / "hf_ds_config_zero3.json", mixed="fp16"))
+    config = load_accelerate_config(yaml_path, strict=False)
+    expected = CASES["hf_ds_config_zero3.json"][0]
+    expected.precision = "fp16"
+    assert config == expected
+    yaml_path.write_text(ACCELERATE_WITH_FILE.format(file=DATA / "hf_ds_config_zero3.json", mixed="'no'"))
+    assert load_accelerate_config(yaml_path, strict=False).precision == "fp32"
+    # An explicit setting in the JSON that contradicts mixed_precision is an error.
+    yaml_path.write_text(ACCELERATE_WITH_FILE.format(file=DATA / "fp16_loss_scale.json", mixed="bf16"))
+    with pytest.raises(ConfigError, match="contradicts 'fp16.enabled'"):
+        load_accelerate_config(yaml_path, strict=False)
+
+
+def test_accelerate_inline_config(tmp_path):
+    yaml_path = tmp_path / "accelerate.yaml"
+    yaml_path.write_text(ACCELERATE_INLINE)
+    expected = Config(
+        precision="bf16",
+        gradient_accumulation_steps=4,
+        gradient_clipping=1.0,
+        offload=OffloadConfig(param="cpu", optimizer="nvme", nvme_path="/nvme"),
+    )
+    assert load_accelerate_config(yaml_path, strict=False) == expected
+    with pytest.raises(ConfigError) as error:
+        load_accelerate_config(yaml_path)
+    assert listed_keys(str(error.value)) == {"deepspeed_config.zero3_init_flag"}
+
+
+def test_accelerate_inline_errors_name_accelerate_keys(tmp_path):
+    yaml_path = tmp_path / "accelerate.yaml"
+    yaml_path.write_text("deepspeed_config:\n  zero_stage: 3\n  offload_param_device: gpu\ndistributed_type: DEEPSPEED\n")
+    with pytest.raises(ConfigError, match=r"'deepspeed_config\.offload_param_device'.*'gpu'"):
+        load_accelerate_config(yaml_path)
+    yaml_path.write_text("deepspeed_config:\n  zero_stage: 2\n  gradient_accumulation_steps: 0\n")
+    with pytest.raises(ConfigError, match=r"'deepspeed_config\.gradient_accumulation_steps'"):
+        load_accelerate_config(yaml_path)
+    yaml_path.write_text("deepspeed_config:\n  zero_stag: 2\n")
+    with pytest.raises(ConfigError, match="did you mean 'zero_stage'"):
+        load_accelerate_config(yaml_path)
+
+
+def test_accelerate_config_errors(tmp_path):
+    yaml_path = tmp_path / "accelerate.yaml"
+    yaml_path.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
+    with pytest.raises(ConfigError, match="distributed_type 'MULTI_GPU'"):
+        load_accelerate_config(yaml_path)
+    yaml_path.write_text("distributed_type: DEEPSPEED\n")
+    with pytest.raises(ConfigError, match="no 'deepspeed_config'"):
+        load_accelerate_config(yaml_path)
+    yaml_path.write_text(f"deepspeed_config:\n  deepspeed_config_file: {DATA / 'stage2_cpu_offload.json'}\n  zero_stage: 3\n")
+    with pytest.raises(ConfigError, match=r"deepspeed_config\.zero_stage.*set them in the DeepSpeed JSON"):
+        load_accelerate_config(yaml_path)
+    yaml_path.write_text("deepspeed_config:\n  deepspeed_config_file: missing.json\n")
+    with pytest.raises(ConfigError, match="missing.json' not found"):
+        load_accelerate_config(yaml_path)
+    yaml_path.write_text("deepspeed_config:\n  zero_stage: 2\nmixed_precision: fp8\n")
+    with pytest.raises(ConfigError, match="'fp8' is not one of"):
+        load_accelerate_config(yaml_path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_accelerate_config(tmp_path / "nope.yaml")
