@@ -1,0 +1,274 @@
+"""offload.config: loading, validation and documentation of offload's own config schema."""
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload import config as config_module
+from offload.config import (
+    Config,
+    IOConfig,
+    LossScaleConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    PrefetchConfig,
+    WrapConfig,
+    field_docs,
+    is_deepspeed_config,
+    load_config,
+)
+from offload.errors import ConfigError
+
+
+def test_defaults():
+    assert load_config() == Config()
+    assert load_config({}) == Config()
+    assert Config().precision == "bf16" and Config().offload.optimizer == "cpu"
+
+
+@pytest.mark.parametrize(
+    "mapping, key, nearest",
+    [
+        ({"precison": "bf16"}, "precison", "precision"),
+        ({"gradient_acumulation_steps": 2}, "gradient_acumulation_steps", "gradient_accumulation_steps"),
+        ({"offload": {"parm": "cpu"}}, "offload.parm", "param"),
+        ({"io": {"thread": 2}}, "io.thread", "threads"),
+        ({"optimizer": {"zz": 1e-3}}, "optimizer.zz", None),
+    ],
+)
+def test_unknown_key_names_the_key_and_the_nearest_valid_one(mapping, key, nearest):
+    with pytest.raises(ConfigError) as error:
+        load_config(mapping)
+    message = str(error.value)
+    assert f"unknown config key '{key}'" in message
+    if nearest:
+        assert f"did you mean '{nearest}'?" in message
+    else:
+        assert "valid keys here:" in message and "lr" in message
+
+
+@pytest.mark.parametrize(
+    "mapping, key, expected",
+    [
+        ({"precision": 16}, "precision", "expected a string"),
+        ({"gradient_accumulation_steps": "2"}, "gradient_accumulation_steps", "expected an integer"),
+        ({"gradient_accumulation_steps": True}, "gradient_accumulation_steps", "expected an integer"),
+        ({"gradient_accumulation_steps": 2.5}, "gradient_accumulation_steps", "expected an integer"),
+        ({"gradient_clipping": "1.0"}, "gradient_clipping", "expected a number"),
+        ({"offload": {"pin_memory": 1}}, "offload.pin_memory", "expected true or false"),
+        ({"offload": "cpu"}, "offload", "expected an object"),
+        ({"optimizer": {"betas": [0.9]}}, "optimizer.betas", "expected a list of 2"),
+        ({"optimizer": {"betas": [0.9, "x"]}}, "optimizer.betas[1]", "expected a number"),
+        ({"wrap": {"module_classes": "Block"}}, "wrap.module_classes", "expected a list"),
+        ({"wrap": {"module_classes": [1]}}, "wrap.module_classes[0]", "expected a string"),
+        ({"offload": {"nvme_path": 5}}, "offload.nvme_path", "matches none of the accepted types"),
+        ({"seed": "1"}, "seed", "matches none of the accepted types"),
+    ],
+)
+def test_wrong_types_name_the_key(mapping, key, expected):
+    with pytest.raises(ConfigError) as error:
+        load_config(mapping)
+    assert f"'{key}'" in str(error.value)
+    assert expected in str(error.value)
+
+
+def test_accepted_conversions():
+    config = load_config({"gradient_accumulation_steps": 2.0, "gradient_clipping": 1, "optimizer": {"betas": [0.8, 0.9]},
+                          "offload": {"nvme_path": ["/a", "/b"]}, "seed": 7})
+    assert config.gradient_accumulation_steps == 2 and isinstance(config.gradient_accumulation_steps, int)
+    assert config.gradient_clipping == 1.0 and isinstance(config.gradient_clipping, float)
+    assert config.optimizer.betas == (0.8, 0.9)
+    assert config.offload.nvme_path == ["/a", "/b"]
+    assert config.seed == 7
+    assert load_config({"seed": None}).seed is None
+
+
+@pytest.mark.parametrize(
+    "mapping, key",
+    [
+        ({"optimizer": {"lr": -1.0}}, "optimizer.lr"),
+        ({"optimizer": {"betas": [1.0, 0.999]}}, "optimizer.betas[0]"),
+        ({"optimizer": {"betas": [0.9, -0.1]}}, "optimizer.betas[1]"),
+        ({"optimizer": {"eps": 0.0}}, "optimizer.eps"),
+        ({"optimizer": {"weight_decay": -0.1}}, "optimizer.weight_decay"),
+        ({"optimizer": {"threads": -1}}, "optimizer.threads"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+        ({"gradient_clipping": -0.5}, "gradient_clipping"),
+        ({"gradient_clipping": float("nan")}, "gradient_clipping"),
+        ({"prefetch": {"depth": -1}}, "prefetch.depth"),
+        ({"offload": {"buffer_count": 1}}, "offload.buffer_count"),
+        ({"offload": {"nvme_path": []}}, "offload.nvme_path"),
+        ({"io": {"block_size": 1000}}, "io.block_size"),
+        ({"io": {"block_size": 0}}, "io.block_size"),
+        ({"io": {"queue_depth": 0}}, "io.queue_depth"),
+        ({"io": {"threads": 0}}, "io.threads"),
+        ({"wrap": {"min_params": -1}}, "wrap.min_params"),
+        ({"loss_scale": {"initial": 0.0}}, "loss_scale"),
+        ({"loss_scale": {"min_scale": -1.0}}, "loss_scale"),
+        ({"loss_scale": {"backoff_factor": 1.0}}, "loss_scale"),
+        ({"loss_scale": {"growth_factor": 0.5}}, "loss_scale"),
+        ({"loss_scale": {"growth_interval": 0}}, "loss_scale"),
+    ],
+)
+def test_out_of_range_values_name_the_key(mapping, key):
+    with pytest.raises(ConfigError) as error:
+        load_config(mapping)
+    assert f"config key '{key}'" in str(error.value)
+
+
+def test_boundary_values_are_accepted():
+    config = load_config({
+        "optimizer": {"lr": 0.0, "betas": [0.0, 0.0], "weight_decay": 0.0, "threads": 0},
+        "prefetch": {"depth": 0},
+        "offload": {"buffer_count": 2},
+        "io": {"block_size": 4096, "queue_depth": 1, "threads": 1},
+        "loss_scale": {"growth_factor": 1.0},
+    })
+    assert config.io == IOConfig(block_size=4096, queue_depth=1, threads=1)
+
+
+@pytest.mark.parametrize(
+    "mapping, key, nearest",
+    [
+        ({"precision": "fp8"}, "precision", None),
+        ({"precision": "bf61"}, "precision", "bf16"),
+        ({"offload": {"param": "gpu"}}, "offload.param", None),
+        ({"offload": {"optimizer": "none"}}, "offload.optimizer", None),
+        ({"offload": {"optimizer": "nvm"}}, "offload.optimizer", "nvme"),
+        ({"overlap": "backwards"}, "overlap", "backward"),
+        ({"optimizer": {"type": "sgd"}}, "optimizer.type", None),
+    ],
+)
+def test_choices_name_the_key_and_accepted_values(mapping, key, nearest):
+    with pytest.raises(ConfigError) as error:
+        load_config(mapping)
+    message = str(error.value)
+    assert f"config key '{key}'" in message and "is not one of" in message
+    if nearest:
+        assert f"did you mean '{nearest}'?" in message
+
+
+def test_overlap_backward_is_refused_with_clipping_or_fp16():
+    with pytest.raises(ConfigError, match=r"'overlap'.*cannot clip.*gradient_clipping to 0"):
+        load_config({"overlap": "backward", "gradient_clipping": 1.0})
+    with pytest.raises(ConfigError, match=r"'overlap'.*fp16 overflow"):
+        load_config({"overlap": "backward", "precision": "fp16"})
+    assert load_config({"overlap": "backward", "precision": "bf16"}).overlap == "backward"
+    assert load_config({"overlap": "forward", "precision": "fp16", "gradient_clipping": 1.0}).overlap == "forward"
+
+
+def test_json_path_loading(tmp_path):
+    path = tmp_path / "offload.json"
+    path.write_text(json.dumps({"precision": "fp32", "offload": {"param": "cpu"}, "io": {"threads": 2}}))
+    expected = Config(precision="fp32", offload=OffloadConfig(param="cpu"), io=IOConfig(threads=2))
+    assert load_config(path) == expected
+    assert load_config(str(path)) == expected
+
+
+def test_json_path_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"precision\": ")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(bad)
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must be a dict"):
+        load_config(listed)
+    with pytest.raises(ConfigError, match="must be a dict"):
+        load_config(42)
+
+
+def test_deepspeed_json_path_is_translated(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "bf16": {"enabled": True}}))
+    assert load_config(path) == Config(precision="bf16", offload=OffloadConfig(param="cpu", optimizer="cpu"))
+
+
+def test_is_deepspeed_config():
+    assert is_deepspeed_config({"zero_optimization": {}})
+    assert is_deepspeed_config({"train_micro_batch_size_per_gpu": 1})
+    assert not is_deepspeed_config({"precision": "bf16", "optimizer": {"lr": 1e-3}})
+    assert not is_deepspeed_config({})
+
+
+NON_DEFAULT = Config(
+    precision="fp16",
+    optimizer=OptimizerConfig(type="adam", lr=3e-4, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, bias_correction=False, threads=3),
+    gradient_accumulation_steps=4,
+    gradient_clipping=1.0,
+    offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=["/a", "/b"], pin_memory=False, buffer_count=5),
+    prefetch=PrefetchConfig(depth=3),
+    overlap="none",
+    io=IOConfig(block_size=1 << 16, queue_depth=32, threads=8),
+    wrap=WrapConfig(module_classes=["Block"], min_params=1000),
+    loss_scale=LossScaleConfig(initial=1024.0, growth_interval=200, backoff_factor=0.25, growth_factor=4.0, min_scale=0.5),
+    seed=1234,
+)
+
+
+def test_config_instance_round_trip():
+    loaded = load_config(NON_DEFAULT)
+    assert loaded == NON_DEFAULT
+    assert loaded is not NON_DEFAULT
+    assert load_config(NON_DEFAULT.to_dict()) == NON_DEFAULT
+    assert load_config(json.loads(json.dumps(NON_DEFAULT.to_dict()))) == NON_DEFAULT
+    assert load_config(Config()) == Config()
+
+
+def test_config_instance_is_validated():
+    with pytest.raises(ConfigError, match="'precision'"):
+        load_config(Config(precision="fp8"))
+    with pytest.raises(ConfigError, match="'overlap'"):
+        load_config(Config(overlap="backward", gradient_clipping=1.0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    precision=st.sampled_from(["bf16", "fp32"]),
+    param=st.sampled_from(["none", "cpu", "nvme"]),
+    optimizer=st.sampled_from(["cpu", "nvme"]),
+    accumulation=st.integers(1, 64),
+    clipping=st.floats(0.0, 10.0),
+    lr=st.floats(0.0, 1.0),
+    block_pages=st.integers(1, 1024),
+    seed=st.one_of(st.none(), st.integers(0, 2**31)),
+)
+def test_valid_configs_round_trip_through_json(precision, param, optimizer, accumulation, clipping, lr, block_pages, seed):
+    mapping = {
+        "precision": precision,
+        "offload": {"param": param, "optimizer": optimizer},
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": clipping,
+        "optimizer": {"lr": lr},
+        "io": {"block_size": 4096 * block_pages},
+        "seed": seed,
+    }
+    config = load_config(mapping)
+    assert load_config(json.loads(json.dumps(config.to_dict()))) == config
+    assert load_config(config) == config
+
+
+CONFIG_CLASSES = [Config, OptimizerConfig, OffloadConfig, PrefetchConfig, IOConfig, WrapConfig, LossScaleConfig]
+
+
+def test_every_config_dataclass_is_covered():
+    found = {obj for obj in vars(config_module).values() if dataclasses.is_dataclass(obj) and isinstance(obj, type)}
+    assert found == set(CONFIG_CLASSES)
+
+
+@pytest.mark.parametrize("cls", CONFIG_CLASSES, ids=lambda cls: cls.__name__)
+def test_field_docs_documents_every_field(cls):
+    docs = field_docs(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    assert sorted(docs) == sorted(names), f"fields without a docstring: {sorted(set(names) - set(docs))}"
+    for name in names:
+        assert len(docs[name]) > 10, f"{cls.__name__}.{name} has no real docstring"
+        assert "\n" not in docs[name]
+
+
+def test_field_docs_reads_the_string_under_each_field():
+    assert field_docs(IOConfig)["block_size"] == "Bytes per swap I/O request (a multiple of 4096)."
