@@ -1,0 +1,626 @@
+"""The Engine: forward, backward and step over a model cut into units (see DESIGN.md).
+
+Threads, and what each owns:
+- the main thread runs forward and backward, every hook, every collective, and all residency
+  bookkeeping (acquire / release / storage resize);
+- the transfer worker (one thread) runs fetches of 16-bit weights to the device and the
+  gradient path off the device (copy, accumulate into the fp32 gradient, squared norm), in
+  the order they were submitted;
+- the optimizer worker (one thread) runs `UnitStepper.run`; the C++ Adam inside it uses its
+  own pool of threads. Each unit's `step_done` event tells fetches and forwards when its new
+  weights are ready.
+
+A gradient window (the micro-batches of one optimizer step) ends at the boundary backward;
+`step()` then waits for the transfer worker, reduces the squared norms, and starts the step:
+`overlap: none` waits for it; `forward` lets it run while the next forward computes (unit k's
+pre-forward waits for unit k only); `backward` already stepped each unit as its gradients
+became final during the boundary backward.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+from offload.collectives import Collectives
+from offload.config import Config, load_config
+from offload.device import Device
+from offload.errors import ConfigError, NonFiniteError, OffloadError
+from offload.memory import TierLedger
+from offload.optim import kernels
+from offload.precision import DynamicLossScaler, gradient_multiplier
+from offload.prefetch import ExecutionOrder, step_order
+from offload.residency import ExternalParamReads, Residency, tensors_in
+from offload.state import UnitState
+from offload.stepper import StepHyper, UnitStepper
+from offload.tiers import TierStore, default_run_name
+from offload.units import build_units, plan_flat_layout
+
+logger = logging.getLogger(__name__)
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def initialize(model: nn.Module, config: Config | dict | str | os.PathLike | None = None, **kwargs) -> "Engine":
+    """Wraps `model` for offloaded training; see `Engine`."""
+    return Engine(model, config, **kwargs)
+
+
+class Engine:
+    """Trains `model` with its states placed on device / host / NVMe as `config` says.
+
+    `engine(*args, **kwargs)` runs the model's forward; `engine.backward(loss)` runs backward
+    (the loss is divided by gradient_accumulation_steps, and multiplied by the loss scale in
+    fp16); `engine.step()` updates the weights at the end of each accumulation window and
+    returns True when it did.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Config | dict | str | os.PathLike | None = None,
+        *,
+        process_group=None,
+        device: torch.device | str | None = None,
+        run_name: str | None = None,
+    ) -> None:
+        self.config = load_config(config)
+        if self.config.seed is not None:
+            torch.manual_seed(self.config.seed)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"offload.initialize needs an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.device = Device(device)
+        self.collectives = Collectives(process_group)
+        self.compute_dtype = COMPUTE_DTYPES[self.config.precision]
+        self.ledger = TierLedger()
+        self._closed = False
+        kernels.set_num_threads(self.config.optimizer.threads or len(os.sched_getaffinity(0)))
+
+        world, rank = self.collectives.world_size, self.collectives.rank
+        specs = build_units(model, self.config.wrap.module_classes, self.config.wrap.min_params)
+        self.units = [UnitState(spec, plan_flat_layout([p.numel() for p in spec.params], world)) for spec in specs]
+        self.unit_of_param = {id(p): unit.index for unit in self.units for p in unit.spec.params}
+        self._trainable = [{i for i, p in enumerate(unit.spec.params) if p.requires_grad} for unit in self.units]
+        logger.info(
+            "offload: %d units (largest %.1fM params), precision %s, param on %s, optimizer on %s, overlap %s, rank %d/%d",
+            len(self.units),
+            max(u.spec.numel for u in self.units) / 1e6,
+            self.config.precision,
+            self.config.offload.param,
+            self.config.offload.optimizer,
+            self.config.overlap,
+            rank,
+            world,
+        )
+
+        self.transfer = ThreadPoolExecutor(1, thread_name_prefix="offload-transfer")
+        self.optimizer_worker = ThreadPoolExecutor(1, thread_name_prefix="offload-step")
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        self.store = TierStore(
+            self.units,
+            self.config,
+            compute_dtype=self.compute_dtype,
+            pin=self.device.pin_host_memory,
+            staged_device_copies=self.device.is_cuda,
+            ledger=self.ledger,
+            rank=rank,
+            local_rank=local_rank,
+            run_name=run_name or default_run_name(),
+        )
+        self.residency = Residency(
+            self.units,
+            device=self.device,
+            store=self.store,
+            transfer=self.transfer,
+            collectives=self.collectives,
+            ledger=self.ledger,
+            param_tier=self.config.offload.param,
+            compute_dtype=self.compute_dtype,
+        )
+        self.stepper = UnitStepper(self.store, self.device, rank)
+        for unit in self.units:
+            self._adopt(unit)
+        self._move_buffers()
+
+        self.scaler = DynamicLossScaler(
+            scale=self.config.loss_scale.initial if self.config.precision == "fp16" else 1.0,
+            growth_interval=self.config.loss_scale.growth_interval,
+            backoff_factor=self.config.loss_scale.backoff_factor,
+            growth_factor=self.config.loss_scale.growth_factor,
+            min_scale=self.config.loss_scale.min_scale,
+        )
+        self.lr = self.config.optimizer.lr
+        self.micro_steps = 0  # backward calls so far
+        self.global_steps = 0  # optimizer steps taken
+        self.skipped_steps = 0  # fp16 overflows
+        self.last_grad_norm: float | None = None
+        self._stepped_at_micro = -1  # micro_steps at the last step() that ended a window
+        self.forward_order = ExecutionOrder()
+        self.backward_order = ExecutionOrder()
+        self._phase = "idle"  # "forward" | "backward" | "idle"
+        self._active: list[int] = []  # units whose forward is running (a stack)
+        self._external_holds: set[int] = set()
+        self._root_holds_for_backward = 0
+        self._boundary_backward = False
+        self._grad_futures: list[Future] = []
+        self._step_future: Future | None = None
+        self._backward_step_futures: list[Future] = []
+        self._nonfinite_units: list[str] = []
+        self._lock = threading.Lock()
+        self._hooks = []
+        self._register_hooks()
+
+    # ---- construction ------------------------------------------------------------------
+    def _adopt(self, unit: UnitState) -> None:
+        """Moves the unit's params into its flat buffer and stores its initial state on the tiers."""
+        layout = unit.layout
+        rank = self.collectives.rank
+        flat32 = torch.zeros(layout.padded_numel, dtype=torch.float32)
+        with torch.no_grad():
+            for param, offset in zip(unit.spec.params, layout.offsets):
+                flat32[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
+        start, end = layout.shard_range(rank)
+        self.store.initialise(unit, flat32[start:end])
+        unit.device_flat = self.device.empty(layout.padded_numel, self.compute_dtype)
+        self.ledger.allocate("device", layout.padded_numel * unit.device_flat.element_size(), "param")
+        unit.device_flat.copy_(flat32)
+        for param, offset in zip(unit.spec.params, layout.offsets):
+            param.data = unit.device_flat[offset : offset + param.numel()].view(param.shape)
+        unit.resident = True
+        if self.residency.offloaded:
+            self.residency.free(unit)
+
+    def _move_buffers(self) -> None:
+        """Module buffers (not parameters) follow the model to the device."""
+        for module in self.model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer is not None and buffer.device != self.device.torch_device:
+                    setattr(module, name, buffer.to(self.device.torch_device))
+
+    def _register_hooks(self) -> None:
+        self._hooks.append(self.model.register_forward_pre_hook(self._root_pre_forward))
+        self._hooks.append(self.model.register_forward_hook(self._root_post_forward))
+        for unit in self.units[1:]:
+            module = unit.spec.module
+            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, unit.index)))
+            self._hooks.append(module.register_forward_hook(functools.partial(self._unit_post_forward, unit.index)))
+        for unit in self.units:
+            for index, param in enumerate(unit.spec.params):
+                if param.requires_grad:
+                    hook = functools.partial(self._on_param_grad, unit.index, index)
+                    self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+
+    # ---- forward -----------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        self._check_open()
+        if self.device.is_cuda:
+            args, kwargs = _to_device((args, kwargs), self.device.torch_device)
+        if not self.residency.offloaded:
+            return self.model(*args, **kwargs)
+        reads = ExternalParamReads(self.unit_of_param, self._is_active, self._hold_external)
+        with reads:
+            return self.model(*args, **kwargs)
+
+    def _is_active(self, unit_index: int) -> bool:
+        if unit_index in self._active or unit_index in self._external_holds:
+            return True
+        return any(unit_index in self.units[active].spec.borrows for active in self._active)
+
+    def _hold_external(self, unit_index: int) -> None:
+        """A param read outside its unit's forward: hold its unit until the backward is over."""
+        logger.debug("offload: unit %s read outside its forward; held until the end of backward", self.units[unit_index].spec.name)
+        self._external_holds.add(unit_index)
+        self.residency.acquire(self.units[unit_index])
+
+    def _raise_if_step_failed(self) -> None:
+        future = self._step_future
+        if future is not None and future.done() and future.exception() is not None:
+            self._step_future = None
+            raise OffloadError(f"offload: the optimizer step failed: {future.exception()}") from future.exception()
+
+    def _enter_unit(self, unit: UnitState) -> None:
+        for borrowed in sorted(unit.spec.borrows):
+            self.residency.acquire(self.units[borrowed])
+        self.residency.acquire(unit)
+        self._raise_if_step_failed()
+
+    def _leave_unit(self, unit: UnitState) -> None:
+        self.residency.release(unit)
+        for borrowed in sorted(unit.spec.borrows):
+            self.residency.release(self.units[borrowed])
+
+    def _root_pre_forward(self, module, args):
+        if self._phase == "idle":
+            self._phase = "forward"
+            self.forward_order.begin()
+        if self._phase == "forward":
+            self.forward_order.visit(0)
+            self._prefetch_ahead(self.forward_order)
+        self._active.append(0)
+        self._enter_unit(self.units[0])
+
+    def _root_post_forward(self, module, args, output):
+        self._active.pop()
+        if self._phase == "forward":
+            self.forward_order.end()
+            self._phase = "idle"
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)):
+            self._root_holds_for_backward += 1
+            return
+        self._leave_unit(self.units[0])
+        if not self._active:
+            self._drop_external_holds()
+
+    def _unit_pre_forward(self, index: int, module, args):
+        unit = self.units[index]
+        if self._phase == "forward":
+            self.forward_order.visit(index)
+            self._prefetch_ahead(self.forward_order)
+        self._active.append(index)
+        self._enter_unit(unit)
+
+    def _unit_post_forward(self, index: int, module, args, output):
+        unit = self.units[index]
+        if self._active and self._active[-1] == index:
+            self._active.pop()
+        self._leave_unit(unit)
+        if torch.is_grad_enabled():
+            tensors = [t for t in tensors_in(output) if t.requires_grad]
+            if tensors:
+                fired = [False]
+
+                def before_backward(grad, unit_index=index):
+                    if not fired[0]:
+                        fired[0] = True
+                        self._pre_backward(unit_index)
+
+                for tensor in tensors:
+                    tensor.register_hook(before_backward)
+
+    def _prefetch_ahead(self, order: ExecutionOrder) -> None:
+        for upcoming in order.upcoming(self.config.prefetch.depth):
+            unit = self.units[upcoming]
+            for borrowed in unit.spec.borrows:
+                self.residency.prefetch(self.units[borrowed])
+            self.residency.prefetch(unit)
+
+    # ---- backward ----------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` / gradient_accumulation_steps (times the loss scale in fp16)."""
+        self._check_open()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise OffloadError("engine.backward needs the scalar loss tensor (e.g. out.loss)")
+        if not loss.requires_grad:
+            raise OffloadError("engine.backward: the loss does not require grad (was the forward run under torch.no_grad?)")
+        if self.config.precision != "fp16" and not math.isfinite(float(loss.detach())):
+            self._end_backward()
+            raise NonFiniteError(
+                f"the loss is {float(loss.detach())} at micro-step {self.micro_steps}: backward was not run and no "
+                "state changed; check the data and the learning rate, or use precision 'fp16' whose overflow skips the step"
+            )
+        self._wait_step()
+        self._boundary_backward = (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        scaled = loss.float() / self.config.gradient_accumulation_steps
+        if self.config.precision == "fp16":
+            scaled = scaled * self.scaler.scale
+        self._phase = "backward"
+        self.backward_order.begin()
+        try:
+            scaled.backward()
+        finally:
+            self._end_backward()
+        self.micro_steps += 1
+
+    def _end_backward(self) -> None:
+        try:
+            for unit in self.units:
+                if unit.grads_pending:
+                    self._flush_grads(unit)
+        finally:
+            for unit in self.units:
+                self._release_backward_holds(unit)
+            for _ in range(self._root_holds_for_backward):
+                self._leave_unit(self.units[0])
+            self._root_holds_for_backward = 0
+            self._drop_external_holds()
+            self.residency.release_idle()
+            if self._phase == "backward":
+                self.backward_order.end()
+            self._phase = "idle"
+            self._active.clear()
+
+    def _drop_external_holds(self) -> None:
+        for unit_index in sorted(self._external_holds):
+            self.residency.release(self.units[unit_index])
+        self._external_holds.clear()
+
+    def _pre_backward(self, index: int) -> None:
+        unit = self.units[index]
+        if self._phase == "backward":
+            self.backward_order.visit(index)
+            self._prefetch_ahead(self.backward_order)
+        self._enter_unit(unit)
+        unit.backward_holds += 1
+
+    def _release_backward_holds(self, unit: UnitState) -> None:
+        while unit.backward_holds:
+            unit.backward_holds -= 1
+            self._leave_unit(unit)
+
+    def _on_param_grad(self, unit_index: int, param_index: int, param: torch.Tensor) -> None:
+        unit = self.units[unit_index]
+        unit.grads_pending.add(param_index)
+        if unit.grads_pending >= self._trainable[unit_index]:
+            self._flush_grads(unit)
+
+    def _flush_grads(self, unit: UnitState) -> None:
+        """Main thread: the unit's gradients as one flat buffer, handed to the transfer worker."""
+        pending, unit.grads_pending = unit.grads_pending, set()
+        layout = unit.layout
+        params = unit.spec.params
+        flat = self.device.empty(layout.padded_numel, self.compute_dtype)
+        flat.zero_()
+        with torch.no_grad():
+            for index in pending:
+                grad = params[index].grad
+                if grad is not None:
+                    flat[layout.offsets[index] : layout.offsets[index] + layout.numels[index]].copy_(grad.reshape(-1))
+                params[index].grad = None
+        if self.collectives.is_distributed:
+            shard = self.device.empty(layout.shard_numel, self.compute_dtype)
+            self.collectives.reduce_scatter_flat(shard, flat)
+            flat = shard
+        event = self.device.record_compute_event()
+        first = not unit.window_started
+        unit.window_started = True
+        unit.grads_in_window |= pending
+        nbytes = flat.numel() * flat.element_size()
+        self.ledger.allocate("device", nbytes, "grad")
+        self.device.keep_alive_on_copy_stream(flat)
+        final = self._boundary_backward and self.config.overlap == "backward" and self._runs_once(unit)
+        future = self.transfer.submit(self._offload_grad, unit, flat, event, first, self._boundary_backward, final)
+        self._grad_futures.append(future)
+        self._release_backward_holds(unit)
+
+    def _runs_once(self, unit: UnitState) -> bool:
+        recorded = self.forward_order.recorded or []
+        return recorded.count(unit.index) == 1
+
+    def _offload_grad(self, unit: UnitState, flat: torch.Tensor, event, first: bool, boundary: bool, step_now: bool) -> None:
+        """Transfer worker: device gradient shard -> fp32 gradient on its tier (+ norm at the boundary)."""
+        nbytes = flat.numel() * flat.element_size()
+        staging = None
+        try:
+            if self.device.is_cuda:
+                self.device.copy_waits(event)
+                staging = self.store.grad_staging.take()
+                with self.device.copy_stream_context():
+                    staging[: flat.numel()].copy_(flat, non_blocking=True)
+                self.device.record_copy_event().synchronize()
+                source = staging[: flat.numel()]
+            else:
+                source = flat
+            norm = self.store.accumulate_grad(unit, source, first, compute_norm=boundary)
+            if boundary:
+                unit.grad_sq_norm = norm
+        finally:
+            if staging is not None:
+                self.store.grad_staging.give(staging)
+            del flat
+            self.ledger.release("device", nbytes, "grad")
+        if step_now:
+            self._step_during_backward(unit)
+
+    def _step_during_backward(self, unit: UnitState) -> None:
+        """overlap 'backward' (transfer worker): the unit's gradients are final, step it now."""
+        if unit.grad_sq_norm is None or not math.isfinite(unit.grad_sq_norm):
+            with self._lock:
+                self._nonfinite_units.append(unit.spec.name)
+            return
+        unit.step_done.clear()
+        hyper = self._hyper(1.0 / self.collectives.world_size)
+        with self._lock:
+            self._backward_step_futures.append(self.optimizer_worker.submit(self.stepper.run, [unit], hyper))
+
+    # ---- step --------------------------------------------------------------------------
+    def _hyper(self, grad_multiplier: float) -> StepHyper:
+        opt = self.config.optimizer
+        return StepHyper(
+            lr=self.lr,
+            beta1=opt.betas[0],
+            beta2=opt.betas[1],
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            adamw_mode=opt.type == "adamw",
+            bias_correction=opt.bias_correction,
+            grad_multiplier=grad_multiplier,
+        )
+
+    def _wait_grads(self) -> None:
+        futures, self._grad_futures = self._grad_futures, []
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise OffloadError(f"offload: moving gradients off the device failed: {errors[0]}") from errors[0]
+
+    def _wait_step(self) -> None:
+        """Waits for any step still running (overlap forward / backward); re-raises its error."""
+        future, self._step_future = self._step_future, None
+        if future is not None:
+            future.result()
+        with self._lock:
+            futures, self._backward_step_futures = self._backward_step_futures, []
+        for f in futures:
+            f.result()
+
+    def step(self) -> bool:
+        """At the end of an accumulation window, updates the weights; returns True when it did."""
+        self._check_open()
+        if self.micro_steps == 0 or self.micro_steps % self.config.gradient_accumulation_steps != 0:
+            return False
+        if self.micro_steps == self._stepped_at_micro:
+            return False
+        self._stepped_at_micro = self.micro_steps
+        self._wait_grads()
+        self._wait_step()
+        window = [unit for unit in self.units if unit.window_started]
+        nonfinite, self._nonfinite_units = self._nonfinite_units, []
+        if self.config.overlap == "backward":
+            return self._finish_backward_overlap(window, nonfinite)
+        for unit in window:
+            if unit.grad_sq_norm is None:
+                unit.grad_sq_norm = self.store.grad_sq_norm(unit)
+        local = sum(unit.grad_sq_norm for unit in window)
+        (total,) = self.collectives.sum_host([local])
+        multiplier, norm = gradient_multiplier(
+            self.scaler.scale * self.collectives.world_size, total, self.config.gradient_clipping
+        )
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            bad = [unit.spec.name for unit in window if not math.isfinite(unit.grad_sq_norm)]
+            self._discard_window()
+            if self.config.precision == "fp16":
+                self.scaler.update(overflow=True)
+                self.skipped_steps += 1
+                logger.warning(
+                    "offload: fp16 gradient overflow at step %d; step skipped, loss scale now %g", self.global_steps, self.scaler.scale
+                )
+                return False
+            raise NonFiniteError(
+                f"non-finite gradients (norm {norm}) in {', '.join(bad) or 'other ranks'} at step {self.global_steps}: "
+                "the step was skipped and the weights are unchanged; lower the learning rate, check the data, or enable clipping"
+            )
+        if self.config.precision == "fp16":
+            self.scaler.update(overflow=False)
+        self.global_steps += 1
+        order = step_order(self.forward_order.recorded, len(self.units))
+        to_step = [self.units[i] for i in order if self.units[i].window_started]
+        for unit in to_step:
+            unit.step_done.clear()
+        self._step_future = self.optimizer_worker.submit(self.stepper.run, to_step, self._hyper(multiplier))
+        if self.config.overlap == "none":
+            self._wait_step()
+        return True
+
+    def _finish_backward_overlap(self, window: list[UnitState], nonfinite: list[str]) -> bool:
+        if nonfinite:
+            self._discard_window()
+            raise NonFiniteError(
+                f"non-finite gradients in {', '.join(nonfinite)} at step {self.global_steps}: those units were not "
+                "stepped (with overlap 'backward' the other units already were); lower the learning rate or check the data"
+            )
+        self.global_steps += 1
+        rest = [unit for unit in window if unit.window_started]
+        for unit in rest:
+            unit.step_done.clear()
+        self._step_future = self.optimizer_worker.submit(self.stepper.run, rest, self._hyper(1.0 / self.collectives.world_size))
+        self._wait_step()
+        return True
+
+    def _discard_window(self) -> None:
+        for unit in self.units:
+            unit.grads_in_window.clear()
+            unit.window_started = False
+            unit.grad_sq_norm = None
+
+    # ---- weights out -------------------------------------------------------------------
+    def _master_shard(self, unit: UnitState) -> torch.Tensor:
+        """A host copy of this rank's fp32 master shard of `unit`."""
+        if self.store.optimizer_tier == "cpu":
+            return unit.host["master"].clone()
+        shard = torch.empty(unit.shard_numel, dtype=torch.float32)
+        slot = self.store.slots[0]
+        self.store.swap.read_into(unit.swap_name("master"), slot.master[: unit.shard_numel]).wait()
+        shard.copy_(slot.master[: unit.shard_numel])
+        return shard
+
+    def _full_master(self, unit: UnitState) -> torch.Tensor:
+        shard = self._master_shard(unit)
+        if not self.collectives.is_distributed:
+            return shard
+        full = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
+        parts = list(full.chunk(self.collectives.world_size))
+        import torch.distributed as dist
+
+        dist.all_gather(parts, shard, group=self.collectives.host_group)
+        return full
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights (and the model's buffers) under model.state_dict()'s keys, on the CPU."""
+        self._check_open()
+        self._wait_grads()
+        self._wait_step()
+        values: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            full = self._full_master(unit)
+            for param, offset in zip(unit.spec.params, unit.layout.offsets):
+                values[id(param)] = full[offset : offset + param.numel()].view(param.shape).clone()
+        result = {}
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            if id(tensor) in values:
+                result[name] = values[id(tensor)]
+            else:
+                result[name] = tensor.detach().to("cpu", copy=True)
+        return result
+
+    def memory_report(self) -> dict:
+        """Bytes the engine holds now and at peak, per tier (device / host / nvme), by category."""
+        return self.ledger.report()
+
+    # ---- end ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OffloadError("this engine is closed; create a new one with offload.initialize")
+
+    def close(self, restore_weights: bool = True) -> None:
+        """Finishes pending work, frees host buffers and removes swap files.
+
+        With `restore_weights`, the model's parameters are left holding the final fp32 weights
+        on the CPU (a full fp32 copy of the model in RAM); without, they are left empty."""
+        if self._closed:
+            return
+        try:
+            self._wait_grads()
+            self._wait_step()
+            final = self.consolidated_state_dict() if restore_weights else None
+        finally:
+            self._closed = True
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+            self.transfer.shutdown(wait=True)
+            self.optimizer_worker.shutdown(wait=True)
+            self.store.close()
+        if final is not None:
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            with torch.no_grad():
+                for name, param in params.items():
+                    if name in final:
+                        param.data = final[name]
+        else:
+            for unit in self.units:
+                self.residency.free(unit)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _to_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value

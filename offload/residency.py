@@ -1,0 +1,181 @@
+"""Device copies of each unit's 16-bit weights: fetched ahead, held while used, freed after.
+
+Every unit's params are views into its `device_flat` buffer. With `param: none` that buffer
+always holds the weights. With `param: cpu|nvme` its storage is freed (resized to 0 bytes)
+between uses: the params keep their shapes and any accidental read fails loudly instead of
+reading stale data. A fetch re-allocates the storage (main thread) and the transfer worker
+fills it from the host copy or the swap file, on the copy stream; the compute stream waits on
+the copy's event before the unit runs.
+
+Residency is counted: `acquire` adds a holder (the unit's forward, its backward, a unit that
+borrows a tied weight, an external read), `release` removes one; at zero holders an offloaded
+unit's storage is freed. Holders and storage changes happen on the main thread only.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Executor
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from offload.collectives import Collectives
+from offload.device import Device
+from offload.memory import TierLedger
+from offload.state import UnitState
+from offload.tiers import TierStore
+
+logger = logging.getLogger(__name__)
+
+
+class Residency:
+    def __init__(
+        self,
+        units: list[UnitState],
+        *,
+        device: Device,
+        store: TierStore,
+        transfer: Executor,
+        collectives: Collectives,
+        ledger: TierLedger,
+        param_tier: str,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        self.units = units
+        self.device = device
+        self.store = store
+        self.transfer = transfer
+        self.collectives = collectives
+        self.ledger = ledger
+        self.offloaded = param_tier != "none"
+        self.element_size = torch.empty(0, dtype=compute_dtype).element_size()
+
+    # ---- storage (main thread) ----------------------------------------------------------
+    def _nbytes(self, unit: UnitState) -> int:
+        return unit.layout.padded_numel * self.element_size
+
+    def materialize(self, unit: UnitState) -> None:
+        storage = unit.device_flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self._nbytes(unit))
+            self.ledger.allocate("device", self._nbytes(unit), "param")
+
+    def free(self, unit: UnitState) -> None:
+        storage = unit.device_flat.untyped_storage()
+        if storage.nbytes() != 0:
+            storage.resize_(0)
+            self.ledger.release("device", self._nbytes(unit), "param")
+        unit.resident = False
+
+    # ---- fetching -----------------------------------------------------------------------
+    def prefetch(self, unit: UnitState) -> None:
+        """Starts bringing an offloaded unit to the device, unless it is there or on its way."""
+        if not self.offloaded or unit.resident or unit.fetch_future is not None:
+            return
+        self.materialize(unit)
+        if self.collectives.is_distributed:
+            unit.fetch_target = self.device.empty(unit.shard_numel, unit.device_flat.dtype)
+            self.ledger.allocate("device", unit.shard_numel * self.element_size, "param_shard")
+        else:
+            unit.fetch_target = unit.device_flat
+        unit.fetch_future = self.transfer.submit(self._fetch, unit, unit.fetch_target)
+
+    def _fetch(self, unit: UnitState, target: torch.Tensor):
+        """Transfer worker: waits for the unit's pending step, copies its 16-bit shard to `target`."""
+        unit.step_done.wait()
+        source, staged = self.store.read_param16(unit)
+        try:
+            with self.device.copy_stream_context():
+                target[: unit.shard_numel].copy_(source, non_blocking=True)
+            event = self.device.record_copy_event()
+            if staged:
+                event.synchronize()  # the staging buffer is reused by the next fetch
+        finally:
+            if staged:
+                self.store.give_back_staging(source)
+        return event
+
+    def _complete_fetch(self, unit: UnitState) -> None:
+        future, unit.fetch_future = unit.fetch_future, None
+        event = future.result()
+        self.device.compute_waits(event)
+        if unit.fetch_target is not unit.device_flat:
+            self.collectives.all_gather_flat(unit.device_flat, unit.fetch_target)
+            self.ledger.release("device", unit.shard_numel * self.element_size, "param_shard")
+        unit.fetch_target = None
+        unit.resident = True
+
+    def _refresh_resident(self, unit: UnitState) -> None:
+        """Param tier `none`: wait for the step's write into `device_flat`, then gather shards."""
+        unit.step_done.wait()
+        if unit.device_update_event is not None:
+            self.device.compute_waits(unit.device_update_event)
+            unit.device_update_event = None
+        if unit.needs_gather:
+            start, end = unit.layout.shard_range(self.collectives.rank)
+            self.collectives.all_gather_flat(unit.device_flat, unit.device_flat[start:end].clone())
+            unit.needs_gather = False
+
+    # ---- holding ------------------------------------------------------------------------
+    def acquire(self, unit: UnitState) -> None:
+        if not self.offloaded:
+            self._refresh_resident(unit)
+        elif not unit.resident:
+            if unit.fetch_future is None:
+                self.prefetch(unit)
+            self._complete_fetch(unit)
+        unit.holders += 1
+
+    def release(self, unit: UnitState) -> None:
+        if unit.holders <= 0:
+            raise RuntimeError(f"offload: unit {unit.spec.name} released more often than acquired")
+        unit.holders -= 1
+        if unit.holders == 0 and self.offloaded:
+            self.free(unit)
+
+    def release_idle(self) -> None:
+        """Frees every offloaded unit nobody holds (prefetched but unused ones included)."""
+        if not self.offloaded:
+            return
+        for unit in self.units:
+            if unit.holders == 0:
+                if unit.fetch_future is not None:
+                    self._complete_fetch(unit)
+                self.free(unit)
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors inside a module output: tensors, tuples, lists, dicts, dataclass-like outputs."""
+    found: list[torch.Tensor] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return found
+
+
+class ExternalParamReads(TorchFunctionMode):
+    """Sees every torch call during forward; a parameter of a unit that is not running (read
+    outside its module's forward) makes `on_external(unit_index)` bring that unit in and hold it."""
+
+    def __init__(self, unit_of_param: dict[int, int], is_active, on_external) -> None:
+        super().__init__()
+        self.unit_of_param = unit_of_param
+        self.is_active = is_active
+        self.on_external = on_external
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            candidates = value if isinstance(value, (list, tuple)) else (value,)
+            for candidate in candidates:
+                if isinstance(candidate, torch.Tensor):
+                    unit_index = self.unit_of_param.get(id(candidate))
+                    if unit_index is not None and not self.is_active(unit_index):
+                        self.on_external(unit_index)
+        return func(*args, **kwargs)

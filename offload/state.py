@@ -1,0 +1,151 @@
+"""Where each unit's training state lives, and the host buffers that carry it between tiers.
+
+Per unit, this rank holds one shard of: the fp32 master weights, `exp_avg`, `exp_avg_sq`, the
+fp32 gradient (on the optimizer tier: host buffers, or swap files streamed through slots) and
+the 16-bit weights between uses (on the param tier: the device itself for `none`, a host buffer
+for `cpu`, a swap file for `nvme`).
+
+Buffers and who uses them:
+- resident host buffers (`optimizer: cpu`, `param: none|cpu`): allocated once from the pool.
+  The transfer worker writes gradients into `grad32`; the optimizer worker reads and writes
+  the rest; the engine makes sure the two never run on one unit at once (a step starts only
+  after every gradient of its window has landed).
+- `OptimizerSlot`s (`optimizer: nvme`): `buffer_count` sets of (master, exp_avg, exp_avg_sq,
+  grad32, param16) buffers sized for the largest shard. Only the optimizer worker uses them; a
+  slot is reused for unit i + buffer_count after unit i's writes have completed.
+- `staging` ring (`param: nvme`): host buffers the transfer worker reads 16-bit shards into
+  before copying them to the device; one is reused once its device copy has completed.
+- `grad_slot` (`optimizer: nvme`): the transfer worker's buffer for read-add-write of the fp32
+  gradient; used by one task at a time (the transfer worker is one thread).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.units import FlatLayout, UnitSpec
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad32")
+
+
+@dataclass
+class UnitState:
+    """One unit at run time: its layout, its device buffer and where its shard's state lives."""
+
+    spec: UnitSpec
+    layout: FlatLayout
+    # 16-bit (compute dtype) full flat buffer on the device; the params are views of it. Its
+    # storage is freed (resized to 0) between uses unless the param tier is `none`.
+    device_flat: torch.Tensor | None = None
+    # host tensors by kind (optimizer: cpu) and the 16-bit home copy (param: none|cpu)
+    host: dict[str, torch.Tensor] = field(default_factory=dict)
+    param16: torch.Tensor | None = None
+    # params (indices into spec.params) that received a gradient in this accumulation window
+    grads_in_window: set[int] = field(default_factory=set)
+    # params whose gradient has arrived in the current backward but not yet been flushed
+    grads_pending: set[int] = field(default_factory=set)
+    window_started: bool = False
+    # squared L2 norm of this shard's accumulated gradient (loss-scaled), set at the boundary
+    grad_sq_norm: float | None = None
+    # set by the optimizer worker when this unit's step (and its 16-bit write-back) is done;
+    # waited on by anything that reads the unit's weights (fetch, forward, checkpoint)
+    step_done: threading.Event = field(default_factory=threading.Event)
+    # residency bookkeeping, main thread only
+    holders: int = 0
+    backward_holds: int = 0
+    fetch_future: object | None = None
+    # device buffer the fetch fills when it is not `device_flat` itself (a shard, world > 1)
+    fetch_target: torch.Tensor | None = None
+    resident: bool = False
+    # optimizer steps this unit has taken (Adam's bias correction counts them)
+    step_count: int = 0
+    # param tier `none`: the copy-stream event after which `device_flat` holds the new weights,
+    # and whether the shards of the other ranks still have to be gathered
+    device_update_event: object | None = None
+    needs_gather: bool = False
+
+    def __post_init__(self) -> None:
+        self.step_done.set()
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    def swap_name(self, kind: str) -> str:
+        return f"unit{self.index}.{kind}"
+
+
+class BufferRing:
+    """A fixed set of equal host buffers handed out one at a time (blocking when all are in use)."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self._free: queue.Queue = queue.Queue()
+        for buffer in buffers:
+            self._free.put(buffer)
+        self.buffers = list(buffers)
+
+    def take(self) -> torch.Tensor:
+        return self._free.get()
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self._free.put(buffer)
+
+
+@dataclass
+class OptimizerSlot:
+    """Host buffers for one NVMe-resident unit while it steps (see the module docstring)."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad32: torch.Tensor
+    param16: torch.Tensor
+    pending_writes: list = field(default_factory=list)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad32": self.grad32}
+
+    def wait_writes(self) -> None:
+        for handle in self.pending_writes:
+            handle.wait()
+        self.pending_writes.clear()
+
+
+def host_budget_bytes(
+    shard_numels: list[int],
+    *,
+    param_tier: str,
+    optimizer_tier: str,
+    compute_bytes: int,
+    buffer_count: int,
+    prefetch_depth: int,
+    staged_device_copies: bool,
+) -> dict[str, int]:
+    """Bytes of host memory each use needs for this placement (plain arithmetic, tested directly).
+
+    shard_numels: this rank's shard length of every unit. compute_bytes: bytes per 16-bit (or
+    fp32) compute element. staged_device_copies: gradients pass through a host staging ring
+    (CUDA); on the CPU the device buffers are host memory already.
+    """
+    largest = max(shard_numels, default=0)
+    total = sum(shard_numels)
+    need = {}
+    if optimizer_tier == "cpu":
+        need["optimizer_state"] = 16 * total  # master, exp_avg, exp_avg_sq, grad32
+    else:
+        need["optimizer_slots"] = buffer_count * largest * (16 + compute_bytes)
+        need["grad_slot"] = 4 * largest
+    if param_tier in ("none", "cpu"):
+        need["param16"] = compute_bytes * total
+    else:
+        need["param_staging"] = (prefetch_depth + 2) * largest * compute_bytes
+    if staged_device_copies:
+        need["grad_staging"] = 2 * largest * compute_bytes
+    return need

@@ -1,0 +1,138 @@
+"""The optimizer step, unit by unit, on the optimizer worker thread.
+
+With states on the host, each unit steps in place. With states on NVMe the step is a pipeline
+over the slots of `TierStore`: while unit i steps in slot i % k, unit i+1's states are being
+read into the next slot and unit i-1's written from the previous one; a slot is refilled only
+after its writes completed. As each unit finishes, its 16-bit weights go to their home tier and
+its `step_done` event is set: the next forward's fetch of that unit waits on exactly that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from offload.device import Device
+from offload.optim import kernels
+from offload.state import UnitState
+from offload.tiers import TierStore
+
+
+@dataclass(frozen=True)
+class StepHyper:
+    """Everything one optimizer step needs besides the tensors."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool
+    bias_correction: bool
+    # the stored gradients are multiplied by this (1/loss scale times the clipping factor)
+    grad_multiplier: float
+
+
+class UnitStepper:
+    def __init__(self, store: TierStore, device: Device, rank: int) -> None:
+        self.store = store
+        self.device = device
+        self.rank = rank
+
+    def run(self, units: list[UnitState], hyper: StepHyper) -> None:
+        """Steps `units` in this order; each unit's `step_done` is set as soon as it is done."""
+        try:
+            if self.store.optimizer_tier == "cpu":
+                for unit in units:
+                    self._step(unit, self.store.optimizer_views(unit, None), hyper, slot=None)
+            else:
+                self._run_streamed(units, hyper)
+        finally:
+            for unit in units:
+                unit.step_done.set()
+
+    def _run_streamed(self, units: list[UnitState], hyper: StepHyper) -> None:
+        slots = self.store.slots
+        reads: dict[int, list] = {}
+
+        def start_read(i: int) -> None:
+            slot = slots[i % len(slots)]
+            slot.wait_writes()
+            reads[i] = self.store.load_optimizer_state(units[i], slot, include_grad=True)
+
+        if units:
+            start_read(0)
+        try:
+            for i, unit in enumerate(units):
+                if i + 1 < len(units):
+                    start_read(i + 1)
+                for handle in reads.pop(i):
+                    handle.wait()
+                slot = slots[i % len(slots)]
+                self._step(unit, self.store.optimizer_views(unit, slot), hyper, slot=slot)
+                self.store.store_optimizer_state(unit, slot)
+                unit.step_done.set()
+        finally:
+            for pending in reads.values():
+                for handle in pending:
+                    handle.wait()
+            for slot in slots:
+                slot.wait_writes()
+
+    def _step(self, unit: UnitState, views: dict[str, torch.Tensor], hyper: StepHyper, slot) -> None:
+        ranges = unit.layout.param_ranges_in_shard(self.rank, sorted(unit.grads_in_window))
+        unit.grads_in_window.clear()
+        unit.window_started = False
+        unit.grad_sq_norm = None
+        if not ranges:
+            return
+        unit.step_count += 1
+        out, staging = self._param16_target(unit, slot)
+        sixteen_bit = out.dtype != torch.float32
+        try:
+            for start, end in ranges:
+                kernels.adam_step(
+                    views["master"][start:end],
+                    views["grad32"][start:end],
+                    views["exp_avg"][start:end],
+                    views["exp_avg_sq"][start:end],
+                    step=unit.step_count,
+                    lr=hyper.lr,
+                    beta1=hyper.beta1,
+                    beta2=hyper.beta2,
+                    eps=hyper.eps,
+                    weight_decay=hyper.weight_decay,
+                    adamw_mode=hyper.adamw_mode,
+                    bias_correction=hyper.bias_correction,
+                    grad_scale=hyper.grad_multiplier,
+                    param_out16=out[start:end] if sixteen_bit else None,
+                )
+                if not sixteen_bit:
+                    out[start:end].copy_(views["master"][start:end])
+            self._publish(unit, out)
+        finally:
+            if staging:
+                self.store.give_back_staging(out)
+
+    def _param16_target(self, unit: UnitState, slot) -> tuple[torch.Tensor, bool]:
+        """Where the kernel writes the new 16-bit weights: (buffer, is it a staging buffer)."""
+        n = unit.shard_numel
+        if self.store.param_tier in ("none", "cpu"):
+            return unit.param16, False
+        if slot is not None:
+            return slot.param16[:n], False
+        return self.store.param_staging.take()[:n], True
+
+    def _publish(self, unit: UnitState, out: torch.Tensor) -> None:
+        """Sends the new 16-bit shard to the param's home tier."""
+        tier = self.store.param_tier
+        if tier == "cpu":
+            return
+        if tier == "nvme":
+            self.store.swap.write_from(unit.swap_name("param16"), out).wait()
+            return
+        start, end = unit.layout.shard_range(self.rank)
+        with self.device.copy_stream_context():
+            unit.device_flat[start:end].copy_(out, non_blocking=True)
+        unit.device_update_event = self.device.record_copy_event()
+        unit.needs_gather = unit.layout.world_size > 1

@@ -1,0 +1,238 @@
+"""The host and NVMe tiers of every unit's state: allocation at start, reads and writes after.
+
+`TierStore` owns the host buffer pool and the swap store. It sizes the pool from the placement
+before allocating anything (`state.host_budget_bytes`), reserves every swap file up front
+(a full disk fails here, not mid-step), and gives the engine a small vocabulary: initialise a
+unit's state, load/store an optimizer slot, fetch/store the 16-bit weights, accumulate a
+gradient. Which thread calls what is documented in `state.py`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from offload.config import Config
+from offload.memory import HostBufferPool, TierLedger
+from offload.state import STATE_KINDS, BufferRing, OptimizerSlot, UnitState, host_budget_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def nvme_path_for_rank(nvme_path: str | list[str], local_rank: int) -> str:
+    """A list of paths spreads ranks over disks, round robin by local rank."""
+    if isinstance(nvme_path, list):
+        return nvme_path[local_rank % len(nvme_path)]
+    return nvme_path
+
+
+class TierStore:
+    def __init__(
+        self,
+        units: list[UnitState],
+        config: Config,
+        *,
+        compute_dtype: torch.dtype,
+        pin: bool,
+        staged_device_copies: bool,
+        ledger: TierLedger,
+        rank: int,
+        local_rank: int,
+        run_name: str,
+    ) -> None:
+        self.units = units
+        self.param_tier = config.offload.param
+        self.optimizer_tier = config.offload.optimizer
+        self.compute_dtype = compute_dtype
+        self.ledger = ledger
+        self.buffer_count = config.offload.buffer_count
+        self.prefetch_depth = config.prefetch.depth
+        compute_bytes = torch.empty(0, dtype=compute_dtype).element_size()
+        shard_numels = [unit.shard_numel for unit in units]
+        self.largest_shard = max(shard_numels, default=0)
+        self.budget = host_budget_bytes(
+            shard_numels,
+            param_tier=self.param_tier,
+            optimizer_tier=self.optimizer_tier,
+            compute_bytes=compute_bytes,
+            buffer_count=config.offload.buffer_count,
+            prefetch_depth=config.prefetch.depth,
+            staged_device_copies=staged_device_copies,
+        )
+        total_budget = sum(self.budget.values())
+        # Page-rounding per buffer: every buffer's capacity rounds up to 4 KiB.
+        buffer_count_estimate = 8 * len(units) + 4 * config.offload.buffer_count + config.prefetch.depth + 8
+        self.pool = HostBufferPool(total_budget + 4096 * buffer_count_estimate, pin=pin and config.offload.pin_memory, ledger=ledger, name="offload host pool")
+        self.swap = None
+        uses_nvme = "nvme" in (self.param_tier, self.optimizer_tier)
+        if uses_nvme:
+            from offload.swap import SwapStore
+
+            path = nvme_path_for_rank(config.offload.nvme_path, local_rank)
+            self.swap = SwapStore(
+                path,
+                run_name=run_name,
+                rank=rank,
+                block_size=config.io.block_size,
+                queue_depth=config.io.queue_depth,
+                threads=config.io.threads,
+            )
+            specs = {}
+            for unit in units:
+                if self.optimizer_tier == "nvme":
+                    for kind in STATE_KINDS:
+                        specs[unit.swap_name(kind)] = (unit.shard_numel, torch.float32)
+                if self.param_tier == "nvme":
+                    specs[unit.swap_name("param16")] = (unit.shard_numel, compute_dtype)
+            self.swap.reserve(specs)
+            ledger.allocate("nvme", self.swap.nbytes_on_disk(), "swap")
+        self._allocate_host()
+
+    def _allocate_host(self) -> None:
+        largest = self.largest_shard
+        if self.optimizer_tier == "cpu":
+            for unit in self.units:
+                for kind in STATE_KINDS:
+                    unit.host[kind] = self.pool.alloc(unit.shard_numel, torch.float32, category="optimizer_state")
+        else:
+            self.slots = [
+                OptimizerSlot(
+                    *(self.pool.alloc(largest, torch.float32, category="optimizer_slots") for _ in STATE_KINDS),
+                    param16=self.pool.alloc(largest, self.compute_dtype, category="optimizer_slots"),
+                )
+                for _ in range(self.buffer_count)
+            ]
+            self.grad_slot = self.pool.alloc(largest, torch.float32, category="grad_slot")
+        if self.param_tier in ("none", "cpu"):
+            for unit in self.units:
+                unit.param16 = self.pool.alloc(unit.shard_numel, self.compute_dtype, category="param16")
+        else:
+            count = self.prefetch_depth + 2
+            self.param_staging = BufferRing([self.pool.alloc(largest, self.compute_dtype, category="param_staging") for _ in range(count)])
+        if "grad_staging" in self.budget:
+            self.grad_staging = BufferRing([self.pool.alloc(largest, self.compute_dtype, category="grad_staging") for _ in range(2)])
+
+    @property
+    def compute_bytes(self) -> int:
+        return torch.empty(0, dtype=self.compute_dtype).element_size()
+
+    # ---- start --------------------------------------------------------------------------
+    def initialise(self, unit: UnitState, master_values: torch.Tensor) -> None:
+        """Stores the unit's initial state: master = values, moments = 0, 16-bit = values cast."""
+        if self.optimizer_tier == "cpu":
+            unit.host["master"].copy_(master_values)
+            for kind in ("exp_avg", "exp_avg_sq", "grad32"):
+                unit.host[kind].zero_()
+        else:
+            slot = self.slots[0]
+            n = unit.shard_numel
+            slot.master[:n].copy_(master_values)
+            slot.exp_avg[:n].zero_()
+            slot.exp_avg_sq[:n].zero_()
+            slot.grad32[:n].zero_()
+            self.store_optimizer_state(unit, slot, include_grad=True)
+            slot.wait_writes()
+        self.store_param16_values(unit, master_values)
+
+    def store_param16_values(self, unit: UnitState, values32: torch.Tensor) -> None:
+        """The 16-bit home copy of `values32` (used at start and after loading a checkpoint)."""
+        if self.param_tier in ("none", "cpu"):
+            unit.param16.copy_(values32)
+            return
+        staging = self.param_staging.take()
+        try:
+            staging[: unit.shard_numel].copy_(values32)
+            self.swap.write_from(unit.swap_name("param16"), staging[: unit.shard_numel]).wait()
+        finally:
+            self.param_staging.give(staging)
+
+    # ---- optimizer slots (optimizer: nvme; optimizer worker only) --------------------------
+    def load_optimizer_state(self, unit: UnitState, slot: OptimizerSlot, include_grad: bool = True) -> list:
+        n = unit.shard_numel
+        handles = []
+        for kind, buffer in slot.tensors().items():
+            if kind == "grad32" and not include_grad:
+                continue
+            handles.append(self.swap.read_into(unit.swap_name(kind), buffer[:n]))
+        return handles
+
+    def store_optimizer_state(self, unit: UnitState, slot: OptimizerSlot, include_grad: bool = False) -> None:
+        n = unit.shard_numel
+        for kind, buffer in slot.tensors().items():
+            if kind == "grad32" and not include_grad:
+                continue
+            slot.pending_writes.append(self.swap.write_from(unit.swap_name(kind), buffer[:n]))
+
+    def optimizer_views(self, unit: UnitState, slot: OptimizerSlot | None) -> dict[str, torch.Tensor]:
+        """The unit's four fp32 state tensors, wherever they are now (host, or a loaded slot)."""
+        if self.optimizer_tier == "cpu":
+            return unit.host
+        n = unit.shard_numel
+        return {kind: buffer[:n] for kind, buffer in slot.tensors().items()}
+
+    # ---- gradients (transfer worker only) --------------------------------------------------
+    def accumulate_grad(self, unit: UnitState, grad16: torch.Tensor, first_in_window: bool, compute_norm: bool):
+        """Adds this micro-batch's gradient shard into the fp32 gradient; returns its squared norm
+        (of the accumulated gradient) when `compute_norm`, else None."""
+        from offload.optim import kernels
+
+        n = unit.shard_numel
+        if self.optimizer_tier == "cpu":
+            target = unit.host["grad32"]
+        else:
+            target = self.grad_slot[:n]
+            if not first_in_window:
+                self.swap.read_into(unit.swap_name("grad32"), target).wait()
+        if first_in_window:
+            target.copy_(grad16)
+        else:
+            target.add_(grad16)
+        norm = kernels.sq_norm(target) if compute_norm else None
+        if self.optimizer_tier == "nvme":
+            self.swap.write_from(unit.swap_name("grad32"), target).wait()
+        return norm
+
+    def grad_sq_norm(self, unit: UnitState) -> float:
+        """Squared norm of the stored fp32 gradient (for a unit whose window ended early)."""
+        from offload.optim import kernels
+
+        if self.optimizer_tier == "cpu":
+            return kernels.sq_norm(unit.host["grad32"])
+        target = self.grad_slot[: unit.shard_numel]
+        self.swap.read_into(unit.swap_name("grad32"), target).wait()
+        return kernels.sq_norm(target)
+
+    # ---- 16-bit weights ---------------------------------------------------------------------
+    def read_param16(self, unit: UnitState) -> tuple[torch.Tensor, bool]:
+        """The unit's 16-bit shard on the host: (tensor, whether it is a staging buffer to give back)."""
+        if self.param_tier in ("none", "cpu"):
+            return unit.param16, False
+        staging = self.param_staging.take()
+        try:
+            self.swap.read_into(unit.swap_name("param16"), staging[: unit.shard_numel]).wait()
+        except BaseException:
+            self.param_staging.give(staging)
+            raise
+        return staging[: unit.shard_numel], True
+
+    def give_back_staging(self, tensor: torch.Tensor) -> None:
+        for buffer in self.param_staging.buffers:
+            if buffer.data_ptr() == tensor.data_ptr():
+                self.param_staging.give(buffer)
+                return
+        raise RuntimeError("give_back_staging: the tensor is not a staging buffer")
+
+    def nbytes_report(self) -> dict:
+        return {"host_budget": dict(self.budget), "nvme_files": self.swap.nbytes_on_disk() if self.swap else 0}
+
+    def close(self) -> None:
+        if self.swap is not None:
+            self.ledger.release("nvme", self.swap.nbytes_on_disk(), "swap")
+            self.swap.close()
+            self.swap = None
+        self.pool.close()
+
+
+def default_run_name() -> str:
+    return f"run-{os.getpid()}"
