@@ -1,0 +1,345 @@
+"""offload.optim.kernels (the C++ CPU Adam kernel) against torch as the reference.
+
+torch.optim.AdamW computes sqrt(exp_avg_sq) with MKL's vectorized sqrt, which is within one
+ulp but not correctly rounded; the kernel's sqrt is correctly rounded. So the bit-exact
+reference here is torch's own single-tensor AdamW formula, op for op with torch's kernels,
+with only the sqrt taken in double (correctly rounded). The comparison with
+torch.optim.AdamW itself, to a few ulps, is in test_cpu_adam.py.
+"""
+import threading
+
+import pytest
+import torch
+
+from offload.errors import OffloadError
+from offload.optim import kernels
+
+ALL_ISAS = ("avx512", "avx2", "portable")
+SIZES = (0, 1, 15, 16, 17, 4097, 1_000_003)
+LR, BETA1, BETA2, EPS = 1e-2, 0.9, 0.999, 1e-8
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request):
+    """Runs the test once per instruction set this CPU has (others are skipped)."""
+    if request.param not in kernels.available_isas():
+        pytest.skip(f"CPU lacks {request.param}")
+    kernels.force_isa(request.param)
+    yield request.param
+    kernels.force_isa(None)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    same = bits(actual) == bits(expected)
+    both_nan = actual.isnan() & expected.isnan()
+    bad = ~(same | both_nan)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise AssertionError(f"{what}: {int(bad.sum())} of {actual.numel()} elements differ; first at {i}: "
+                             f"{actual[i].item()!r} vs {expected[i].item()!r}")
+
+
+def reference_step(p, g, m, v, *, step, lr, wd, adamw, beta1=BETA1, beta2=BETA2, eps=EPS):
+    """torch/optim/adam.py::_single_tensor_adam, op for op, sqrt correctly rounded."""
+    if wd != 0:
+        if adamw:
+            p.mul_(1 - lr * wd)
+        else:
+            g = g.add(p, alpha=wd)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    denom = (v.double().sqrt().float() / bias_correction2**0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-(lr / bias_correction1))
+
+
+def kernel_step(p, g, m, v, *, step, lr, wd, adamw, **kw):
+    kernels.adam_step(p, g, m, v, step=step, lr=lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=wd,
+                      adamw_mode=adamw, **kw)
+
+
+def make_state(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen), gen
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("adamw,wd", [(True, 0.0), (True, 0.05), (False, 0.05)])
+def test_matches_torch_formula_bit_for_bit_100_steps(isa, n, adamw, wd):
+    p0, gen = make_state(n, seed=n)
+    p_ref, m_ref, v_ref = p0.clone(), torch.zeros(n), torch.zeros(n)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for step in range(1, 101):
+        g = torch.randn(n, generator=gen) * (0.1 if step % 2 else 3.0)
+        reference_step(p_ref, g, m_ref, v_ref, step=step, lr=LR, wd=wd, adamw=adamw)
+        kernel_step(p, g, m, v, step=step, lr=LR, wd=wd, adamw=adamw)
+    assert_bits_equal(p, p_ref, "param")
+    assert_bits_equal(m, m_ref, "exp_avg")
+    assert_bits_equal(v, v_ref, "exp_avg_sq")
+    if n:
+        assert not torch.equal(p, p0), "the step changed nothing"
+
+
+def test_small_beta1_and_no_bias_correction(isa):
+    # beta1 <= 0.5 takes torch's other lerp branch; bias_correction=False uses lr as is.
+    n = 1000
+    p0, gen = make_state(n, seed=1)
+    p_ref, m_ref, v_ref = p0.clone(), torch.zeros(n), torch.zeros(n)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for step in range(1, 6):
+        g = torch.randn(n, generator=gen)
+        reference_step(p_ref, g, m_ref, v_ref, step=step, lr=LR, wd=0.1, adamw=True, beta1=0.3)
+        kernels.adam_step(p, g, m, v, step=step, lr=LR, beta1=0.3, beta2=BETA2, eps=EPS, weight_decay=0.1)
+    assert_bits_equal(p, p_ref, "param")
+    assert_bits_equal(m, m_ref, "exp_avg")
+    p1, m1, v1 = p0.clone(), torch.zeros(n), torch.zeros(n)
+    p2, m2, v2 = p0.clone(), torch.zeros(n), torch.zeros(n)
+    g = torch.randn(n, generator=gen)
+    kernels.adam_step(p1, g, m1, v1, step=7, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0,
+                      bias_correction=False)
+    reference_step(p2, g, m2, v2, step=10**9, lr=LR, wd=0.0, adamw=True)  # beta**huge == 0: no correction
+    assert_bits_equal(p1, p2, "param without bias correction")
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [17, 4097, 100_003])
+def test_16bit_gradients_equal_fp32_of_them(isa, grad_dtype, n):
+    p0, gen = make_state(n, seed=7)
+    p_ref, m_ref, v_ref = p0.clone(), torch.zeros(n), torch.zeros(n)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    for step in range(1, 11):
+        g16 = torch.randn(n, generator=gen).to(grad_dtype)
+        reference_step(p_ref, g16.float(), m_ref, v_ref, step=step, lr=LR, wd=0.01, adamw=True)
+        kernel_step(p, g16, m, v, step=step, lr=LR, wd=0.01, adamw=True)
+    assert_bits_equal(p, p_ref, "param")
+    assert_bits_equal(v, v_ref, "exp_avg_sq")
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+def test_every_16bit_gradient_pattern_is_read_exactly(isa, grad_dtype):
+    # all 65536 patterns: zeros, subnormals, normals, infinities, NaNs
+    g16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(grad_dtype)
+    n = g16.numel()
+    p0 = torch.linspace(-2, 2, n)
+    p1, m1, v1 = p0.clone(), torch.zeros(n), torch.zeros(n)
+    p2, m2, v2 = p0.clone(), torch.zeros(n), torch.zeros(n)
+    kernel_step(p1, g16, m1, v1, step=1, lr=LR, wd=0.0, adamw=True)
+    kernel_step(p2, g16.float(), m2, v2, step=1, lr=LR, wd=0.0, adamw=True)
+    assert_bits_equal(m1, m2, "exp_avg")
+    assert_bits_equal(v1, v2, "exp_avg_sq")
+    assert_bits_equal(p1, p2, "param")
+
+
+def special_fp32_values() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    random_patterns = torch.randint(-(2**31), 2**31 - 1, (1_000_003,), generator=gen, dtype=torch.int64)
+    edges = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 65504.0, 65519.0,
+                          65520.0, -65520.0, 6.1e-5, 6.0e-5, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0001, 2.0**-26,
+                          3.0 * 2.0**-25, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8,
+                          3.4e38, -3.4e38, 1e-45, 1.17e-38])
+    # tie cases of bf16 rounding: low 16 bits exactly 0x8000 with even and odd kept bit
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x7F7F8000, 0x00018000], dtype=torch.int64)
+    patterns = torch.cat([random_patterns, ties]).to(torch.int32).view(torch.float32)
+    return torch.cat([patterns, edges])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_16bit_copy_out_equals_to_dtype_bit_for_bit(isa, out_dtype):
+    # lr = 0, zero gradient: the update leaves each value as is, so every fp32 bit
+    # pattern (NaN, inf, subnormals, rounding ties, fp16 overflow edges) reaches the cast.
+    values = special_fp32_values()
+    n = values.numel()
+    p = values.clone()
+    out = torch.empty(n, dtype=out_dtype)
+    kernels.adam_step(p, torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0, beta1=BETA1, beta2=BETA2,
+                      eps=EPS, weight_decay=0.0, param_out16=out)
+    assert_bits_equal(p, values, "param (unchanged at lr 0)")
+    assert_bits_equal(out, values.to(out_dtype), f"param_out16 ({out_dtype})")
+    # and after real updates
+    p0, gen = make_state(100_003, seed=5)
+    p, m, v = p0 * 100, torch.zeros(100_003), torch.zeros(100_003)
+    out = torch.empty(100_003, dtype=out_dtype)
+    for step in range(1, 4):
+        kernel_step(p, torch.randn(100_003, generator=gen).to(torch.bfloat16), m, v, step=step, lr=LR, wd=0.01,
+                    adamw=True, param_out16=out)
+        assert_bits_equal(out, p.to(out_dtype), "param_out16 after a step")
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grad_scale_equals_prescaled_gradient(isa, grad_dtype):
+    n = 40_000
+    p0, gen = make_state(n, seed=11)
+    p1, m1, v1 = p0.clone(), torch.zeros(n), torch.zeros(n)
+    p2, m2, v2 = p0.clone(), torch.zeros(n), torch.zeros(n)
+    scale = 1.0 / 1024.0 * 0.37
+    for step in range(1, 6):
+        g = (torch.randn(n, generator=gen) * 1000).to(grad_dtype)
+        kernel_step(p1, g, m1, v1, step=step, lr=LR, wd=0.01, adamw=False, grad_scale=scale)
+        kernel_step(p2, g.float() * scale, m2, v2, step=step, lr=LR, wd=0.01, adamw=False)
+    assert_bits_equal(p1, p2, "param")
+    assert_bits_equal(v1, v2, "exp_avg_sq")
+
+
+def test_one_thread_and_all_threads_identical(isa):
+    n = 1_000_003
+    p0, gen = make_state(n, seed=13)
+    g = torch.randn(n, generator=gen).to(torch.bfloat16)
+    results = []
+    original = kernels.get_num_threads()
+    try:
+        for threads in (1, original, 3):
+            kernels.set_num_threads(threads)
+            assert kernels.get_num_threads() == threads
+            p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+            out = torch.empty(n, dtype=torch.bfloat16)
+            for step in range(1, 4):
+                kernel_step(p, g, m, v, step=step, lr=LR, wd=0.01, adamw=True, param_out16=out)
+            results.append((p, m, v, out, kernels.sq_norm(g), kernels.sq_norm(p)))
+    finally:
+        kernels.set_num_threads(original)
+    for other in results[1:]:
+        for a, b in zip(results[0][:4], other[:4]):
+            assert_bits_equal(a, b, "thread count changed a result")
+        assert results[0][4:] == other[4:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [0, 1, 17, 65_537, 1_000_003])
+def test_sq_norm_accurate(isa, dtype, n):
+    t = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype) * 3
+    expected = float((t.double() ** 2).sum())
+    assert kernels.sq_norm(t) == pytest.approx(expected, rel=1e-12, abs=0.0)
+
+
+def test_sq_norm_same_on_every_isa():
+    t = torch.randn(1_000_003, generator=torch.Generator().manual_seed(2)) * 1e3
+    values = set()
+    try:
+        for name in kernels.available_isas():
+            kernels.force_isa(name)
+            values.add(kernels.sq_norm(t))
+    finally:
+        kernels.force_isa(None)
+    assert len(values) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_has_nonfinite(isa, dtype, bad):
+    n = 1_000_003
+    t = torch.randn(n).to(dtype)
+    assert not kernels.has_nonfinite(t)
+    big = torch.full((100,), torch.finfo(dtype).max, dtype=dtype)
+    assert not kernels.has_nonfinite(big)
+    for index in (0, 654_321, n - 1):
+        u = t.clone()
+        u[index] = bad
+        assert kernels.has_nonfinite(u), index
+    assert not kernels.has_nonfinite(torch.empty(0, dtype=dtype))
+    small = torch.ones(5, dtype=dtype)
+    small[4] = bad
+    assert kernels.has_nonfinite(small)
+
+
+def test_concurrent_callers_get_correct_results():
+    # The GIL is released: two Python threads may call at once; the pool serializes them.
+    n = 300_000
+    p0, gen = make_state(n, seed=17)
+    grads = [torch.randn(n, generator=gen) for _ in range(2)]
+    expected = []
+    for g in grads:
+        p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+        for step in range(1, 6):
+            kernel_step(p, g, m, v, step=step, lr=LR, wd=0.01, adamw=True)
+        expected.append(p)
+    results = [None, None]
+
+    def work(i):
+        p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+        for step in range(1, 6):
+            kernel_step(p, grads[i], m, v, step=step, lr=LR, wd=0.01, adamw=True)
+            kernels.sq_norm(p)
+        results[i] = p
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, expected):
+        assert_bits_equal(got, want, "concurrent call")
+
+
+def test_isa_selection():
+    available = kernels.available_isas()
+    assert available[-1] == "portable"
+    assert kernels.active_isa() == available[0]
+    for name in ALL_ISAS:
+        if name in available:
+            kernels.force_isa(name)
+            assert kernels.active_isa() == name
+        else:
+            with pytest.raises(OffloadError, match=name):
+                kernels.force_isa(name)
+    kernels.force_isa(None)
+    assert kernels.active_isa() == available[0]
+    with pytest.raises(ValueError, match="sse"):
+        kernels.force_isa("sse")
+
+
+def test_thread_count_validation():
+    assert kernels.get_num_threads() >= 1
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        kernels.set_num_threads(0)
+    with pytest.raises(TypeError):
+        kernels.set_num_threads(2.5)
+
+
+def _good(n=8):
+    return dict(param=torch.zeros(n), grad=torch.zeros(n), exp_avg=torch.zeros(n), exp_avg_sq=torch.zeros(n))
+
+
+@pytest.mark.parametrize(
+    "name,replacement,error,match",
+    [
+        ("param", torch.zeros(16)[::2], OffloadError, "param must be contiguous"),
+        ("grad", torch.zeros(8, 2).t()[0], OffloadError, "grad must be contiguous"),
+        ("exp_avg", torch.zeros(8, device="meta"), OffloadError, "exp_avg must be on the CPU"),
+        ("param", torch.zeros(8, dtype=torch.float64), TypeError, "param must be float32"),
+        ("exp_avg_sq", torch.zeros(8, dtype=torch.bfloat16), TypeError, "exp_avg_sq must be float32"),
+        ("grad", torch.zeros(8, dtype=torch.int32), TypeError, "grad must be float32 or bfloat16 or float16"),
+        ("grad", torch.zeros(9), ValueError, "grad has 9 elements but param has 8"),
+        ("exp_avg", torch.zeros(7), ValueError, "exp_avg has 7 elements"),
+        ("param_out16", torch.zeros(8), TypeError, "param_out16 must be bfloat16 or float16"),
+        ("param_out16", torch.zeros(9, dtype=torch.bfloat16), ValueError, "param_out16 has 9 elements"),
+        ("grad", [0.0] * 8, TypeError, "grad must be a torch.Tensor"),
+        ("grad", torch.zeros(8).to_sparse(), OffloadError, "grad must be a dense"),
+    ],
+)
+def test_adam_step_rejects_bad_input(name, replacement, error, match):
+    args = _good()
+    args[name] = replacement
+    with pytest.raises(error, match=match):
+        kernels.adam_step(**args, step=1, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0)
+
+
+def test_adam_step_rejects_bad_hyperparameters():
+    for kwargs, match in [({"step": 0}, "step must be >= 1"), ({"lr": -1.0}, "lr must be >= 0"),
+                          ({"beta2": 1.0}, "beta2 must be in"), ({"eps": float("nan")}, "eps must be >= 0")]:
+        full = dict(step=1, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0)
+        full.update(kwargs)
+        with pytest.raises(ValueError, match=match):
+            kernels.adam_step(**_good(), **full)
+
+
+def test_reductions_reject_bad_input():
+    with pytest.raises(OffloadError, match="sq_norm: t must be contiguous"):
+        kernels.sq_norm(torch.zeros(4, 4).t())
+    with pytest.raises(TypeError, match="has_nonfinite: t must be"):
+        kernels.has_nonfinite(torch.zeros(4, dtype=torch.float64))
