@@ -55,7 +55,8 @@ def initialize(model: nn.Module, config: Config | dict | str | os.PathLike | Non
 class Engine:
     """Trains `model` with its states placed on device / host / NVMe as `config` says.
 
-    `engine(*args, **kwargs)` runs the model's forward; `engine.backward(loss)` runs backward
+    `engine(*args, **kwargs)` runs the model's forward (tensor inputs are moved to the device and
+    floating-point ones cast to the compute dtype); `engine.backward(loss)` runs backward
     (the loss is divided by gradient_accumulation_steps, and multiplied by the loss scale in
     fp16); `engine.step()` updates the weights at the end of each accumulation window and
     returns True when it did.
@@ -200,8 +201,7 @@ class Engine:
     # ---- forward -----------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         self._check_open()
-        if self.device.is_cuda:
-            args, kwargs = _to_device((args, kwargs), self.device.torch_device)
+        args, kwargs = _prepare_inputs((args, kwargs), self.device.torch_device, self.compute_dtype)
         if not self.residency.offloaded:
             return self.model(*args, **kwargs)
         reads = ExternalParamReads(self.unit_of_param, self._is_active, self._hold_external)
@@ -614,13 +614,16 @@ class Engine:
         self.close()
 
 
-def _to_device(value, device: torch.device):
+def _prepare_inputs(value, device: torch.device, compute_dtype: torch.dtype):
+    """Tensors in the inputs go to the device; floating-point ones take the compute dtype
+    (integer ids, masks and labels keep theirs)."""
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
+        dtype = compute_dtype if value.is_floating_point() else value.dtype
+        return value.to(device=device, dtype=dtype, non_blocking=True)
     if isinstance(value, tuple):
-        return tuple(_to_device(v, device) for v in value)
+        return tuple(_prepare_inputs(v, device, compute_dtype) for v in value)
     if isinstance(value, list):
-        return [_to_device(v, device) for v in value]
+        return [_prepare_inputs(v, device, compute_dtype) for v in value]
     if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
+        return {k: _prepare_inputs(v, device, compute_dtype) for k, v in value.items()}
     return value

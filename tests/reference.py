@@ -1,0 +1,75 @@
+"""Plain PyTorch training, the reference every engine test compares against."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class TinyNet(nn.Module):
+    """Input layer, a ModuleList of blocks (the units), an output head."""
+
+    def __init__(self, width: int = 32, depth: int = 4, inputs: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(inputs, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def batches(count: int, batch: int = 16, inputs: int = 8, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, inputs, generator=generator), torch.randn(batch, 1, generator=generator)) for _ in range(count)]
+
+
+def mse(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def reference_run(model: nn.Module, data, *, lr=1e-2, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8, clip=0.0, accumulation=1, adam=False):
+    """Trains a deep copy of `model` with torch.optim.AdamW (or Adam); returns (model, losses)."""
+    model = copy.deepcopy(model)
+    optimizer_class = torch.optim.Adam if adam else torch.optim.AdamW
+    optimizer = optimizer_class(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+    losses = []
+    for i, (x, y) in enumerate(data):
+        loss = mse(model, x, y)
+        (loss / accumulation).backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulation == 0:
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
+    return model, losses
+
+
+def engine_run(engine, data):
+    losses = []
+    for x, y in data:
+        loss = mse(engine, x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def max_weight_difference(state_dict: dict, reference: nn.Module) -> float:
+    return max((state_dict[name].float() - value.float()).abs().max().item() for name, value in reference.state_dict().items())
