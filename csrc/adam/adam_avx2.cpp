@@ -56,7 +56,10 @@ inline void adam_vector(const AdamArgs& a, float* param, const void* grad, float
 }
 
 template <int GradType, int OutType>
-void adam_range(const AdamArgs& a, size_t begin, size_t end) {
+void adam_range(const AdamArgs& args, size_t begin, size_t end) {
+  // A local copy: with -fno-strict-aliasing every store could otherwise alias the caller's
+  // AdamArgs and force its fields to be reloaded each iteration.
+  const AdamArgs a = args;
   const bool lerp_small = __builtin_fabsf(a.beta1_weight) < 0.5f;
   const __m256 lerp_coeff = _mm256_set1_ps(lerp_small ? a.beta1_weight : a.beta1_weight - 1.0f);
   uint16_t* out16 = static_cast<uint16_t*>(a.param_out16);

@@ -56,7 +56,10 @@ inline void adam_vector(const AdamArgs& a, size_t i, __mmask16 mask, bool lerp_s
 }
 
 template <int GradType, int OutType>
-void adam_range(const AdamArgs& a, size_t begin, size_t end) {
+void adam_range(const AdamArgs& args, size_t begin, size_t end) {
+  // A local copy: with -fno-strict-aliasing every store could otherwise alias the caller's
+  // AdamArgs and force its fields to be reloaded each iteration.
+  const AdamArgs a = args;
   const bool lerp_small = __builtin_fabsf(a.beta1_weight) < 0.5f;
   const __m512 lerp_coeff = _mm512_set1_ps(lerp_small ? a.beta1_weight : a.beta1_weight - 1.0f);
   size_t i = begin;

@@ -17,7 +17,10 @@ inline float load_grad(const void* grad, size_t i) {
 }
 
 template <int GradType, int OutType>
-void adam_range(const AdamArgs& a, size_t begin, size_t end) {
+void adam_range(const AdamArgs& args, size_t begin, size_t end) {
+  // A local copy: with -fno-strict-aliasing every store could otherwise alias the caller's
+  // AdamArgs and force its fields to be reloaded each iteration.
+  const AdamArgs a = args;
   const bool lerp_small = __builtin_fabsf(a.beta1_weight) < 0.5f;
   const float lerp_coeff = lerp_small ? a.beta1_weight : a.beta1_weight - 1.0f;
   uint16_t* out16 = static_cast<uint16_t*>(a.param_out16);

@@ -213,12 +213,17 @@ void set_num_threads(int n) {
 // same pool as Adam). triad: a = b + s*c (STREAM counts 24 bytes per element);
 // scale_add: a = a + s*b, in place like Adam's state updates (12 bytes, no write-allocate).
 void stream_triad(uintptr_t a, uintptr_t b, uintptr_t c, size_t n, double scalar) {
+  // Pointers captured by value: with -fno-strict-aliasing a store through a captured
+  // reference could alias the pointer itself and defeat vectorization.
   float* out = reinterpret_cast<float*>(a);
   const float* x = reinterpret_cast<const float*>(b);
   const float* y = reinterpret_cast<const float*>(c);
   const float s = float(scalar);
-  parallel_ranges(n, [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) out[i] = x[i] + s * y[i];
+  parallel_ranges(n, [out, x, y, s](size_t begin, size_t end) {
+    float* __restrict o = out;
+    const float* __restrict xr = x;
+    const float* __restrict yr = y;
+    for (size_t i = begin; i < end; ++i) o[i] = xr[i] + s * yr[i];
   });
 }
 
@@ -226,8 +231,10 @@ void stream_scale_add(uintptr_t a, uintptr_t b, size_t n, double scalar) {
   float* out = reinterpret_cast<float*>(a);
   const float* x = reinterpret_cast<const float*>(b);
   const float s = float(scalar);
-  parallel_ranges(n, [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < end; ++i) out[i] = out[i] + s * x[i];
+  parallel_ranges(n, [out, x, s](size_t begin, size_t end) {
+    float* __restrict o = out;
+    const float* __restrict xr = x;
+    for (size_t i = begin; i < end; ++i) o[i] = o[i] + s * xr[i];
   });
 }
 
