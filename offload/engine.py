@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -45,6 +46,7 @@ from offload.units import build_units, plan_flat_layout
 logger = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TIMING_KEYS = ("forward", "backward", "step", "wait_fetch", "wait_step")
 
 
 def initialize(model: nn.Module, config: Config | dict | str | os.PathLike | None = None, **kwargs) -> "Engine":
@@ -155,6 +157,9 @@ class Engine:
         self._backward_step_futures: list[Future] = []
         self._nonfinite_units: list[str] = []
         self._lock = threading.Lock()
+        # seconds spent since the last `pop_timings()`, by phase; `wait_fetch` and `wait_step` are
+        # the main thread's waits for weights to arrive and for the CPU step to finish
+        self.timings: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
         self._hooks = []
         self._register_hooks()
 
@@ -163,6 +168,12 @@ class Engine:
         """Moves the unit's params into its flat buffer and stores its initial state on the tiers."""
         layout = unit.layout
         rank = self.collectives.rank
+        if any(param.is_meta for param in unit.spec.params):
+            from offload.materialize import materialize_unit_params
+
+            # a model built on the meta device gets real values one unit at a time, so the
+            # whole fp32 model never exists in RAM at once
+            materialize_unit_params(self.model, unit.spec)
         flat32 = torch.zeros(layout.padded_numel, dtype=torch.float32)
         with torch.no_grad():
             for param, offset in zip(unit.spec.params, layout.offsets):
@@ -202,11 +213,14 @@ class Engine:
     def __call__(self, *args, **kwargs):
         self._check_open()
         args, kwargs = _prepare_inputs((args, kwargs), self.device.torch_device, self.compute_dtype)
-        if not self.residency.offloaded:
-            return self.model(*args, **kwargs)
-        reads = ExternalParamReads(self.unit_of_param, self._is_active, self._hold_external)
-        with reads:
-            return self.model(*args, **kwargs)
+        started = time.perf_counter()
+        try:
+            if not self.residency.offloaded:
+                return self.model(*args, **kwargs)
+            with ExternalParamReads(self.unit_of_param, self._is_active, self._hold_external):
+                return self.model(*args, **kwargs)
+        finally:
+            self.timings["forward"] += time.perf_counter() - started
 
     def _is_active(self, unit_index: int) -> bool:
         if unit_index in self._active or unit_index in self._external_holds:
@@ -226,9 +240,12 @@ class Engine:
             raise OffloadError(f"offload: the optimizer step failed: {future.exception()}") from future.exception()
 
     def _enter_unit(self, unit: UnitState) -> None:
+        started = time.perf_counter()
+        waits_for_step = not unit.step_done.is_set()
         for borrowed in sorted(unit.spec.borrows):
             self.residency.acquire(self.units[borrowed])
         self.residency.acquire(unit)
+        self.timings["wait_step" if waits_for_step else "wait_fetch"] += time.perf_counter() - started
         self._raise_if_step_failed()
 
     def _leave_unit(self, unit: UnitState) -> None:
@@ -312,10 +329,12 @@ class Engine:
             scaled = scaled * self.scaler.scale
         self._phase = "backward"
         self.backward_order.begin()
+        started = time.perf_counter()
         try:
             scaled.backward()
         finally:
             self._end_backward()
+            self.timings["backward"] += time.perf_counter() - started
         self.micro_steps += 1
 
     def _end_backward(self) -> None:
@@ -460,7 +479,17 @@ class Engine:
             f.result()
 
     def step(self) -> bool:
-        """At the end of an accumulation window, updates the weights; returns True when it did."""
+        """At the end of an accumulation window, updates the weights; returns True when it did.
+
+        With overlap 'forward' the update runs on while the next forward computes: the
+        weights are committed (each unit's next use waits for its own update)."""
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.timings["step"] += time.perf_counter() - started
+
+    def _step(self) -> bool:
         self._check_open()
         if self.micro_steps == 0 or self.micro_steps % self.config.gradient_accumulation_steps != 0:
             return False
@@ -568,6 +597,30 @@ class Engine:
             else:
                 result[name] = tensor.detach().to("cpu", copy=True)
         return result
+
+    def pop_timings(self) -> dict[str, float]:
+        """Seconds per phase since the last call (forward, backward, step, wait_fetch, wait_step)."""
+        timings, self.timings = self.timings, dict.fromkeys(TIMING_KEYS, 0.0)
+        return timings
+
+    # ---- checkpoints (offload.checkpoint does the work) --------------------------------
+    def save_checkpoint(self, path, client_state: dict | None = None, **kwargs):
+        """Saves everything needed to resume exactly; see offload.checkpoint.save."""
+        from offload import checkpoint
+
+        self._check_open()
+        self._wait_grads()
+        self._wait_step()
+        return checkpoint.save(self, path, client_state=client_state, **kwargs)
+
+    def load_checkpoint(self, path, **kwargs) -> dict:
+        """Restores a checkpoint saved by any world size and placement; returns its client_state."""
+        from offload import checkpoint
+
+        self._check_open()
+        self._wait_grads()
+        self._wait_step()
+        return checkpoint.load(self, path, **kwargs)
 
     def memory_report(self) -> dict:
         """Bytes the engine holds now and at peak, per tier (device / host / nvme), by category."""
