@@ -107,19 +107,25 @@ void check_pointer(const char* op, const char* what, uintptr_t ptr) {
   if (!ptr) throw std::invalid_argument(std::string(op) + ": " + what + " is a null pointer");
 }
 
-// Calls body(begin, end) over [0, n) split into one contiguous range per thread.
+// Calls body(begin, end) over [0, n) in chunks of kChunkElements that the threads take in
+// turn from a shared counter: a thread slowed down by other processes on a shared machine
+// takes fewer chunks instead of delaying the whole call. Chunk starts are multiples of
+// kSplitAlign, so no two threads write the same cache line. Only for elementwise work,
+// whose result does not depend on the split.
+constexpr size_t kChunkElements = size_t(1) << 16;
 template <typename Body>
 void parallel_ranges(size_t n, const Body& body) {
   if (n < kSerialElements) {
     body(size_t(0), n);
     return;
   }
-  pool().run([&](int index, int count) {
-    size_t per_thread = (n + size_t(count) - 1) / size_t(count);
-    per_thread = (per_thread + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
-    size_t begin = std::min(n, per_thread * size_t(index));
-    size_t end = std::min(n, begin + per_thread);
-    if (begin < end) body(begin, end);
+  static_assert(kChunkElements % kSplitAlign == 0, "chunks must start on cache-line boundaries");
+  const size_t chunks = (n + kChunkElements - 1) / kChunkElements;
+  std::atomic<size_t> next{0};
+  pool().run([&](int, int) {
+    for (size_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed))
+      body(c * kChunkElements, std::min(n, (c + 1) * kChunkElements));
   });
 }
 
