@@ -181,7 +181,8 @@ def build_units(model: nn.Module, module_classes: list[str] | None = None, min_p
         unit.borrows.discard(unit.index)
     if not any(unit.params for unit in units):
         raise ConfigError("the model has no parameters: there is nothing to train or offload")
-    kept = [unit for unit in units if unit.params or unit.index == 0]
+    # a unit with no parameters of its own still matters when it borrows (a tied output head)
+    kept = [unit for unit in units if unit.params or unit.borrows or unit.index == 0]
     remap = {unit.index: new_index for new_index, unit in enumerate(kept)}
     for unit in kept:
         unit.index = remap[unit.index]
