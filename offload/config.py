@@ -209,6 +209,37 @@ def _coerce(path: str, value: Any, hint: Any) -> Any:
     raise _fail(path, f"unsupported annotation {hint!r}")
 
 
+# Names users bring from other libraries (torch.optim, transformers, DeepSpeed) for our keys.
+KEY_ALIASES = {
+    "learning_rate": "lr",
+    "beta": "betas",
+    "epsilon": "eps",
+    "adam_epsilon": "eps",
+    "decay": "weight_decay",
+    "wd": "weight_decay",
+    "clip_grad": "gradient_clipping",
+    "max_grad_norm": "gradient_clipping",
+    "grad_clip": "gradient_clipping",
+    "gradient_accumulation": "gradient_accumulation_steps",
+    "grad_accum": "gradient_accumulation_steps",
+    "dtype": "precision",
+    "mixed_precision": "precision",
+    "path": "nvme_path",
+    "swap_path": "nvme_path",
+    "num_threads": "threads",
+    "prefetch_depth": "depth",
+}
+
+
+def _nearest_key(key: str, names: list[str]) -> str | None:
+    """The valid key a misspelt `key` most likely meant: a known alias first, then by spelling."""
+    alias = KEY_ALIASES.get(key.lower())
+    if alias in names:
+        return alias
+    nearest = difflib.get_close_matches(key, names, n=1, cutoff=0.4)
+    return nearest[0] if nearest else None
+
+
 def _from_mapping(prefix: str, mapping: dict, cls):
     hints = _type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -216,8 +247,8 @@ def _from_mapping(prefix: str, mapping: dict, cls):
     for key, value in mapping.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            nearest = difflib.get_close_matches(str(key), names, n=1, cutoff=0.4)
-            hint = f"; did you mean '{nearest[0]}'?" if nearest else f"; valid keys here: {', '.join(names)}"
+            nearest = _nearest_key(str(key), names)
+            hint = f"; did you mean '{nearest}'?" if nearest else f"; valid keys here: {', '.join(names)}"
             raise ConfigError(f"unknown config key '{path}'{hint}")
         kwargs[key] = _coerce(path, value, hints[key])
     return cls(**kwargs)
@@ -291,8 +322,15 @@ def validate(config: Config) -> Config:
 
 def is_deepspeed_config(mapping: dict) -> bool:
     """A DeepSpeed config is recognised by keys only DeepSpeed uses."""
-    markers = {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "bf16", "fp16", "aio", "zero_allow_untested_optimizer"}
-    return any(key in markers for key in mapping)
+    markers = {
+        "zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "bf16", "bfloat16", "fp16", "aio",
+        "zero_allow_untested_optimizer", "scheduler", "steps_per_print",
+    }
+    if any(key in markers for key in mapping):
+        return True
+    # DeepSpeed's optimizer section is {"type": ..., "params": {...}}; offload's has no "params"
+    optimizer = mapping.get("optimizer")
+    return isinstance(optimizer, dict) and "params" in optimizer and "type" in optimizer
 
 
 def load_config(source: Config | dict | str | os.PathLike | None = None, *, strict: bool = True) -> Config:
@@ -308,6 +346,10 @@ def load_config(source: Config | dict | str | os.PathLike | None = None, *, stri
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; pass a dict, an offload.Config or the path of a JSON file")
+        if path.suffix.lower() in (".yaml", ".yml"):
+            from offload.deepspeed_config import load_accelerate_config
+
+            return load_accelerate_config(path, strict=strict)
         try:
             mapping = json.loads(path.read_text())
         except json.JSONDecodeError as error:

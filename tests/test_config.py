@@ -272,3 +272,54 @@ def test_field_docs_documents_every_field(cls):
 
 def test_field_docs_reads_the_string_under_each_field():
     assert field_docs(IOConfig)["block_size"] == "Bytes per swap I/O request (a multiple of 4096)."
+
+
+@pytest.mark.parametrize(
+    "mapping",
+    [
+        {"bfloat16": {"enabled": True}},
+        {"scheduler": {"type": "WarmupLR", "params": {}}},
+        {"steps_per_print": 10},
+        {"zero_allow_untested_optimizer": True},
+        {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}},
+    ],
+)
+def test_is_deepspeed_config_recognises_more_deepspeed_keys(mapping):
+    assert is_deepspeed_config(mapping)
+
+
+def test_offload_optimizer_section_is_not_taken_for_deepspeed():
+    assert not is_deepspeed_config({"optimizer": {"type": "adamw", "lr": 1e-4}})
+
+
+@pytest.mark.parametrize(
+    "mapping, key, nearest",
+    [
+        ({"optimizer": {"learning_rate": 1e-3}}, "optimizer.learning_rate", "lr"),
+        ({"max_grad_norm": 1.0}, "max_grad_norm", "gradient_clipping"),
+        ({"optimizer": {"epsilon": 1e-6}}, "optimizer.epsilon", "eps"),
+    ],
+)
+def test_unknown_key_suggests_the_aliased_key(mapping, key, nearest):
+    with pytest.raises(ConfigError) as error:
+        load_config(mapping)
+    assert f"unknown config key '{key}'; did you mean '{nearest}'?" in str(error.value)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml"])
+def test_load_config_reads_an_accelerate_yaml(tmp_path, suffix):
+    path = tmp_path / f"accelerate{suffix}"
+    path.write_text(
+        "distributed_type: DEEPSPEED\n"
+        "mixed_precision: bf16\n"
+        "deepspeed_config:\n"
+        "  zero_stage: 3\n"
+        "  offload_param_device: cpu\n"
+        "  offload_optimizer_device: cpu\n"
+        "  gradient_clipping: 1.0\n"
+    )
+    config = load_config(path)
+    assert (config.precision, config.offload.param, config.offload.optimizer, config.gradient_clipping) == ("bf16", "cpu", "cpu", 1.0)
+    path.write_text("distributed_type: MULTI_GPU\n")
+    with pytest.raises(ConfigError, match="distributed_type 'MULTI_GPU'"):
+        load_config(path)
