@@ -9,6 +9,8 @@ import sys
 # subcommand -> module in offload.cli that defines add_arguments(parser) and run(args) -> int
 SUBCOMMANDS = {
     "bench-io": ("bench_io", "measure swap read/write throughput on a path and print the best io section"),
+    "estimate": ("estimate", "memory each tier needs for a model under every placement, what fits this machine, the config to use"),
+    "export": ("export", "write a checkpoint's full weights as safetensors (loadable by load_state_dict / from_pretrained)"),
 }
 
 
