@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup test clean
+.PHONY: setup demo test clean
 
 # torch is pinned first and alone: this exact version is the CPU build available locally;
 # any other request would pull several GB of CUDA packages.
@@ -18,6 +18,10 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*/*.cpp csrc/*/*.h)
 	touch $@
 
 setup: $(VENV)/.installed
+
+# The main job: a byte-level GPT trained with params and optimizer states on NVMe swap.
+demo: setup
+	$(PY) examples/demo.py --nvme-path ./offload-swap
 
 test: setup
 	$(PY) -m pytest -q tests
