@@ -1,0 +1,109 @@
+"""`offload estimate`: bytes per tier for a model under every placement, what fits, what to use."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from offload import estimate as est
+from offload.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a parameter count (7B, 7e9, 350M), a Hugging Face config.json, or a model directory holding one")
+    parser.add_argument("--config", help="an offload, DeepSpeed JSON or accelerate YAML config: precision, prefetch depth and buffer count are read from it")
+    parser.add_argument("--precision", choices=sorted(est.COMPUTE_BYTES), help="compute precision (default: the config's, else bf16)")
+    parser.add_argument("--world-size", type=int, default=1, help="ranks the model is sharded over (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, help="machines the ranks are spread over (default 1: they share this machine's RAM and disk)")
+    parser.add_argument("--gpu-memory", help="memory of one GPU, e.g. 24GB or 80GiB (default: detected with torch; none without a GPU)")
+    parser.add_argument("--ram", help="RAM available, e.g. 128GB (default: psutil's available memory)")
+    parser.add_argument("--disk", help="free disk at --nvme-path, e.g. 2TB (default: detected)")
+    parser.add_argument("--nvme-path", default=None, help="swap directory (default: the config's, else ./offload-swap)")
+    parser.add_argument("--layers", type=int, help="with a parameter count: the number of blocks (default: a llama-like guess)")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="with a parameter count: the vocabulary size (default 32000)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="micro-batch size for the rough activation figure (default 1)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="sequence length for the rough activation figure (default 2048)")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing is on (smaller activation figure)")
+    parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
+
+
+def _shape(args) -> est.ModelShape:
+    text = args.model
+    if Path(text).exists():
+        return est.shape_from_hf_config(text)
+    try:
+        count = est.parse_count(text)
+    except ConfigError:
+        raise ConfigError(f"{text!r} is neither a parameter count (7B, 7e9) nor an existing config.json or model directory") from None
+    return est.shape_from_param_count(count, layers=args.layers, vocab_size=args.vocab_size)
+
+
+def build_report(args) -> dict:
+    from offload.config import Config, load_config
+
+    config = load_config(args.config) if args.config else Config()
+    precision = args.precision or config.precision
+    nvme_path = args.nvme_path or config.offload.nvme_path
+    if isinstance(nvme_path, list):
+        nvme_path = nvme_path[0]
+    if args.world_size < 1 or args.nodes < 1:
+        raise ConfigError("--world-size and --nodes must be >= 1")
+    ranks_per_node = -(-args.world_size // args.nodes)
+    machine = est.detect_machine(nvme_path, ranks_per_node)
+    if args.gpu_memory is not None:
+        machine.gpu_bytes = None if args.gpu_memory.lower() == "none" else est.parse_bytes(args.gpu_memory)
+    if args.ram is not None:
+        machine.ram_bytes = est.parse_bytes(args.ram)
+    if args.disk is not None:
+        machine.disk_bytes = est.parse_bytes(args.disk)
+    return est.estimate_report(
+        _shape(args), machine, precision=precision, world_size=args.world_size, prefetch_depth=config.prefetch.depth,
+        buffer_count=config.offload.buffer_count, micro_batch=args.micro_batch, seq_len=args.seq_len,
+        checkpointing=args.checkpointing,
+    )
+
+
+def format_report(report: dict) -> str:
+    f = est.format_bytes
+    model, settings, machine = report["model"], report["settings"], report["machine"]
+    lines = [
+        f"model: {model['name']}: {model['params'] / 1e9:.2f}B params in {model['units']} units "
+        f"(largest {model['largest_unit_params'] / 1e6:.1f}M, root {model['root_unit_params'] / 1e6:.1f}M)",
+        f"settings: {settings['precision']}, world size {settings['world_size']} ({settings['ranks_per_node']} per node), "
+        f"prefetch depth {settings['prefetch_depth']}, buffer count {settings['buffer_count']}",
+        f"machine: GPU {f(machine['gpu_bytes']) if machine['gpu_bytes'] else 'none (the CPU stands in)'}, "
+        f"RAM {f(machine['ram_bytes'])} available, disk {f(machine['disk_bytes'])} free at {machine['nvme_path']}",
+        "",
+        "bytes per rank (host and nvme are shared by the ranks of a node):",
+        f"{'param / optimizer':<18} {'device':>10} {'host':>10} {'nvme':>10}  fits",
+    ]
+    for row in report["placements"]:
+        verdict = "yes" if row["fits"] else "no: " + "; ".join(row["problems"])
+        lines.append(f"{row['param'] + ' / ' + row['optimizer']:<18} {f(row['device']['total']):>10} {f(row['host']['total']):>10} "
+                     f"{f(row['nvme']['total']):>10}  {verdict}")
+    activations = report["activations_bytes"]
+    lines.append("")
+    lines.append(f"activations (micro-batch {settings['micro_batch']} x {settings['seq_len']} tokens"
+                 f"{', checkpointing' if settings['checkpointing'] else ''}): about {f(activations)} per GPU "
+                 f"({report['activations_note']})")
+    recommended = report["recommended"]
+    if recommended is None:
+        lines.append("recommended: nothing fits; add GPUs (--world-size), RAM or disk, or use a smaller model")
+    else:
+        lines.append(f"recommended: param {recommended['param']}, optimizer {recommended['optimizer']}; config:")
+        lines.append(json.dumps(recommended["config"], indent=2))
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    try:
+        report = build_report(args)
+    except ConfigError as error:
+        print(f"offload estimate: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0

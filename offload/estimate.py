@@ -1,0 +1,473 @@
+"""How many bytes each tier needs for a model under each placement, and which placement to use.
+
+Plain functions over sizes, following the engine's own accounting (what `engine.memory_report()`
+records), so an estimate can be checked against a real run:
+
+- device: the 16-bit weights of every unit when `offload.param` is `none`; otherwise the root
+  unit (held for the whole forward and backward) plus `prefetch.depth + 1` of the largest other
+  units (the one running and those fetched ahead), plus, with several ranks, the shard buffers
+  that fetches fill before the all-gather. On top of that, the 16-bit gradient of the unit whose
+  backward just finished, on its way to the host (`GRADS_IN_FLIGHT` of the largest unit): with
+  the weights offloaded that makes `prefetch.depth + 2` units beside the root.
+- host: `offload.state.host_budget_bytes` (fp32 master, Adam moments and fp32 gradient at 16
+  bytes per element of this rank's shard when the optimizer lives on `cpu`; streaming slots when
+  it lives on `nvme`; the 16-bit home copy or its staging ring), each buffer rounded up to 4 KiB.
+- nvme: one swap file per state kind and unit (4 KiB header + data rounded up to 4 KiB): 16 bytes
+  per shard element for the optimizer on `nvme`, 2 (or 4 in fp32) for the weights on `nvme`.
+
+Activations are not in the engine's ledger: `activation_bytes` is a separate, rough figure (it
+depends on the model's code, attention kernel, sequence length and checkpointing).
+
+A model's shape comes from a Hugging Face `config.json` (`shape_from_hf_config`), from a
+parameter count (`shape_from_param_count`, an approximation of a llama-like model), or from a
+live module (`shape_from_module`, exact: the engine's own unit cut).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from offload.errors import ConfigError
+from offload.state import host_budget_bytes
+from offload.units import plan_flat_layout, round_up
+
+PAGE = 4096
+SWAP_HEADER = 4096
+COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Placements (offload.param, offload.optimizer), fastest first. The order is the cost per step:
+# weights on the device move nothing; the optimizer on cpu moves 2 B/param of gradients down and
+# 2 B/param of weights up over PCIe; weights on cpu add 2 x 2 B/param (forward and backward
+# fetches); weights on nvme read 2 x 2 B/param from disk; the optimizer on nvme reads and writes
+# about 32 B/param from disk every step, the most expensive traffic of all.
+PLACEMENTS = (("none", "cpu"), ("cpu", "cpu"), ("nvme", "cpu"), ("none", "nvme"), ("cpu", "nvme"), ("nvme", "nvme"))
+# 16-bit gradient buffers the engine holds on the device at once while the transfer worker moves
+# them to the host: the unit whose backward just finished. (Measured on the CPU stand-in with the
+# optimizer on cpu; with the optimizer on nvme each transfer writes a swap file and the backlog
+# can grow by a few units, which the engine does not bound today.)
+GRADS_IN_FLIGHT = 1
+# Fraction of the accelerator's memory the estimate lets the engine and activations use (the rest
+# is the CUDA context, the caching allocator's fragmentation and the framework's workspaces).
+DEVICE_HEADROOM = 0.90
+
+
+# ---- model shapes ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelShape:
+    """A model as the engine cuts it: unit 0 is the root, then one unit per repeated block.
+
+    `root` and `layer` are the element counts of each parameter tensor, in registration order.
+    Architecture fields (hidden size...) feed only the rough activation estimate; 0 = unknown."""
+
+    name: str
+    root: tuple[int, ...]
+    layer: tuple[int, ...]
+    num_layers: int
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_heads: int = 0
+    vocab_size: int = 0
+    max_positions: int = 0
+    # per-unit tensor lists when units differ (from a live module); overrides root/layer
+    units: tuple[tuple[int, ...], ...] | None = None
+
+    def unit_tensors(self) -> list[tuple[int, ...]]:
+        if self.units is not None:
+            return list(self.units)
+        return [self.root] + [self.layer] * self.num_layers
+
+    @property
+    def num_params(self) -> int:
+        return sum(sum(unit) for unit in self.unit_tensors())
+
+    def padded_numels(self, world_size: int = 1) -> list[int]:
+        """Each unit's flat buffer length (all ranks), as `units.plan_flat_layout` pads it."""
+        return [plan_flat_layout(list(unit), world_size).padded_numel for unit in self.unit_tensors()]
+
+    def shard_numels(self, world_size: int = 1) -> list[int]:
+        return [plan_flat_layout(list(unit), world_size).shard_numel for unit in self.unit_tensors()]
+
+
+def _require(config: dict, *names: str):
+    missing = [n for n in names if config.get(n) is None]
+    if missing:
+        model_type = config.get("model_type", "?")
+        raise ConfigError(f"Hugging Face config (model_type {model_type!r}) lacks {', '.join(missing)}; "
+                          "pass a complete config.json, or a parameter count instead")
+    return [int(config[n]) for n in names]
+
+
+def _llama_like(config: dict, model_type: str) -> ModelShape:
+    hidden, inter, layers, vocab = _require(config, "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+    heads = int(config.get("num_attention_heads") or max(1, hidden // 128))
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    qkv_bias = bool(config.get("attention_bias", model_type == "qwen2"))
+    out_bias = bool(config.get("attention_bias", False)) and model_type != "qwen2"
+    mlp_bias = bool(config.get("mlp_bias", False))
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attn = [hidden * q] + ([q] if qkv_bias else []) + [hidden * kv] + ([kv] if qkv_bias else [])
+    attn += [hidden * kv] + ([kv] if qkv_bias else []) + [q * hidden] + ([hidden] if out_bias else [])
+    if model_type == "qwen3":
+        attn += [head_dim, head_dim]  # q_norm, k_norm
+    mlp = [hidden * inter] + ([inter] if mlp_bias else []) + [hidden * inter] + ([inter] if mlp_bias else [])
+    mlp += [inter * hidden] + ([hidden] if mlp_bias else [])
+    layer = tuple(attn + mlp + [hidden, hidden])
+    tied = bool(config.get("tie_word_embeddings", False))
+    root = (vocab * hidden, hidden) + (() if tied else (vocab * hidden,))
+    return ModelShape(model_type, root, layer, layers, hidden, inter, heads, vocab, int(config.get("max_position_embeddings") or 0))
+
+
+def _gpt2(config: dict) -> ModelShape:
+    hidden, layers, vocab = _require(config, "n_embd", "n_layer", "vocab_size")
+    positions = int(config.get("n_positions") or 1024)
+    inter = int(config.get("n_inner") or 4 * hidden)
+    layer = (hidden, hidden, hidden * 3 * hidden, 3 * hidden, hidden * hidden, hidden, hidden, hidden,
+             hidden * inter, inter, inter * hidden, hidden)
+    tied = bool(config.get("tie_word_embeddings", True))
+    root = (vocab * hidden, positions * hidden, hidden, hidden) + (() if tied else (vocab * hidden,))
+    return ModelShape("gpt2", root, layer, layers, hidden, inter, int(config.get("n_head") or 0), vocab, positions)
+
+
+def _gpt_neox(config: dict) -> ModelShape:
+    hidden, inter, layers, vocab = _require(config, "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+    bias = bool(config.get("attention_bias", True))
+    layer = (hidden, hidden, hidden, hidden, hidden * 3 * hidden) + ((3 * hidden,) if bias else ())
+    layer += (hidden * hidden,) + ((hidden,) if bias else ()) + (hidden * inter, inter, inter * hidden, hidden)
+    tied = bool(config.get("tie_word_embeddings", False))
+    root = (vocab * hidden, hidden, hidden) + (() if tied else (vocab * hidden,))
+    return ModelShape("gpt_neox", root, layer, layers, hidden, inter, int(config.get("num_attention_heads") or 0), vocab,
+                      int(config.get("max_position_embeddings") or 0))
+
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def shape_from_hf_config(config: dict | str | os.PathLike) -> ModelShape:
+    """The unit shapes of a llama / mistral / qwen2 / qwen3 / gpt2 / gpt_neox model from its
+    Hugging Face config (a dict, a config.json, or a model directory holding one)."""
+    if not isinstance(config, dict):
+        path = Path(config)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{str(path)!r} does not exist; pass a Hugging Face config.json, a model directory, or a parameter count such as 7e9")
+        import json
+
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{str(path)!r} is not valid JSON: {error}") from error
+    model_type = str(config.get("model_type", ""))
+    if model_type in LLAMA_LIKE:
+        return _llama_like(config, model_type)
+    if model_type == "gpt2":
+        return _gpt2(config)
+    if model_type == "gpt_neox":
+        return _gpt_neox(config)
+    if all(config.get(k) is not None for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")):
+        # unknown type with llama-style fields: count it as a llama (gated MLP, no biases)
+        return _llama_like(config, model_type or "llama")
+    raise ConfigError(f"model_type {model_type!r} is not one offload estimate knows ({', '.join(LLAMA_LIKE)}, gpt2, gpt_neox); "
+                      "pass the parameter count instead (offload estimate 7e9 --layers 32)")
+
+
+def shape_from_param_count(num_params: int, *, layers: int | None = None, vocab_size: int = 32000) -> ModelShape:
+    """A llama-like model with `num_params` parameters: untied embeddings of `vocab_size`, and
+    `layers` equal blocks (by default the depth of a llama of that size, about hidden / 128)."""
+    if num_params <= 0:
+        raise ConfigError(f"the parameter count must be > 0, got {num_params}")
+    if layers is None:
+        hidden_guess = (num_params * 128 / 12) ** (1 / 3)
+        layers = max(1, round(hidden_guess / 128))
+    if layers < 1:
+        raise ConfigError(f"--layers must be >= 1, got {layers}")
+    # 12 h^2 per layer + 2 v h for the embeddings and the head: solve for h
+    a, b, c = 12 * layers, 2 * vocab_size, -num_params
+    hidden = max(8, int((-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)))
+    embed = min(vocab_size * hidden, num_params // 4)
+    per_layer = max(1, (num_params - 2 * embed) // layers)
+    return ModelShape("llama-like (from a parameter count)", (embed, embed), (per_layer,), layers, hidden, int(hidden * 8 / 3),
+                      max(1, hidden // 128), vocab_size, 0)
+
+
+def shape_from_module(model, module_classes: list[str] | None = None, min_params: int = 0) -> ModelShape:
+    """The exact unit shapes the engine will use for `model` (same cut as `offload.initialize`)."""
+    from offload.units import build_units
+
+    specs = build_units(model, module_classes, min_params)
+    units = tuple(tuple(p.numel() for p in spec.params) for spec in specs)
+    config = getattr(model, "config", None)
+    get = (lambda k: int(getattr(config, k, 0) or 0)) if config is not None else (lambda k: 0)
+    return ModelShape(type(model).__name__, units[0], (), len(units) - 1, get("hidden_size"), get("intermediate_size"),
+                      get("num_attention_heads"), get("vocab_size"), get("max_position_embeddings"), units=units)
+
+
+# ---- bytes per tier ----------------------------------------------------------------------
+@dataclass
+class TierEstimate:
+    """Peak bytes per tier for one placement, per rank, by category (the ledger's categories)."""
+
+    param: str
+    optimizer: str
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    nvme: dict[str, int] = field(default_factory=dict)
+
+    def total(self, tier: str) -> int:
+        return sum(getattr(self, tier).values())
+
+    def as_dict(self) -> dict:
+        return {
+            "param": self.param,
+            "optimizer": self.optimizer,
+            **{tier: {"total": self.total(tier), "by_category": dict(getattr(self, tier))} for tier in ("device", "host", "nvme")},
+        }
+
+
+def _page(nbytes: int) -> int:
+    return max(PAGE, round_up(nbytes, PAGE))
+
+
+def estimate_tiers(
+    shape: ModelShape,
+    param: str,
+    optimizer: str,
+    *,
+    precision: str = "bf16",
+    world_size: int = 1,
+    prefetch_depth: int = 2,
+    buffer_count: int = 3,
+    staged_device_copies: bool = True,
+) -> TierEstimate:
+    """Peak bytes of one rank on each tier for this placement (see the module docstring).
+
+    staged_device_copies: gradients pass through a host staging ring (true on CUDA; on the CPU
+    fallback the device buffers are host memory already)."""
+    if precision not in COMPUTE_BYTES:
+        raise ConfigError(f"precision {precision!r} is not one of {', '.join(COMPUTE_BYTES)}")
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    cb = COMPUTE_BYTES[precision]
+    padded = shape.padded_numels(world_size)
+    shards = shape.shard_numels(world_size)
+    largest_shard = max(shards)
+    result = TierEstimate(param, optimizer)
+
+    # device
+    # a gradient on its way off the device: the full unit at world 1, this rank's shard after the
+    # reduce-scatter otherwise (the ledger counts what is held until the host copy is done)
+    grad_of = padded if world_size == 1 else shards
+    if param == "none":
+        result.device["param"] = cb * sum(padded)
+        result.device["grad"] = cb * GRADS_IN_FLIGHT * max(grad_of)
+    else:
+        root, others = padded[0], sorted(padded[1:], reverse=True)
+        largest_other = others[0] if others else 0
+        largest_other_grad = max(grad_of[1:], default=0)
+        # two moments compete for the peak: backward through the blocks (root held, the running
+        # block and `depth` fetched ahead, the previous block's gradient in flight), and the end
+        # of backward (root and the first block, the root's gradient in flight)
+        blocks = (root + sum(others[: prefetch_depth + 1]), GRADS_IN_FLIGHT * largest_other_grad)
+        end = (root + largest_other, grad_of[0])
+        params_resident, grads = max(blocks, end, key=sum)
+        result.device["param"] = cb * params_resident
+        result.device["grad"] = cb * grads
+        if world_size > 1:
+            result.device["param_shard"] = cb * largest_shard * min(len(padded), prefetch_depth + 1)
+
+    # host: the engine's budget, every buffer rounded up to a page
+    budget = host_budget_bytes(shards, param_tier=param, optimizer_tier=optimizer, compute_bytes=cb,
+                               buffer_count=buffer_count, prefetch_depth=prefetch_depth,
+                               staged_device_copies=staged_device_copies)
+    if "optimizer_state" in budget:
+        result.host["optimizer_state"] = 4 * sum(_page(4 * n) for n in shards)
+    if "optimizer_slots" in budget:
+        result.host["optimizer_slots"] = buffer_count * (4 * _page(4 * largest_shard) + _page(cb * largest_shard))
+        result.host["grad_slot"] = _page(4 * largest_shard)
+    if "param16" in budget:
+        result.host["param16"] = sum(_page(cb * n) for n in shards)
+    if "param_staging" in budget:
+        result.host["param_staging"] = (prefetch_depth + 2) * _page(cb * largest_shard)
+    if "grad_staging" in budget:
+        result.host["grad_staging"] = 2 * _page(cb * largest_shard)
+
+    # nvme: swap files
+    swap = 0
+    if optimizer == "nvme":
+        swap += sum(4 * (SWAP_HEADER + round_up(4 * n, PAGE)) for n in shards)
+    if param == "nvme":
+        swap += sum(SWAP_HEADER + round_up(cb * n, PAGE) for n in shards)
+    if swap:
+        result.nvme["swap"] = swap
+    return result
+
+
+def activation_bytes(shape: ModelShape, *, micro_batch: int = 1, seq_len: int = 2048, precision: str = "bf16",
+                     checkpointing: bool = False) -> int | None:
+    """A rough figure for the activations of one micro-batch on the device (None when the
+    architecture is unknown). Not in the engine's ledger; real use depends on the attention kernel
+    and the model's code. Per layer and token: about 34 x hidden bytes kept for backward in 16-bit
+    (Korthikanti et al. 2022, without the attention-score term that fused kernels avoid), or one
+    hidden state with activation checkpointing plus one layer recomputed; plus the logits in fp32."""
+    if not shape.hidden_size:
+        return None
+    cb = COMPUTE_BYTES.get(precision, 2)
+    tokens = micro_batch * seq_len
+    per_layer = 34 * shape.hidden_size * tokens * cb // 2
+    if checkpointing:
+        layers = shape.hidden_size * tokens * cb * shape.num_layers + per_layer
+    else:
+        layers = per_layer * shape.num_layers
+    logits = tokens * shape.vocab_size * (cb + 4 + 4)  # logits, their fp32 upcast and its gradient
+    return layers + logits
+
+
+# ---- the machine and the decision ---------------------------------------------------------
+@dataclass
+class Machine:
+    """What one node offers. gpu_bytes None: no accelerator (the CPU stands in; the device tier
+    is host RAM). ranks_per_node: ranks sharing this node's RAM and disk."""
+
+    gpu_bytes: int | None
+    ram_bytes: int
+    disk_bytes: int
+    ranks_per_node: int = 1
+    nvme_path: str = "./offload-swap"
+
+
+def detect_machine(nvme_path: str = "./offload-swap", ranks_per_node: int = 1) -> Machine:
+    """This machine: the first GPU's memory (torch), available RAM (psutil), free space at nvme_path."""
+    import psutil
+    import torch
+
+    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    return Machine(gpu, int(psutil.virtual_memory().available), free_disk_bytes(nvme_path), ranks_per_node, nvme_path)
+
+
+def free_disk_bytes(path: str) -> int:
+    """Free bytes on the file system that holds `path` (or its nearest existing parent)."""
+    probe = Path(path).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return int(shutil.disk_usage(probe).free)
+
+
+def fit_problems(estimate: TierEstimate, machine: Machine, activations: int = 0) -> list[str]:
+    """Why this placement does not fit the machine (an empty list when it fits)."""
+    problems = []
+    ranks = machine.ranks_per_node
+    device = estimate.total("device") + (activations or 0)
+    host = estimate.total("host") * ranks
+    nvme = estimate.total("nvme") * ranks
+    if machine.gpu_bytes is not None:
+        usable = int(machine.gpu_bytes * DEVICE_HEADROOM)
+        if device > usable:
+            problems.append(f"device needs {format_bytes(device)} per GPU, {format_bytes(usable)} usable "
+                            f"({DEVICE_HEADROOM:.0%} of {format_bytes(machine.gpu_bytes)})")
+    else:
+        host += device * ranks  # the CPU stands in for the accelerator: same RAM
+    if host > machine.ram_bytes:
+        problems.append(f"host needs {format_bytes(host)} of RAM for {ranks} rank(s), {format_bytes(machine.ram_bytes)} available")
+    if nvme > machine.disk_bytes:
+        problems.append(f"nvme needs {format_bytes(nvme)} at {machine.nvme_path}, {format_bytes(machine.disk_bytes)} free")
+    return problems
+
+
+def recommend(fits: dict[tuple[str, str], bool]) -> tuple[str, str] | None:
+    """The fastest placement that fits (PLACEMENTS is ordered fastest first), or None."""
+    for placement in PLACEMENTS:
+        if fits.get(placement):
+            return placement
+    return None
+
+
+def recommended_config(placement: tuple[str, str], *, precision: str = "bf16", nvme_path: str = "./offload-swap",
+                       prefetch_depth: int = 2, buffer_count: int = 3) -> dict:
+    """An offload config (every key valid for `offload.load_config`) for this placement."""
+    param, optimizer = placement
+    offload = {"param": param, "optimizer": optimizer}
+    if "nvme" in placement:
+        offload["nvme_path"] = nvme_path
+        offload["buffer_count"] = buffer_count
+    config = {"precision": precision, "offload": offload, "overlap": "forward"}
+    if param != "none":
+        config["prefetch"] = {"depth": prefetch_depth}
+    return config
+
+
+def estimate_report(shape: ModelShape, machine: Machine, *, precision: str = "bf16", world_size: int = 1,
+                    prefetch_depth: int = 2, buffer_count: int = 3, micro_batch: int = 1, seq_len: int = 2048,
+                    checkpointing: bool = False, staged_device_copies: bool | None = None) -> dict:
+    """Every placement's bytes per tier, whether it fits `machine`, and the recommended config
+    (a JSON-able dict; the CLI prints it as a table or as JSON)."""
+    if staged_device_copies is None:
+        staged_device_copies = machine.gpu_bytes is not None
+    activations = activation_bytes(shape, micro_batch=micro_batch, seq_len=seq_len, precision=precision, checkpointing=checkpointing)
+    rows = []
+    fits = {}
+    for placement in PLACEMENTS:
+        estimate = estimate_tiers(shape, *placement, precision=precision, world_size=world_size, prefetch_depth=prefetch_depth,
+                                  buffer_count=buffer_count, staged_device_copies=staged_device_copies)
+        problems = fit_problems(estimate, machine, activations or 0)
+        fits[placement] = not problems
+        rows.append({**estimate.as_dict(), "fits": not problems, "problems": problems})
+    choice = recommend(fits)
+    padded = shape.padded_numels(world_size)
+    return {
+        "model": {
+            "name": shape.name,
+            "params": shape.num_params,
+            "units": len(padded),
+            "largest_unit_params": max(sum(u) for u in shape.unit_tensors()),
+            "root_unit_params": sum(shape.unit_tensors()[0]),
+        },
+        "settings": {"precision": precision, "world_size": world_size, "ranks_per_node": machine.ranks_per_node,
+                     "prefetch_depth": prefetch_depth, "buffer_count": buffer_count, "micro_batch": micro_batch,
+                     "seq_len": seq_len, "checkpointing": checkpointing},
+        "machine": {"gpu_bytes": machine.gpu_bytes, "ram_bytes": machine.ram_bytes, "disk_bytes": machine.disk_bytes,
+                    "nvme_path": machine.nvme_path},
+        "activations_bytes": activations,
+        "activations_note": "rough; not counted by the engine's ledger, added to the device tier when checking fit",
+        "placements": rows,
+        "recommended": None if choice is None else {
+            "param": choice[0],
+            "optimizer": choice[1],
+            "config": recommended_config(choice, precision=precision, nvme_path=machine.nvme_path,
+                                         prefetch_depth=prefetch_depth, buffer_count=buffer_count),
+        },
+    }
+
+
+# ---- sizes as text -----------------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GB' (10^9), '24GiB' or '24G' (2^30), '512M', '1e9' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{text!r} is not a size; write it like 24GB, 24GiB, 512M or 1e9 (bytes)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_count(text: str) -> int:
+    """'7B', '7e9', '13b', '350M', '1.5T' -> a parameter count."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmbtKMBT]?)\s*", str(text))
+    if not match:
+        raise ConfigError(f"{text!r} is not a parameter count; write it like 7B, 7e9 or 350M")
+    scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}[match.group(2).lower()]
+    return int(float(match.group(1)) * scale)
+
+
+def format_bytes(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "-"
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes} B"
