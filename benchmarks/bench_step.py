@@ -1,0 +1,128 @@
+"""Step time of the engine under each placement against plain PyTorch, in one run.
+
+A GPT-2-style model (~124M parameters at the defaults), random init, fixed token batches.
+Plain PyTorch: forward, backward, torch.optim.AdamW(fused=True). The engine: the same model
+and data under each placement, with the breakdown it measures itself (forward, backward,
+step, waits for fetches and for the CPU step). The device is the GPU when there is one, the
+CPU otherwise (then "device" memory is host memory too).
+
+    python benchmarks/bench_step.py [--layers 12 --width 768 --batch 4 --seq 256 --steps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+
+import torch
+
+import offload
+
+PLACEMENTS = [("none", "cpu"), ("cpu", "cpu"), ("nvme", "cpu"), ("none", "nvme"), ("cpu", "nvme"), ("nvme", "nvme")]
+
+
+def build_model(layers: int, width: int, seq: int):
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=50257, n_positions=max(seq, 128), n_embd=width, n_layer=layers, n_head=max(1, width // 64),
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_plain(model, batches, device, precision):
+    model = copy.deepcopy(model).to(device)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    times = []
+    for ids in batches:
+        ids = ids.to(device)
+        synchronize(device)
+        started = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision):
+    config = {
+        "precision": precision,
+        "optimizer": {"lr": 1e-4},
+        "offload": {"param": param, "optimizer": optimizer, "nvme_path": nvme_path},
+        "overlap": overlap,
+    }
+    engine = offload.initialize(copy.deepcopy(model), config)
+    times, breakdowns = [], []
+    try:
+        for ids in batches:
+            synchronize(engine.device.torch_device)
+            engine.pop_timings()
+            started = time.perf_counter()
+            out = engine(input_ids=ids, labels=ids)
+            engine.backward(out.loss)
+            engine.step()
+            synchronize(engine.device.torch_device)
+            times.append(time.perf_counter() - started)
+            breakdowns.append(engine.pop_timings())
+        report = engine.memory_report()
+    finally:
+        engine.close(restore_weights=False)
+    return times, breakdowns, report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--overlap", default="forward", choices=["none", "forward", "backward"])
+    parser.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary one under the working directory)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(args.layers, args.width, args.seq)
+    count = sum(p.numel() for p in model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 50257, (args.batch, args.seq), generator=generator) for _ in range(args.steps + 2)]
+    tokens = args.batch * args.seq
+    print(f"GPT-2 style, {count / 1e6:.0f}M params, batch {args.batch}x{args.seq}, {args.precision}, overlap {args.overlap}, device {device}, torch threads {torch.get_num_threads()}")
+
+    plain = statistics.median(time_plain(model, batches, device, args.precision)[2:])
+    rows = [("plain PyTorch (AdamW fused)", plain, None, None)]
+    with tempfile.TemporaryDirectory(prefix="bench-step-", dir=args.nvme_path or ".") as swap:
+        for param, optimizer in PLACEMENTS:
+            times, breakdowns, report = time_engine(model, batches, param, optimizer, args.overlap, swap, args.precision)
+            median_index = sorted(range(2, len(times)), key=lambda i: times[i])[(len(times) - 2) // 2]
+            rows.append((f"offload param={param:<4} optimizer={optimizer:<4}", times[median_index], breakdowns[median_index], report))
+
+    header = f"{'run':<40}{'step s':>8}{'ratio':>7}{'tok/s':>8}{'fwd':>7}{'bwd':>7}{'step':>7}{'w.fetch':>8}{'w.step':>8}{'dev MB':>8}{'host MB':>8}{'nvme MB':>8}"
+    print(header)
+    print("-" * len(header))
+    for name, seconds, breakdown, report in rows:
+        line = f"{name:<40}{seconds:>8.3f}{seconds / plain:>7.2f}{tokens / seconds:>8.0f}"
+        if breakdown:
+            line += "".join(f"{breakdown[k]:>7.3f}" if k in ("forward", "backward", "step") else f"{breakdown[k]:>8.3f}" for k in ("forward", "backward", "step", "wait_fetch", "wait_step"))
+            line += "".join(f"{report[tier]['peak'] / 2**20:>8.0f}" for tier in ("device", "host", "nvme"))
+        print(line)
+    print("targets (2-core CPU as device): param none/optimizer cpu <= 1.15x plain; optimizer nvme <= 1.5x plain")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
