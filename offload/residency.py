@@ -78,14 +78,18 @@ class Residency:
             self.ledger.allocate("device", unit.shard_numel * self.element_size, "param_shard")
         else:
             unit.fetch_target = unit.device_flat
-        unit.fetch_future = self.transfer.submit(self._fetch, unit, unit.fetch_target)
+        # The storage just allocated may be memory the compute stream freed while kernels that
+        # read it are still queued: the copy stream must not write it before they finish.
+        compute_done = self.device.record_compute_event()
+        unit.fetch_future = self.transfer.submit(self._fetch, unit, unit.fetch_target, compute_done)
 
-    def _fetch(self, unit: UnitState, target: torch.Tensor):
+    def _fetch(self, unit: UnitState, target: torch.Tensor, compute_done):
         """Transfer worker: waits for the unit's pending step, copies its 16-bit shard to `target`."""
         unit.step_done.wait()
         source, staged = self.store.read_param16(unit)
         try:
             with self.device.copy_stream_context():
+                self.device.copy_waits(compute_done)
                 target[: unit.shard_numel].copy_(source, non_blocking=True)
             event = self.device.record_copy_event()
             if staged:
@@ -100,7 +104,7 @@ class Residency:
         event = future.result()
         self.device.compute_waits(event)
         if unit.fetch_target is not unit.device_flat:
-            self.collectives.all_gather_flat(unit.device_flat, unit.fetch_target)
+            self.collectives.all_gather_flat(unit.device_flat, unit.fetch_target, what=f"weights of unit {unit.spec.name}")
             self.ledger.release("device", unit.shard_numel * self.element_size, "param_shard")
         unit.fetch_target = None
         unit.resident = True
@@ -113,7 +117,7 @@ class Residency:
             unit.device_update_event = None
         if unit.needs_gather:
             start, end = unit.layout.shard_range(self.collectives.rank)
-            self.collectives.all_gather_flat(unit.device_flat, unit.device_flat[start:end].clone())
+            self.collectives.all_gather_flat(unit.device_flat, unit.device_flat[start:end].clone(), what=f"weights of unit {unit.spec.name}")
             unit.needs_gather = False
 
     # ---- holding ------------------------------------------------------------------------
