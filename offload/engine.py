@@ -79,8 +79,10 @@ class Engine:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"offload.initialize needs an nn.Module, got {type(model).__name__}")
         self.model = model
+        # the process group first: started from torchrun's environment if needed (which also
+        # picks this rank's CUDA device before Device reads the current one)
+        self.collectives = Collectives(process_group, device=device)
         self.device = Device(device)
-        self.collectives = Collectives(process_group)
         self.compute_dtype = COMPUTE_DTYPES[self.config.precision]
         self.ledger = TierLedger()
         self._closed = False
@@ -115,7 +117,8 @@ class Engine:
             ledger=self.ledger,
             rank=rank,
             local_rank=local_rank,
-            run_name=run_name or default_run_name(),
+            # one run directory for all ranks (rank 0's name), each rank in its rank<r>/ below it
+            run_name=self.collectives.broadcast_object(run_name or default_run_name(), what="the swap run name"),
         )
         self.residency = Residency(
             self.units,
@@ -178,6 +181,8 @@ class Engine:
         with torch.no_grad():
             for param, offset in zip(unit.spec.params, layout.offsets):
                 flat32[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
+        # every rank starts from rank 0's weights, whatever seed each rank built its model with
+        self.collectives.broadcast_host(flat32, src=0, what=f"initial weights of unit {unit.spec.name}")
         start, end = layout.shard_range(rank)
         self.store.initialise(unit, flat32[start:end])
         unit.device_flat = self.device.empty(layout.padded_numel, self.compute_dtype)
@@ -316,12 +321,19 @@ class Engine:
             raise OffloadError("engine.backward needs the scalar loss tensor (e.g. out.loss)")
         if not loss.requires_grad:
             raise OffloadError("engine.backward: the loss does not require grad (was the forward run under torch.no_grad?)")
-        if self.config.precision != "fp16" and not math.isfinite(float(loss.detach())):
-            self._end_backward()
-            raise NonFiniteError(
-                f"the loss is {float(loss.detach())} at micro-step {self.micro_steps}: backward was not run and no "
-                "state changed; check the data and the learning rate, or use precision 'fp16' whose overflow skips the step"
-            )
+        if self.config.precision != "fp16":
+            # agreed over ranks: a rank skipping backward alone would leave the others in its collectives
+            bad_ranks = self.collectives.ranks_with(not math.isfinite(float(loss.detach())), what="the non-finite loss check")
+            if bad_ranks:
+                self._end_backward()
+                where = ""
+                if self.collectives.is_distributed:
+                    where = f" (not finite on rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))})"
+                raise NonFiniteError(
+                    f"the loss is {float(loss.detach())}{where} at micro-step {self.micro_steps}: backward "
+                    "was not run and no state changed; check the data and the learning rate, or use precision 'fp16' "
+                    "whose overflow skips the step"
+                )
         self._wait_step()
         self._boundary_backward = (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
         scaled = loss.float() / self.config.gradient_accumulation_steps
@@ -394,7 +406,7 @@ class Engine:
                 params[index].grad = None
         if self.collectives.is_distributed:
             shard = self.device.empty(layout.shard_numel, self.compute_dtype)
-            self.collectives.reduce_scatter_flat(shard, flat)
+            self.collectives.reduce_scatter_flat(shard, flat, what=f"gradients of unit {unit.spec.name}")
             flat = shard
         event = self.device.record_compute_event()
         first = not unit.window_started
@@ -506,7 +518,7 @@ class Engine:
             if unit.grad_sq_norm is None:
                 unit.grad_sq_norm = self.store.grad_sq_norm(unit)
         local = sum(unit.grad_sq_norm for unit in window)
-        (total,) = self.collectives.sum_host([local])
+        (total,) = self.collectives.sum_host([local], what="the global gradient norm")
         multiplier, norm = gradient_multiplier(
             self.scaler.scale * self.collectives.world_size, total, self.config.gradient_clipping
         )
@@ -538,6 +550,8 @@ class Engine:
         return True
 
     def _finish_backward_overlap(self, window: list[UnitState], nonfinite: list[str]) -> bool:
+        if self.collectives.ranks_with(bool(nonfinite), what="the non-finite gradient check") and not nonfinite:
+            nonfinite = ["units on other ranks"]
         if nonfinite:
             self._discard_window()
             raise NonFiniteError(
@@ -574,10 +588,7 @@ class Engine:
         if not self.collectives.is_distributed:
             return shard
         full = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
-        parts = list(full.chunk(self.collectives.world_size))
-        import torch.distributed as dist
-
-        dist.all_gather(parts, shard, group=self.collectives.host_group)
+        self.collectives.all_gather_host(full, shard, what=f"fp32 master weights of unit {unit.spec.name}")
         return full
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
@@ -663,8 +674,17 @@ class Engine:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, traceback):
+        if exc is None:
+            self.close()
+            return
+        # leaving on an error: tell the other ranks why, and issue no collective on the way out
+        # (the other ranks are elsewhere; gathering the weights would wait for them in vain)
+        self.collectives.announce_failure(exc)
+        try:
+            self.close(restore_weights=False)
+        except Exception as close_error:  # noqa: BLE001 (the original error matters more)
+            logger.error("offload: closing the engine after an error failed too: %s", close_error)
 
 
 def _prepare_inputs(value, device: torch.device, compute_dtype: torch.dtype):

@@ -80,13 +80,20 @@ class UnitStepper:
                 slot.wait_writes()
 
     def _step(self, unit: UnitState, views: dict[str, torch.Tensor], hyper: StepHyper, slot) -> None:
-        ranges = unit.layout.param_ranges_in_shard(self.rank, sorted(unit.grads_in_window))
+        stepped = sorted(unit.grads_in_window)
+        ranges = unit.layout.param_ranges_in_shard(self.rank, stepped)
         unit.grads_in_window.clear()
         unit.window_started = False
         unit.grad_sq_norm = None
-        if not ranges:
+        if not stepped:
             return
+        # every rank counts the unit's step, whether or not its shard holds any of the params
         unit.step_count += 1
+        if not ranges:
+            # this rank's shard is only padding; with `param: none` the other ranks' shards changed
+            # all the same, and every rank must join the gather before the unit's next use
+            unit.needs_gather = self.store.param_tier == "none" and unit.layout.world_size > 1
+            return
         out, staging = self._param16_target(unit, slot)
         sixteen_bit = out.dtype != torch.float32
         try:
