@@ -34,6 +34,7 @@ from offload.config import Config, load_config
 from offload.device import Device
 from offload.errors import ConfigError, NonFiniteError, OffloadError
 from offload.memory import TierLedger
+from offload.materialize import has_meta_state, mapped_zeros, materialize_unit_params
 from offload.optim import kernels
 from offload.precision import DynamicLossScaler, gradient_multiplier
 from offload.prefetch import ExecutionOrder, step_order
@@ -171,13 +172,12 @@ class Engine:
         """Moves the unit's params into its flat buffer and stores its initial state on the tiers."""
         layout = unit.layout
         rank = self.collectives.rank
-        if any(param.is_meta for param in unit.spec.params):
-            from offload.materialize import materialize_unit_params
-
+        if has_meta_state(self.model, unit.spec):
             # a model built on the meta device gets real values one unit at a time, so the
             # whole fp32 model never exists in RAM at once
             materialize_unit_params(self.model, unit.spec)
-        flat32 = torch.zeros(layout.padded_numel, dtype=torch.float32)
+        # its own mapping, unmapped on return (a heap block per unit would stay in the process)
+        flat32 = mapped_zeros(layout.padded_numel, torch.float32)
         with torch.no_grad():
             for param, offset in zip(unit.spec.params, layout.offsets):
                 flat32[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
