@@ -106,8 +106,6 @@ class Engine:
             world,
         )
 
-        self.transfer = ThreadPoolExecutor(1, thread_name_prefix="offload-transfer")
-        self.optimizer_worker = ThreadPoolExecutor(1, thread_name_prefix="offload-step")
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         self.store = TierStore(
             self.units,
@@ -121,6 +119,8 @@ class Engine:
             # one run directory for all ranks (rank 0's name), each rank in its rank<r>/ below it
             run_name=self.collectives.broadcast_object(run_name or default_run_name(), what="the swap run name"),
         )
+        self.transfer = ThreadPoolExecutor(1, thread_name_prefix="offload-transfer")
+        self.optimizer_worker = ThreadPoolExecutor(1, thread_name_prefix="offload-step")
         self.residency = Residency(
             self.units,
             device=self.device,
@@ -132,9 +132,16 @@ class Engine:
             compute_dtype=self.compute_dtype,
         )
         self.stepper = UnitStepper(self.store, self.device, rank)
-        for unit in self.units:
-            self._adopt(unit)
-        self._move_buffers()
+        try:
+            for unit in self.units:
+                self._adopt(unit)
+            self._move_buffers()
+        except BaseException:
+            # nothing half-built outlives a failed start: threads stop, host buffers and swap files go
+            self.transfer.shutdown(wait=True)
+            self.optimizer_worker.shutdown(wait=True)
+            self.store.close()
+            raise
 
         self.scaler = DynamicLossScaler(
             scale=self.config.loss_scale.initial if self.config.precision == "fp16" else 1.0,

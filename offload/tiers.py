@@ -65,29 +65,35 @@ class TierStore:
         buffer_count_estimate = 8 * len(units) + 4 * config.offload.buffer_count + config.prefetch.depth + 8
         self.pool = HostBufferPool(total_budget + 4096 * buffer_count_estimate, pin=pin and config.offload.pin_memory, ledger=ledger, name="offload host pool")
         self.swap = None
-        uses_nvme = "nvme" in (self.param_tier, self.optimizer_tier)
-        if uses_nvme:
-            from offload.swap import SwapStore
+        self._nvme_bytes_recorded = 0  # what this store put in the ledger's nvme tier
+        try:
+            uses_nvme = "nvme" in (self.param_tier, self.optimizer_tier)
+            if uses_nvme:
+                from offload.swap import SwapStore
 
-            path = nvme_path_for_rank(config.offload.nvme_path, local_rank)
-            self.swap = SwapStore(
-                path,
-                run_name=run_name,
-                rank=rank,
-                block_size=config.io.block_size,
-                queue_depth=config.io.queue_depth,
-                threads=config.io.threads,
-            )
-            specs = {}
-            for unit in units:
-                if self.optimizer_tier == "nvme":
-                    for kind in STATE_KINDS:
-                        specs[unit.swap_name(kind)] = (unit.shard_numel, torch.float32)
-                if self.param_tier == "nvme":
-                    specs[unit.swap_name("param16")] = (unit.shard_numel, compute_dtype)
-            self.swap.reserve(specs)
-            ledger.allocate("nvme", self.swap.nbytes_on_disk(), "swap")
-        self._allocate_host()
+                path = nvme_path_for_rank(config.offload.nvme_path, local_rank)
+                self.swap = SwapStore(
+                    path,
+                    run_name=run_name,
+                    rank=rank,
+                    block_size=config.io.block_size,
+                    queue_depth=config.io.queue_depth,
+                    threads=config.io.threads,
+                )
+                specs = {}
+                for unit in units:
+                    if self.optimizer_tier == "nvme":
+                        for kind in STATE_KINDS:
+                            specs[unit.swap_name(kind)] = (unit.shard_numel, torch.float32)
+                    if self.param_tier == "nvme":
+                        specs[unit.swap_name("param16")] = (unit.shard_numel, compute_dtype)
+                self.swap.reserve(specs)
+                self._nvme_bytes_recorded = self.swap.nbytes_on_disk()
+                ledger.allocate("nvme", self._nvme_bytes_recorded, "swap")
+            self._allocate_host()
+        except BaseException:
+            self.close()
+            raise
 
     def _allocate_host(self) -> None:
         largest = self.largest_shard
@@ -227,8 +233,10 @@ class TierStore:
         return {"host_budget": dict(self.budget), "nvme_files": self.swap.nbytes_on_disk() if self.swap else 0}
 
     def close(self) -> None:
+        if self._nvme_bytes_recorded:
+            self.ledger.release("nvme", self._nvme_bytes_recorded, "swap")
+            self._nvme_bytes_recorded = 0
         if self.swap is not None:
-            self.ledger.release("nvme", self.swap.nbytes_on_disk(), "swap")
             self.swap.close()
             self.swap = None
         self.pool.close()
