@@ -419,8 +419,12 @@ def _remove_stale(root: str) -> None:
             continue
         if pid != os.getpid() and _pid_alive(pid):
             continue
-        logger.info("offload: removing %s left by an interrupted save", os.path.join(root, entry))
-        shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        stale = os.path.join(root, entry)
+        logger.info("offload: removing %s left by an interrupted save", stale)
+        if os.path.isdir(stale):
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.remove(stale)
 
 
 def _pid_alive(pid: int) -> bool:
