@@ -188,3 +188,31 @@ def test_process_group_from_environment_decision():
     assert timeout_from_env({"OFFLOAD_DIST_TIMEOUT_S": "20"}) == 20.0
     with pytest.raises(offload.OffloadError, match="OFFLOAD_DIST_TIMEOUT_S"):
         timeout_from_env({"OFFLOAD_DIST_TIMEOUT_S": "soon"})
+
+
+# ---- the torchrun example ----------------------------------------------------------------------
+def test_torchrun_example_two_ranks_nvme_path_per_rank(tmp_path):
+    """examples/torchrun_tiny.py under torchrun: the engine starts the group from the environment."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    disks = [tmp_path / "d0", tmp_path / "d1"]
+    for disk in disks:
+        disk.mkdir()
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OFFLOAD_DIST_TIMEOUT_S": "60",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    completed = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", str(root / "examples" / "torchrun_tiny.py"), "--steps", "3",
+         "--param", "nvme", "--optimizer", "nvme", "--nvme", *map(str, disks)],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "initialised the gloo process group from the environment: rank 1 of 2" in completed.stderr
+    assert "rank 1/2: host" in completed.stderr
+    assert all(list(disk.iterdir()) == [] for disk in disks)  # swap files removed at close
