@@ -1,0 +1,76 @@
+"""The README as a new user reads it: the quick start runs as written, its commands work, and its
+config-key table is the one generated from the config dataclasses."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload import config_docs
+from offload.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def quick_start() -> str:
+    marker = README.index("<!-- quick-start")
+    return re.search(r"```python\n(.*?)```", README[marker:], flags=re.S).group(1)
+
+
+def test_quick_start_is_ten_lines_and_runs_as_written(tmp_path):
+    snippet = quick_start()
+    assert len(snippet.strip().splitlines()) <= 10
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loss, host_peak = result.stdout.split()
+    assert float(loss) >= 0 and int(host_peak) > 0
+
+
+def test_config_key_table_is_current():
+    start, end = README.index(config_docs.BEGIN), README.index(config_docs.END) + len(config_docs.END)
+    assert README[start:end] == config_docs.render_block(), "regenerate it: python -m offload.config_docs"
+
+
+def test_config_key_table_covers_every_key():
+    keys = {row[0] for row in config_docs.config_rows()}
+    assert {"precision", "offload.param", "offload.nvme_path", "io.block_size", "wrap.min_params", "loss_scale.initial"} <= keys
+    assert all(doc for _, _, doc in config_docs.config_rows())
+
+
+def test_the_two_commands_are_make_targets():
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^demo:", makefile, flags=re.M) and re.search(r"^test:", makefile, flags=re.M)
+    assert "make demo" in README and "make test" in README
+
+
+def test_readme_estimate_commands_work(tmp_path, capsys):
+    llama = tmp_path / "config.json"
+    llama.write_text(json.dumps({"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
+                                 "num_attention_heads": 8, "vocab_size": 32000}))
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}))
+    commands = [line for block in code_blocks("sh") for line in block.splitlines() if line.startswith("offload estimate")]
+    assert len(commands) >= 3
+    for command in commands:
+        command = command.replace("path/to/config.json", str(llama)).replace("ds_config.json", str(ds))
+        command = command.replace("/local_nvme", str(tmp_path))
+        argv = shlex.split(command.split("#")[0])[1:]
+        assert cli_main(argv) == 0, command
+        assert "recommended" in capsys.readouterr().out
+
+
+def test_readme_names_existing_example_files():
+    for path in re.findall(r"(examples/[\w/.-]+\.(?:py|json))", README):
+        assert (ROOT / path).is_file(), path
