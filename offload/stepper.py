@@ -8,6 +8,7 @@ its `step_done` event is set: the next forward's fetch of that unit waits on exa
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +34,21 @@ class StepHyper:
     grad_multiplier: float
 
 
+STEP_TIMING_KEYS = ("wait_read", "wait_write", "adam", "publish")
+
+
 class UnitStepper:
     def __init__(self, store: TierStore, device: Device, rank: int) -> None:
         self.store = store
         self.device = device
         self.rank = rank
+        # optimizer-worker seconds since the last pop_timings(): waiting for state reads, for a
+        # slot's writes before reusing it, in the Adam kernel, and sending 16-bit weights home
+        self.timings: dict[str, float] = dict.fromkeys(STEP_TIMING_KEYS, 0.0)
+
+    def pop_timings(self) -> dict[str, float]:
+        timings, self.timings = self.timings, dict.fromkeys(STEP_TIMING_KEYS, 0.0)
+        return timings
 
     def run(self, units: list[UnitState], hyper: StepHyper) -> None:
         """Steps `units` in this order; each unit's `step_done` is set as soon as it is done."""
@@ -57,7 +68,9 @@ class UnitStepper:
 
         def start_read(i: int) -> None:
             slot = slots[i % len(slots)]
+            started = time.perf_counter()
             slot.wait_writes()
+            self.timings["wait_write"] += time.perf_counter() - started
             reads[i] = self.store.load_optimizer_state(units[i], slot, include_grad=True)
 
         if units:
@@ -66,8 +79,10 @@ class UnitStepper:
             for i, unit in enumerate(units):
                 if i + 1 < len(units):
                     start_read(i + 1)
+                started = time.perf_counter()
                 for handle in reads.pop(i):
                     handle.wait()
+                self.timings["wait_read"] += time.perf_counter() - started
                 slot = slots[i % len(slots)]
                 self._step(unit, self.store.optimizer_views(unit, slot), hyper, slot=slot)
                 self.store.store_optimizer_state(unit, slot)
@@ -95,7 +110,12 @@ class UnitStepper:
             unit.needs_gather = self.store.param_tier == "none" and unit.layout.world_size > 1
             return
         out, staging = self._param16_target(unit, slot)
+        if self.store.param_tier == "nvme" and ranges != unit.layout.param_ranges_in_shard(self.rank):
+            # some params are not stepped (frozen, or no gradient this window): the buffer is shared
+            # by all units, so it must start from this unit's 16-bit values, which are written back whole
+            self.store.swap.read_into(unit.swap_name("param16"), out).wait()
         sixteen_bit = out.dtype != torch.float32
+        started = time.perf_counter()
         try:
             for start, end in ranges:
                 kernels.adam_step(
@@ -116,7 +136,10 @@ class UnitStepper:
                 )
                 if not sixteen_bit:
                     out[start:end].copy_(views["master"][start:end])
+            published = time.perf_counter()
+            self.timings["adam"] += published - started
             self._publish(unit, out)
+            self.timings["publish"] += time.perf_counter() - published
         finally:
             if staging:
                 self.store.give_back_staging(out)

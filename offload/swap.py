@@ -181,6 +181,10 @@ class SwapStore:
         self._lock = threading.Lock()
         self._header_buf = mmap.mmap(-1, HEADER_SIZE)  # aligned staging for header I/O; used under _lock
         self._closed = False
+        # data bytes submitted to the disk so far (padding included, headers not): benchmarks
+        # compare them with the disk's bandwidth
+        self.bytes_read = 0
+        self.bytes_written = 0
         log.debug("swap store at %s (O_DIRECT: %s)", self.path, self.direct)
 
     # ---------------------------------------------------------------- creation
@@ -347,6 +351,8 @@ class SwapStore:
         fd, io_len = self._fd_and_length(entry, tensor)
         aio = self.engine.submit_write(fd, tensor, HEADER_SIZE, nbytes=entry.nbytes, io_nbytes=io_len,
                                        checksum=True, path=entry.path)
+        with self._lock:
+            self.bytes_written += io_len
         handle = SwapHandle(self, entry, "write", tensor, aio)
         entry.pending = handle
         return handle
@@ -361,6 +367,8 @@ class SwapStore:
         fd, io_len = self._fd_and_length(entry, tensor)
         aio = self.engine.submit_read(fd, tensor, HEADER_SIZE, nbytes=entry.nbytes, io_nbytes=io_len,
                                       checksum=True, path=entry.path)
+        with self._lock:
+            self.bytes_read += io_len
         handle = SwapHandle(self, entry, "read", tensor, aio, expected_crc=crc)
         entry.pending = handle
         return handle
