@@ -102,11 +102,19 @@ def make_config(swap, param, optimizer, overlap="forward", precision="fp32", **e
     return config
 
 
+def freeze(model, prefix: str | None) -> None:
+    """Turns off requires_grad for the parameters under `prefix` (a module name)."""
+    if prefix:
+        for name, param in model.named_parameters():
+            if name.startswith(prefix + "."):
+                param.requires_grad_(False)
+
+
 def train_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     """Runs every case on this rank's part of each batch; returns per case what the test checks.
 
     A case: {"config", "steps", "batch", "micro" (accumulation: micro-batches per step),
-    "width", "report_only" (build, report memory, close)}."""
+    "width", "freeze" (a module whose params are frozen), "report_only" (build, report memory, close)}."""
     import offload
     from reference import TinyNet, batches, mse
 
@@ -119,6 +127,7 @@ def train_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
             with torch.no_grad():
                 for param in model.parameters():
                     param.add_(1.0)
+        freeze(model, case.get("freeze"))
         engine = offload.initialize(copy.deepcopy(model), case["config"])
         out: dict = {"name": case["name"]}
         store = engine.store

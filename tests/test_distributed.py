@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import offload
-from distributed_worker import fail_mid_step, launch, make_config, train_cases
+from distributed_worker import fail_mid_step, freeze, launch, make_config, train_cases
 from offload.collectives import CollectiveError, describe_failed_ranks, should_init_from_env, timeout_from_env
 from offload.units import plan_flat_layout
 from reference import TinyNet, batches, max_weight_difference, reference_run
@@ -34,6 +34,8 @@ def _cases(swap_dirs: list[str]) -> list[dict]:
         {"name": "clip-nvme-nvme", "config": make_config(swap_dirs, "nvme", "nvme", "none", gradient_clipping=0.05), "clip": 0.05},
         {"name": "accumulate-cpu-cpu", "config": make_config(swap_dirs, "cpu", "cpu", "forward", gradient_accumulation_steps=3),
          "micro": 3, "steps": 4, "batch": 8},
+        # frozen params keep their 16-bit values when the 16-bit home is a shared NVMe slot
+        {"name": "frozen-nvme-nvme", "config": make_config(swap_dirs, "nvme", "nvme", "forward"), "freeze": "blocks.1.up"},
         {"name": "overlap-backward-none-cpu", "config": make_config(swap_dirs, "none", "cpu", "backward")},
         {"name": "fp16-overflow-on-rank1", "config": make_config(swap_dirs, "cpu", "cpu", "forward", precision="fp16",
                                                                  loss_scale={"initial": 1024.0, "growth_interval": 1000}),
@@ -65,6 +67,7 @@ def two_ranks(swap_dirs):
 def _reference(case):
     torch.manual_seed(0)
     model = TinyNet(width=case.get("width", 32))
+    freeze(model, case.get("freeze"))
     micro = case.get("micro", 1)
     data = batches(case.get("steps", STEPS) * micro, batch=case.get("batch", 16))
     if micro > 1:
@@ -73,7 +76,7 @@ def _reference(case):
     return reference_run(model, data, clip=case.get("clip", 0.0))
 
 
-@pytest.mark.parametrize("name", [f"{p}-{o}" for p, o in PLACEMENTS] + ["clip-none-cpu", "clip-nvme-nvme", "overlap-backward-none-cpu"])
+@pytest.mark.parametrize("name", [f"{p}-{o}" for p, o in PLACEMENTS] + ["clip-none-cpu", "clip-nvme-nvme", "frozen-nvme-nvme", "overlap-backward-none-cpu"])
 def test_two_ranks_equal_plain_pytorch(two_ranks, name):
     case, ranks = two_ranks[name]
     reference, reference_losses = _reference(case)
