@@ -18,6 +18,7 @@ became final during the boundary backward.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -47,6 +48,8 @@ from offload.units import build_units, plan_flat_layout
 logger = logging.getLogger(__name__)
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Units whose gradients may sit on the device waiting for the transfer worker at once.
+MAX_GRADS_IN_FLIGHT = 2
 TIMING_KEYS = ("forward", "backward", "step", "wait_fetch", "wait_step")
 
 
@@ -163,7 +166,8 @@ class Engine:
         self._external_holds: set[int] = set()
         self._root_holds_for_backward = 0
         self._boundary_backward = False
-        self._grad_futures: list[Future] = []
+        self._grad_futures: list[Future] = []  # every gradient transfer of the window (errors)
+        self._grads_in_flight: collections.deque[Future] = collections.deque()  # not yet known done
         self._step_future: Future | None = None
         self._backward_step_futures: list[Future] = []
         self._nonfinite_units: list[str] = []
@@ -403,7 +407,10 @@ class Engine:
         pending, unit.grads_pending = unit.grads_pending, set()
         layout = unit.layout
         params = unit.spec.params
+        self._bound_grads_in_flight()
         flat = self.device.empty(layout.padded_numel, self.compute_dtype)
+        full_nbytes = flat.numel() * flat.element_size()
+        self.ledger.allocate("device", full_nbytes, "grad")
         flat.zero_()
         with torch.no_grad():
             for index in pending:
@@ -413,19 +420,32 @@ class Engine:
                 params[index].grad = None
         if self.collectives.is_distributed:
             shard = self.device.empty(layout.shard_numel, self.compute_dtype)
+            self.ledger.allocate("device", shard.numel() * shard.element_size(), "grad")
             self.collectives.reduce_scatter_flat(shard, flat, what=f"gradients of unit {unit.spec.name}")
+            self.ledger.release("device", full_nbytes, "grad")
             flat = shard
         event = self.device.record_compute_event()
         first = not unit.window_started
         unit.window_started = True
         unit.grads_in_window |= pending
-        nbytes = flat.numel() * flat.element_size()
-        self.ledger.allocate("device", nbytes, "grad")
         self.device.keep_alive_on_copy_stream(flat)
         final = self._boundary_backward and self.config.overlap == "backward" and self._runs_once(unit)
         future = self.transfer.submit(self._offload_grad, unit, flat, event, first, self._boundary_backward, final)
         self._grad_futures.append(future)
+        self._grads_in_flight.append(future)
         self._release_backward_holds(unit)
+
+    def _bound_grads_in_flight(self) -> None:
+        """Backpressure: at most MAX_GRADS_IN_FLIGHT units' gradients wait on the device for the
+        transfer worker; the main thread (and so backward) waits for the oldest beyond that."""
+        while self._grads_in_flight and (
+            len(self._grads_in_flight) >= MAX_GRADS_IN_FLIGHT or self._grads_in_flight[0].done()
+        ):
+            oldest = self._grads_in_flight.popleft()
+            if not oldest.done():
+                started = time.perf_counter()
+                oldest.exception()  # waits; errors surface in step() through _grad_futures
+                self.timings["wait_fetch"] += time.perf_counter() - started
 
     def _runs_once(self, unit: UnitState) -> bool:
         recorded = self.forward_order.recorded or []
@@ -483,6 +503,7 @@ class Engine:
 
     def _wait_grads(self) -> None:
         futures, self._grad_futures = self._grad_futures, []
+        self._grads_in_flight.clear()
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             raise OffloadError(f"offload: moving gradients off the device failed: {errors[0]}") from errors[0]
@@ -611,7 +632,10 @@ class Engine:
         result = {}
         for name, tensor in self.model.state_dict(keep_vars=True).items():
             if id(tensor) in values:
-                result[name] = values[id(tensor)]
+                # a tied weight appears under each of its names as its own tensor (safetensors
+                # refuses shared storage)
+                value = values[id(tensor)]
+                result[name] = value.clone() if any(v is value for v in result.values()) else value
             else:
                 result[name] = tensor.detach().to("cpu", copy=True)
         return result
