@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import sysconfig
-import time
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import offload
+from offload.progress import TrainingProgress
 
 
 class CausalSelfAttention(nn.Module):
@@ -105,14 +105,6 @@ def generate(engine, model: ByteGPT, prompt: bytes, length: int, temperature: fl
     return bytes(ids[0].tolist())
 
 
-def format_bytes(count: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1024 or unit == "GB":
-            return f"{count:.0f}{unit}" if unit == "B" else f"{count:.1f}{unit}"
-        count /= 1024
-    return str(count)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -122,8 +114,6 @@ def main(argv=None) -> int:
     parser.add_argument("--sample-bytes", type=int, default=300)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from tqdm import tqdm
-
     torch.manual_seed(0)
     os.makedirs(args.nvme_path, exist_ok=True)
     data = torch.frombuffer(bytearray(standard_library_text(args.text_bytes)), dtype=torch.uint8).long()
@@ -140,12 +130,10 @@ def main(argv=None) -> int:
     }
     engine = offload.initialize(model, config)
     generator = torch.Generator().manual_seed(1)
-    tokens_per_step = args.batch * model.context
-    progress = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True)
-    started = time.perf_counter()
+    progress = TrainingProgress(engine, total=args.steps, desc="train", log_every=0)
     smoothed = None
     try:
-        for step in progress:
+        for _ in range(args.steps):
             starts = torch.randint(0, len(data) - model.context - 1, (args.batch,), generator=generator)
             batch = torch.stack([data[s : s + model.context + 1] for s in starts.tolist()])
             loss = engine(batch[:, :-1], batch[:, 1:])
@@ -153,16 +141,7 @@ def main(argv=None) -> int:
             engine.step()
             value = loss.item()
             smoothed = value if smoothed is None else 0.9 * smoothed + 0.1 * value
-            if step % 5 == 0 or step == args.steps - 1:
-                report = engine.memory_report()
-                elapsed = time.perf_counter() - started
-                progress.set_postfix(
-                    loss=f"{smoothed:.3f}",
-                    tok_s=f"{(step + 1) * tokens_per_step / elapsed:.0f}",
-                    device=format_bytes(report["device"]["peak"]),
-                    host=format_bytes(report["host"]["current"]),
-                    nvme=format_bytes(report["nvme"]["current"]),
-                )
+            progress.update(loss=smoothed, tokens=batch[:, 1:].numel())
         progress.close()
         print(f"final loss {smoothed:.3f} (a uniform guess over bytes is {math.log(256):.3f})")
         sample = generate(engine, model, b"def ", args.sample_bytes)
