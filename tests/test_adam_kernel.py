@@ -171,6 +171,95 @@ def test_16bit_copy_out_equals_to_dtype_bit_for_bit(isa, out_dtype):
         assert_bits_equal(out, p.to(out_dtype), "param_out16 after a step")
 
 
+@pytest.fixture
+def streaming():
+    """Makes every adam_step call use the streaming mode (non-temporal param_out16, prefetch)."""
+    kernels.set_streaming_threshold(0)
+    yield
+    kernels.set_streaming_threshold(None)
+
+
+def _steps(n, grad_dtype, out, *, seed, steps=3):
+    p, gen = make_state(n, seed=seed)
+    m, v = torch.zeros(n), torch.zeros(n)
+    for step in range(1, steps + 1):
+        g = torch.randn(n, generator=gen).to(grad_dtype)
+        kernel_step(p, g, m, v, step=step, lr=LR, wd=0.01, adamw=True, param_out16=out)
+    return p, m, v
+
+
+@pytest.mark.parametrize("grad_dtype,out_dtype", [(torch.float32, None), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("n", [17, 45, 200_003])
+@pytest.mark.parametrize("offset", [0, 13])
+def test_streaming_mode_gives_identical_results(isa, grad_dtype, out_dtype, n, offset):
+    # param_out16 at every misalignment (offset elements into its storage): the head up to the
+    # first 64-byte boundary, the streamed body, the tail and, past 65536 elements, chunk
+    # boundaries of the thread split that fall at unaligned out16 addresses.
+    def run(threshold):
+        out = None if out_dtype is None else torch.full((n + offset,), 7.0, dtype=out_dtype)[offset:]
+        kernels.set_streaming_threshold(threshold)
+        try:
+            return _steps(n, grad_dtype, out, seed=n + offset, steps=2), out
+        finally:
+            kernels.set_streaming_threshold(None)
+
+    (p1, m1, v1), out1 = run(2**62)
+    (p2, m2, v2), out2 = run(0)
+    assert_bits_equal(p2, p1, "param")
+    assert_bits_equal(m2, m1, "exp_avg")
+    assert_bits_equal(v2, v1, "exp_avg_sq")
+    if out_dtype is not None:
+        assert_bits_equal(out2, out1, "param_out16")
+        assert_bits_equal(out2, p2.to(out_dtype), "param_out16 vs param")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_streamed_16bit_copy_out_equals_to_dtype_bit_for_bit(isa, streaming, out_dtype):
+    values = special_fp32_values()
+    n = values.numel()
+    p = values.clone()
+    out = torch.empty(n, dtype=out_dtype)
+    kernels.adam_step(p, torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0, beta1=BETA1, beta2=BETA2,
+                      eps=EPS, weight_decay=0.0, param_out16=out)
+    assert_bits_equal(out, values.to(out_dtype), f"param_out16 ({out_dtype}), streamed")
+
+
+def test_streaming_threshold_setting():
+    default = kernels.streaming_threshold()
+    assert default >= 1 << 20  # only arrays far beyond a last-level cache stream by default
+    try:
+        kernels.set_streaming_threshold(123)
+        assert kernels.streaming_threshold() == 123
+    finally:
+        kernels.set_streaming_threshold(None)
+    assert kernels.streaming_threshold() == default
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        kernels.set_streaming_threshold(-1)
+    with pytest.raises(TypeError, match="int or None"):
+        kernels.set_streaming_threshold(1.5)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_traffic_kernel_touches_every_element(isa, stream):
+    # The benchmark's bandwidth limit runs this kernel; one that skipped elements would
+    # overstate the limit.
+    from offload import _adam_ext
+
+    n = 200_003
+    p0, gen = make_state(n, seed=19)
+    g = torch.randn(n, generator=gen).to(torch.bfloat16)
+    p, m, v = p0.clone(), torch.ones(n), torch.full((n,), 2.0)
+    out = torch.zeros(n + 3, dtype=torch.bfloat16)[3:]
+    _adam_ext.adam_traffic(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), out.data_ptr(), n, _adam_ext.BF16,
+                           _adam_ext.BF16, stream)
+    g32 = g.float()
+    assert_bits_equal(p, p0 + g32, "param")
+    assert_bits_equal(m, 1.0 + g32, "exp_avg")
+    assert_bits_equal(v, 2.0 + g32, "exp_avg_sq")
+    assert_bits_equal(out, p.to(torch.bfloat16), "param_out16")
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_grad_scale_equals_prescaled_gradient(isa, grad_dtype):
     n = 40_000

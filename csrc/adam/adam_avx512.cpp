@@ -30,55 +30,122 @@ inline __m256i to_bf16(__m512 p) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
-template <int GradType, int OutType>
+// Stream: a full, unmasked vector whose param_out16 destination is 32-byte aligned, written
+// with a non-temporal store. Traffic: the same loads and stores around trivial arithmetic (the
+// benchmark's bandwidth limit of this access pattern), not an Adam step.
+template <int GradType, int OutType, bool Traffic, bool Stream = false>
 inline void adam_vector(const AdamArgs& a, size_t i, __mmask16 mask, bool lerp_small, __m512 lerp_coeff) {
   __m512 g = load_grad<GradType>(a.grad, i, mask);
   __m512 p = _mm512_maskz_loadu_ps(mask, a.param + i);
   __m512 m = _mm512_maskz_loadu_ps(mask, a.exp_avg + i);
   __m512 v = _mm512_maskz_loadu_ps(mask, a.exp_avg_sq + i);
-  if (a.apply_scale) g = _mm512_mul_ps(g, _mm512_set1_ps(a.grad_scale));
-  if (a.l2_decay) g = _mm512_fmadd_ps(p, _mm512_set1_ps(a.weight_decay), g);
-  if (a.decoupled_decay) p = _mm512_mul_ps(p, _mm512_set1_ps(a.decay_factor));
-  m = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(g, m), lerp_small ? m : g);
-  v = _mm512_mul_ps(v, _mm512_set1_ps(a.beta2));
-  // addcmul_: torch's build contracts self + (value * t1) * t2 into one fused multiply-add
-  v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(a.one_minus_beta2), g), g, v);
-  __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(a.bias_correction2_sqrt)),
-                               _mm512_set1_ps(a.eps));
-  p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(a.neg_step_size), m), denom));
+  if (Traffic) {
+    p = _mm512_add_ps(p, g);
+    m = _mm512_add_ps(m, g);
+    v = _mm512_add_ps(v, g);
+  } else {
+    if (a.apply_scale) g = _mm512_mul_ps(g, _mm512_set1_ps(a.grad_scale));
+    if (a.l2_decay) g = _mm512_fmadd_ps(p, _mm512_set1_ps(a.weight_decay), g);
+    if (a.decoupled_decay) p = _mm512_mul_ps(p, _mm512_set1_ps(a.decay_factor));
+    m = _mm512_fmadd_ps(lerp_coeff, _mm512_sub_ps(g, m), lerp_small ? m : g);
+    v = _mm512_mul_ps(v, _mm512_set1_ps(a.beta2));
+    // addcmul_: torch's build contracts self + (value * t1) * t2 into one fused multiply-add
+    v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(a.one_minus_beta2), g), g, v);
+    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(a.bias_correction2_sqrt)),
+                                 _mm512_set1_ps(a.eps));
+    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(a.neg_step_size), m), denom));
+  }
   _mm512_mask_storeu_ps(a.param + i, mask, p);
   _mm512_mask_storeu_ps(a.exp_avg + i, mask, m);
   _mm512_mask_storeu_ps(a.exp_avg_sq + i, mask, v);
+  if (OutType == kNone) return;
   uint16_t* out16 = static_cast<uint16_t*>(a.param_out16);
-  if (OutType == kBF16) _mm256_mask_storeu_epi16(out16 + i, mask, to_bf16(p));
-  if (OutType == kF16)
-    _mm256_mask_storeu_epi16(out16 + i, mask, _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i half = OutType == kBF16 ? to_bf16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  if (Stream)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(out16 + i), half);
+  else
+    _mm256_mask_storeu_epi16(out16 + i, mask, half);
 }
 
-template <int GradType, int OutType>
+// Software prefetch of the read streams kPrefetchElements ahead of element i; one call per
+// 32 elements (two fp32 cache lines, one of a 16-bit gradient).
+template <int GradType>
+inline void prefetch_ahead(const AdamArgs& a, size_t i) {
+  const size_t j = i + kPrefetchElements;
+  _mm_prefetch(reinterpret_cast<const char*>(a.param + j), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(a.param + j + 16), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg + j), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg + j + 16), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg_sq + j), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg_sq + j + 16), _MM_HINT_T0);
+  if (GradType == kF32) {
+    _mm_prefetch(reinterpret_cast<const char*>(static_cast<const float*>(a.grad) + j), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(static_cast<const float*>(a.grad) + j + 16), _MM_HINT_T0);
+  } else {
+    _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(a.grad) + j), _MM_HINT_T0);
+  }
+}
+
+// The streaming loop: elements up to the first 64-byte boundary of param_out16 go through
+// masked vectors (the same instructions as the body), then full vectors with non-temporal
+// stores, then the masked tail; a store fence makes the streamed stores globally visible
+// before the range returns.
+template <int GradType, int OutType, bool Traffic>
+void adam_stream(const AdamArgs& a, size_t begin, size_t end, bool lerp_small, __m512 lerp_coeff) {
+  size_t i = begin;
+  if (OutType != kNone) {
+    const uintptr_t address = reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(a.param_out16) + i);
+    size_t head = min_size(end - i, ((64 - (address & 63)) & 63) / 2);
+    for (; head > 0;) {
+      const size_t k = min_size(head, 16);
+      adam_vector<GradType, OutType, Traffic>(a, i, __mmask16((1u << k) - 1u), lerp_small, lerp_coeff);
+      i += k;
+      head -= k;
+    }
+  }
+  for (; i + 32 <= end; i += 32) {
+    prefetch_ahead<GradType>(a, i);
+    adam_vector<GradType, OutType, Traffic, true>(a, i, 0xffff, lerp_small, lerp_coeff);
+    adam_vector<GradType, OutType, Traffic, true>(a, i + 16, 0xffff, lerp_small, lerp_coeff);
+  }
+  for (; i + 16 <= end; i += 16) adam_vector<GradType, OutType, Traffic, true>(a, i, 0xffff, lerp_small, lerp_coeff);
+  if (i < end) adam_vector<GradType, OutType, Traffic>(a, i, __mmask16((1u << (end - i)) - 1u), lerp_small, lerp_coeff);
+  _mm_sfence();
+}
+
+template <int GradType, int OutType, bool Traffic>
 void adam_range(const AdamArgs& args, size_t begin, size_t end) {
   // A local copy: with -fno-strict-aliasing every store could otherwise alias the caller's
   // AdamArgs and force its fields to be reloaded each iteration.
   const AdamArgs a = args;
   const bool lerp_small = __builtin_fabsf(a.beta1_weight) < 0.5f;
   const __m512 lerp_coeff = _mm512_set1_ps(lerp_small ? a.beta1_weight : a.beta1_weight - 1.0f);
+  // A param_out16 at an odd address cannot be aligned for streaming stores (a 16-bit tensor
+  // from torch never is).
+  if (a.stream && (OutType == kNone || (reinterpret_cast<uintptr_t>(a.param_out16) & 1) == 0))
+    return adam_stream<GradType, OutType, Traffic>(a, begin, end, lerp_small, lerp_coeff);
   size_t i = begin;
-  for (; i + 16 <= end; i += 16) adam_vector<GradType, OutType>(a, i, 0xffff, lerp_small, lerp_coeff);
-  if (i < end) adam_vector<GradType, OutType>(a, i, __mmask16((1u << (end - i)) - 1u), lerp_small, lerp_coeff);
+  for (; i + 16 <= end; i += 16) adam_vector<GradType, OutType, Traffic>(a, i, 0xffff, lerp_small, lerp_coeff);
+  if (i < end) adam_vector<GradType, OutType, Traffic>(a, i, __mmask16((1u << (end - i)) - 1u), lerp_small, lerp_coeff);
 }
 
-template <int GradType>
+template <int GradType, bool Traffic>
 void adam_out(const AdamArgs& a, size_t begin, size_t end) {
-  if (a.out_type == kBF16) return adam_range<GradType, kBF16>(a, begin, end);
-  if (a.out_type == kF16) return adam_range<GradType, kF16>(a, begin, end);
-  return adam_range<GradType, kNone>(a, begin, end);
+  if (a.out_type == kBF16) return adam_range<GradType, kBF16, Traffic>(a, begin, end);
+  if (a.out_type == kF16) return adam_range<GradType, kF16, Traffic>(a, begin, end);
+  return adam_range<GradType, kNone, Traffic>(a, begin, end);
 }
 
-void adam(const AdamArgs& a, size_t begin, size_t end) {
-  if (a.grad_type == kBF16) return adam_out<kBF16>(a, begin, end);
-  if (a.grad_type == kF16) return adam_out<kF16>(a, begin, end);
-  return adam_out<kF32>(a, begin, end);
+template <bool Traffic>
+void adam_or_traffic(const AdamArgs& a, size_t begin, size_t end) {
+  if (a.grad_type == kBF16) return adam_out<kBF16, Traffic>(a, begin, end);
+  if (a.grad_type == kF16) return adam_out<kF16, Traffic>(a, begin, end);
+  return adam_out<kF32, Traffic>(a, begin, end);
 }
+
+void adam(const AdamArgs& a, size_t begin, size_t end) { adam_or_traffic<false>(a, begin, end); }
+
+void traffic(const AdamArgs& a, size_t begin, size_t end) { adam_or_traffic<true>(a, begin, end); }
 
 double sum_squares(const void* data, int type, size_t begin, size_t end) {
   return sum_squares_any(data, type, begin, end);
@@ -91,7 +158,7 @@ bool any_nonfinite(const void* data, int type, size_t begin, size_t end) {
 }  // namespace
 
 const IsaKernels& avx512_kernels() {
-  static const IsaKernels table{"avx512", adam, sum_squares, any_nonfinite};
+  static const IsaKernels table{"avx512", adam, traffic, sum_squares, any_nonfinite};
   return table;
 }
 

@@ -39,11 +39,27 @@ struct AdamArgs {
   float bias_correction2_sqrt;
   float eps;
   float neg_step_size;   // -lr / bias_correction1
+  // Large arrays (far beyond the last-level cache): write param_out16 with non-temporal
+  // stores (no read-for-ownership of lines that are only written; it will not be re-read
+  // from this cache soon) and prefetch the read streams in software a few lines ahead.
+  // Changes no result, only the memory traffic; the variants without streaming stores
+  // (portable) ignore it. Every range that streams ends with a store fence.
+  bool stream;
 };
+
+// Prefetch distance of the streaming mode, in elements (512 bytes of fp32).
+constexpr size_t kPrefetchElements = 128;
+
+// (std::min would be an inline function with external linkage; see the note at the top.)
+static inline size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
 
 struct IsaKernels {
   const char* name;
   void (*adam)(const AdamArgs& args, size_t begin, size_t end);
+  // The memory traffic of `adam` with the same arguments (same loads, stores and streaming
+  // mode) around trivial arithmetic: the benchmark's bandwidth limit for this access pattern.
+  // Overwrites the buffers with meaningless values.
+  void (*traffic)(const AdamArgs& args, size_t begin, size_t end);
   // Sum of squares of elements [begin, end) in double, in a fixed order (deterministic).
   double (*sum_squares)(const void* data, int type, size_t begin, size_t end);
   // True when any element of [begin, end) is NaN or infinite.

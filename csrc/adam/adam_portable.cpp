@@ -16,7 +16,9 @@ inline float load_grad(const void* grad, size_t i) {
   return f16_to_float(static_cast<const uint16_t*>(grad)[i]);
 }
 
-template <int GradType, int OutType>
+// Traffic: the same loads and stores around trivial arithmetic (the benchmark's bandwidth
+// limit of this access pattern), not an Adam step. No streaming stores here (a.stream ignored).
+template <int GradType, int OutType, bool Traffic>
 void adam_range(const AdamArgs& args, size_t begin, size_t end) {
   // A local copy: with -fno-strict-aliasing every store could otherwise alias the caller's
   // AdamArgs and force its fields to be reloaded each iteration.
@@ -29,14 +31,20 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
     float p = a.param[i];
     float m = a.exp_avg[i];
     float v = a.exp_avg_sq[i];
-    if (a.apply_scale) g = g * a.grad_scale;
-    if (a.l2_decay) g = __builtin_fmaf(p, a.weight_decay, g);        // grad.add(param, alpha=wd)
-    if (a.decoupled_decay) p = p * a.decay_factor;                   // param.mul_(1 - lr*wd)
-    m = __builtin_fmaf(lerp_coeff, g - m, lerp_small ? m : g);       // exp_avg.lerp_(grad, 1-beta1)
-    v = v * a.beta2;                                                 // exp_avg_sq.mul_(beta2)
-    v = __builtin_fmaf(a.one_minus_beta2 * g, g, v);                 //   .addcmul_(grad, grad, 1-beta2)
-    float denom = __builtin_sqrtf(v) / a.bias_correction2_sqrt + a.eps;
-    p = p + (a.neg_step_size * m) / denom;                           // addcdiv_(m, denom, -step)
+    if (Traffic) {
+      p = p + g;
+      m = m + g;
+      v = v + g;
+    } else {
+      if (a.apply_scale) g = g * a.grad_scale;
+      if (a.l2_decay) g = __builtin_fmaf(p, a.weight_decay, g);        // grad.add(param, alpha=wd)
+      if (a.decoupled_decay) p = p * a.decay_factor;                   // param.mul_(1 - lr*wd)
+      m = __builtin_fmaf(lerp_coeff, g - m, lerp_small ? m : g);       // exp_avg.lerp_(grad, 1-beta1)
+      v = v * a.beta2;                                                 // exp_avg_sq.mul_(beta2)
+      v = __builtin_fmaf(a.one_minus_beta2 * g, g, v);                 //   .addcmul_(grad, grad, 1-beta2)
+      float denom = __builtin_sqrtf(v) / a.bias_correction2_sqrt + a.eps;
+      p = p + (a.neg_step_size * m) / denom;                           // addcdiv_(m, denom, -step)
+    }
     a.param[i] = p;
     a.exp_avg[i] = m;
     a.exp_avg_sq[i] = v;
@@ -45,18 +53,23 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
   }
 }
 
-template <int GradType>
+template <int GradType, bool Traffic>
 void adam_out(const AdamArgs& a, size_t begin, size_t end) {
-  if (a.out_type == kBF16) return adam_range<GradType, kBF16>(a, begin, end);
-  if (a.out_type == kF16) return adam_range<GradType, kF16>(a, begin, end);
-  return adam_range<GradType, kNone>(a, begin, end);
+  if (a.out_type == kBF16) return adam_range<GradType, kBF16, Traffic>(a, begin, end);
+  if (a.out_type == kF16) return adam_range<GradType, kF16, Traffic>(a, begin, end);
+  return adam_range<GradType, kNone, Traffic>(a, begin, end);
 }
 
-void adam(const AdamArgs& a, size_t begin, size_t end) {
-  if (a.grad_type == kBF16) return adam_out<kBF16>(a, begin, end);
-  if (a.grad_type == kF16) return adam_out<kF16>(a, begin, end);
-  return adam_out<kF32>(a, begin, end);
+template <bool Traffic>
+void adam_or_traffic(const AdamArgs& a, size_t begin, size_t end) {
+  if (a.grad_type == kBF16) return adam_out<kBF16, Traffic>(a, begin, end);
+  if (a.grad_type == kF16) return adam_out<kF16, Traffic>(a, begin, end);
+  return adam_out<kF32, Traffic>(a, begin, end);
 }
+
+void adam(const AdamArgs& a, size_t begin, size_t end) { adam_or_traffic<false>(a, begin, end); }
+
+void traffic(const AdamArgs& a, size_t begin, size_t end) { adam_or_traffic<true>(a, begin, end); }
 
 double sum_squares(const void* data, int type, size_t begin, size_t end) {
   return sum_squares_any(data, type, begin, end);
@@ -69,7 +82,7 @@ bool any_nonfinite(const void* data, int type, size_t begin, size_t end) {
 }  // namespace
 
 const IsaKernels& portable_kernels() {
-  static const IsaKernels table{"portable", adam, sum_squares, any_nonfinite};
+  static const IsaKernels table{"portable", adam, traffic, sum_squares, any_nonfinite};
   return table;
 }
 

@@ -129,21 +129,36 @@ void parallel_ranges(size_t n, const Body& body) {
   });
 }
 
-void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t param_out16,
-               size_t n, int grad_type, int out_type, double grad_scale, double weight_decay, bool l2_decay,
-               double decay_factor, bool decoupled_decay, double beta1_weight, double beta2, double one_minus_beta2,
-               double bias_correction2_sqrt, double eps, double neg_step_size) {
-  const char* op = "adam_step";
+// Calls of adam_step with at least this many elements use the streaming mode (AdamArgs::
+// stream): their arrays are far larger than a last-level cache (tens of MB), so param_out16
+// would be evicted before anyone re-reads it. Smaller calls keep it in cache for the copy
+// that follows. Settable for tests and benchmarks.
+constexpr size_t kDefaultStreamElements = size_t(1) << 21;
+std::atomic<size_t> g_stream_elements{kDefaultStreamElements};
+
+bool use_streaming(size_t n) { return n >= g_stream_elements.load(std::memory_order_relaxed); }
+
+void set_streaming_threshold(int64_t n) {
+  if (n < 0) throw std::invalid_argument("set_streaming_threshold: n must be >= 0, got " + std::to_string(n));
+  g_stream_elements.store(size_t(n));
+}
+
+void check_step_types(const char* op, int grad_type, int out_type) {
   check_type(op, "grad", grad_type, false);
   check_type(op, "param_out16", out_type, true);
-  if (out_type == kF32) throw std::invalid_argument("adam_step: param_out16 must be bf16 or fp16");
-  if (n == 0) return;
+  if (out_type == kF32) throw std::invalid_argument(std::string(op) + ": param_out16 must be bf16 or fp16");
+}
+
+// The buffers of one step, checked, with the scalars left zero.
+AdamArgs buffer_args(const char* op, uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+                     uintptr_t param_out16, int grad_type, int out_type) {
+  check_step_types(op, grad_type, out_type);
   check_pointer(op, "param", param);
   check_pointer(op, "grad", grad);
   check_pointer(op, "exp_avg", exp_avg);
   check_pointer(op, "exp_avg_sq", exp_avg_sq);
   if (out_type != kNone) check_pointer(op, "param_out16", param_out16);
-  AdamArgs args;
+  AdamArgs args{};
   args.param = reinterpret_cast<float*>(param);
   args.grad = reinterpret_cast<const void*>(grad);
   args.exp_avg = reinterpret_cast<float*>(exp_avg);
@@ -151,6 +166,29 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
   args.param_out16 = out_type == kNone ? nullptr : reinterpret_cast<void*>(param_out16);
   args.grad_type = grad_type;
   args.out_type = out_type;
+  return args;
+}
+
+// The memory traffic of adam_step on these buffers (IsaKernels::traffic), streaming mode
+// forced on or off; for the benchmark's bandwidth limit. Overwrites the buffers.
+void adam_traffic(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t param_out16,
+                  size_t n, int grad_type, int out_type, bool stream) {
+  check_step_types("adam_traffic", grad_type, out_type);
+  if (n == 0) return;
+  AdamArgs args = buffer_args("adam_traffic", param, grad, exp_avg, exp_avg_sq, param_out16, grad_type, out_type);
+  args.stream = stream;
+  const IsaKernels& k = kernels();
+  parallel_ranges(n, [&](size_t begin, size_t end) { k.traffic(args, begin, end); });
+}
+
+void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t param_out16,
+               size_t n, int grad_type, int out_type, double grad_scale, double weight_decay, bool l2_decay,
+               double decay_factor, bool decoupled_decay, double beta1_weight, double beta2, double one_minus_beta2,
+               double bias_correction2_sqrt, double eps, double neg_step_size) {
+  check_step_types("adam_step", grad_type, out_type);
+  if (n == 0) return;
+  AdamArgs args = buffer_args("adam_step", param, grad, exp_avg, exp_avg_sq, param_out16, grad_type, out_type);
+  args.stream = use_streaming(n);
   // Each scalar is rounded to fp32 once, as torch rounds a Python scalar operand.
   args.grad_scale = float(grad_scale);
   args.apply_scale = grad_scale != 1.0;
@@ -258,6 +296,12 @@ PYBIND11_MODULE(_adam_ext, m) {
         py::arg("grad_scale"), py::arg("weight_decay"), py::arg("l2_decay"), py::arg("decay_factor"),
         py::arg("decoupled_decay"), py::arg("beta1_weight"), py::arg("beta2"), py::arg("one_minus_beta2"),
         py::arg("bias_correction2_sqrt"), py::arg("eps"), py::arg("neg_step_size"));
+  m.def("adam_traffic", &adam_traffic, release(), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("param_out16"), py::arg("n"), py::arg("grad_type"), py::arg("out_type"),
+        py::arg("stream"));
+  m.def("set_streaming_threshold", &set_streaming_threshold, py::arg("n"));
+  m.def("streaming_threshold", [] { return g_stream_elements.load(); });
+  m.attr("DEFAULT_STREAMING_THRESHOLD") = kDefaultStreamElements;
   m.def("sq_norm", &sq_norm, release(), py::arg("data"), py::arg("n"), py::arg("type"));
   m.def("has_nonfinite", &has_nonfinite, release(), py::arg("data"), py::arg("n"), py::arg("type"));
   m.def("set_num_threads", &set_num_threads, release(), py::arg("n"));

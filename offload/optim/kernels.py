@@ -33,6 +33,8 @@ __all__ = [
     "active_isa",
     "available_isas",
     "force_isa",
+    "set_streaming_threshold",
+    "streaming_threshold",
 ]
 
 _TYPE_CODES = {torch.float32: _ext.F32, torch.bfloat16: _ext.BF16, torch.float16: _ext.F16}
@@ -141,6 +143,27 @@ def adam_step(
         float(eps),
         -step_size,
     )
+
+
+def set_streaming_threshold(n: int | None) -> None:
+    """adam_step calls with at least n elements use non-temporal stores for param_out16 and
+    software prefetch (arrays far beyond the last-level cache); None restores the default.
+
+    Results are identical either way; only the memory traffic differs.
+    """
+    if n is None:
+        _ext.set_streaming_threshold(_ext.DEFAULT_STREAMING_THRESHOLD)
+        return
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"set_streaming_threshold: n must be an int or None, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"set_streaming_threshold: n must be >= 0, got {n}")
+    _ext.set_streaming_threshold(n)
+
+
+def streaming_threshold() -> int:
+    """Element count from which adam_step streams (see set_streaming_threshold)."""
+    return _ext.streaming_threshold()
 
 
 def _check_reduce_input(op: str, t: torch.Tensor) -> None:
