@@ -107,6 +107,22 @@ def test_small_beta1_and_no_bias_correction(isa):
     assert_bits_equal(p1, p2, "param without bias correction")
 
 
+@pytest.mark.parametrize("adamw", [True, False])
+def test_late_steps_where_bias_correction2_rounds_to_one(isa, adamw):
+    # From step ~17000 (beta2 0.999) sqrt(1 - beta2**step) is 1.0 in fp32 and the kernel skips
+    # that division; the result must still equal torch's formula, which divides by 1.
+    n = 4097
+    p0, gen = make_state(n, seed=23)
+    p_ref, m_ref, v_ref = p0.clone(), torch.rand(n, generator=gen), torch.rand(n, generator=gen) * 1e-3
+    p, m, v = p_ref.clone(), m_ref.clone(), v_ref.clone()
+    for step in (16_000, 20_000, 20_001, 10**6):
+        g = torch.randn(n, generator=gen)
+        reference_step(p_ref, g, m_ref, v_ref, step=step, lr=LR, wd=0.01, adamw=adamw)
+        kernel_step(p, g, m, v, step=step, lr=LR, wd=0.01, adamw=adamw)
+        assert_bits_equal(p, p_ref, f"param at step {step}")
+        assert_bits_equal(v, v_ref, f"exp_avg_sq at step {step}")
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [17, 4097, 100_003])
 def test_16bit_gradients_equal_fp32_of_them(isa, grad_dtype, n):

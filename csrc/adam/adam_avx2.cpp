@@ -52,8 +52,9 @@ inline void adam_vector(const AdamArgs& a, float* param, const void* grad, float
     v = _mm256_mul_ps(v, _mm256_set1_ps(a.beta2));
     // addcmul_: torch's build contracts self + (value * t1) * t2 into one fused multiply-add
     v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(a.one_minus_beta2), g), g, v);
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), _mm256_set1_ps(a.bias_correction2_sqrt)),
-                                 _mm256_set1_ps(a.eps));
+    __m256 root = _mm256_sqrt_ps(v);
+    if (a.divide_bc2) root = _mm256_div_ps(root, _mm256_set1_ps(a.bias_correction2_sqrt));
+    __m256 denom = _mm256_add_ps(root, _mm256_set1_ps(a.eps));
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(a.neg_step_size), m), denom));
   }
   _mm256_storeu_ps(param + i, p);

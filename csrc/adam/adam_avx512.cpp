@@ -51,8 +51,9 @@ inline void adam_vector(const AdamArgs& a, size_t i, __mmask16 mask, bool lerp_s
     v = _mm512_mul_ps(v, _mm512_set1_ps(a.beta2));
     // addcmul_: torch's build contracts self + (value * t1) * t2 into one fused multiply-add
     v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(a.one_minus_beta2), g), g, v);
-    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), _mm512_set1_ps(a.bias_correction2_sqrt)),
-                                 _mm512_set1_ps(a.eps));
+    __m512 root = _mm512_sqrt_ps(v);
+    if (a.divide_bc2) root = _mm512_div_ps(root, _mm512_set1_ps(a.bias_correction2_sqrt));
+    __m512 denom = _mm512_add_ps(root, _mm512_set1_ps(a.eps));
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(a.neg_step_size), m), denom));
   }
   _mm512_mask_storeu_ps(a.param + i, mask, p);

@@ -37,6 +37,7 @@ struct AdamArgs {
   float beta2;
   float one_minus_beta2;
   float bias_correction2_sqrt;
+  bool divide_bc2;       // bias_correction2_sqrt != 1 (x / 1 == x exactly: the division is skipped)
   float eps;
   float neg_step_size;   // -lr / bias_correction1
   // Large arrays (far beyond the last-level cache): write param_out16 with non-temporal

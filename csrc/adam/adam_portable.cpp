@@ -42,7 +42,9 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
       m = __builtin_fmaf(lerp_coeff, g - m, lerp_small ? m : g);       // exp_avg.lerp_(grad, 1-beta1)
       v = v * a.beta2;                                                 // exp_avg_sq.mul_(beta2)
       v = __builtin_fmaf(a.one_minus_beta2 * g, g, v);                 //   .addcmul_(grad, grad, 1-beta2)
-      float denom = __builtin_sqrtf(v) / a.bias_correction2_sqrt + a.eps;
+      float root = __builtin_sqrtf(v);
+      if (a.divide_bc2) root = root / a.bias_correction2_sqrt;
+      float denom = root + a.eps;
       p = p + (a.neg_step_size * m) / denom;                           // addcdiv_(m, denom, -step)
     }
     a.param[i] = p;

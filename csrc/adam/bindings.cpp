@@ -200,6 +200,9 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
   args.beta2 = float(beta2);
   args.one_minus_beta2 = float(one_minus_beta2);
   args.bias_correction2_sqrt = float(bias_correction2_sqrt);
+  // Late in training (beta2 = 0.999: from about step 17000) and without bias correction the
+  // fp32 factor is exactly 1; dividing by it changes no bit (sqrt never returns a signalling NaN).
+  args.divide_bc2 = args.bias_correction2_sqrt != 1.0f;
   args.eps = float(eps);
   args.neg_step_size = float(neg_step_size);
   const IsaKernels& k = kernels();
