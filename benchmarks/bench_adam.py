@@ -14,7 +14,7 @@ rounds of the per-round ratio (robust to the load of a shared machine changing).
 Bandwidth limit, per workload and per round, on scratch arrays of the same sizes:
 `adam_traffic` runs the kernel's own loop (same loads, same stores, same thread split) with
 the arithmetic replaced by additions, once with ordinary stores and once in the streaming
-mode (non-temporal stores of the 16-bit copy, software prefetch); the faster of the two in a
+mode (non-temporal stores of the 16-bit copy); the faster of the two in a
 round is that round's limit, and "of BW" is the median over rounds of Adam's rate over it.
 For reference, STREAM triad (a = b + s*c) is printed with STREAM's 24 B/element and with
 the 32 B/element it really moves (a's lines are read for ownership before being written).

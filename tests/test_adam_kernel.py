@@ -189,7 +189,7 @@ def test_16bit_copy_out_equals_to_dtype_bit_for_bit(isa, out_dtype):
 
 @pytest.fixture
 def streaming():
-    """Makes every adam_step call use the streaming mode (non-temporal param_out16, prefetch)."""
+    """Makes every adam_step call use the streaming mode (non-temporal param_out16 stores)."""
     kernels.set_streaming_threshold(0)
     yield
     kernels.set_streaming_threshold(None)

@@ -88,25 +88,6 @@ inline void adam_partial(const AdamArgs& a, size_t i, size_t rest, bool lerp_sma
   if (OutType != kNone) std::memcpy(out16 + i, out, rest * 2);
 }
 
-// Software prefetch of the read streams kPrefetchElements ahead of element i; one call per
-// 32 elements (two fp32 cache lines, one of a 16-bit gradient).
-template <int GradType>
-inline void prefetch_ahead(const AdamArgs& a, size_t i) {
-  const size_t j = i + kPrefetchElements;
-  _mm_prefetch(reinterpret_cast<const char*>(a.param + j), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(a.param + j + 16), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg + j), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg + j + 16), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg_sq + j), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg_sq + j + 16), _MM_HINT_T0);
-  if (GradType == kF32) {
-    _mm_prefetch(reinterpret_cast<const char*>(static_cast<const float*>(a.grad) + j), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(static_cast<const float*>(a.grad) + j + 16), _MM_HINT_T0);
-  } else {
-    _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(a.grad) + j), _MM_HINT_T0);
-  }
-}
-
 // The streaming loop: elements up to the first 64-byte boundary of param_out16 go through
 // the stack-buffer path, then full vectors with non-temporal stores of param_out16, then the
 // tail; a store fence makes the streamed stores globally visible before the range returns.
@@ -114,7 +95,7 @@ template <int GradType, int OutType, bool Traffic>
 void adam_stream(const AdamArgs& a, size_t begin, size_t end, bool lerp_small, __m256 lerp_coeff) {
   uint16_t* out16 = static_cast<uint16_t*>(a.param_out16);
   size_t i = begin;
-  if (OutType != kNone) {
+  {
     const uintptr_t address = reinterpret_cast<uintptr_t>(out16 + i);
     size_t head = min_size(end - i, ((64 - (address & 63)) & 63) / 2);
     for (; head > 0;) {
@@ -124,15 +105,9 @@ void adam_stream(const AdamArgs& a, size_t begin, size_t end, bool lerp_small, _
       head -= k;
     }
   }
-  for (; i + 32 <= end; i += 32) {
-    prefetch_ahead<GradType>(a, i);
-    for (size_t j = i; j < i + 32; j += 8)
-      adam_vector<GradType, OutType, Traffic, true>(a, a.param, a.grad, a.exp_avg, a.exp_avg_sq, out16, j, lerp_small,
-                                           lerp_coeff);
-  }
   for (; i + 8 <= end; i += 8)
     adam_vector<GradType, OutType, Traffic, true>(a, a.param, a.grad, a.exp_avg, a.exp_avg_sq, out16, i, lerp_small,
-                                         lerp_coeff);
+                                                  lerp_coeff);
   if (i < end) adam_partial<GradType, OutType, Traffic>(a, i, end - i, lerp_small, lerp_coeff);
   _mm_sfence();
 }
@@ -146,7 +121,7 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
   const __m256 lerp_coeff = _mm256_set1_ps(lerp_small ? a.beta1_weight : a.beta1_weight - 1.0f);
   // A param_out16 at an odd address cannot be aligned for streaming stores (a 16-bit tensor
   // from torch never is).
-  if (a.stream && (OutType == kNone || (reinterpret_cast<uintptr_t>(a.param_out16) & 1) == 0))
+  if (OutType != kNone && a.stream && (reinterpret_cast<uintptr_t>(a.param_out16) & 1) == 0)
     return adam_stream<GradType, OutType, Traffic>(a, begin, end, lerp_small, lerp_coeff);
   uint16_t* out16 = static_cast<uint16_t*>(a.param_out16);
   size_t i = begin;

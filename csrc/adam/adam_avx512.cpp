@@ -68,25 +68,6 @@ inline void adam_vector(const AdamArgs& a, size_t i, __mmask16 mask, bool lerp_s
     _mm256_mask_storeu_epi16(out16 + i, mask, half);
 }
 
-// Software prefetch of the read streams kPrefetchElements ahead of element i; one call per
-// 32 elements (two fp32 cache lines, one of a 16-bit gradient).
-template <int GradType>
-inline void prefetch_ahead(const AdamArgs& a, size_t i) {
-  const size_t j = i + kPrefetchElements;
-  _mm_prefetch(reinterpret_cast<const char*>(a.param + j), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(a.param + j + 16), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg + j), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg + j + 16), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg_sq + j), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(a.exp_avg_sq + j + 16), _MM_HINT_T0);
-  if (GradType == kF32) {
-    _mm_prefetch(reinterpret_cast<const char*>(static_cast<const float*>(a.grad) + j), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(static_cast<const float*>(a.grad) + j + 16), _MM_HINT_T0);
-  } else {
-    _mm_prefetch(reinterpret_cast<const char*>(static_cast<const uint16_t*>(a.grad) + j), _MM_HINT_T0);
-  }
-}
-
 // The streaming loop: elements up to the first 64-byte boundary of param_out16 go through
 // masked vectors (the same instructions as the body), then full vectors with non-temporal
 // stores, then the masked tail; a store fence makes the streamed stores globally visible
@@ -94,7 +75,7 @@ inline void prefetch_ahead(const AdamArgs& a, size_t i) {
 template <int GradType, int OutType, bool Traffic>
 void adam_stream(const AdamArgs& a, size_t begin, size_t end, bool lerp_small, __m512 lerp_coeff) {
   size_t i = begin;
-  if (OutType != kNone) {
+  {
     const uintptr_t address = reinterpret_cast<uintptr_t>(static_cast<uint16_t*>(a.param_out16) + i);
     size_t head = min_size(end - i, ((64 - (address & 63)) & 63) / 2);
     for (; head > 0;) {
@@ -103,11 +84,6 @@ void adam_stream(const AdamArgs& a, size_t begin, size_t end, bool lerp_small, _
       i += k;
       head -= k;
     }
-  }
-  for (; i + 32 <= end; i += 32) {
-    prefetch_ahead<GradType>(a, i);
-    adam_vector<GradType, OutType, Traffic, true>(a, i, 0xffff, lerp_small, lerp_coeff);
-    adam_vector<GradType, OutType, Traffic, true>(a, i + 16, 0xffff, lerp_small, lerp_coeff);
   }
   for (; i + 16 <= end; i += 16) adam_vector<GradType, OutType, Traffic, true>(a, i, 0xffff, lerp_small, lerp_coeff);
   if (i < end) adam_vector<GradType, OutType, Traffic>(a, i, __mmask16((1u << (end - i)) - 1u), lerp_small, lerp_coeff);
@@ -123,7 +99,7 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
   const __m512 lerp_coeff = _mm512_set1_ps(lerp_small ? a.beta1_weight : a.beta1_weight - 1.0f);
   // A param_out16 at an odd address cannot be aligned for streaming stores (a 16-bit tensor
   // from torch never is).
-  if (a.stream && (OutType == kNone || (reinterpret_cast<uintptr_t>(a.param_out16) & 1) == 0))
+  if (OutType != kNone && a.stream && (reinterpret_cast<uintptr_t>(a.param_out16) & 1) == 0)
     return adam_stream<GradType, OutType, Traffic>(a, begin, end, lerp_small, lerp_coeff);
   size_t i = begin;
   for (; i + 16 <= end; i += 16) adam_vector<GradType, OutType, Traffic>(a, i, 0xffff, lerp_small, lerp_coeff);

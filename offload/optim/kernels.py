@@ -146,8 +146,8 @@ def adam_step(
 
 
 def set_streaming_threshold(n: int | None) -> None:
-    """adam_step calls with at least n elements use non-temporal stores for param_out16 and
-    software prefetch (arrays far beyond the last-level cache); None restores the default.
+    """adam_step calls with at least n elements write param_out16 with non-temporal stores
+    (arrays far beyond the last-level cache); None restores the default.
 
     Results are identical either way; only the memory traffic differs.
     """
