@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import logging
 import mmap
+import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -182,8 +183,7 @@ def materialize_unit_params(model: nn.Module, spec: UnitSpec) -> None:
     initialises them as the model would; see the module docstring for the rules."""
     owned = {id(param) for param in spec.params}
     modules = territory(spec.module, owned)
-    parents = _parent_map(model)
-    names = _qualified_names(model)
+    parents, names = _model_maps(model)
     pending_params = {id(p): p for p in spec.params if p.is_meta}
     versions: dict[int, tuple[str, torch.Tensor, int]] = {}  # id -> (name, tensor, version after allocation)
     for dtype in {p.dtype for p in pending_params.values()}:
@@ -240,6 +240,18 @@ def materialize_unit_params(model: nn.Module, spec: UnitSpec) -> None:
         )
     logger.debug("offload: materialised %d params and %d buffers of unit %s", len(pending_params),
                  sum(len(v) for v in meta_buffers.values()), spec.name)
+
+
+_MAPS: "weakref.WeakKeyDictionary[nn.Module, tuple[dict, dict]]" = weakref.WeakKeyDictionary()
+
+
+def _model_maps(model: nn.Module) -> tuple[dict[int, nn.Module], dict[int, str]]:
+    """(parent of each module, qualified name of each module and param), computed once per model:
+    the engine materialises unit after unit, and a walk of the whole model per unit is quadratic."""
+    maps = _MAPS.get(model)
+    if maps is None:
+        maps = _MAPS[model] = (_parent_map(model), _qualified_names(model))
+    return maps
 
 
 def _qualified_names(model: nn.Module) -> dict[int, str]:

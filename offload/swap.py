@@ -75,7 +75,8 @@ def _dtype_nbytes(numel: int, dtype: torch.dtype) -> int:
 class _Entry:
     """One swap file. `pending` is the last handle not yet waited on (ordering per name)."""
 
-    __slots__ = ("name", "path", "fd", "buffered_fd", "numel", "dtype", "nbytes", "padded", "pending", "written")
+    __slots__ = ("name", "path", "fd", "buffered_fd", "numel", "dtype", "nbytes", "padded", "pending", "written",
+                 "write_submitted")
 
     def __init__(self, name, path, fd, numel, dtype):
         self.name, self.path, self.fd, self.numel, self.dtype = name, path, fd, numel, dtype
@@ -84,6 +85,7 @@ class _Entry:
         self.padded = round_up(self.nbytes)
         self.pending: SwapHandle | None = None
         self.written = False
+        self.write_submitted = False  # any write ever started (even one that failed)
 
     @property
     def file_size(self) -> int:
@@ -355,6 +357,7 @@ class SwapStore:
             self.bytes_written += io_len
         handle = SwapHandle(self, entry, "write", tensor, aio)
         entry.pending = handle
+        entry.write_submitted = True
         return handle
 
     def read_into(self, name: str, tensor: torch.Tensor) -> SwapHandle:
@@ -376,6 +379,10 @@ class SwapStore:
     # ---------------------------------------------------------------- bookkeeping
     def names(self) -> list[str]:
         return list(self._entries)
+
+    def never_written(self, name: str) -> bool:
+        """True while no write of `name` was ever started: it still reads as zeros, without I/O."""
+        return not self._entries[name].write_submitted
 
     def file_path(self, name: str) -> str:
         return self._entries[name].path

@@ -131,13 +131,19 @@ class TierStore:
             for kind in ("exp_avg", "exp_avg_sq", "grad32"):
                 unit.host[kind].zero_()
         else:
+            # only the master is written: the moments and the fp32 gradient start at zero, and a
+            # swap file never written reads as zeros without touching the disk (at 3B params:
+            # 12 GB of start-up writes instead of 48 GB)
             slot = self.slots[0]
             n = unit.shard_numel
             slot.master[:n].copy_(master_values)
-            slot.exp_avg[:n].zero_()
-            slot.exp_avg_sq[:n].zero_()
-            slot.grad32[:n].zero_()
-            self.store_optimizer_state(unit, slot, include_grad=True)
+            for kind, buffer in slot.tensors().items():
+                name = unit.swap_name(kind)
+                if kind != "master":
+                    if self.swap.never_written(name):
+                        continue
+                    buffer[:n].zero_()
+                slot.pending_writes.append(self.swap.write_from(name, buffer[:n]))
             slot.wait_writes()
         self.store_param16_values(unit, master_values)
 

@@ -293,3 +293,23 @@ def test_meta_model_is_never_materialised_whole(swap_dir):
     assert meta["growth"] < 0.5 * fp32_model, meta
     cpu = peak_rss_growth("cpu", swap_dir)
     assert cpu["growth"] > 0.5 * fp32_model, cpu
+
+
+def test_start_up_writes_only_master_and_16_bit_weights(swap_dir):
+    """Moments and fp32 gradients start at zero and a never-written swap file reads as zeros, so
+    start-up writes 4 + 2 bytes per param (not 18); the first step then reads them as zeros."""
+    torch.manual_seed(0)
+    model = on_meta(TinyNet, width=64, depth=3)
+    engine = offload.initialize(model, fp32_config(swap_dir, "nvme", "nvme"))
+    swap = engine.store.swap
+    expected = sum(-(-unit.shard_numel * nbytes // 4096) * 4096 for unit in engine.units for nbytes in (4, 4))
+    assert swap.bytes_written == expected  # fp32 master + fp32 "16-bit" copy (precision fp32)
+    assert all(swap.never_written(unit.swap_name(kind)) for unit in engine.units for kind in ("exp_avg", "exp_avg_sq"))
+    initial = engine.consolidated_state_dict()
+    reference_model = TinyNet(width=64, depth=3)
+    reference_model.load_state_dict(initial)
+    data = batches(3)
+    reference, _ = reference_run(reference_model, data)
+    engine_run(engine, data)
+    assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
+    engine.close()
