@@ -9,17 +9,20 @@ Timing: offload, its torch peer and the bandwidth limit's kernels are timed alte
 (ABCD..., the order reversed every round) on arrays allocated and warmed the same way
 (created filled, one untimed call each, so page faults and lazily created optimizer state are
 out of the timed calls). Reported: the median and the best of the rounds, and the median over
-rounds of the per-round ratio (robust to the load of a shared machine changing).
+rounds of the per-round ratio (robust to the load of a shared machine changing). Each timed
+call starts after a 5 ms pause, so torch's OpenMP workers, which spin for a while after a
+parallel region, do not take CPU from whichever call comes next.
 
 Bandwidth limit, per workload and per round, on scratch arrays of the same sizes:
 `adam_traffic` runs the kernel's own loop (same loads, same stores, same thread split) with
 the arithmetic replaced by additions, once with ordinary stores and once in the streaming
-mode (non-temporal stores of the 16-bit copy); the faster of the two in a
-round is that round's limit, and "of BW" is the median over rounds of Adam's rate over it.
+mode (non-temporal stores of the 16-bit copy); the faster of the two medians is the limit,
+and "of BW" is Adam's median rate over it.
 For reference, STREAM triad (a = b + s*c) is printed with STREAM's 24 B/element and with
 the 32 B/element it really moves (a's lines are read for ownership before being written).
 
-    python benchmarks/bench_adam.py [--sizes 10e6 100e6] [--repeats 7] [--threads N] [--foreach]
+    python benchmarks/bench_adam.py [--sizes 10e6 100e6] [--repeats 15] [--threads N] [--foreach]
+                                    [--streaming-threshold N]
 """
 from __future__ import annotations
 
@@ -41,7 +44,11 @@ BYTES_PER_PARAM = 28  # see the module docstring
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
+PAUSE_S = 0.005  # before each timed call: torch's OpenMP workers stop spinning, the next call starts idle
+
+
 def timed(fn) -> float:
+    time.sleep(PAUSE_S)
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -128,12 +135,17 @@ def stream_triad_gbs(n: int, rounds: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[10e6, 100e6])
-    parser.add_argument("--repeats", type=int, default=7, help="rounds of alternating timings (median reported)")
+    parser.add_argument("--repeats", type=int, default=15, help="rounds of alternating timings (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="offload kernel threads (default: all CPUs)")
     parser.add_argument("--foreach", action="store_true", help="also time torch AdamW(foreach=True)")
+    parser.add_argument("--streaming-threshold", type=float, default=None,
+                        help="adam_step calls from this many elements use non-temporal stores (default: the "
+                             "kernel's; 1e18 turns them off, to compare)")
     args = parser.parse_args()
     if args.threads:
         kernels.set_num_threads(args.threads)
+    if args.streaming_threshold is not None:
+        kernels.set_streaming_threshold(int(args.streaming_threshold))
     print(f"offload kernel ISA: {kernels.active_isa()}, threads: {kernels.get_num_threads()}, streaming from "
           f"{kernels.streaming_threshold() / 1e6:.1f}M elements; torch {torch.__version__}, "
           f"torch threads: {torch.get_num_threads()}; {args.repeats} alternating rounds, median (best)")
@@ -169,12 +181,11 @@ def main() -> None:
                 times.append(foreach)
                 names.append(f"{label}  torch AdamW(foreach=True)")
                 gc.collect()
-            limit_rounds = [n / min(a, b) for a, b in zip(plain, streamed)]
-            limit = statistics.median(limit_rounds)
+            limit = n / min(statistics.median(plain), statistics.median(streamed))
             print(f"{label} bandwidth limit (kernel's access pattern, no arithmetic, median of rounds): ordinary "
                   f"stores {n / statistics.median(plain) / 1e9:.2f}, streaming {n / statistics.median(streamed) / 1e9:.2f}"
-                  f" G params/s; the faster per round -> limit {limit / 1e9:.2f} G params/s = "
-                  f"{limit * BYTES_PER_PARAM / 1e9:.1f} GB/s at {BYTES_PER_PARAM} B/param")
+                  f" G params/s -> limit {limit / 1e9:.2f} G params/s = {limit * BYTES_PER_PARAM / 1e9:.1f} GB/s at "
+                  f"{BYTES_PER_PARAM} B/param")
             peer = times[0]
             for i, (name, t) in enumerate(zip(names, times)):
                 med = statistics.median(t)
@@ -184,9 +195,8 @@ def main() -> None:
                 else:
                     per_round = statistics.median(p / x for p, x in zip(peer, t))
                     ratio = f"{statistics.median(peer) / med:.2f}x ({per_round:.2f}x)"
-                of_bw = statistics.median(n / x / lim for x, lim in zip(t, limit_rounds))
                 print(f"{name:40s} {med * 1e3:8.1f} {min(t) * 1e3:8.1f} {rate / 1e9:9.2f} "
-                      f"{rate * BYTES_PER_PARAM / 1e9:6.1f} {ratio:>25s} {of_bw:6.0%}")
+                      f"{rate * BYTES_PER_PARAM / 1e9:6.1f} {ratio:>25s} {rate / limit:6.0%}")
 
 if __name__ == "__main__":
     main()
