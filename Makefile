@@ -10,7 +10,7 @@ PIP := $(PY) -m pip
 
 # torch is pinned first and alone: this exact version is the CPU build available locally;
 # any other request would pull several GB of CUDA packages.
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*/*.cpp csrc/*/*.h)
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*/*.cpp csrc/*/*.h csrc/*/*.inc)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0

@@ -55,31 +55,7 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
   }
 }
 
-template <int GradType, bool Traffic>
-void adam_out(const AdamArgs& a, size_t begin, size_t end) {
-  if (a.out_type == kBF16) return adam_range<GradType, kBF16, Traffic>(a, begin, end);
-  if (a.out_type == kF16) return adam_range<GradType, kF16, Traffic>(a, begin, end);
-  return adam_range<GradType, kNone, Traffic>(a, begin, end);
-}
-
-template <bool Traffic>
-void adam_or_traffic(const AdamArgs& a, size_t begin, size_t end) {
-  if (a.grad_type == kBF16) return adam_out<kBF16, Traffic>(a, begin, end);
-  if (a.grad_type == kF16) return adam_out<kF16, Traffic>(a, begin, end);
-  return adam_out<kF32, Traffic>(a, begin, end);
-}
-
-void adam(const AdamArgs& a, size_t begin, size_t end) { adam_or_traffic<false>(a, begin, end); }
-
-void traffic(const AdamArgs& a, size_t begin, size_t end) { adam_or_traffic<true>(a, begin, end); }
-
-double sum_squares(const void* data, int type, size_t begin, size_t end) {
-  return sum_squares_any(data, type, begin, end);
-}
-
-bool any_nonfinite(const void* data, int type, size_t begin, size_t end) {
-  return any_nonfinite_any(data, type, begin, end);
-}
+#include "adam/isa_dispatch.inc"
 
 }  // namespace
 
