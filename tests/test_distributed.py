@@ -12,6 +12,7 @@ import itertools
 import os
 
 import pytest
+from processes import run_process_group
 import torch
 
 import offload
@@ -197,7 +198,6 @@ def test_process_group_from_environment_decision():
 def test_torchrun_example_two_ranks_nvme_path_per_rank(tmp_path):
     """examples/torchrun_tiny.py under torchrun: the engine starts the group from the environment."""
     import shutil
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -210,10 +210,10 @@ def test_torchrun_example_two_ranks_nvme_path_per_rank(tmp_path):
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OFFLOAD_DIST_TIMEOUT_S": "60",
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    completed = subprocess.run(
+    completed = run_process_group(
         [torchrun, "--standalone", "--nproc_per_node", "2", str(root / "examples" / "torchrun_tiny.py"), "--steps", "3",
          "--param", "nvme", "--optimizer", "nvme", "--nvme", *map(str, disks)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+        timeout=300, env=env, cwd=tmp_path,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "initialised the gloo process group from the environment: rank 1 of 2" in completed.stderr

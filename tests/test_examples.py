@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import run_process_group
 import torch
 
 from offload.progress import TrainingProgress, step_breakdown
@@ -70,11 +71,9 @@ def test_finetune_under_torchrun_two_ranks(tmp_path):
         pytest.skip("torchrun is not installed")
     out = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    completed = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "finetune_causal_lm.py"), "--tiny", "--no-progress",
-         "--offload-config", str(EXAMPLES / "configs" / "10b_on_4_gpus.json"), "--result-json", str(out)],
-        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path,
-    )
+    command = [torchrun, "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "finetune_causal_lm.py"), "--tiny", "--no-progress",
+               "--offload-config", str(EXAMPLES / "configs" / "10b_on_4_gpus.json"), "--result-json", str(out)]
+    completed = run_process_group(command, timeout=300, env=env, cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and len(result["losses"]) == 2
