@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
