@@ -313,3 +313,22 @@ def test_start_up_writes_only_master_and_16_bit_weights(swap_dir):
     engine_run(engine, data)
     assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
     engine.close()
+
+
+def test_scale_benchmark_runs_at_small_size_and_leaves_no_swap(tmp_path):
+    """benchmarks/scale.py end to end at ~4M params (no disk measurement): it reports, and its
+    swap directory is gone afterwards."""
+    path = tmp_path / "scale"
+    results = tmp_path / "results.md"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "benchmarks", "scale.py"), "--params", "4e6", "--vocab", "1000", "--steps", "2",
+         "--skip-bench", "--block-size", "1048576", "--queue-depth", "8", "--io-threads", "2", "--path", str(path),
+         "--results", str(results)],
+        capture_output=True, text=True, env=env, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 2: loss" in done.stdout
+    text = results.read_text()
+    assert "Peak RSS" in text and "| nvme |" in text
+    assert os.listdir(path) == []
