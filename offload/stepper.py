@@ -138,7 +138,7 @@ class UnitStepper:
                     out[start:end].copy_(views["master"][start:end])
             published = time.perf_counter()
             self.timings["adam"] += published - started
-            self._publish(unit, out)
+            self._publish(unit, out, slot)
             self.timings["publish"] += time.perf_counter() - published
         finally:
             if staging:
@@ -153,13 +153,20 @@ class UnitStepper:
             return slot.param16[:n], False
         return self.store.param_staging.take()[:n], True
 
-    def _publish(self, unit: UnitState, out: torch.Tensor) -> None:
+    def _publish(self, unit: UnitState, out: torch.Tensor, slot) -> None:
         """Sends the new 16-bit shard to the param's home tier."""
         tier = self.store.param_tier
         if tier == "cpu":
             return
         if tier == "nvme":
-            self.store.swap.write_from(unit.swap_name("param16"), out).wait()
+            handle = self.store.swap.write_from(unit.swap_name("param16"), out)
+            if slot is None:
+                handle.wait()  # `out` is a staging buffer, given back right after
+            else:
+                # The unit counts as stepped without waiting for this write: the swap store
+                # orders the next fetch's read of the same file after it, and the slot (with
+                # `out` in it) is reused only after its pending writes complete.
+                slot.pending_writes.append(handle)
             return
         start, end = unit.layout.shard_range(self.rank)
         with self.device.copy_stream_context():

@@ -102,6 +102,9 @@ class SwapHandle:
         self._expected_crc = expected_crc
         self._done = aio is None
         self._error: BaseException | None = None
+        # wait() may be called from two threads at once (the optimizer worker draining a slot's
+        # writes, the transfer worker ordering its read of the same name behind the write)
+        self._wait_lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -111,20 +114,22 @@ class SwapHandle:
         return self._done or (self._aio is not None and self._aio.done())
 
     def wait(self) -> None:
-        if self._done:
-            if self._error is not None:
-                raise self._error
-            return
-        try:
-            self._finish()
-        except BaseException as e:
-            self._error = e
-            raise
-        finally:
-            self._done = True
-            if self._entry.pending is self:
-                self._entry.pending = None
-            self._tensor = None
+        with self._wait_lock:
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                return
+            try:
+                self._finish()
+            except BaseException as e:
+                self._error = e
+                raise
+            finally:
+                self._done = True
+                with self._store._lock:
+                    if self._entry.pending is self:
+                        self._entry.pending = None
+                self._tensor = None
 
     def _finish(self) -> None:
         entry = self._entry
@@ -356,7 +361,8 @@ class SwapStore:
         with self._lock:
             self.bytes_written += io_len
         handle = SwapHandle(self, entry, "write", tensor, aio)
-        entry.pending = handle
+        with self._lock:
+            entry.pending = handle
         entry.write_submitted = True
         return handle
 
@@ -373,7 +379,8 @@ class SwapStore:
         with self._lock:
             self.bytes_read += io_len
         handle = SwapHandle(self, entry, "read", tensor, aio, expected_crc=crc)
-        entry.pending = handle
+        with self._lock:
+            entry.pending = handle
         return handle
 
     # ---------------------------------------------------------------- bookkeeping
