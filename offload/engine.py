@@ -403,11 +403,40 @@ class Engine:
             self._flush_grads(unit)
 
     def _flush_grads(self, unit: UnitState) -> None:
-        """Main thread: the unit's gradients as one flat buffer, handed to the transfer worker."""
+        """Main thread: hands the unit's gradients to the transfer worker and releases the unit."""
         pending, unit.grads_pending = unit.grads_pending, set()
         layout = unit.layout
         params = unit.spec.params
         self._bound_grads_in_flight()
+        if self.device.is_cuda or self.collectives.is_distributed:
+            pieces = [(0, self._flat_grad_shard(unit, pending))]
+        else:
+            # CPU device, one rank: the gradients are host memory already; the transfer worker
+            # adds them straight into the fp32 gradient, with no flat copy in between
+            pieces = []
+            with torch.no_grad():
+                for index in sorted(pending):
+                    grad = params[index].grad
+                    if grad is not None:
+                        pieces.append((layout.offsets[index], grad.reshape(-1)))
+                    params[index].grad = None
+            self.ledger.allocate("device", sum(g.numel() * g.element_size() for _, g in pieces), "grad")
+        event = self.device.record_compute_event()
+        first = not unit.window_started
+        unit.window_started = True
+        unit.grads_in_window |= pending
+        for _, grad in pieces:
+            self.device.keep_alive_on_copy_stream(grad)
+        final = self._boundary_backward and self.config.overlap == "backward" and self._runs_once(unit)
+        future = self.transfer.submit(self._offload_grad, unit, pieces, event, first, self._boundary_backward, final)
+        self._grad_futures.append(future)
+        self._grads_in_flight.append(future)
+        self._release_backward_holds(unit)
+
+    def _flat_grad_shard(self, unit: UnitState, pending: set[int]) -> torch.Tensor:
+        """The unit's gradients as one flat device buffer, reduce-scattered to this rank's shard."""
+        layout = unit.layout
+        params = unit.spec.params
         flat = self.device.empty(layout.padded_numel, self.compute_dtype)
         full_nbytes = flat.numel() * flat.element_size()
         self.ledger.allocate("device", full_nbytes, "grad")
@@ -418,22 +447,13 @@ class Engine:
                 if grad is not None:
                     flat[layout.offsets[index] : layout.offsets[index] + layout.numels[index]].copy_(grad.reshape(-1))
                 params[index].grad = None
-        if self.collectives.is_distributed:
-            shard = self.device.empty(layout.shard_numel, self.compute_dtype)
-            self.ledger.allocate("device", shard.numel() * shard.element_size(), "grad")
-            self.collectives.reduce_scatter_flat(shard, flat, what=f"gradients of unit {unit.spec.name}")
-            self.ledger.release("device", full_nbytes, "grad")
-            flat = shard
-        event = self.device.record_compute_event()
-        first = not unit.window_started
-        unit.window_started = True
-        unit.grads_in_window |= pending
-        self.device.keep_alive_on_copy_stream(flat)
-        final = self._boundary_backward and self.config.overlap == "backward" and self._runs_once(unit)
-        future = self.transfer.submit(self._offload_grad, unit, flat, event, first, self._boundary_backward, final)
-        self._grad_futures.append(future)
-        self._grads_in_flight.append(future)
-        self._release_backward_holds(unit)
+        if not self.collectives.is_distributed:
+            return flat
+        shard = self.device.empty(layout.shard_numel, self.compute_dtype)
+        self.ledger.allocate("device", shard.numel() * shard.element_size(), "grad")
+        self.collectives.reduce_scatter_flat(shard, flat, what=f"gradients of unit {unit.spec.name}")
+        self.ledger.release("device", full_nbytes, "grad")
+        return shard
 
     def _bound_grads_in_flight(self) -> None:
         """Backpressure: at most MAX_GRADS_IN_FLIGHT units' gradients wait on the device for the
@@ -451,27 +471,29 @@ class Engine:
         recorded = self.forward_order.recorded or []
         return recorded.count(unit.index) == 1
 
-    def _offload_grad(self, unit: UnitState, flat: torch.Tensor, event, first: bool, boundary: bool, step_now: bool) -> None:
-        """Transfer worker: device gradient shard -> fp32 gradient on its tier (+ norm at the boundary)."""
-        nbytes = flat.numel() * flat.element_size()
+    def _offload_grad(self, unit: UnitState, pieces: list, event, first: bool, boundary: bool, step_now: bool) -> None:
+        """Transfer worker: device gradients -> fp32 gradient on its tier (+ norm at the boundary).
+
+        `pieces` are (offset in the shard, gradient) pairs: the reduce-scattered flat shard on
+        CUDA or with several ranks, the params' own gradients on a CPU device."""
+        nbytes = sum(grad.numel() * grad.element_size() for _, grad in pieces)
         staging = None
         try:
             if self.device.is_cuda:
+                ((offset, flat),) = pieces
                 self.device.copy_waits(event)
                 staging = self.store.grad_staging.take()
                 with self.device.copy_stream_context():
                     staging[: flat.numel()].copy_(flat, non_blocking=True)
                 self.device.record_copy_event().synchronize()
-                source = staging[: flat.numel()]
-            else:
-                source = flat
-            norm = self.store.accumulate_grad(unit, source, first, compute_norm=boundary)
+                pieces = [(offset, staging[: flat.numel()])]
+            norm = self.store.accumulate_grad(unit, pieces, first, compute_norm=boundary)
             if boundary:
                 unit.grad_sq_norm = norm
         finally:
             if staging is not None:
                 self.store.grad_staging.give(staging)
-            del flat
+            del pieces
             self.ledger.release("device", nbytes, "grad")
         if step_now:
             self._step_during_backward(unit)

@@ -147,6 +147,10 @@ class UnitStepper:
     def _param16_target(self, unit: UnitState, slot) -> tuple[torch.Tensor, bool]:
         """Where the kernel writes the new 16-bit weights: (buffer, is it a staging buffer)."""
         n = unit.shard_numel
+        if self.store.param_tier == "none" and not self.device.is_cuda:
+            # the CPU device's buffer is host memory: the kernel writes the weights in place
+            start, end = unit.layout.shard_range(self.rank)
+            return unit.device_flat[start:end], False
         if self.store.param_tier in ("none", "cpu"):
             return unit.param16, False
         if slot is not None:
@@ -169,7 +173,8 @@ class UnitStepper:
                 slot.pending_writes.append(handle)
             return
         start, end = unit.layout.shard_range(self.rank)
-        with self.device.copy_stream_context():
-            unit.device_flat[start:end].copy_(out, non_blocking=True)
-        unit.device_update_event = self.device.record_copy_event()
+        if out.data_ptr() != unit.device_flat[start:end].data_ptr():
+            with self.device.copy_stream_context():
+                unit.device_flat[start:end].copy_(out, non_blocking=True)
+            unit.device_update_event = self.device.record_copy_event()
         unit.needs_gather = unit.layout.world_size > 1

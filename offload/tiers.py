@@ -184,9 +184,12 @@ class TierStore:
         return {kind: buffer[:n] for kind, buffer in slot.tensors().items()}
 
     # ---- gradients (transfer worker only) --------------------------------------------------
-    def accumulate_grad(self, unit: UnitState, grad16: torch.Tensor, first_in_window: bool, compute_norm: bool):
-        """Adds this micro-batch's gradient shard into the fp32 gradient; returns its squared norm
-        (of the accumulated gradient) when `compute_norm`, else None."""
+    def accumulate_grad(self, unit: UnitState, pieces: list[tuple[int, torch.Tensor]], first_in_window: bool, compute_norm: bool):
+        """Adds this micro-batch's gradient into the fp32 gradient; returns the squared norm of the
+        accumulated gradient when `compute_norm`, else None.
+
+        `pieces` are (offset in the shard, 1-D gradient) pairs, sorted by offset; the shard's
+        elements they do not cover had no gradient in this micro-batch (zero)."""
         from offload.optim import kernels
 
         n = unit.shard_numel
@@ -197,9 +200,15 @@ class TierStore:
             if not first_in_window:
                 self.swap.read_into(unit.swap_name("grad32"), target).wait()
         if first_in_window:
-            target.copy_(grad16)
+            cursor = 0
+            for offset, grad in pieces:
+                target[cursor:offset].zero_()
+                target[offset : offset + grad.numel()].copy_(grad)
+                cursor = offset + grad.numel()
+            target[cursor:].zero_()
         else:
-            target.add_(grad16)
+            for offset, grad in pieces:
+                target[offset : offset + grad.numel()].add_(grad)
         norm = kernels.sq_norm(target) if compute_norm else None
         if self.optimizer_tier == "nvme":
             self.swap.write_from(unit.swap_name("grad32"), target).wait()
