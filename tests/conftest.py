@@ -1,4 +1,6 @@
+import errno
 import os
+import subprocess
 import sys
 
 import pytest
@@ -15,3 +17,35 @@ def swap_dir(tmp_path):
     path = tmp_path / "swap"
     path.mkdir()
     return str(path)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs: a disk that fills up for real (needs root to mount; skipped otherwise)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.fixture
+def o_direct_refused(monkeypatch):
+    """Every open with O_DIRECT fails with EINVAL, as on a filesystem that refuses it (this
+    machine's tmpfs accepts O_DIRECT, so the refusal is simulated)."""
+    from offload import aio
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(aio, "_probe_cache", {})
+    monkeypatch.setattr(aio, "_warned_devices", set())
+    monkeypatch.setattr(os, "open", refusing_open)

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from offload import _aio_ext, aio
+from offload import _aio_ext
 from offload.aio import AioEngine, crc32c, probe_o_direct
 from offload.errors import SwapError
 from offload.memory import HostBufferPool
@@ -146,17 +146,7 @@ def test_invalid_settings():
         AioEngine(queue_depth=0)
 
 
-def test_probe_o_direct_refused_falls_back_to_buffered(tmp_path, pool, monkeypatch, caplog):
-    real_open = os.open
-
-    def refusing_open(path, flags, *a, **k):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *a, **k)
-
-    monkeypatch.setattr(aio, "_probe_cache", {})
-    monkeypatch.setattr(aio, "_warned_devices", set())
-    monkeypatch.setattr(os, "open", refusing_open)
+def test_probe_o_direct_refused_falls_back_to_buffered(tmp_path, pool, o_direct_refused, caplog):
     with caplog.at_level("WARNING", logger="offload.aio"):
         assert probe_o_direct(tmp_path) is False
         assert probe_o_direct(tmp_path) is False

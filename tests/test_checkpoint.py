@@ -401,19 +401,6 @@ def test_file_size_limit_mid_write_is_a_clear_error_and_previous_stays(tmp_path,
     engine.close()
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
-
-
 def test_enospc_on_a_full_disk_is_a_clear_error_and_previous_stays(small_tmpfs, swap_dir):
     """A real full filesystem: once with too little space for the state file (refused before
     writing), once with room for the state file but not for what follows it (ENOSPC mid-save)."""

@@ -6,7 +6,6 @@ import stat
 import pytest
 import torch
 
-from offload import aio
 from offload.errors import InsufficientSpaceError, SwapCorruptError, SwapError
 from offload.memory import HostBufferPool, TierLedger
 from offload.swap import HEADER_SIZE, SwapStore
@@ -265,16 +264,7 @@ def test_same_run_and_rank_twice_refused(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_buffered_fallback_store(tmp_path, pool, monkeypatch):
-    real_open = os.open
-
-    def refusing_open(path, flags, *a, **k):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *a, **k)
-
-    monkeypatch.setattr(aio, "_probe_cache", {})
-    monkeypatch.setattr(os, "open", refusing_open)
+def test_buffered_fallback_store(tmp_path, pool, o_direct_refused):
     s = SwapStore(tmp_path)
     try:
         assert s.direct is False
