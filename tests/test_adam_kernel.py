@@ -166,7 +166,7 @@ def special_fp32_values() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
-def test_16bit_copy_out_equals_to_dtype_bit_for_bit(isa, out_dtype):
+def test_16bit_copy_out_equals_to_dtype_bit_for_bit(isa, out_dtype, store_mode):
     # lr = 0, zero gradient: the update leaves each value as is, so every fp32 bit
     # pattern (NaN, inf, subnormals, rounding ties, fp16 overflow edges) reaches the cast.
     values = special_fp32_values()
@@ -185,6 +185,14 @@ def test_16bit_copy_out_equals_to_dtype_bit_for_bit(isa, out_dtype):
         kernel_step(p, torch.randn(100_003, generator=gen).to(torch.bfloat16), m, v, step=step, lr=LR, wd=0.01,
                     adamw=True, param_out16=out)
         assert_bits_equal(out, p.to(out_dtype), "param_out16 after a step")
+
+
+@pytest.fixture(params=["regular stores", "streaming stores"])
+def store_mode(request):
+    """Runs a test with ordinary stores and with non-temporal param_out16 stores."""
+    kernels.set_streaming_threshold(0 if request.param == "streaming stores" else None)
+    yield request.param
+    kernels.set_streaming_threshold(None)
 
 
 @pytest.fixture
@@ -228,17 +236,6 @@ def test_streaming_mode_gives_identical_results(isa, grad_dtype, out_dtype, n, o
     if out_dtype is not None:
         assert_bits_equal(out2, out1, "param_out16")
         assert_bits_equal(out2, p2.to(out_dtype), "param_out16 vs param")
-
-
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
-def test_streamed_16bit_copy_out_equals_to_dtype_bit_for_bit(isa, streaming, out_dtype):
-    values = special_fp32_values()
-    n = values.numel()
-    p = values.clone()
-    out = torch.empty(n, dtype=out_dtype)
-    kernels.adam_step(p, torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0, beta1=BETA1, beta2=BETA2,
-                      eps=EPS, weight_decay=0.0, param_out16=out)
-    assert_bits_equal(out, values.to(out_dtype), f"param_out16 ({out_dtype}), streamed")
 
 
 def test_streaming_threshold_setting():
