@@ -46,10 +46,6 @@ class ExecutionOrder:
         self.recorded = finished
         return True
 
-    @property
-    def is_predicting(self) -> bool:
-        return self.recorded is not None and not self.deviated
-
 
 def unique_in_order(units: list[int]) -> list[int]:
     """Each unit once, at its first position: the order in which the CPU steps units."""

@@ -244,9 +244,6 @@ class TierStore:
                 return
         raise RuntimeError("give_back_staging: the tensor is not a staging buffer")
 
-    def nbytes_report(self) -> dict:
-        return {"host_budget": dict(self.budget), "nvme_files": self.swap.nbytes_on_disk() if self.swap else 0}
-
     def close(self) -> None:
         if self._nvme_bytes_recorded:
             self.ledger.release("nvme", self._nvme_bytes_recorded, "swap")

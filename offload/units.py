@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from offload.errors import ConfigError
@@ -188,15 +187,3 @@ def build_units(model: nn.Module, module_classes: list[str] | None = None, min_p
         unit.index = remap[unit.index]
         unit.borrows = {remap[b] for b in unit.borrows if b in remap}
     return kept
-
-
-def canonical_param_names(model: nn.Module) -> dict[int, str]:
-    """id(param) -> its name in model.state_dict() (the first name when a param is tied)."""
-    names: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    return names
-
-
-def trainable(param: torch.Tensor) -> bool:
-    return bool(param.requires_grad)
