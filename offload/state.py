@@ -6,7 +6,7 @@ the 16-bit weights between uses (on the param tier: the device itself for `none`
 for `cpu`, a swap file for `nvme`).
 
 Buffers and who uses them:
-- resident host buffers (`optimizer: cpu`, `param: none|cpu`): allocated once from the pool.
+- resident host buffers (`optimizer: cpu`; `param: cpu`, or `none` on CUDA): allocated once from the pool.
   The transfer worker writes gradients into `grad32`; the optimizer worker reads and writes
   the rest; the engine makes sure the two never run on one unit at once (a step starts only
   after every gradient of its window has landed).
@@ -40,7 +40,7 @@ class UnitState:
     # 16-bit (compute dtype) full flat buffer on the device; the params are views of it. Its
     # storage is freed (resized to 0) between uses unless the param tier is `none`.
     device_flat: torch.Tensor | None = None
-    # host tensors by kind (optimizer: cpu) and the 16-bit home copy (param: none|cpu)
+    # host tensors by kind (optimizer: cpu) and the 16-bit home copy (param: cpu, or none on CUDA)
     host: dict[str, torch.Tensor] = field(default_factory=dict)
     param16: torch.Tensor | None = None
     # params (indices into spec.params) that received a gradient in this accumulation window
@@ -142,9 +142,11 @@ def host_budget_bytes(
     else:
         need["optimizer_slots"] = buffer_count * largest * (16 + compute_bytes)
         need["grad_slot"] = 4 * largest
-    if param_tier in ("none", "cpu"):
+    if param_tier == "cpu" or (param_tier == "none" and staged_device_copies):
+        # the weights' home (cpu), or the pinned source of their copy to the device (none, CUDA);
+        # with `none` on the CPU the step writes the device buffer, host memory, in place
         need["param16"] = compute_bytes * total
-    else:
+    elif param_tier == "nvme":
         need["param_staging"] = (prefetch_depth + 2) * largest * compute_bytes
     if staged_device_copies:
         need["grad_staging"] = 2 * largest * compute_bytes

@@ -110,10 +110,10 @@ class TierStore:
                 for _ in range(self.buffer_count)
             ]
             self.grad_slot = self.pool.alloc(largest, torch.float32, category="grad_slot")
-        if self.param_tier in ("none", "cpu"):
+        if "param16" in self.budget:
             for unit in self.units:
                 unit.param16 = self.pool.alloc(unit.shard_numel, self.compute_dtype, category="param16")
-        else:
+        elif self.param_tier == "nvme":
             count = self.prefetch_depth + 2
             self.param_staging = BufferRing([self.pool.alloc(largest, self.compute_dtype, category="param_staging") for _ in range(count)])
         if "grad_staging" in self.budget:
@@ -150,7 +150,8 @@ class TierStore:
     def store_param16_values(self, unit: UnitState, values32: torch.Tensor) -> None:
         """The 16-bit home copy of `values32` (used at start and after loading a checkpoint)."""
         if self.param_tier in ("none", "cpu"):
-            unit.param16.copy_(values32)
+            if unit.param16 is not None:  # `none` on the CPU has no host copy: the device buffer is it
+                unit.param16.copy_(values32)
             return
         staging = self.param_staging.take()
         try:
