@@ -295,47 +295,6 @@ def _rank_slices(engine, rank: int, canonical: dict[int, str]) -> list[_Slice]:
     return slices
 
 
-class _UnitStateReader:
-    """Yields (unit, {kind: fp32 shard view}) unit by unit; with the optimizer on NVMe the next
-    unit's state is being read from swap into another slot while this one is used."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.store = engine.store
-
-    def __iter__(self):
-        units = self.engine.units
-        if self.store.optimizer_tier == "cpu":
-            for unit in units:
-                yield unit, {kind: unit.host[kind] for kind in KINDS}
-            return
-        slots = self.store.slots
-        reads: dict[int, list] = {}
-
-        def start_read(i: int) -> None:
-            slot, n = slots[i % len(slots)], units[i].shard_numel
-            slot.wait_writes()
-            reads[i] = [self.store.swap.read_into(units[i].swap_name(kind), getattr(slot, kind)[:n]) for kind in KINDS]
-
-        try:
-            if units:
-                start_read(0)
-            for i, unit in enumerate(units):
-                if i + 1 < len(units):
-                    start_read(i + 1)
-                for handle in reads.pop(i):
-                    handle.wait()
-                slot, n = slots[i % len(slots)], unit.shard_numel
-                yield unit, {kind: getattr(slot, kind)[:n] for kind in KINDS}
-        finally:
-            for pending in reads.values():
-                for handle in pending:
-                    try:
-                        handle.wait()
-                    except Exception:  # already failing; the first error is the one raised
-                        pass
-
-
 def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> dict:
     """Writes rank<r>.safetensors (streamed unit by unit) and returns rank<r>.json's content."""
     slices = _rank_slices(engine, rank, canonical)
@@ -359,7 +318,7 @@ def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> 
         try:
             _write_all(fd, prefix, path)
             # the units' order matches the slices' order, so the file is written sequentially
-            for unit, views in _UnitStateReader(engine):
+            for unit, views, _ in engine.store.stream_optimizer_states(engine.units, include_grad=False):
                 for s, offset in by_unit.get(unit.index, []):
                     data = views[s.kind][s.shard_pos : s.shard_pos + s.end - s.start]
                     crcs = []

@@ -53,46 +53,14 @@ class UnitStepper:
     def run(self, units: list[UnitState], hyper: StepHyper) -> None:
         """Steps `units` in this order; each unit's `step_done` is set as soon as it is done."""
         try:
-            if self.store.optimizer_tier == "cpu":
-                for unit in units:
-                    self._step(unit, self.store.optimizer_views(unit, None), hyper, slot=None)
-            else:
-                self._run_streamed(units, hyper)
+            for unit, views, slot in self.store.stream_optimizer_states(units, include_grad=True, timings=self.timings):
+                self._step(unit, views, hyper, slot=slot)
+                if slot is not None:
+                    self.store.store_optimizer_state(unit, slot)
+                unit.step_done.set()
         finally:
             for unit in units:
                 unit.step_done.set()
-
-    def _run_streamed(self, units: list[UnitState], hyper: StepHyper) -> None:
-        slots = self.store.slots
-        reads: dict[int, list] = {}
-
-        def start_read(i: int) -> None:
-            slot = slots[i % len(slots)]
-            started = time.perf_counter()
-            slot.wait_writes()
-            self.timings["wait_write"] += time.perf_counter() - started
-            reads[i] = self.store.load_optimizer_state(units[i], slot, include_grad=True)
-
-        if units:
-            start_read(0)
-        try:
-            for i, unit in enumerate(units):
-                if i + 1 < len(units):
-                    start_read(i + 1)
-                started = time.perf_counter()
-                for handle in reads.pop(i):
-                    handle.wait()
-                self.timings["wait_read"] += time.perf_counter() - started
-                slot = slots[i % len(slots)]
-                self._step(unit, self.store.optimizer_views(unit, slot), hyper, slot=slot)
-                self.store.store_optimizer_state(unit, slot)
-                unit.step_done.set()
-        finally:
-            for pending in reads.values():
-                for handle in pending:
-                    handle.wait()
-            for slot in slots:
-                slot.wait_writes()
 
     def _step(self, unit: UnitState, views: dict[str, torch.Tensor], hyper: StepHyper, slot) -> None:
         stepped = sorted(unit.grads_in_window)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -169,6 +170,57 @@ class TierStore:
                 continue
             handles.append(self.swap.read_into(unit.swap_name(kind), buffer[:n]))
         return handles
+
+    def stream_optimizer_states(self, units: list[UnitState], *, include_grad: bool, timings: dict | None = None):
+        """Yields (unit, {kind: fp32 shard view}, slot or None) for each unit in order, wherever
+        its states live (slot is None when they are host-resident).
+
+        With the optimizer on NVMe, each unit's states are loaded into slot i % buffer_count while
+        the next unit is already being read into the following slot; a slot is refilled only after
+        the writes queued on it (`store_optimizer_state`) completed. The consumer may modify the
+        views and queue writes before asking for the next unit. `timings`, if given, accumulates
+        the seconds spent in `wait_read` and `wait_write`."""
+        if self.optimizer_tier == "cpu":
+            for unit in units:
+                yield unit, unit.host, None
+            return
+        slots = self.slots
+        reads: dict[int, list] = {}
+
+        def timed(key: str, started: float) -> None:
+            if timings is not None:
+                timings[key] += time.perf_counter() - started
+
+        def start_read(i: int) -> None:
+            slot = slots[i % len(slots)]
+            started = time.perf_counter()
+            slot.wait_writes()
+            timed("wait_write", started)
+            reads[i] = self.load_optimizer_state(units[i], slot, include_grad=include_grad)
+
+        try:
+            if units:
+                start_read(0)
+            for i, unit in enumerate(units):
+                if i + 1 < len(units):
+                    start_read(i + 1)
+                started = time.perf_counter()
+                for handle in reads.pop(i):
+                    handle.wait()
+                timed("wait_read", started)
+                slot = slots[i % len(slots)]
+                yield unit, self.optimizer_views(unit, slot), slot
+        finally:
+            # reads still in flight when the consumer stops early, or fails, finish before their
+            # slots can be reused; an error already propagating is the one raised
+            for pending in reads.values():
+                for handle in pending:
+                    try:
+                        handle.wait()
+                    except Exception:
+                        logger.debug("a swap read abandoned with the stream failed too", exc_info=True)
+            for slot in slots:
+                slot.wait_writes()
 
     def store_optimizer_state(self, unit: UnitState, slot: OptimizerSlot, include_grad: bool = False) -> None:
         n = unit.shard_numel
