@@ -530,6 +530,11 @@ class Engine:
         if errors:
             raise OffloadError(f"offload: moving gradients off the device failed: {errors[0]}") from errors[0]
 
+    def _drain(self) -> None:
+        """Waits for every gradient transfer and optimizer step in flight; re-raises their errors."""
+        self._wait_grads()
+        self._wait_step()
+
     def _wait_step(self) -> None:
         """Waits for any step still running (overlap forward / backward); re-raises its error."""
         future, self._step_future = self._step_future, None
@@ -558,8 +563,7 @@ class Engine:
         if self.micro_steps == self._stepped_at_micro:
             return False
         self._stepped_at_micro = self.micro_steps
-        self._wait_grads()
-        self._wait_step()
+        self._drain()
         window = [unit for unit in self.units if unit.window_started]
         nonfinite, self._nonfinite_units = self._nonfinite_units, []
         if self.config.overlap == "backward":
@@ -644,8 +648,7 @@ class Engine:
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (and the model's buffers) under model.state_dict()'s keys, on the CPU."""
         self._check_open()
-        self._wait_grads()
-        self._wait_step()
+        self._drain()
         values: dict[int, torch.Tensor] = {}
         for unit in self.units:
             full = self._full_master(unit)
@@ -673,8 +676,7 @@ class Engine:
         from offload import checkpoint
 
         self._check_open()
-        self._wait_grads()
-        self._wait_step()
+        self._drain()
         return checkpoint.save(self, path, client_state=client_state, **kwargs)
 
     def load_checkpoint(self, path, **kwargs) -> dict:
@@ -682,8 +684,7 @@ class Engine:
         from offload import checkpoint
 
         self._check_open()
-        self._wait_grads()
-        self._wait_step()
+        self._drain()
         return checkpoint.load(self, path, **kwargs)
 
     def memory_report(self) -> dict:
@@ -703,8 +704,7 @@ class Engine:
         if self._closed:
             return
         try:
-            self._wait_grads()
-            self._wait_step()
+            self._drain()
             final = self.consolidated_state_dict() if restore_weights else None
         finally:
             self._closed = True
