@@ -89,6 +89,25 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
+def cuda_index_for_local_rank(environ, gpu_count: int) -> int:
+    """The CUDA device of this rank: LOCAL_RANK, or a clear error when the machine has fewer
+    GPUs than local ranks (plain decision, tested directly)."""
+    raw = environ.get("LOCAL_RANK", "0")
+    try:
+        local_rank = int(raw)
+    except ValueError:
+        raise OffloadError(f"LOCAL_RANK={raw!r} is not an integer") from None
+    if local_rank >= gpu_count:
+        raise OffloadError(
+            f"LOCAL_RANK={local_rank} needs CUDA device cuda:{local_rank}, but this machine has "
+            f"{gpu_count} GPU{'' if gpu_count == 1 else 's'}: one rank per GPU, so launch at most "
+            f"{gpu_count} rank{'' if gpu_count == 1 else 's'} per node (torchrun --nproc-per-node {gpu_count}), "
+            "or run every rank on the CPU (device=\"cpu\" in offload.initialize, `--device cpu` in the "
+            "examples), which uses gloo"
+        )
+    return local_rank
+
+
 def init_process_group_from_env(device: "torch.device | str | None" = None, environ=os.environ) -> None:
     """Initialises the default group from torchrun's environment (see the module docstring)."""
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
@@ -103,7 +122,7 @@ def init_process_group_from_env(device: "torch.device | str | None" = None, envi
         device_type = torch.device(device).type
     backend = backend_for(device_type)
     if backend == "nccl" and device is None:
-        torch.cuda.set_device(int(environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(cuda_index_for_local_rank(environ, torch.cuda.device_count()))
     timeout = timeout_from_env(environ)
     dist.init_process_group(backend=backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
     logger.info(

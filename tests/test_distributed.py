@@ -17,7 +17,13 @@ import torch
 
 import offload
 from distributed_worker import fail_mid_step, freeze, launch, make_config, train_cases
-from offload.collectives import CollectiveError, describe_failed_ranks, should_init_from_env, timeout_from_env
+from offload.collectives import (
+    CollectiveError,
+    cuda_index_for_local_rank,
+    describe_failed_ranks,
+    should_init_from_env,
+    timeout_from_env,
+)
 from offload.units import plan_flat_layout
 from reference import TinyNet, batches, max_weight_difference, reference_run
 
@@ -192,6 +198,19 @@ def test_process_group_from_environment_decision():
     assert timeout_from_env({"OFFLOAD_DIST_TIMEOUT_S": "20"}) == 20.0
     with pytest.raises(offload.OffloadError, match="OFFLOAD_DIST_TIMEOUT_S"):
         timeout_from_env({"OFFLOAD_DIST_TIMEOUT_S": "soon"})
+
+
+def test_each_local_rank_needs_its_own_gpu():
+    assert cuda_index_for_local_rank({"LOCAL_RANK": "1"}, gpu_count=2) == 1
+    assert cuda_index_for_local_rank({}, gpu_count=1) == 0
+    # more ranks than GPUs: the error names LOCAL_RANK, the GPU count and the two ways out
+    with pytest.raises(offload.OffloadError) as raised:
+        cuda_index_for_local_rank({"LOCAL_RANK": "1"}, gpu_count=1)
+    message = str(raised.value)
+    assert "LOCAL_RANK=1" in message and "1 GPU" in message
+    assert "--nproc-per-node 1" in message and "--device cpu" in message and "gloo" in message
+    with pytest.raises(offload.OffloadError, match="LOCAL_RANK='x' is not an integer"):
+        cuda_index_for_local_rank({"LOCAL_RANK": "x"}, gpu_count=4)
 
 
 # ---- the torchrun example ----------------------------------------------------------------------
