@@ -16,7 +16,7 @@ from torch import nn
 import offload
 from offload.materialize import MaterializeError, has_meta_state, iter_meta, materialize_unit_params, territory
 from offload.units import build_units
-from reference import TinyNet, batches, engine_run, max_weight_difference, reference_run
+from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, reference_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,7 +121,7 @@ def test_meta_model_trains_exactly_like_plain_pytorch_from_its_initial_weights(s
     reference, reference_losses = reference_run(reference_model, data)
     losses = engine_run(engine, data)
     assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
-    assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
+    assert max_weight_difference(engine.consolidated_state_dict(), reference) <= fp32_weight_tolerance(engine)
     engine.close()
 
 
@@ -145,8 +145,9 @@ def test_llama_on_meta_gets_hugging_face_init_and_real_rotary_buffers(swap_dir):
     engine = offload.initialize(model, fp32_config(swap_dir, "nvme", "nvme"))
     assert list(iter_meta(model)) == []
     built_on_cpu = LlamaForCausalLM(config)
-    assert torch.equal(model.model.rotary_emb.inv_freq, built_on_cpu.model.rotary_emb.inv_freq)
-    assert torch.equal(model.model.rotary_emb.original_inv_freq, built_on_cpu.model.rotary_emb.original_inv_freq)
+    # computed on the CPU, then moved with the model's other buffers to the engine's device
+    assert torch.equal(model.model.rotary_emb.inv_freq.cpu(), built_on_cpu.model.rotary_emb.inv_freq)
+    assert torch.equal(model.model.rotary_emb.original_inv_freq.cpu(), built_on_cpu.model.rotary_emb.original_inv_freq)
     weights = engine.consolidated_state_dict()
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
     for name, value in weights.items():
@@ -154,11 +155,12 @@ def test_llama_on_meta_gets_hugging_face_init_and_real_rotary_buffers(swap_dir):
             assert torch.equal(value, torch.ones_like(value)), name
         elif name.endswith("proj.weight") or name.endswith("embed_tokens.weight"):
             assert value.std().item() == pytest.approx(config.initializer_range, rel=0.15), name  # normal(0, 0.05)
-    # the engine's forward equals the same weights run by the plain model
+    # the engine's forward equals the same weights run by the plain model (on the CPU: within
+    # fp32 rounding when the engine computes on CUDA)
     built_on_cpu.load_state_dict(weights)
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     out = engine(input_ids=ids, labels=ids)
-    torch.testing.assert_close(out.logits, built_on_cpu(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.logits.detach().cpu(), built_on_cpu(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     engine.backward(out.loss)
     assert engine.step()
     engine.close()
@@ -198,7 +200,7 @@ def test_buffer_computed_on_meta_is_a_clear_error_and_an_explicit_cpu_buffer_is_
     model = on_meta(ComputedBuffer, real=True)
     assert not model.table.is_meta
     engine = offload.initialize(model, fp32_config(swap_dir))
-    assert torch.equal(model.table, torch.arange(4.0))
+    assert torch.equal(model.table.cpu(), torch.arange(4.0))  # kept, then moved to the engine's device
     engine.close()
 
 
@@ -238,6 +240,15 @@ RSS_SCRIPT = textwrap.dedent(
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
 
+    if torch.cuda.is_available():
+        # the engine computes on CUDA here: create the CUDA context and the cuBLAS handles (a few
+        # hundred MB of host memory, the same for any model) before the measured region, so the
+        # growth measured is the engine's own
+        warm = nn.Linear(8, 8).cuda()
+        for dtype in (torch.float32, torch.bfloat16):
+            warm.to(dtype)(torch.ones(2, 8, device="cuda", dtype=dtype)).sum().backward()
+        torch.cuda.synchronize()
+        del warm
     try:  # reset the peak-RSS mark, so the imports' own peak does not hide the one measured here
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -311,7 +322,7 @@ def test_start_up_writes_only_master_and_16_bit_weights(swap_dir):
     data = batches(3)
     reference, _ = reference_run(reference_model, data)
     engine_run(engine, data)
-    assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
+    assert max_weight_difference(engine.consolidated_state_dict(), reference) <= fp32_weight_tolerance(engine)
     engine.close()
 
 

@@ -62,12 +62,19 @@ def test_budget_above_free_ram_fails_at_construction():
     assert str(free * 4) in msg and "lower the host budget" in msg
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent; CUDA is present")
 def test_pin_without_cuda_is_clear():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present")
     with pytest.raises(ValueError, match="needs CUDA"):
         HostBufferPool(None, pin=True)
     assert HostBufferPool(None).pin is False
+
+
+@pytest.mark.cuda
+def test_pinned_buffers_with_cuda_are_pinned_and_aligned():
+    with HostBufferPool(1 << 24, pin=True) as pool:
+        t = pool.alloc(1025, torch.float32)
+        assert t.is_pinned() and t.data_ptr() % 4096 == 0
+        assert pool.allocated_bytes == pool.capacity_of(t)
 
 
 def test_ledger_threadsafe_and_validation():
