@@ -19,6 +19,7 @@ became final during the boundary backward.
 from __future__ import annotations
 
 import collections
+import enum
 import functools
 import logging
 import math
@@ -26,6 +27,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -46,6 +48,26 @@ from offload.tiers import TierStore, default_run_name
 from offload.units import build_units, plan_flat_layout
 
 logger = logging.getLogger(__name__)
+
+
+class EntryKind(enum.Enum):
+    """Who owns the hold a unit's forward takes."""
+
+    # the model's forward: given back at the unit's post-forward
+    FORWARD = "forward"
+    # a forward re-run inside backward (activation checkpointing): a backward hold, given back
+    # when the unit's gradients are final or at the end of backward, whether or not the
+    # recompute ran to its end
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A unit whose forward is running (the root is unit 0)."""
+
+    unit: int
+    kind: EntryKind
+
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Units whose gradients may sit on the device waiting for the transfer worker at once.
@@ -162,7 +184,8 @@ class Engine:
         self.forward_order = ExecutionOrder()
         self.backward_order = ExecutionOrder()
         self._phase = "idle"  # "forward" | "backward" | "idle"
-        self._active: list[int] = []  # units whose forward is running (a stack)
+        # units whose forward is running, innermost last, each with who owns its hold
+        self._entered: list[Entry] = []
         self._external_holds: set[int] = set()
         self._root_holds_for_backward = 0
         self._boundary_backward = False
@@ -175,6 +198,12 @@ class Engine:
         # seconds spent since the last `pop_timings()`, by phase; `wait_fetch` and `wait_step` are
         # the main thread's waits for weights to arrive and for the CPU step to finish
         self.timings: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
+        # Reads of a parameter outside its unit's forward are seen (and wait for the unit's
+        # weights) when they could otherwise read freed storage (params offloaded), weights a
+        # step is still writing (overlap forward), or a shard not yet gathered (several ranks).
+        self._watch_external_reads = (
+            self.residency.offloaded or self.config.overlap == "forward" or self.collectives.is_distributed
+        )
         self._hooks = []
         self._register_hooks()
 
@@ -213,12 +242,17 @@ class Engine:
                     setattr(module, name, buffer.to(self.device.torch_device))
 
     def _register_hooks(self) -> None:
+        # post-forward hooks run even when the forward raises (always_call): an exception in a
+        # unit's forward, or the early stop of a non-reentrant checkpoint recompute
+        # (torch.utils.checkpoint's _StopRecomputationError), must give back what it took
         self._hooks.append(self.model.register_forward_pre_hook(self._root_pre_forward))
-        self._hooks.append(self.model.register_forward_hook(self._root_post_forward))
+        self._hooks.append(self.model.register_forward_hook(self._root_post_forward, always_call=True))
         for unit in self.units[1:]:
             module = unit.spec.module
             self._hooks.append(module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, unit.index)))
-            self._hooks.append(module.register_forward_hook(functools.partial(self._unit_post_forward, unit.index)))
+            self._hooks.append(
+                module.register_forward_hook(functools.partial(self._unit_post_forward, unit.index), always_call=True)
+            )
         for unit in self.units:
             for index, param in enumerate(unit.spec.params):
                 if param.requires_grad:
@@ -231,17 +265,29 @@ class Engine:
         args, kwargs = _prepare_inputs((args, kwargs), self.device.torch_device, self.compute_dtype)
         started = time.perf_counter()
         try:
-            if not self.residency.offloaded:
+            if not self._watch_external_reads:
                 return self.model(*args, **kwargs)
             with ExternalParamReads(self.unit_of_param, self._is_active, self._hold_external):
                 return self.model(*args, **kwargs)
+        except BaseException:
+            # what the always-called post-forward hooks could not unwind (a KeyboardInterrupt
+            # is not an Exception, and skips them)
+            self._abort_forward()
+            raise
         finally:
             self.timings["forward"] += time.perf_counter() - started
 
+    def _in_backward(self) -> bool:
+        """Whether autograd is running a backward now: a forward seen now is a recompute."""
+        return self._phase == "backward" or torch._C._current_graph_task_id() != -1
+
     def _is_active(self, unit_index: int) -> bool:
-        if unit_index in self._active or unit_index in self._external_holds:
+        if unit_index in self._external_holds:
             return True
-        return any(unit_index in self.units[active].spec.borrows for active in self._active)
+        for entry in self._entered:
+            if entry.unit == unit_index or unit_index in self.units[entry.unit].spec.borrows:
+                return True
+        return False
 
     def _hold_external(self, unit_index: int) -> None:
         """A param read outside its unit's forward: hold its unit until the backward is over."""
@@ -258,9 +304,16 @@ class Engine:
     def _enter_unit(self, unit: UnitState) -> None:
         started = time.perf_counter()
         waits_for_step = not unit.step_done.is_set()
-        for borrowed in sorted(unit.spec.borrows):
-            self.residency.acquire(self.units[borrowed])
-        self.residency.acquire(unit)
+        taken = []
+        try:
+            for borrowed in sorted(unit.spec.borrows):
+                self.residency.acquire(self.units[borrowed])
+                taken.append(borrowed)
+            self.residency.acquire(unit)
+        except BaseException:
+            for borrowed in reversed(taken):
+                self.residency.release(self.units[borrowed])
+            raise
         self.timings["wait_step" if waits_for_step else "wait_fetch"] += time.perf_counter() - started
         self._raise_if_step_failed()
 
@@ -269,53 +322,98 @@ class Engine:
         for borrowed in sorted(unit.spec.borrows):
             self.residency.release(self.units[borrowed])
 
-    def _root_pre_forward(self, module, args):
-        if self._phase == "idle":
-            self._phase = "forward"
-            self.forward_order.begin()
+    def _begin_entry(self, index: int) -> Entry:
+        """Pre-forward of unit `index` (the root is 0): takes its hold and records who owns it.
+
+        In the model's forward the hold is the forward's, given back at post-forward. Inside a
+        backward the forward is a recompute (activation checkpointing): its hold is a backward
+        hold, given back when the unit's gradients are final or the backward ends, so a
+        recompute that stops early (or raises) cannot keep the unit resident."""
+        unit = self.units[index]
+        kind = EntryKind.RECOMPUTE if self._in_backward() else EntryKind.FORWARD
+        if kind is EntryKind.FORWARD:
+            if self._phase == "idle" and index == 0:
+                self._phase = "forward"
+                self.forward_order.begin()
+            if self._phase == "forward":
+                self.forward_order.visit(index)
+                self._prefetch_ahead(self.forward_order)
+        self._enter_unit(unit)
+        if kind is EntryKind.RECOMPUTE:
+            unit.backward_holds += 1
+        entry = Entry(index, kind)
+        self._entered.append(entry)
+        return entry
+
+    def _end_entry(self, index: int) -> Entry | None:
+        """Post-forward of unit `index`: pops its entry (None if its pre-forward never finished);
+        the caller gives back its hold. Entries above it were abandoned by an exception that
+        skipped their post-forward: their forward holds are given back here."""
+        if not any(entry.unit == index for entry in self._entered):
+            return None
+        while True:
+            entry = self._entered.pop()
+            if entry.unit == index:
+                return entry
+            if entry.kind is EntryKind.FORWARD:
+                self._leave_unit(self.units[entry.unit])
+
+    def _abort_forward(self) -> None:
+        """A forward failed: gives back every hold it still has; the next forward starts clean."""
+        while self._entered and self._entered[-1].kind is EntryKind.FORWARD:
+            self._leave_unit(self.units[self._entered.pop().unit])
         if self._phase == "forward":
-            self.forward_order.visit(0)
-            self._prefetch_ahead(self.forward_order)
-        self._active.append(0)
-        self._enter_unit(self.units[0])
+            self.forward_order.abandon()
+            self._phase = "idle"
+        if not self._entered and not self._root_holds_for_backward:
+            self._drop_external_holds()
+
+    def _root_pre_forward(self, module, args):
+        self._begin_entry(0)
 
     def _root_post_forward(self, module, args, output):
-        self._active.pop()
+        entry = self._end_entry(0)
+        if entry is None:
+            return
+        if entry.kind is EntryKind.RECOMPUTE:
+            return  # a backward hold, given back at the end of backward
+        if output is None:  # the forward raised
+            self._leave_unit(self.units[0])
+            self._abort_forward()
+            return
         if self._phase == "forward":
             self.forward_order.end()
             self._phase = "idle"
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)):
+            # the forward's hold on the root (embeddings, head) passes to its backward
             self._root_holds_for_backward += 1
             return
         self._leave_unit(self.units[0])
-        if not self._active:
+        if not self._entered and not self._root_holds_for_backward:
             self._drop_external_holds()
 
     def _unit_pre_forward(self, index: int, module, args):
-        unit = self.units[index]
-        if self._phase == "forward":
-            self.forward_order.visit(index)
-            self._prefetch_ahead(self.forward_order)
-        self._active.append(index)
-        self._enter_unit(unit)
+        self._begin_entry(index)
 
     def _unit_post_forward(self, index: int, module, args, output):
-        unit = self.units[index]
-        if self._active and self._active[-1] == index:
-            self._active.pop()
-        self._leave_unit(unit)
-        if torch.is_grad_enabled():
-            tensors = [t for t in tensors_in(output) if t.requires_grad]
-            if tensors:
-                fired = [False]
+        entry = self._end_entry(index)
+        if entry is None:
+            return
+        if entry.kind is EntryKind.FORWARD:
+            self._leave_unit(self.units[index])
+        if output is None or not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
+        if tensors:
+            fired = [False]
 
-                def before_backward(grad, unit_index=index):
-                    if not fired[0]:
-                        fired[0] = True
-                        self._pre_backward(unit_index)
+            def before_backward(grad, unit_index=index):
+                if not fired[0]:
+                    fired[0] = True
+                    self._pre_backward(unit_index)
 
-                for tensor in tensors:
-                    tensor.register_hook(before_backward)
+            for tensor in tensors:
+                tensor.register_hook(before_backward)
 
     def _prefetch_ahead(self, order: ExecutionOrder) -> None:
         for upcoming in order.upcoming(self.config.prefetch.depth):
@@ -373,10 +471,11 @@ class Engine:
             self._root_holds_for_backward = 0
             self._drop_external_holds()
             self.residency.release_idle()
+            self.residency.reset_leaked_holds()
             if self._phase == "backward":
                 self.backward_order.end()
             self._phase = "idle"
-            self._active.clear()
+            self._entered.clear()
 
     def _drop_external_holds(self) -> None:
         for unit_index in sorted(self._external_holds):
@@ -504,7 +603,7 @@ class Engine:
             with self._lock:
                 self._nonfinite_units.append(unit.spec.name)
             return
-        unit.step_done.clear()
+        unit.begin_step()
         hyper = self._hyper(1.0 / self.collectives.world_size)
         with self._lock:
             self._backward_step_futures.append(self.optimizer_worker.submit(self.stepper.run, [unit], hyper))
@@ -597,7 +696,7 @@ class Engine:
         order = step_order(self.forward_order.recorded, len(self.units))
         to_step = [self.units[i] for i in order if self.units[i].window_started]
         for unit in to_step:
-            unit.step_done.clear()
+            unit.begin_step()
         self._step_future = self.optimizer_worker.submit(self.stepper.run, to_step, self._hyper(multiplier))
         if self.config.overlap == "none":
             self._wait_step()
@@ -615,7 +714,7 @@ class Engine:
         self.global_steps += 1
         rest = [unit for unit in window if unit.window_started]
         for unit in rest:
-            unit.step_done.clear()
+            unit.begin_step()
         self._step_future = self.optimizer_worker.submit(self.stepper.run, rest, self._hyper(1.0 / self.collectives.world_size))
         self._wait_step()
         return True

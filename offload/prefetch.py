@@ -35,6 +35,11 @@ class ExecutionOrder:
         position = len(self.current)
         return self.recorded[position : position + depth]
 
+    def abandon(self) -> None:
+        """Drops the current pass (its forward failed): it neither counts nor records."""
+        self.current = []
+        self.deviated = False
+
     def end(self) -> bool:
         """Closes the pass; returns True when its order became the new record."""
         finished = self.current

@@ -81,6 +81,7 @@ class Residency:
         # The storage just allocated may be memory the compute stream freed while kernels that
         # read it are still queued: the copy stream must not write it before they finish.
         compute_done = self.device.record_compute_event()
+        unit.fetch_version = unit.weights_version
         unit.fetch_future = self.transfer.submit(self._fetch, unit, unit.fetch_target, compute_done)
 
     def _fetch(self, unit: UnitState, target: torch.Tensor, compute_done):
@@ -108,6 +109,7 @@ class Residency:
             self.ledger.release("device", unit.shard_numel * self.element_size, "param_shard")
         unit.fetch_target = None
         unit.resident = True
+        unit.resident_version = unit.fetch_version
 
     def _refresh_resident(self, unit: UnitState) -> None:
         """Param tier `none`: wait for the step's write into `device_flat`, then gather shards."""
@@ -122,12 +124,22 @@ class Residency:
 
     # ---- holding ------------------------------------------------------------------------
     def acquire(self, unit: UnitState) -> None:
+        """Adds a holder; the unit's weights are on the device, current, when this returns."""
         if not self.offloaded:
             self._refresh_resident(unit)
-        elif not unit.resident:
-            if unit.fetch_future is None:
-                self.prefetch(unit)
-            self._complete_fetch(unit)
+        else:
+            while not (unit.resident and unit.resident_version == unit.weights_version):
+                if unit.resident:
+                    # a copy from before the unit's last step: the engine released it too late
+                    # (a bookkeeping bug); it is refetched, never used
+                    logger.warning(
+                        "offload: unit %s was on the device with the weights of step version %d, now %d; fetching again",
+                        unit.spec.name, unit.resident_version, unit.weights_version,
+                    )
+                    unit.resident = False
+                if unit.fetch_future is None:
+                    self.prefetch(unit)
+                self._complete_fetch(unit)
         unit.holders += 1
 
     def release(self, unit: UnitState) -> None:
@@ -136,6 +148,18 @@ class Residency:
         unit.holders -= 1
         if unit.holders == 0 and self.offloaded:
             self.free(unit)
+
+    def reset_leaked_holds(self) -> None:
+        """End of backward: no unit may stay held into the step. Holds still counted here were
+        leaked (a forward that never finished); they are dropped and an offloaded unit freed."""
+        for unit in self.units:
+            if unit.holders:
+                logger.warning("offload: unit %s still had %d holders at the end of backward; released", unit.spec.name, unit.holders)
+                unit.holders = 0
+                if self.offloaded:
+                    if unit.fetch_future is not None:
+                        self._complete_fetch(unit)
+                    self.free(unit)
 
     def release_idle(self) -> None:
         """Frees every offloaded unit nobody holds (prefetched but unused ones included)."""

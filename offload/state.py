@@ -60,6 +60,13 @@ class UnitState:
     # device buffer the fetch fills when it is not `device_flat` itself (a shard, world > 1)
     fetch_target: torch.Tensor | None = None
     resident: bool = False
+    # which weights a device copy holds: `weights_version` counts the steps scheduled for this
+    # unit (`begin_step`); a fetch records the version it copies (`fetch_version`) and the
+    # device copy keeps it (`resident_version`). A copy whose version is not the current one
+    # is stale and is fetched again before any use.
+    weights_version: int = 0
+    fetch_version: int = -1
+    resident_version: int = -1
     # optimizer steps this unit has taken (Adam's bias correction counts them)
     step_count: int = 0
     # param tier `none`: the copy-stream event after which `device_flat` holds the new weights,
@@ -69,6 +76,11 @@ class UnitState:
 
     def __post_init__(self) -> None:
         self.step_done.set()
+
+    def begin_step(self) -> None:
+        """A step of this unit is scheduled: its weights change, and readers wait for `step_done`."""
+        self.step_done.clear()
+        self.weights_version += 1
 
     @property
     def index(self) -> int:

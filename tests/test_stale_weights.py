@@ -1,0 +1,204 @@
+"""Never train on stale weights: the mechanisms that re-enter or abandon a unit's forward.
+
+Each test drives the mechanism itself (`torch.utils.checkpoint` around a unit, an exception
+inside forward, a parameter read outside its unit) rather than whatever a library version
+happens to do, and compares fp32 training with plain PyTorch AdamW on the same model and
+data to fp32 rounding. Holds are checked too: after every backward no offloaded unit is
+held, whatever re-entered or abandoned its forward.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import checkpoint as torch_checkpoint
+
+import offload
+from reference import Block, batches, max_weight_difference, mse, reference_run
+
+PLACEMENTS = list(itertools.product(["none", "cpu", "nvme"], ["cpu", "nvme"]))
+CHECKPOINTING = ["non_reentrant", "non_reentrant_no_early_stop", "reentrant"]
+
+
+class CheckpointedNet(nn.Module):
+    """TinyNet whose blocks (the units) run under `torch.utils.checkpoint`, called on the
+    module itself, so a recompute re-enters the unit's forward hooks."""
+
+    def __init__(self, mode: str = "off", width: int = 32, depth: int = 4, inputs: int = 8) -> None:
+        super().__init__()
+        self.mode = mode
+        self.inp = nn.Linear(inputs, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            if self.mode == "off" or not torch.is_grad_enabled():
+                h = block(h)
+            elif self.mode == "reentrant":
+                h = torch_checkpoint.checkpoint(block, h, use_reentrant=True)
+            else:
+                h = torch_checkpoint.checkpoint(block, h, use_reentrant=False)
+        return self.out(h)
+
+
+def early_stop_context(mode: str):
+    return torch_checkpoint.set_checkpoint_early_stop(mode != "non_reentrant_no_early_stop")
+
+
+def config(swap_dir, param, optimizer, overlap="none", **extra):
+    result = {
+        "precision": "fp32",
+        "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
+        "offload": {"param": param, "optimizer": optimizer, "nvme_path": swap_dir},
+        "overlap": overlap,
+    }
+    result.update(extra)
+    return result
+
+
+def assert_no_unit_held(engine, caplog) -> None:
+    """No unit is held after backward, and none was by the end of it (the engine drops leaked
+    holds there and says so, and refetches a stale copy and says so: both are defects here)."""
+    held = {unit.spec.name: unit.holders for unit in engine.units if unit.holders}
+    assert not held, f"units still held after backward: {held}"
+    leaks = [r.getMessage() for r in caplog.records if "holders at the end of backward" in r.getMessage() or "fetching again" in r.getMessage()]
+    assert not leaks, leaks
+
+
+@pytest.mark.parametrize("mode", CHECKPOINTING)
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+@pytest.mark.parametrize("param,optimizer", PLACEMENTS)
+def test_checkpointed_units_equal_plain_pytorch(swap_dir, caplog, param, optimizer, overlap, mode):
+    torch.manual_seed(0)
+    model = CheckpointedNet(mode)
+    data = batches(6)
+    with early_stop_context(mode):
+        reference, reference_losses = reference_run(model, data)
+        engine = offload.initialize(copy.deepcopy(model), config(swap_dir, param, optimizer, overlap))
+        losses = []
+        for x, y in data:
+            loss = mse(engine, x, y)
+            engine.backward(loss)
+            assert_no_unit_held(engine, caplog)
+            engine.step()
+            losses.append(loss.item())
+    try:
+        assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
+        assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+    finally:
+        engine.close()
+
+
+class FailingOnce(nn.Module):
+    """Raises (like a CUDA out-of-memory) the first time it runs with `armed` set."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.armed = False
+
+    def forward(self, x):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("simulated out of memory")
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+@pytest.mark.parametrize("param,optimizer", [("none", "cpu"), ("cpu", "cpu"), ("nvme", "nvme")])
+def test_exception_in_forward_then_retry(swap_dir, caplog, param, optimizer, overlap):
+    """An exception inside a unit's forward unwinds every hold that forward took; a retry of
+    the same batch trains exactly as if the failure never happened."""
+    torch.manual_seed(0)
+    model = CheckpointedNet("off")
+    data = batches(6)
+    reference, _ = reference_run(model, data)
+    wrapped = copy.deepcopy(model)
+    wrapped.blocks[2].up = FailingOnce(wrapped.blocks[2].up)
+    engine = offload.initialize(wrapped, config(swap_dir, param, optimizer, overlap))
+    try:
+        for step, (x, y) in enumerate(data):
+            if step in (1, 3):
+                wrapped.blocks[2].up.armed = True
+                with pytest.raises(RuntimeError, match="simulated out of memory"):
+                    mse(engine, x, y)
+                held = {u.spec.name: u.holders for u in engine.units if u.holders}
+                assert not held, f"holds left by the failed forward: {held}"
+            loss = mse(engine, x, y)
+            engine.backward(loss)
+            assert_no_unit_held(engine, caplog)
+            engine.step()
+        sd = {name.replace("inner.", ""): value for name, value in engine.consolidated_state_dict().items()}
+        assert max_weight_difference(sd, reference) <= 1e-5
+    finally:
+        engine.close()
+
+
+class ReadsAheadNet(CheckpointedNet):
+    """Reads the last block's norm weight before any block runs: a read outside its unit."""
+
+    def forward(self, x):
+        h = self.inp(x) * self.blocks[-1].norm.weight.mean()
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+@pytest.fixture
+def slow_adam(monkeypatch):
+    """Each Adam call takes 20 ms longer, so a step overlapping the next forward is still running
+    when that forward reads the weights: a read that does not wait for the step reads old values."""
+    from offload import stepper
+
+    real = stepper.kernels.adam_step
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stepper.kernels, "adam_step", slow)
+
+
+@pytest.mark.parametrize("param,optimizer", PLACEMENTS)
+def test_param_read_outside_its_unit_waits_for_the_step(swap_dir, slow_adam, param, optimizer):
+    torch.manual_seed(0)
+    model = ReadsAheadNet()
+    data = batches(5)
+    reference, reference_losses = reference_run(model, data)
+    engine = offload.initialize(copy.deepcopy(model), config(swap_dir, param, optimizer, "forward"))
+    try:
+        losses = []
+        for x, y in data:
+            loss = mse(engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+        assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
+    finally:
+        engine.close()
+
+
+def test_a_copy_from_before_a_step_is_fetched_again(swap_dir, caplog):
+    """The version check itself: a unit kept on the device across a step of its weights (a hold
+    nobody gave back) is fetched again at its next use, never read with the old values."""
+    torch.manual_seed(0)
+    engine = offload.initialize(CheckpointedNet("off"), config(swap_dir, "cpu", "cpu"))
+    try:
+        unit = engine.units[2]
+        engine.residency.acquire(unit)  # a hold that outlives the step below
+        old = unit.device_flat.clone()
+        unit.begin_step()  # what step() does before the optimizer worker writes the new weights
+        unit.param16.add_(1.0)
+        unit.step_done.set()
+        engine.residency.acquire(unit)
+        assert torch.equal(unit.device_flat, old + 1.0)
+        assert any("fetching again" in r.getMessage() for r in caplog.records)
+    finally:
+        engine.close(restore_weights=False)
