@@ -5,7 +5,8 @@ tiers the config names) and sees 1/N of each batch; `offload.initialize` starts 
 group from torchrun's environment (NCCL on GPUs, gloo on CPUs; timeout OFFLOAD_DIST_TIMEOUT_S,
 default 600 s), or uses the one the script already initialised.
 
-Single node, 2 processes (CPU, or one GPU each):
+Single node, 2 processes (one GPU each; `--device cpu` runs them on the CPU with gloo, e.g. on
+a machine with fewer GPUs than processes):
 
     torchrun --standalone --nproc_per_node 2 examples/torchrun_tiny.py
 
@@ -53,19 +54,23 @@ def main() -> None:
     parser.add_argument("--param", default="cpu", choices=["none", "cpu", "nvme"])
     parser.add_argument("--optimizer", default="cpu", choices=["cpu", "nvme"])
     parser.add_argument("--nvme", nargs="*", default=None, help="swap directories (one per local rank, round robin)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu"],
+                        help="auto: GPU LOCAL_RANK when CUDA is present (NCCL), else the CPU (gloo); cpu: the CPU (gloo)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
+    device = "cpu" if args.device == "cpu" else None  # None: offload picks (and starts the group to match)
+    on_cuda = device is None and torch.cuda.is_available()
     nvme = args.nvme or [tempfile.gettempdir()]
     config = {
-        "precision": "fp32" if not torch.cuda.is_available() else "bf16",
+        "precision": "bf16" if on_cuda else "fp32",
         "optimizer": {"type": "adamw", "lr": 1e-3, "weight_decay": 0.01},
         "gradient_clipping": 1.0,
         "offload": {"param": args.param, "optimizer": args.optimizer, "nvme_path": nvme if len(nvme) > 1 else nvme[0]},
         "overlap": "forward",
     }
     torch.manual_seed(0)  # every rank starts from rank 0's weights anyway
-    with offload.initialize(TinyModel(), config) as engine:
+    with offload.initialize(TinyModel(), config, device=device) as engine:
         rank, world = engine.collectives.rank, engine.collectives.world_size
         if args.global_batch % world:
             raise SystemExit(f"--global-batch {args.global_batch} must be divisible by the world size {world}")

@@ -4,6 +4,11 @@
 with torchrun's environment (MASTER_ADDR/PORT on a free port, RANK, WORLD_SIZE, LOCAL_RANK),
 runs `fn(rank, world_size, *args)` in each and returns what each rank returned (or the text
 of what it raised, or its exit code), within a deadline: a hang fails the test, never blocks it.
+
+The ranks' engines compute on the CPU (`RANK_DEVICE`) on every machine, a GPU one included:
+the group is gloo, several ranks may share one GPU (NCCL refuses two ranks on one device), and
+gloo has no reduce-scatter for CUDA tensors. Multi-GPU training is what torchrun runs
+(tests/test_examples.py, one rank per GPU).
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# passed as offload.initialize(..., device=RANK_DEVICE) by every function run under launch()
+RANK_DEVICE = "cpu"
 
 
 def free_port() -> int:
@@ -128,7 +135,7 @@ def train_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
                 for param in model.parameters():
                     param.add_(1.0)
         freeze(model, case.get("freeze"))
-        engine = offload.initialize(copy.deepcopy(model), case["config"])
+        engine = offload.initialize(copy.deepcopy(model), case["config"], device=RANK_DEVICE)
         out: dict = {"name": case["name"]}
         store = engine.store
         out["swap_path"] = store.swap.path if store.swap is not None else None
@@ -174,7 +181,7 @@ def fail_mid_step(rank: int, world_size: int, swap: str, mode: str, release_path
     from reference import TinyNet, batches
 
     torch.manual_seed(0)
-    with offload.initialize(TinyNet(), make_config(swap, "cpu", "cpu")) as engine:
+    with offload.initialize(TinyNet(), make_config(swap, "cpu", "cpu"), device=RANK_DEVICE) as engine:
         for step, batch in enumerate(batches(10)):
             x, y = local_half(batch, rank, world_size)
             prediction = engine(x)
@@ -212,7 +219,7 @@ def bench_rank(rank: int, world_size: int, config: dict, width: int, depth: int,
     from reference import TinyNet, batches, mse
 
     torch.manual_seed(0)
-    engine = offload.initialize(TinyNet(width=width, depth=depth, inputs=width), config)
+    engine = offload.initialize(TinyNet(width=width, depth=depth, inputs=width), config, device=RANK_DEVICE)
     data = batches(warmup + steps, batch=batch * world_size, inputs=width)
     times = []
     for i, full in enumerate(data):

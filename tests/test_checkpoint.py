@@ -462,7 +462,8 @@ def test_exported_gpt2_loads_with_from_pretrained_and_gives_the_engines_logits(t
     engine.save_checkpoint(tmp_path / "ckpt")
     probe = torch.randint(0, 96, (2, 16), generator=generator)
     with torch.no_grad():
-        engine_logits = engine(input_ids=probe).logits.float()
+        engine_logits = engine(input_ids=probe).logits.float().cpu()
+    computed_on = engine.device.torch_device.type
     engine.close()
     checkpoint.export(tmp_path / "ckpt", tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_embd"] == 32
@@ -472,16 +473,20 @@ def test_exported_gpt2_loads_with_from_pretrained_and_gives_the_engines_logits(t
     loaded.eval()
     with torch.no_grad():
         logits = loaded(input_ids=probe).logits
-    assert torch.equal(logits, engine_logits)
+    if computed_on == "cpu":
+        assert torch.equal(logits, engine_logits)  # the same kernels on the same weights
+    else:
+        # the same weights, but CUDA's kernels reduce in another order: fp32 rounding apart
+        torch.testing.assert_close(logits, engine_logits)
 
 
 # ---- two ranks and resharding ----------------------------------------------------------------
 def _two_rank_train_save_continue(rank, world_size, swap, root):
     """2 ranks: 4 steps, save (nvme placement), 4 more; returns losses and the final weights."""
-    from distributed_worker import local_half
+    from distributed_worker import RANK_DEVICE, local_half
 
     torch.manual_seed(0)
-    engine = offload.initialize(TinyNet(), make_config(swap, "nvme", "nvme"))
+    engine = offload.initialize(TinyNet(), make_config(swap, "nvme", "nvme"), device=RANK_DEVICE)
     losses = []
     data = batches(8)
     for i, batch in enumerate(data):
@@ -499,10 +504,10 @@ def _two_rank_train_save_continue(rank, world_size, swap, root):
 
 def _two_rank_load_continue(rank, world_size, swap, root):
     """2 ranks: load (cpu placement, another init), 4 more steps."""
-    from distributed_worker import local_half
+    from distributed_worker import RANK_DEVICE, local_half
 
     torch.manual_seed(5)
-    engine = offload.initialize(TinyNet(), make_config(swap, "none", "cpu"))
+    engine = offload.initialize(TinyNet(), make_config(swap, "none", "cpu"), device=RANK_DEVICE)
     position = engine.load_checkpoint(root)["position"]
     losses = []
     for batch in batches(8)[position:]:

@@ -1,5 +1,9 @@
 """Sharding over 2 CPU processes (gloo) against the single-process run and plain PyTorch AdamW.
 
+The ranks compute on the CPU on every machine (distributed_worker.RANK_DEVICE: two ranks may
+share one GPU, and gloo cannot reduce-scatter CUDA tensors), so the single-process runs they are
+compared with are pinned to the CPU too.
+
 Each rank sees its half of every batch (mean loss over its half); the engine averages the
 gradients over ranks, so 2 ranks must train exactly like 1 process on the full batch, which
 trains like torch.optim.AdamW. The training cases all run inside one spawned pair of
@@ -16,7 +20,7 @@ from processes import run_process_group
 import torch
 
 import offload
-from distributed_worker import fail_mid_step, freeze, launch, make_config, train_cases
+from distributed_worker import RANK_DEVICE, fail_mid_step, freeze, launch, make_config, train_cases
 from offload.collectives import (
     CollectiveError,
     cuda_index_for_local_rank,
@@ -130,7 +134,7 @@ def test_swap_files_per_rank_on_its_own_path_under_one_run(two_ranks, swap_dirs)
 
 def _single_process_memory(config: dict) -> dict:
     torch.manual_seed(0)
-    engine = offload.initialize(TinyNet(width=128), copy.deepcopy(config))
+    engine = offload.initialize(TinyNet(width=128), copy.deepcopy(config), device=RANK_DEVICE)
     report = engine.memory_report()
     engine.close(restore_weights=False)
     return report
@@ -215,7 +219,8 @@ def test_each_local_rank_needs_its_own_gpu():
 
 # ---- the torchrun example ----------------------------------------------------------------------
 def test_torchrun_example_two_ranks_nvme_path_per_rank(tmp_path):
-    """examples/torchrun_tiny.py under torchrun: the engine starts the group from the environment."""
+    """examples/torchrun_tiny.py under torchrun: the engine starts the group from the environment
+    (on the CPU, with gloo: two ranks need not have two GPUs)."""
     import shutil
     import sys
     from pathlib import Path
@@ -231,7 +236,7 @@ def test_torchrun_example_two_ranks_nvme_path_per_rank(tmp_path):
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     completed = run_process_group(
         [torchrun, "--standalone", "--nproc_per_node", "2", str(root / "examples" / "torchrun_tiny.py"), "--steps", "3",
-         "--param", "nvme", "--optimizer", "nvme", "--nvme", *map(str, disks)],
+         "--param", "nvme", "--optimizer", "nvme", "--device", "cpu", "--nvme", *map(str, disks)],
         timeout=300, env=env, cwd=tmp_path,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
