@@ -95,11 +95,13 @@ def standard_library_text(limit_bytes: int) -> bytes:
 
 
 def generate(engine, model: ByteGPT, prompt: bytes, length: int, temperature: float = 0.8) -> bytes:
+    """Samples on the CPU with a seeded CPU generator, whatever device the engine computes on
+    (the engine moves `ids` there; only the 256 probabilities come back)."""
     ids = torch.tensor([list(prompt)], dtype=torch.long)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _ in range(length):
-            logits = engine(ids[:, -model.context :])[0, -1].float() / temperature
+            logits = engine(ids[:, -model.context :])[0, -1].float().cpu() / temperature
             next_id = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
             ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
     return bytes(ids[0].tolist())

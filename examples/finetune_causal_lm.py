@@ -2,9 +2,11 @@
 
     # a model directory (weights + config, tokenizer if any), one process:
     python examples/finetune_causal_lm.py --model ./my-llama --data corpus.txt --offload-config examples/configs/7b_on_24gb.json
-    # a config.json with random init (no weights needed), 4 ranks on one machine:
+    # a config.json with random init (no weights needed), 4 ranks on one machine, one GPU each:
     torchrun --nproc-per-node 4 examples/finetune_causal_lm.py --model-config config.json --data corpus.txt \
         --offload-config examples/configs/10b_on_4_gpus.json
+    # more ranks than GPUs (or none): every rank on the CPU, gloo between them
+    torchrun --nproc-per-node 2 examples/finetune_causal_lm.py --tiny --device cpu
     # the same at a size that runs anywhere in seconds:
     python examples/finetune_causal_lm.py --tiny --offload-config examples/configs/13b_on_80gb_nvme.json
 
@@ -19,7 +21,6 @@ import argparse
 import copy
 import json
 import logging
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -53,6 +54,9 @@ def parse_args(argv=None):
     parser.add_argument("--save", help="write the consolidated fp32 weights (safetensors) to this file at the end")
     parser.add_argument("--result-json", help="write losses and the last step's breakdown to this JSON file (rank 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (the log still has every step)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu"],
+                        help="auto (default): CUDA when present, rank r on GPU LOCAL_RANK=r with NCCL between ranks, "
+                             "else the CPU; cpu: the CPU, gloo between ranks (e.g. more ranks than GPUs)")
     return parser.parse_args(argv)
 
 
@@ -112,18 +116,9 @@ def main(argv=None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     steps = args.steps or (2 if args.tiny else 100)
     seq_len = args.seq_len or (32 if args.tiny else 512)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = 0
-    device = None
-    if world > 1:
-        import torch.distributed as dist
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-        rank = dist.get_rank()
-        if torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
+    # None: offload picks the device; under torchrun it also starts the process group to match
+    # (NCCL and GPU LOCAL_RANK on CUDA, a clear error when there are fewer GPUs than local ranks)
+    device = "cpu" if args.device == "cpu" else None
     config = offload.load_config(args.offload_config) if args.offload_config else offload.load_config()
     config = copy.deepcopy(config)
     scratch = None
@@ -142,6 +137,7 @@ def main(argv=None) -> dict:
     ids = tokenize(args, text, model.config.vocab_size)
     model.train()
     engine = offload.initialize(model, config, device=device)
+    rank, world = engine.collectives.rank, engine.collectives.world_size
     losses = []
     accumulation = config.gradient_accumulation_steps
     progress = TrainingProgress(engine, total=steps, desc=f"finetune rank {rank}", disable=args.no_progress or rank != 0)
@@ -170,9 +166,7 @@ def main(argv=None) -> dict:
     if rank == 0 and args.result_json:
         Path(args.result_json).write_text(json.dumps(result, indent=2))
     if world > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
+        torch.distributed.destroy_process_group()
     return result
 
 

@@ -64,18 +64,48 @@ def test_finetune_from_a_local_model_directory_learns(tmp_path):
     assert torch.equal(reloaded.transformer.h[0].mlp.c_fc.weight, weights["transformer.h.0.mlp.c_fc.weight"])
 
 
-def test_finetune_under_torchrun_two_ranks(tmp_path):
+def torchrun_finetune(tmp_path, ranks: int, *extra: str, env_extra: dict | None = None):
+    """Runs the fine-tuning example under torchrun with `ranks` processes; (completed, result file)."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun is not installed")
     out = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [torchrun, "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "finetune_causal_lm.py"), "--tiny", "--no-progress",
-               "--offload-config", str(EXAMPLES / "configs" / "10b_on_4_gpus.json"), "--result-json", str(out)]
-    completed = run_process_group(command, timeout=300, env=env, cwd=tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    command = [torchrun, "--standalone", "--nproc-per-node", str(ranks), str(EXAMPLES / "finetune_causal_lm.py"), "--tiny",
+               "--no-progress", "--offload-config", str(EXAMPLES / "configs" / "10b_on_4_gpus.json"), "--result-json", str(out),
+               *extra]
+    return run_process_group(command, timeout=300, env=env, cwd=tmp_path), out
+
+
+def test_finetune_under_torchrun_two_ranks_on_the_cpu(tmp_path):
+    """--device cpu: gloo between the ranks, on any machine (one GPU or none included)."""
+    completed, out = torchrun_finetune(tmp_path, 2, "--device", "cpu")
     assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "initialised the gloo process group from the environment" in completed.stderr
     result = json.loads(out.read_text())
     assert result["world_size"] == 2 and len(result["losses"]) == 2
+
+
+@pytest.mark.cuda
+def test_finetune_under_torchrun_one_rank_per_gpu(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs for 2 ranks on NCCL; this machine has {torch.cuda.device_count()}")
+    completed, out = torchrun_finetune(tmp_path, 2)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "initialised the nccl process group from the environment" in completed.stderr
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and len(result["losses"]) == 2
+
+
+@pytest.mark.cuda
+def test_finetune_under_torchrun_with_more_ranks_than_gpus_says_so(tmp_path):
+    """One visible GPU, two ranks: rank 1 stops with the reason and the ways out, not with a
+    CUDA invalid-device error."""
+    completed, out = torchrun_finetune(tmp_path, 2, env_extra={"CUDA_VISIBLE_DEVICES": "0"})
+    assert completed.returncode != 0
+    assert "LOCAL_RANK=1 needs CUDA device cuda:1, but this machine has 1 GPU" in completed.stderr, completed.stderr[-3000:]
+    assert "--device cpu" in completed.stderr
+    assert not out.exists()
 
 
 # ---- progress ------------------------------------------------------------------------------
