@@ -13,7 +13,9 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import itertools
 import json
+import math
 import os
 import textwrap
 import types
@@ -29,6 +31,14 @@ PARAM_TIERS = ("none", "cpu", "nvme")
 OPTIMIZER_TIERS = ("cpu", "nvme")
 OVERLAPS = ("none", "forward", "backward")
 OPTIMIZER_TYPES = ("adamw", "adam")
+SCHEDULER_TYPES = ("none", "warmup", "warmup_decay", "warmup_cosine", "one_cycle", "lr_range_test")
+WARMUP_TYPES = ("log", "linear")
+# Names users bring from DeepSpeed and transformers for our choices (suggested, not accepted).
+VALUE_ALIASES = {
+    "warmuplr": "warmup", "constant_with_warmup": "warmup", "warmupdecaylr": "warmup_decay", "linear": "warmup_decay",
+    "warmupcosinelr": "warmup_cosine", "cosine": "warmup_cosine", "onecycle": "one_cycle", "lrrangetest": "lr_range_test",
+    "constant": "none", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "gpu": "none",
+}
 
 
 @dataclass
@@ -55,7 +65,7 @@ class OffloadConfig:
     """Where 16-bit weights live between uses: `none` (on the accelerator), `cpu`, `nvme`."""
     optimizer: str = "cpu"
     """Where fp32 master weights, Adam states and fp32 gradients live: `cpu`, `nvme`."""
-    nvme_path: Union[str, list[str]] = "./offload-swap"
+    nvme_path: str | list[str] = "./offload-swap"
     """Directory for swap files (must exist and be writable); a list spreads ranks over disks."""
     pin_memory: bool = True
     """Pin host buffers when CUDA is present (faster copies; counts against locked RAM)."""
@@ -101,6 +111,61 @@ class LossScaleConfig:
     """The scale never goes below this."""
 
 
+@dataclass
+class SchedulerConfig:
+    """A learning-rate schedule, DeepSpeed's schedules with DeepSpeed's parameter names.
+
+    `lr_at(step, scheduler, base_lr)` gives the learning rate of each optimizer step."""
+
+    type: str = "none"
+    """`none` (the optimizer's lr throughout), `warmup` (DeepSpeed WarmupLR), `warmup_decay` (WarmupDecayLR: warmup, then linear decay to 0), `warmup_cosine` (WarmupCosineLR), `one_cycle` (OneCycle), `lr_range_test` (LRRangeTest)."""
+    warmup_min_lr: float = 0.0
+    """warmup, warmup_decay: the learning rate at the start of the warmup."""
+    warmup_max_lr: float | None = None
+    """warmup, warmup_decay: the learning rate at the end of the warmup; null: the optimizer's lr."""
+    warmup_num_steps: int = 1000
+    """warmup, warmup_decay, warmup_cosine: optimizer steps of the warmup (at least 2 are used, as in DeepSpeed)."""
+    warmup_type: str = "log"
+    """warmup, warmup_decay, warmup_cosine: how the warmup rises, `log` (DeepSpeed's default) or `linear`."""
+    total_num_steps: int | None = None
+    """warmup_decay, warmup_cosine: optimizer steps of the whole run (the decay ends there); must be set before training."""
+    warmup_min_ratio: float = 0.0
+    """warmup_cosine: the start of the warmup as a fraction of the optimizer's lr."""
+    cos_min_ratio: float = 0.0001
+    """warmup_cosine: the end of the cosine decay as a fraction of the optimizer's lr."""
+    cycle_min_lr: float | None = None
+    """one_cycle: the lowest learning rate of the cycle (required for one_cycle)."""
+    cycle_max_lr: float | None = None
+    """one_cycle: the highest learning rate of the cycle (required for one_cycle)."""
+    decay_lr_rate: float = 0.0
+    """one_cycle: after the cycle, lr = cycle_min_lr / (1 + decay_lr_rate * steps / decay_step_size); 0 keeps cycle_min_lr."""
+    cycle_first_step_size: int = 2000
+    """one_cycle: optimizer steps of the rising half of the cycle."""
+    cycle_second_step_size: int | None = None
+    """one_cycle: optimizer steps of the falling half; null: as many as the rising half."""
+    cycle_first_stair_count: int = 0
+    """one_cycle: stairs of the rising half (the lr moves in this many flat steps); 0: continuous."""
+    cycle_second_stair_count: int | None = None
+    """one_cycle: stairs of the falling half; null: as many as the rising half."""
+    decay_step_size: int = 0
+    """one_cycle: optimizer steps per unit of the post-cycle decay; 0: no decay."""
+    cycle_momentum: bool = True
+    """one_cycle: cycle Adam's beta1 inversely to the lr between cycle_max_mom and cycle_min_mom (beta2 is 0.99 then, as in DeepSpeed)."""
+    cycle_min_mom: float = 0.8
+    """one_cycle: the lowest beta1 of the cycle."""
+    cycle_max_mom: float = 0.9
+    """one_cycle: the highest beta1 of the cycle."""
+    decay_mom_rate: float = 0.0
+    """one_cycle: after the cycle, beta1 = cycle_max_mom * (1 + decay_mom_rate * steps / decay_step_size)."""
+    lr_range_test_min_lr: float = 1e-3
+    """lr_range_test: the learning rate at step 0."""
+    lr_range_test_step_size: int = 2000
+    """lr_range_test: optimizer steps per unit of increase."""
+    lr_range_test_step_rate: float = 1.0
+    """lr_range_test: lr = min_lr * (1 + step_rate * steps / step_size)."""
+    lr_range_test_staircase: bool = False
+    """lr_range_test: increase in whole units of step_size (a staircase) instead of continuously."""
+
 
 @dataclass
 class Config:
@@ -124,13 +189,13 @@ class Config:
     """How the model is cut into units."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """fp16 dynamic loss scaling."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """The learning-rate schedule (translated from a DeepSpeed `scheduler` section, or written here)."""
     seed: int | None = None
     """If set, torch's RNG is seeded with it at initialize."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
 
 
 def _type_hints(cls) -> dict[str, Any]:
@@ -142,7 +207,7 @@ def field_docs(cls) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
-    for statement, following in zip(body, body[1:]):
+    for statement, following in itertools.pairwise(body):
         if (
             isinstance(statement, ast.AnnAssign)
             and isinstance(statement.target, ast.Name)
@@ -155,7 +220,7 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def _fail(path: str, message: str) -> ConfigError:
-    return ConfigError(f"config key '{path}': {message}")
+    return ConfigError(f"config key '{path}': {message}", key=path)
 
 
 def _coerce(path: str, value: Any, hint: Any) -> Any:
@@ -249,25 +314,52 @@ def _from_mapping(prefix: str, mapping: dict, cls):
         if key not in names:
             nearest = _nearest_key(str(key), names)
             hint = f"; did you mean '{nearest}'?" if nearest else f"; valid keys here: {', '.join(names)}"
-            raise ConfigError(f"unknown config key '{path}'{hint}")
+            raise ConfigError(f"unknown config key '{path}'{hint}", key=path)
         kwargs[key] = _coerce(path, value, hints[key])
     return cls(**kwargs)
 
 
-def _choice(path: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        nearest = difflib.get_close_matches(value, allowed, n=1)
-        hint = f" (did you mean '{nearest[0]}'?)" if nearest else ""
-        raise _fail(path, f"{value!r} is not one of {', '.join(allowed)}{hint}")
+def _choice(path: str, value: str, allowed: tuple[str, ...]) -> str:
+    """`value` in `allowed`, compared case-insensitively (`AdamW` is `adamw`); the canonical spelling."""
+    lowered = value.lower()
+    if lowered in allowed:
+        return lowered
+    alias = VALUE_ALIASES.get(lowered)
+    nearest = [alias] if alias in allowed else difflib.get_close_matches(lowered, allowed, n=1)
+    hint = f" (did you mean '{nearest[0]}'?)" if nearest else ""
+    raise _fail(path, f"{value!r} is not one of {', '.join(allowed)}{hint}")
+
+
+def _validate_scheduler(s: SchedulerConfig) -> None:
+    s.type = _choice("scheduler.type", s.type, SCHEDULER_TYPES)
+    s.warmup_type = _choice("scheduler.warmup_type", s.warmup_type, WARMUP_TYPES)
+    for key in ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "lr_range_test_min_lr", "warmup_min_ratio",
+                "cos_min_ratio", "decay_lr_rate", "decay_mom_rate", "decay_step_size", "warmup_num_steps",
+                "cycle_first_stair_count", "cycle_second_stair_count"):
+        value = getattr(s, key)
+        if value is not None and not value >= 0:
+            raise _fail(f"scheduler.{key}", f"must be >= 0, got {value}")
+    for key in ("total_num_steps", "cycle_first_step_size", "cycle_second_step_size", "lr_range_test_step_size"):
+        value = getattr(s, key)
+        if value is not None and value < 1:
+            raise _fail(f"scheduler.{key}", f"must be >= 1, got {value}")
+    for key in ("cycle_min_mom", "cycle_max_mom"):
+        if not 0.0 <= getattr(s, key) < 1.0:
+            raise _fail(f"scheduler.{key}", f"must be in [0, 1) (it is Adam's beta1), got {getattr(s, key)}")
+    if s.type == "one_cycle":
+        for key in ("cycle_min_lr", "cycle_max_lr"):
+            if getattr(s, key) is None:
+                raise _fail(f"scheduler.{key}", "one_cycle needs it; give the cycle's learning rate bounds")
 
 
 def validate(config: Config) -> Config:
-    """Checks ranges and combinations; raises ConfigError naming the key and the fix."""
-    _choice("precision", config.precision, PRECISIONS)
-    _choice("offload.param", config.offload.param, PARAM_TIERS)
-    _choice("offload.optimizer", config.offload.optimizer, OPTIMIZER_TIERS)
-    _choice("overlap", config.overlap, OVERLAPS)
-    _choice("optimizer.type", config.optimizer.type, OPTIMIZER_TYPES)
+    """Checks ranges and combinations; raises ConfigError naming the key and the fix. Choices are
+    read case-insensitively and stored in their canonical (lower-case) spelling."""
+    config.precision = _choice("precision", config.precision, PRECISIONS)
+    config.offload.param = _choice("offload.param", config.offload.param, PARAM_TIERS)
+    config.offload.optimizer = _choice("offload.optimizer", config.offload.optimizer, OPTIMIZER_TIERS)
+    config.overlap = _choice("overlap", config.overlap, OVERLAPS)
+    config.optimizer.type = _choice("optimizer.type", config.optimizer.type, OPTIMIZER_TYPES)
     opt = config.optimizer
     if not opt.lr >= 0:
         raise _fail("optimizer.lr", f"must be >= 0, got {opt.lr}")
@@ -304,6 +396,7 @@ def validate(config: Config) -> Config:
         raise _fail("loss_scale", "initial and min_scale must be > 0")
     if not 0 < scale.backoff_factor < 1 or not scale.growth_factor >= 1 or scale.growth_interval < 1:
         raise _fail("loss_scale", "needs 0 < backoff_factor < 1, growth_factor >= 1, growth_interval >= 1")
+    _validate_scheduler(config.scheduler)
     if config.overlap == "backward":
         if config.gradient_clipping > 0:
             raise _fail(
@@ -324,20 +417,42 @@ def is_deepspeed_config(mapping: dict) -> bool:
     """A DeepSpeed config is recognised by keys only DeepSpeed uses."""
     markers = {
         "zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "bf16", "bfloat16", "fp16", "aio",
-        "zero_allow_untested_optimizer", "scheduler", "steps_per_print",
+        "zero_allow_untested_optimizer", "steps_per_print",
     }
     if any(key in markers for key in mapping):
         return True
-    # DeepSpeed's optimizer section is {"type": ..., "params": {...}}; offload's has no "params"
-    optimizer = mapping.get("optimizer")
-    return isinstance(optimizer, dict) and "params" in optimizer and "type" in optimizer
+    # DeepSpeed's optimizer and scheduler sections are {"type": ..., "params": {...}}; offload's are flat
+    return any(isinstance(mapping.get(key), dict) and "params" in mapping[key] and "type" in mapping[key]
+               for key in ("optimizer", "scheduler"))
+
+
+def _build(mapping: dict, translation=None) -> Config:
+    """Validates a mapping of offload keys once. An error in a translated config names the
+    user's own key it came from (`ConfigError.key` is that key)."""
+    try:
+        return validate(_from_mapping("", mapping, Config))
+    except ConfigError as error:
+        if translation is None or error.key is None:
+            raise
+        base = error.key.split("[")[0]
+        sources = sorted({src for ours, src in translation.sources.items()
+                          if ours == base or ours.startswith(base + ".") or base.startswith(ours + ".")})
+        if not sources:
+            raise
+        shown = ", ".join(repr(src) for src in sources)
+        raise ConfigError(f"{error} (translated from {translation.kind} key {shown}; fix it there)", key=sources[0]) from error
 
 
 def load_config(source: Config | dict | str | os.PathLike | None = None, *, strict: bool = True) -> Config:
-    """A validated Config from a Config, a dict, or a path to a JSON file (offload's or DeepSpeed's).
+    """A validated Config from a Config, a dict, or a path to a JSON file (offload's or
+    DeepSpeed's) or an accelerate YAML.
 
-    `strict=False` turns DeepSpeed keys that have no meaning here into warnings instead of errors.
+    DeepSpeed and accelerate keys that only tune or log are accepted and listed in one INFO
+    line; keys offload cannot honour are one ConfigError, or with `strict=False` one WARNING
+    (and dropped). See `offload.deepspeed_config`.
     """
+    from offload import deepspeed_config
+
     if source is None:
         return validate(Config())
     if isinstance(source, Config):
@@ -347,18 +462,128 @@ def load_config(source: Config | dict | str | os.PathLike | None = None, *, stri
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; pass a dict, an offload.Config or the path of a JSON file")
         if path.suffix.lower() in (".yaml", ".yml"):
-            from offload.deepspeed_config import load_accelerate_config
-
-            return load_accelerate_config(path, strict=strict)
+            translation = deepspeed_config.translate_accelerate(path)
+            deepspeed_config.report(translation, strict)
+            return _build(translation.config, translation)
         try:
-            mapping = json.loads(path.read_text())
+            source = json.loads(path.read_text())
         except json.JSONDecodeError as error:
             raise ConfigError(f"config file {str(path)!r} is not valid JSON: {error}") from error
-        source = mapping
     if not isinstance(source, dict):
         raise ConfigError(f"config must be a dict, a JSON path or an offload.Config, got {type(source).__name__}")
     if is_deepspeed_config(source):
-        from offload.deepspeed_config import translate
+        translation = deepspeed_config.translate_deepspeed(source)
+        deepspeed_config.report(translation, strict)
+        return _build(translation.config, translation)
+    return _build(source)
 
-        source = translate(source, strict=strict)
-    return validate(_from_mapping("", source, Config))
+
+# ---- the learning-rate schedule, as plain arithmetic ----------------------------------------
+def _warmup_fraction(iteration: int, warmup_steps: int, warmup_type: str) -> float:
+    """How far through the warmup DeepSpeed's schedules are at `iteration` (0 at its start)."""
+    if warmup_type == "log":
+        return math.log(iteration + 1) / math.log(warmup_steps)
+    return iteration / warmup_steps
+
+
+def _needs_total(s: SchedulerConfig) -> int:
+    if s.total_num_steps is None:
+        raise ConfigError(f"config key 'scheduler.total_num_steps': the {s.type} schedule needs the number of optimizer "
+                          "steps of the run; set it (a DeepSpeed 'auto' cannot be resolved without the Trainer)",
+                          key="scheduler.total_num_steps")
+    return s.total_num_steps
+
+
+def _one_cycle_scale(s: SchedulerConfig, batch: int) -> float:
+    """Where in the cycle `batch` is: 0 at cycle_min_lr, 1 at cycle_max_lr (DeepSpeed's OneCycle)."""
+    first = float(s.cycle_first_step_size)
+    second = float(s.cycle_second_step_size if s.cycle_second_step_size is not None else s.cycle_first_step_size)
+    total = first + second
+    ratio = first / total
+    x = 1.0 + batch / total - math.floor(1 + batch / total)
+    if x <= ratio:
+        scale, stairs = x / ratio, s.cycle_first_stair_count
+    else:
+        scale = (x - 1) / (ratio - 1)
+        stairs = s.cycle_second_stair_count if s.cycle_second_stair_count is not None else s.cycle_first_stair_count
+    if stairs > 0:
+        position = batch % total
+        position = position * stairs / first if position <= first else (total - position) * stairs / second
+        scale = math.floor(position) / stairs
+    return scale
+
+
+def _one_cycle_total(s: SchedulerConfig) -> int:
+    return s.cycle_first_step_size + (s.cycle_second_step_size if s.cycle_second_step_size is not None else s.cycle_first_step_size)
+
+
+def lr_at(step: int, scheduler: SchedulerConfig, base_lr: float) -> float:
+    """The learning rate of optimizer step `step` (0 = the first update) under `scheduler`, as
+    DeepSpeed's schedule of the same name gives it. `base_lr` is the optimizer's lr.
+
+    DeepSpeed advances its schedule after each applied update (not after a skipped fp16
+    overflow step), so update `step` uses its state `last_batch_iteration = step - 1`; that is
+    why the first update of `warmup` runs at warmup_min_lr, and of `warmup_cosine` at 0.
+    """
+    s = scheduler
+    it = step - 1  # DeepSpeed's last_batch_iteration
+    if s.type == "none":
+        return base_lr
+    if s.type in ("warmup", "warmup_decay"):
+        low = s.warmup_min_lr
+        high = base_lr if s.warmup_max_lr is None else s.warmup_max_lr
+        total = _needs_total(s) if s.type == "warmup_decay" else None
+        if it < 0:
+            return low
+        warmup = max(2, s.warmup_num_steps)
+        if it < warmup:
+            gamma = _warmup_fraction(it, warmup, s.warmup_type)
+        elif total is None:
+            gamma = 1.0
+        else:
+            gamma = max(0.0, (total - it) / max(1.0, total - warmup))
+        return low + (high - low) * gamma
+    if s.type == "warmup_cosine":
+        total = _needs_total(s)
+        if it < 0:
+            return 0.0
+        warmup = max(2, s.warmup_num_steps)
+        if it < warmup:
+            ratio = s.warmup_min_ratio + _warmup_fraction(it, warmup, s.warmup_type) * (1.0 - s.warmup_min_ratio)
+        else:
+            progress = min(1.0, (it - warmup + 1) / max(1, total - warmup))
+            ratio = max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
+        return base_lr * ratio
+    if s.type == "one_cycle":
+        low, high = s.cycle_min_lr, s.cycle_max_lr
+        total = _one_cycle_total(s)
+        if it < total:
+            return low + (high - low) * _one_cycle_scale(s, it + 1)
+        if s.decay_step_size == 0 or s.decay_lr_rate == 0:
+            return low
+        return low / (1 + s.decay_lr_rate * (it - total + 1) / s.decay_step_size)
+    if s.type == "lr_range_test":
+        interval = (it + 1) / s.lr_range_test_step_size
+        if s.lr_range_test_staircase:
+            interval = math.floor(interval)
+        return s.lr_range_test_min_lr * (1 + s.lr_range_test_step_rate * interval)
+    raise ConfigError(f"config key 'scheduler.type': {s.type!r} is not one of {', '.join(SCHEDULER_TYPES)}", key="scheduler.type")
+
+
+def betas_at(step: int, scheduler: SchedulerConfig, betas: tuple[float, float]) -> tuple[float, float]:
+    """Adam's (beta1, beta2) for optimizer step `step` (see `lr_at`): `betas` unless a
+    `one_cycle` schedule cycles the momentum. Then, as DeepSpeed's OneCycle does, beta1 runs
+    inversely to the lr and beta2 is 0.99; before the first advance (step 0) beta1 is
+    cycle_min_mom, which is what DeepSpeed's constructor writes into the optimizer."""
+    s = scheduler
+    if s.type != "one_cycle" or not s.cycle_momentum:
+        return tuple(betas)
+    it = step - 1
+    if it < 0:
+        return (s.cycle_min_mom, 0.99)
+    total = _one_cycle_total(s)
+    if it < total:
+        return (s.cycle_max_mom - (s.cycle_max_mom - s.cycle_min_mom) * _one_cycle_scale(s, it + 1), 0.99)
+    if s.decay_step_size == 0 or s.decay_mom_rate == 0:
+        return (s.cycle_max_mom, 0.99)
+    return (s.cycle_max_mom * (1 + s.decay_mom_rate * (it - total + 1) / s.decay_step_size), 0.99)

@@ -1,24 +1,35 @@
-"""Translation of DeepSpeed (and accelerate) configs into offload's config.
+"""Translation of DeepSpeed and accelerate configs into offload config data.
 
-`translate(mapping, strict=True)` turns a DeepSpeed JSON mapping into an offload config dict,
-which `offload.config.load_config` then validates (it calls `translate` itself whenever
-`is_deepspeed_config` recognises the mapping). `load_accelerate_config(path, strict=True)`
-reads an accelerate config YAML, either pointing at a DeepSpeed JSON
-(`deepspeed_config: {deepspeed_config_file: ...}`) or with accelerate's inline keys.
+(Longer than most modules on purpose: most of it is the table of every DeepSpeed key offload
+knows and why each is mapped, ignored or refused; splitting it would scatter that table.)
 
-Nothing is silently dropped. Every key ends in one of four places:
+`translate_deepspeed(mapping)` and `translate_accelerate(path)` return a `Translation`: plain
+data (the offload config as a dict, which user key each offload key came from, and what was
+ignored, refused or resolved from `"auto"`). They import nothing of `offload.config`;
+`offload.config.load_config` calls them, then `report(translation, strict)`, then validates the
+dict once, naming the user's key in any error. `translate(mapping, strict)` is the short form
+that returns the dict.
 
-* mapped onto an offload key (and an error that offload's validation raises names the
-  DeepSpeed key it came from);
-* used for validation only, or resolved from `"auto"`, or ignored because DeepSpeed itself
-  ignores it (a disabled `fp16` / `bf16` section, an `offload_*` section whose device is
-  `none`): each logged at INFO;
-* a key with no meaning here (DeepSpeed tuning knobs, monitoring, schedulers...) or a key
-  DeepSpeed does not know either (a typo; the nearest known key is suggested): all of them
-  are collected into ONE message, raised as `ConfigError` with `strict=True` (the default)
-  and logged as a WARNING with `strict=False`;
-* a value that cannot be honoured (it would change the training maths or the placement in a
-  way offload cannot do): always a `ConfigError`, whatever `strict` says.
+Every key ends in one of four places:
+
+* mapped onto an offload key;
+* **ignored**: it only tunes speed or memory, logs, or is read by another tool (bucket sizes,
+  `overlap_comm`, `stage3_*`, `sub_group_size`, `buffer_size`, `max_in_cpu`, `fast_init`,
+  `aio.single_submit`, `steps_per_print`, `wall_clock_breakdown`, fp16 `hysteresis`,
+  accelerate's `zero3_init_flag`, launcher keys...), so it cannot change what training
+  computes here. All of them are listed, with the reason, in ONE log line at INFO;
+* **unsupported**: a key offload does not know (a typo: the nearest known key is suggested),
+  or a feature switched on whose meaning offload cannot honour (`zero_quantized_weights`,
+  `compression_training`, a partial offload `ratio`...). All are named in ONE `ConfigError`
+  (`strict=True`, the default) or ONE WARNING (`strict=False`, which drops them);
+* a value that contradicts offload's maths (AMSGrad, static loss scaling, GPUDirect Storage,
+  a non-Adam optimizer, `fp8`): always a `ConfigError`, whatever `strict` says.
+
+`"auto"` values (Hugging Face Trainer / accelerate configs) are resolved to what the Trainer
+would fill in from its arguments at their defaults (`lr` 5e-5, `betas` (0.9, 0.999), `eps`
+1e-8, `weight_decay` 0, `gradient_clipping` 1.0, accumulation 1, warmup 0 steps; precision
+from the machine or accelerate's `mixed_precision`), and listed, each with the value chosen,
+in ONE WARNING.
 
 Mapping rules
 -------------
@@ -26,88 +37,36 @@ zero_optimization
     `stage` 0..3 (DeepSpeed's default 0). offload always partitions state across ranks, so
     the stage only decides whether `offload_param` is allowed: stage 3 maps
     `offload_param.device` (`cpu` / `nvme` / `none`) onto `offload.param`; stages 1-2 keep
-    parameters on the accelerator (`offload.param = "none"`) and an active `offload_param`
-    there is an error (DeepSpeed supports parameter offload only in stage 3); stage 0 with
-    an active offload section is an error (DeepSpeed refuses it too).
-    `offload_optimizer.device` `cpu` / `nvme` maps onto `offload.optimizer`; `none` or an
-    absent section gives `cpu` (offload always keeps the optimizer on the host; logged).
-    The legacy spellings `cpu_offload`, `cpu_offload_params`, `cpu_offload_use_pin_memory`
-    are read as `offload_optimizer.device cpu`, `offload_param.device cpu`, `pin_memory`.
-    `nvme_path`: offload has one swap directory, so the sections whose device is `nvme`
-    must name the same path (compared after normalisation); two different paths are an
-    error naming both keys. A `nvme` device without `nvme_path` is an error (as in DeepSpeed).
-    `pin_memory`: one switch here; two active sections that disagree are an error. Absent:
-    offload's default (pinned), not DeepSpeed's (pageable), because offload budgets pinned
-    memory up front (logged).
-    `buffer_count`: the larger of the active sections' counts; below offload's minimum of
-    2 it is raised to 2 with a warning.
-    `buffer_size`, `max_in_cpu`, `fast_init`, `pipeline_read`, `pipeline_write`, `ratio` and
-    the bucket / persistence / prefetch knobs (`stage3_*`, `reduce_bucket_size`,
-    `allgather_bucket_size`, `overlap_comm`, `contiguous_gradients`, `sub_group_size`,
-    `round_robin_gradients`, `reduce_scatter`, `allgather_partitions`, ...) have no meaning
-    here: offload sizes every buffer per unit exactly and always overlaps transfers with
-    compute. `overlap_comm: true` is harmless but still listed (no silent drops).
+    parameters on the accelerator and an active `offload_param` there is an error (as in
+    DeepSpeed). `offload_optimizer.device` `cpu` / `nvme` maps onto `offload.optimizer`;
+    `none` or absent gives `cpu`. Legacy `cpu_offload`, `cpu_offload_params`,
+    `cpu_offload_use_pin_memory` are read as the new sections. One swap directory: sections
+    whose device is `nvme` must name the same `nvme_path`. One `pin_memory` switch (absent:
+    pinned, offload's default). `buffer_count`: the larger of the active sections' (at least 2).
+    An `aio` section inside `zero_optimization` (as the Hugging Face docs write it) is read as
+    the top-level `aio`.
 aio
-    `block_size` -> `io.block_size`, `queue_depth` -> `io.queue_depth`, `thread_count`
-    (old spelling) or `intra_op_parallelism` (new) -> `io.threads` (both given and different
-    is an error). `single_submit`, `overlap_events`, `use_gds` are listed as having no meaning;
-    `use_gds: true` is always an error (GPUDirect Storage cannot be honoured).
-bf16 / fp16 (and the legacy `bfloat16` section)
-    `bf16.enabled` -> precision `bf16`; `fp16.enabled` -> `fp16`; neither -> `fp32`; both
-    true is an error. fp16: `initial_scale_power` p -> `loss_scale.initial = 2**p`,
-    `loss_scale_window` -> `loss_scale.growth_interval`, `min_loss_scale` ->
-    `loss_scale.min_scale`; `loss_scale` 0 means dynamic scaling (offload's only mode), a
-    positive `loss_scale` (static scaling) is an error. `hysteresis`,
-    `consecutive_hysteresis`, `auto_cast` and the `*_master_weights_*` switches are listed
-    (offload backs off on the first overflow and always keeps fp32 masters on the host).
-    Keys of a disabled section are ignored, as DeepSpeed ignores them (logged).
+    `block_size`, `queue_depth`, `thread_count` / `intra_op_parallelism` -> `io.*`;
+    `use_gds: true` is an error.
+bf16 / fp16 (and legacy `bfloat16`)
+    -> `precision` (neither: `fp32`; both: error). fp16 `initial_scale_power`,
+    `loss_scale_window`, `min_loss_scale` -> `loss_scale.*`; a positive `loss_scale` (static
+    scaling) is an error. Keys of a disabled section are ignored, as DeepSpeed ignores them.
 optimizer
     `type` (case-insensitive) `AdamW` -> `adamw`; `Adam`, `FusedAdam`, `CPUAdam`,
-    `DeepSpeedCPUAdam` -> `adamw` unless `params.adam_w_mode` is false (DeepSpeed's default
-    for these types is `adam_w_mode: true`, i.e. decoupled weight decay), then `adam`.
-    `AdamW` with `adam_w_mode: false` stays AdamW, as in DeepSpeed (warned). Any other type is
-    an error naming it. `params`: `lr`, `betas`, `eps`, `weight_decay`, `bias_correction`
-    map directly; absent ones take DeepSpeed's defaults (lr 1e-3, betas (0.9, 0.999), eps 1e-8,
-    weight_decay 0); `torch_adam: false` and `amsgrad: false` are what offload does;
-    `torch_adam: true` is listed (offload always runs its C++ kernel; same maths);
-    `amsgrad: true` and `max_grad_norm` are errors (use `gradient_clipping`). No `optimizer`
-    section: offload's default AdamW (logged).
+    `DeepSpeedCPUAdam` -> `adamw` unless `params.adam_w_mode` is false, then `adam`. Other types
+    are an error. Absent params take DeepSpeed's defaults (lr 1e-3...).
 scheduler
-    Listed as having no meaning: offload runs no learning-rate schedule; drive the learning
-    rate from the training loop.
-gradient_clipping, gradient_accumulation_steps
-    Mapped directly.
+    `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`, `LRRangeTest` (case-insensitive)
+    -> offload's `scheduler` section (`warmup`, `warmup_decay`, `warmup_cosine`, `one_cycle`,
+    `lr_range_test`) with the same parameter names; absent params take DeepSpeed's defaults.
 train_batch_size, train_micro_batch_size_per_gpu
-    Not part of offload's config (the training loop chooses the batch size). They are used
-    for validation only (logged): with all three of batch, micro-batch and accumulation known,
-    `train_batch_size == micro * gradient_accumulation_steps * world_size` must hold (world
-    size from torch.distributed when initialised, else the `WORLD_SIZE` environment variable,
-    else 1); with batch and micro-batch known and accumulation absent or `"auto"`, the
-    accumulation steps are derived as DeepSpeed does.
-"auto" values (Hugging Face Trainer / accelerate configs), each resolution logged at INFO
-    optimizer params -> offload's defaults; `gradient_accumulation_steps` -> 1 (or derived
-    from the batch sizes); `gradient_clipping` -> 0, clipping off (the HF Trainer would fill in
-    its `max_grad_norm`: write a number to clip); batch sizes -> not checked;
-    `bf16.enabled` -> true where bf16 is supported (a bf16-capable GPU, or no GPU) unless fp16
-    is explicitly enabled; `fp16.enabled` -> true only where a GPU without bf16 is present and
-    bf16 is not enabled. From an accelerate config, its `mixed_precision` resolves both.
-    `"auto"` anywhere else is an error asking for a value.
-Keys of offload's own schema (`precision`, `offload`, `prefetch`, `overlap`, `io`, `wrap`,
-`loss_scale`, `seed`) at the top level of a DeepSpeed config are an error: don't mix the two.
-Monitoring / logging keys (`steps_per_print`, `wall_clock_breakdown`, `flops_profiler`,
-`tensorboard`, ...), `zero_allow_untested_optimizer` and DeepSpeed features offload does not
-implement are listed as having no meaning here.
-
+    Checked against `gradient_accumulation_steps` and the world size, or used to derive it.
 accelerate
-    `deepspeed_config.deepspeed_config_file` (relative paths are tried against the working
-    directory, then the YAML's directory) is translated like any DeepSpeed JSON; other
-    inline DeepSpeed keys beside it are an error (set them in the JSON, as accelerate
-    requires). Inline keys: `zero_stage`, `offload_optimizer_device`, `offload_param_device`,
-    `offload_optimizer_nvme_path`, `offload_param_nvme_path`, `gradient_accumulation_steps`,
-    `gradient_clipping`, with top-level `mixed_precision` (`no` / `fp16` / `bf16`; `fp8` is an
-    error). `zero3_init_flag`, `zero3_save_16bit_model` and unknown inline keys are listed as
-    having no meaning. Launcher keys (`num_processes`, `machine_rank`, `distributed_type`,
-    the `deepspeed_*` launcher options...) are for `accelerate launch` and are logged at INFO.
+    `deepspeed_config.deepspeed_config_file` (relative to the working directory, then to the
+    YAML) is translated like any DeepSpeed JSON; or the inline keys `zero_stage`,
+    `offload_optimizer_device`, `offload_param_device`, `offload_*_nvme_path`,
+    `gradient_accumulation_steps`, `gradient_clipping`, with top-level `mixed_precision`.
 """
 from __future__ import annotations
 
@@ -115,128 +74,208 @@ import difflib
 import json
 import logging
 import os
-import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from offload.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+# Top-level keys of offload's own schema: seeing them in a DeepSpeed config means two schemas mixed.
 _OWN_KEYS = ("precision", "offload", "prefetch", "overlap", "io", "wrap", "loss_scale", "seed")
 
-_WHY_TUNING = (
-    "offload sizes every buffer per unit exactly and always overlaps transfers with compute, "
-    "so DeepSpeed's bucket, persistence, prefetch and buffer-size tuning has nothing to tune"
-)
-_WHY_SAVE = "offload gathers full weights on demand: use engine.consolidated_state_dict() or `offload export`"
-_WHY_FEATURE = "a DeepSpeed feature offload does not implement"
-_WHY_MONITOR = "logging, profiling and monitoring are not configured through offload (use your own logger or torch.profiler)"
-_WHY_SCHEDULER = "offload runs no learning-rate schedule; change the learning rate from your training loop"
-_WHY_OPT_CHECK = "offload always runs its own CPU Adam/AdamW, so DeepSpeed's optimizer checks do not apply"
-_WHY_COMM = "offload reduce-scatters gradients averaged over ranks; it has no gradient communication options"
-_WHY_AIO = "offload's I/O engine has no such switch (it batches submissions and overlaps completions itself)"
-_WHY_HYSTERESIS = "offload's dynamic loss scaling backs off on the first overflow; it has no hysteresis"
-_WHY_MASTER = "offload always keeps fp32 master weights, gradients and optimizer states on the host"
-_WHY_AUTOCAST = "offload casts parameters, not inputs; cast inputs in your training loop"
-_WHY_TORCH_ADAM = "offload always runs its C++ CPU Adam/AdamW (the same maths as torch's)"
-_WHY_TORCH_FLAGS = "a torch.optim implementation switch; offload runs its C++ CPU Adam/AdamW"
-_WHY_OFFLOAD_TUNING = "offload sizes host buffers per unit exactly and pipelines NVMe reads and writes itself"
-_WHY_RATIO = "offload places all optimizer state on one tier (no partial offload)"
-_WHY_ZERO3_INIT = "offload partitions the model at initialize(); there is no construction-time hook to enable"
-
-_TOP_LEVEL_NO_MEANING = {
-    **dict.fromkeys(
-        ("steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "flops_profiler",
-         "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "monitor_config", "timers"),
-        _WHY_MONITOR,
-    ),
-    "scheduler": _WHY_SCHEDULER,
-    **dict.fromkeys(("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"), _WHY_OPT_CHECK),
-    **dict.fromkeys(
-        ("prescale_gradients", "gradient_predivide_factor", "communication_data_type", "sparse_gradients",
-         "seq_parallel_communication_data_type", "disable_allgather"),
-        _WHY_COMM,
-    ),
-    "activation_checkpointing": "apply torch.utils.checkpoint inside the model (offload handles checkpointed modules)",
-    "amp": "NVIDIA apex AMP is not supported; use bf16 or fp16",
-    "data_types": "offload accumulates gradients in fp32 on the host",
-    "checkpoint": "engine.save_checkpoint writes one file per tensor; it has no tag or parallel-write options",
-    **dict.fromkeys(
-        ("elasticity", "autotuning", "compression_training", "curriculum_learning", "data_efficiency",
-         "pipeline", "sparse_attention", "tensor_parallel", "hybrid_engine", "nebula", "weight_quantization",
-         "eigenvalue", "progressive_layer_drop", "quantize_training", "zero_quantized_weights", "graph_harvesting",
-         "compile", "use_data_before_expert_parallelism", "use_node_local_storage"),
-        _WHY_FEATURE,
-    ),
+# What "auto" becomes without the Hugging Face Trainer: the value the Trainer fills in from its
+# TrainingArguments at their defaults.
+TRAINER_DEFAULTS = {
+    "optimizer.params.lr": 5e-5,
+    "optimizer.params.betas": (0.9, 0.999),
+    "optimizer.params.eps": 1e-8,
+    "optimizer.params.weight_decay": 0.0,
+    "gradient_clipping": 1.0,
+    "gradient_accumulation_steps": 1,
+    "scheduler.params.warmup_min_lr": 0.0,
+    "scheduler.params.warmup_num_steps": 0,
 }
+# DeepSpeed's own defaults for Adam/AdamW params that are absent.
+_DS_OPT_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 
-_TOP_LEVEL_HANDLED = (
-    "zero_optimization", "aio", "bf16", "bfloat16", "fp16", "optimizer", "gradient_clipping",
-    "gradient_accumulation_steps", "train_batch_size", "train_micro_batch_size_per_gpu",
-)
 
-_ZERO_NO_MEANING = {
-    **dict.fromkeys(
-        ("contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
-         "allgather_bucket_size", "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
-         "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-         "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
-         "model_persistence_threshold", "stage3_model_persistence_threshold", "use_multi_rank_bucket_allreduce",
-         "memory_efficient_linear", "elastic_checkpoint", "load_from_fp32_weights", "ignore_unused_parameters",
-         "legacy_stage1", "cpu_offload_use_pin_memory_buffers", "log_trace_cache_warnings", "override_module_apply",
-         "pipeline_loading_checkpoint"),
-        _WHY_TUNING,
-    ),
-    **dict.fromkeys(
-        ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-         "gather_16bit_weights_on_model_save"),
-        _WHY_SAVE,
-    ),
-    **dict.fromkeys(
-        ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-         "zero_quantized_gradients", "mics_shard_size", "mics_hierarchical_params_gather", "module_granularity_threshold",
-         "zeropp_loco_param", "stage3_use_all_reduce_for_fetch_params", "log_trace_cache_warnings"),
-        _WHY_FEATURE,
-    ),
+# ---- the result: plain data -------------------------------------------------------------
+@dataclass
+class Translation:
+    """A peer's config as offload config data (no offload.config types)."""
+
+    config: dict = field(default_factory=dict)
+    """The offload config mapping (offload's key names), to be validated by offload.config."""
+    sources: dict = field(default_factory=dict)
+    """Offload key (dotted) -> the user's key it came from, so that an error names the latter."""
+    ignored: list = field(default_factory=list)
+    """(user key, why): keys that only tune, log or belong to another tool; accepted."""
+    unsupported: list = field(default_factory=list)
+    """(user key, why): unknown keys and features offload cannot honour; refused when strict."""
+    auto: list = field(default_factory=list)
+    """(user key, the value chosen): `"auto"` values and how they were resolved."""
+    kind: str = "DeepSpeed"
+    """Whose format this was (`DeepSpeed` or `accelerate`), for messages."""
+
+
+# ---- why keys are ignored -----------------------------------------------------------------
+_WHY_TUNING = "bucket, persistence, prefetch and partition tuning (offload sizes each unit's buffers exactly and always overlaps transfers)"
+_WHY_OFFLOAD_TUNING = "buffer sizing and pipelining of the offload (offload sizes host buffers per unit and pipelines NVMe itself)"
+_WHY_MONITOR = "logging, profiling and monitoring (use your own logger or torch.profiler)"
+_WHY_SAVE = "saving options (use engine.consolidated_state_dict(), engine.save_checkpoint or `offload export`)"
+_WHY_CHECKS = "DeepSpeed's optimizer checks (offload always runs its own CPU Adam/AdamW)"
+_WHY_COMM = "communication layout and scaling that change no result at one rank and only rounding order at several"
+_WHY_AIO = "I/O submission details (offload's I/O engine batches submissions and overlaps completions itself)"
+_WHY_HYSTERESIS = "loss-scale back-off delay (offload backs off on the first overflow; overflowing steps are skipped either way)"
+_WHY_TORCH_IMPL = "optimizer implementation switches (offload runs its C++ CPU Adam/AdamW: the same maths)"
+_WHY_ZERO3_INIT = "construction-time partitioning (offload partitions the model at initialize())"
+_WHY_LAUNCHER = "read by `accelerate launch`, not by the training process"
+_WHY_NOT_TRAINING = "tools and services outside training (run them separately)"
+_WHY_SPEED = "speed switches that change no result (torch.compile the model yourself if you want it)"
+_WHY_CKPT_ACT = "activation checkpointing through DeepSpeed's own API (use torch.utils.checkpoint in the model; offload handles it)"
+_WHY_OFF = "switched off"
+_WHY_DEVICE_NONE = "its section's device is 'none' (DeepSpeed ignores the section too)"
+_WHY_DISABLED = "its section is disabled (DeepSpeed ignores the section too)"
+
+_WHY_FEATURE = "a DeepSpeed feature offload does not implement; it would change training"
+_WHY_QUANTIZED = "quantized weights or gradients (ZeRO++) change the maths; offload keeps 16-bit weights and fp32 state"
+_WHY_RATIO = "partial offload: offload places all optimizer state on one tier (set ratio 1 or remove it)"
+_WHY_AUTOCAST = "casting inputs (offload casts parameters; cast inputs in your training loop)"
+_WHY_LOW_MASTER = "16-bit master weights or optimizer state (offload always keeps them in fp32)"
+_WHY_GRAD_DTYPE = "gradient accumulation in a 16-bit type (offload accumulates gradients in fp32)"
+_WHY_AMP = "NVIDIA apex AMP (use bf16 or fp16)"
+_WHY_COMM_DTYPE = "a communication data type other than the compute precision (offload reduce-scatters in the compute precision)"
+_WHY_RESUME = "resuming a schedule by iteration (engine.load_checkpoint restores the step count)"
+
+
+class _Rule:
+    """How a key offload does not map is judged: ignored, or unsupported, maybe by its value."""
+
+    def __init__(self, why: str, *, ok: Callable[[Any], bool] | None = None, why_not: str = "") -> None:
+        self.why, self.ok, self.why_not = why, ok, why_not
+
+    def judge(self, value: Any) -> tuple[str, str]:
+        if self.ok is None or self.ok(value):
+            return "ignored", self.why
+        return "unsupported", self.why_not
+
+
+def _ignore(why: str) -> _Rule:
+    return _Rule(why)
+
+
+def _off(value: Any) -> bool:
+    return value is False or value is None or value == 0
+
+
+def _disabled(value: Any) -> bool:
+    """A feature section that is switched off ("auto" is what the Trainer resolves to off by default)."""
+    return _off(value) or (isinstance(value, dict) and value.get("enabled", True) in (False, "auto"))
+
+
+def _when_off(why_not: str) -> _Rule:
+    return _Rule(_WHY_OFF, ok=_off, why_not=why_not)
+
+
+def _when_disabled(why_not: str) -> _Rule:
+    return _Rule(_WHY_OFF, ok=_disabled, why_not=why_not)
+
+
+def _rules(why_or_rule, *keys: str) -> dict[str, _Rule]:
+    rule = why_or_rule if isinstance(why_or_rule, _Rule) else _ignore(why_or_rule)
+    return dict.fromkeys(keys, rule)
+
+
+_TOP_RULES = {
+    **_rules(_WHY_MONITOR, "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "flops_profiler",
+             "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "monitor_config", "timers"),
+    **_rules(_WHY_CHECKS, "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"),
+    **_rules(_WHY_COMM, "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "disable_allgather",
+             "seq_parallel_communication_data_type"),
+    **_rules(_WHY_NOT_TRAINING, "autotuning", "nebula"),
+    **_rules(_WHY_SPEED, "compile", "graph_harvesting"),
+    "activation_checkpointing": _ignore(_WHY_CKPT_ACT),
+    "checkpoint": _ignore(_WHY_SAVE),
+    "amp": _when_disabled(_WHY_AMP),
+    "data_types": _Rule("fp32 gradient accumulation is what offload does", ok=lambda v: isinstance(v, dict) and v.get("grad_accum_dtype") in (None, "fp32", "float32"),
+                        why_not=_WHY_GRAD_DTYPE),
+    **_rules(_when_disabled(_WHY_FEATURE), "elasticity", "compression_training", "curriculum_learning", "data_efficiency",
+             "pipeline", "sparse_attention", "tensor_parallel", "hybrid_engine", "weight_quantization", "eigenvalue",
+             "progressive_layer_drop", "quantize_training", "use_data_before_expert_parallelism"),
 }
-_ZERO_HANDLED = ("stage", "offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")
+_TOP_HANDLED = ("zero_optimization", "aio", "bf16", "bfloat16", "fp16", "optimizer", "scheduler", "gradient_clipping",
+                "gradient_accumulation_steps", "train_batch_size", "train_micro_batch_size_per_gpu",
+                "communication_data_type")
+
+_ZERO_RULES = {
+    **_rules(_WHY_TUNING, "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+             "allgather_partitions", "allgather_bucket_size", "round_robin_gradients", "sub_group_size",
+             "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+             "stage3_max_reuse_distance", "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters",
+             "max_reuse_distance", "model_persistence_threshold", "stage3_model_persistence_threshold",
+             "use_multi_rank_bucket_allreduce", "memory_efficient_linear", "ignore_unused_parameters", "legacy_stage1",
+             "cpu_offload_use_pin_memory_buffers", "log_trace_cache_warnings", "override_module_apply",
+             "module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params", "zero_hpz_partition_size",
+             "mics_shard_size", "mics_hierarchical_params_gather", "pipeline_loading_checkpoint"),
+    **_rules(_WHY_SAVE, "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+             "gather_16bit_weights_on_model_save", "elastic_checkpoint", "load_from_fp32_weights"),
+    **_rules(_when_off(_WHY_QUANTIZED), "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+             "zero_quantized_gradients", "zeropp_loco_param"),
+}
+_ZERO_HANDLED = ("stage", "offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_params",
+                 "cpu_offload_use_pin_memory", "aio")
 
 _OFFLOAD_HANDLED = ("device", "nvme_path", "pin_memory", "buffer_count")
-_OFFLOAD_NO_MEANING = {
-    "buffer_size": _WHY_OFFLOAD_TUNING,
-    "max_in_cpu": _WHY_OFFLOAD_TUNING,
-    "fast_init": _WHY_OFFLOAD_TUNING,
-    "pipeline_read": _WHY_OFFLOAD_TUNING,
-    "pipeline_write": _WHY_OFFLOAD_TUNING,
-    "pipeline": _WHY_OFFLOAD_TUNING,
-    "ratio": _WHY_RATIO,
+_OFFLOAD_RULES = {
+    **_rules(_WHY_OFFLOAD_TUNING, "buffer_size", "max_in_cpu", "fast_init", "pipeline_read", "pipeline_write", "pipeline"),
+    "ratio": _Rule("ratio 1 is the whole state", ok=lambda v: v == 1, why_not=_WHY_RATIO),
 }
 
-_AIO_HANDLED = ("block_size", "queue_depth", "thread_count", "intra_op_parallelism")
-_AIO_NO_MEANING = dict.fromkeys(("single_submit", "overlap_events", "use_gds"), _WHY_AIO)
+_AIO_HANDLED = ("block_size", "queue_depth", "thread_count", "intra_op_parallelism", "use_gds")
+_AIO_RULES = _rules(_WHY_AIO, "single_submit", "overlap_events")
 
 _FP16_HANDLED = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale")
-_FP16_NO_MEANING = {
-    "hysteresis": _WHY_HYSTERESIS,
-    "consecutive_hysteresis": _WHY_HYSTERESIS,
-    "auto_cast": _WHY_AUTOCAST,
-    "fp16_master_weights_and_grads": _WHY_MASTER,
-    "type": _WHY_MASTER,
+_FP16_RULES = {
+    **_rules(_WHY_HYSTERESIS, "hysteresis", "consecutive_hysteresis"),
+    "auto_cast": _when_off(_WHY_AUTOCAST),
+    "fp16_master_weights_and_grads": _when_off(_WHY_LOW_MASTER),
+    "type": _ignore("the fp16 dtype name (offload's fp16 is torch.float16)"),
 }
 _BF16_HANDLED = ("enabled",)
-_BF16_NO_MEANING = dict.fromkeys(
-    ("immediate_grad_update", "check_grad_overflow", "check_overflow", "bf16_master_weights_and_grads",
-     "bf16_optimizer_states", "auto_cast"),
-    _WHY_MASTER,
-)
-_BF16_NO_MEANING["auto_cast"] = _WHY_AUTOCAST
+_BF16_RULES = {
+    **_rules(_WHY_TUNING, "immediate_grad_update", "check_grad_overflow", "check_overflow"),
+    **_rules(_when_off(_WHY_LOW_MASTER), "bf16_master_weights_and_grads", "bf16_optimizer_states"),
+    "auto_cast": _when_off(_WHY_AUTOCAST),
+}
 
 _ADAM_TYPES = ("adam", "fusedadam", "cpuadam", "deepspeedcpuadam")
-_OPT_PARAMS_HANDLED = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam", "amsgrad", "max_grad_norm")
-_OPT_PARAMS_NO_MEANING = dict.fromkeys(("foreach", "fused", "capturable", "differentiable", "maximize", "set_grad_none", "fp32_optimizer_states"), _WHY_TORCH_FLAGS)
-# DeepSpeed's own defaults for Adam/AdamW (FusedAdam / DeepSpeedCPUAdam): used for absent params.
-_DS_OPT_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+_OPT_PARAMS_HANDLED = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "amsgrad", "max_grad_norm")
+_OPT_PARAMS_RULES = {
+    **_rules(_WHY_TORCH_IMPL, "torch_adam", "foreach", "fused", "capturable", "differentiable", "set_grad_none",
+             "fp32_optimizer_states"),
+    "maximize": _when_off("maximizing the objective (offload's Adam minimises; negate the loss)"),
+}
+
+# DeepSpeed scheduler type (lower case) -> offload scheduler type, and its parameters with
+# DeepSpeed's defaults (None: required, or "the optimizer's lr" for warmup_max_lr of WarmupLR).
+_SCHEDULERS = {
+    "warmuplr": ("warmup", {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log"}),
+    "warmupdecaylr": ("warmup_decay", {"total_num_steps": None, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
+                                       "warmup_num_steps": 1000, "warmup_type": "log"}),
+    "warmupcosinelr": ("warmup_cosine", {"total_num_steps": None, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
+                                         "cos_min_ratio": 0.0001, "warmup_type": "log"}),
+    "onecycle": ("one_cycle", {"cycle_min_lr": None, "cycle_max_lr": None, "decay_lr_rate": 0.0, "cycle_first_step_size": 2000,
+                               "cycle_second_step_size": None, "cycle_first_stair_count": 0, "cycle_second_stair_count": None,
+                               "decay_step_size": 0, "cycle_momentum": True, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9,
+                               "decay_mom_rate": 0.0}),
+    "lrrangetest": ("lr_range_test", {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2000,
+                                      "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": False}),
+}
+_SCHEDULER_NAMES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+_SCHEDULER_REQUIRED = {"cycle_min_lr", "cycle_max_lr", "total_num_steps"}
 
 _ACCEL_INLINE = {
     "zero_stage": "zero_optimization.stage",
@@ -247,15 +286,17 @@ _ACCEL_INLINE = {
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "gradient_clipping": "gradient_clipping",
 }
-_ACCEL_INLINE_NO_MEANING = {
-    "zero3_init_flag": _WHY_ZERO3_INIT,
-    "zero3_save_16bit_model": _WHY_SAVE,
-    "deepspeed_moe_layer_cls_names": _WHY_FEATURE,
+_ACCEL_INLINE_RULES = {
+    "zero3_init_flag": _ignore(_WHY_ZERO3_INIT),
+    "zero3_save_16bit_model": _ignore(_WHY_SAVE),
+    "deepspeed_moe_layer_cls_names": _ignore(_WHY_TUNING),
+    **_rules(_WHY_LAUNCHER, "deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_exclusion_filter",
+             "deepspeed_inclusion_filter"),
 }
-_ACCEL_LAUNCHER = ("deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter")
 _MIXED_PRECISIONS = ("no", "fp16", "bf16")
 
 
+# ---- machine facts (patched in tests) -------------------------------------------------------
 def _bf16_supported() -> bool:
     """bf16 on this machine: a CUDA device that supports it, or no CUDA device (the CPU runs bf16)."""
     import torch
@@ -291,49 +332,64 @@ def _nearest(key: str, known) -> str:
     return f"did you mean '{match[0]}'?" if match else "check the spelling"
 
 
-class _Translation:
-    def __init__(self, strict: bool, names: Optional[dict[str, str]] = None):
-        self.strict = strict
-        self.names = names or {}
-        self.out: dict[str, Any] = {}
-        self.origin: dict[str, str] = {}  # offload path -> DeepSpeed key it came from
-        self.no_meaning: list[tuple[str, str]] = []  # (key, why)
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return json.dumps(list(value))
+    return json.dumps(value) if value is None or isinstance(value, (int, float, str, list)) else repr(value)
 
-    # -- naming and recording ---------------------------------------------------------
+
+# ---- the translation state ------------------------------------------------------------------
+class _Builder:
+    """Collects a Translation while the sections are read (every read names the user's key)."""
+
+    def __init__(self, names: dict[str, str] | None = None, kind: str = "DeepSpeed") -> None:
+        self.names = names or {}
+        self.result = Translation(kind=kind)
+
     def n(self, path: str) -> str:
         """How a DeepSpeed key path is shown to the user (accelerate keys keep their own name)."""
         return self.names.get(path, path)
 
     def fail(self, path: str, message: str) -> ConfigError:
-        return ConfigError(f"DeepSpeed config key '{self.n(path)}': {message}")
+        return ConfigError(f"{self.result.kind} config key '{self.n(path)}': {message}", key=self.n(path))
 
     def set(self, target: str, value: Any, source: str) -> None:
         *parents, leaf = target.split(".")
-        node = self.out
+        node = self.result.config
         for parent in parents:
             node = node.setdefault(parent, {})
         node[leaf] = value
-        self.origin[target] = source
+        self.result.sources[target] = self.n(source)
 
-    def unused(self, path: str, why: str) -> None:
-        self.no_meaning.append((self.n(path), why))
+    def has(self, target: str) -> bool:
+        return target in self.result.sources
 
-    def unknown(self, path: str, key: str, known) -> None:
-        self.no_meaning.append((self.n(path), f"not a key offload knows in this section; {_nearest(key, known)}"))
+    def ignored(self, path: str, why: str) -> None:
+        self.result.ignored.append((self.n(path), why))
 
-    def sort_section(self, prefix: str, section: dict, handled, no_meaning: dict) -> None:
-        """Records every key of `section` that is neither handled nor known as meaningless here."""
-        for key in section:
+    def unsupported(self, path: str, why: str) -> None:
+        self.result.unsupported.append((self.n(path), why))
+
+    def auto(self, path: str, chosen: str) -> None:
+        self.result.auto.append((self.n(path), chosen))
+
+    def sort_section(self, prefix: str, section: dict, handled, rules: dict[str, _Rule]) -> None:
+        """Judges every key of `section` that is not handled: ignored, unsupported or unknown."""
+        for key, value in section.items():
             if key in handled:
                 continue
             path = f"{prefix}.{key}" if prefix else key
-            if key in no_meaning:
-                self.unused(path, no_meaning[key])
-            else:
-                self.unknown(path, key, list(handled) + list(no_meaning))
+            rule = rules.get(key)
+            if rule is None:
+                self.unsupported(path, f"not a key offload knows here; {_nearest(key, list(handled) + list(rules))}")
+                continue
+            kind, why = rule.judge(value)
+            (self.ignored if kind == "ignored" else self.unsupported)(path, why)
 
     # -- typed reads ------------------------------------------------------------------
-    def section(self, mapping: dict, key: str, path: str) -> Optional[dict]:
+    def section(self, mapping: dict, key: str, path: str) -> dict | None:
         value = mapping.get(key)
         if value is None:
             return None
@@ -358,268 +414,255 @@ class _Translation:
         return value
 
 
-def translate(mapping: dict, strict: bool = True, *, _mixed_precision: Optional[str] = None,
-              _names: Optional[dict[str, str]] = None, _extra_no_meaning: Optional[list[tuple[str, str]]] = None) -> dict:
-    """An offload config dict from a DeepSpeed config mapping (see the module docstring for the rules).
+# ---- DeepSpeed ------------------------------------------------------------------------------
+def translate_deepspeed(mapping: dict, *, mixed_precision: str | None = None, names: dict[str, str] | None = None,
+                        kind: str = "DeepSpeed") -> Translation:
+    """A DeepSpeed config mapping as offload config data (see the module docstring).
 
-    Keys with no meaning here are listed in one ConfigError (`strict=True`) or one logged warning
-    (`strict=False`); values that cannot be honoured are a ConfigError either way. The result is
-    checked with offload's validation, and an error there names the DeepSpeed key it came from.
-    """
+    Raises ConfigError for values that cannot be honoured; collects everything else in the
+    returned Translation (nothing is logged or refused here: `report` does that)."""
     if not isinstance(mapping, dict):
         raise ConfigError(f"a DeepSpeed config must be a JSON object, got {type(mapping).__name__}")
-    t = _Translation(strict, _names)
-    if _extra_no_meaning:
-        t.no_meaning.extend(_extra_no_meaning)
-
+    b = _Builder(names, kind)
     mixed = sorted(key for key in mapping if key in _OWN_KEYS)
     if mixed:
         raise ConfigError(
             f"config keys {', '.join(repr(k) for k in mixed)} belong to offload's own schema but this is a DeepSpeed "
             "config (it has DeepSpeed keys such as zero_optimization / bf16 / fp16 / train_batch_size); "
-            "don't mix the two: write either an offload config or a DeepSpeed config"
-        )
-    for key in mapping:
-        if key in _TOP_LEVEL_HANDLED:
-            continue
-        if key in _TOP_LEVEL_NO_MEANING:
-            t.unused(key, _TOP_LEVEL_NO_MEANING[key])
-        else:
-            t.unknown(key, key, list(_TOP_LEVEL_HANDLED) + list(_TOP_LEVEL_NO_MEANING))
-
-    _zero(t, mapping)
-    _aio(t, mapping)
-    _precision(t, mapping, _mixed_precision)
-    _optimizer(t, mapping)
-    _steps(t, mapping)
-    _report(t)
-    _check(t)
-    return t.out
+            "don't mix the two: write either an offload config or a DeepSpeed config", key=mixed[0])
+    b.sort_section("", mapping, _TOP_HANDLED, _TOP_RULES)
+    _zero(b, mapping)
+    _aio(b, mapping)
+    _precision(b, mapping, mixed_precision)
+    _communication_dtype(b, mapping)
+    _optimizer(b, mapping)
+    _scheduler(b, mapping)
+    _steps(b, mapping)
+    return b.result
 
 
-def _device(t: _Translation, section: Optional[dict], path: str) -> str:
+def _device(b: _Builder, section: dict | None, path: str) -> str:
     if section is None:
         return "none"
     device = section.get("device", "none")
     if device is None:
         device = "none"
     if device not in ("none", "cpu", "nvme"):
-        raise t.fail(f"{path}.device", f"{device!r} is not one of none, cpu, nvme")
+        raise b.fail(f"{path}.device", f"{device!r} is not one of none, cpu, nvme")
     return device
 
 
-def _zero(t: _Translation, mapping: dict) -> None:
-    zero = t.section(mapping, "zero_optimization", "zero_optimization") or {}
-    t.sort_section("zero_optimization", zero, _ZERO_HANDLED, _ZERO_NO_MEANING)
+def _zero(b: _Builder, mapping: dict) -> None:
+    zero = b.section(mapping, "zero_optimization", "zero_optimization") or {}
+    b.sort_section("zero_optimization", zero, _ZERO_HANDLED, _ZERO_RULES)
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
-        raise t.fail("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {stage!r}")
+        raise b.fail("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {stage!r}")
 
-    sections = {}
-    for name in ("offload_param", "offload_optimizer"):
-        path = f"zero_optimization.{name}"
-        sections[name] = t.section(zero, name, path)
-    # Legacy (pre-0.3.16) spellings.
+    sections = {name: b.section(zero, name, f"zero_optimization.{name}") for name in ("offload_param", "offload_optimizer")}
     legacy = {"cpu_offload": "offload_optimizer", "cpu_offload_params": "offload_param"}
     for old, name in legacy.items():
-        if old in zero:
-            if t.flag(zero[old], f"zero_optimization.{old}"):
-                if sections[name] is not None:
-                    raise t.fail(f"zero_optimization.{old}", f"give either it or zero_optimization.{name}, not both")
-                sections[name] = {"device": "cpu"}
-                log.info("DeepSpeed zero_optimization.%s: true read as zero_optimization.%s.device 'cpu'", old, name)
+        if old in zero and b.flag(zero[old], f"zero_optimization.{old}"):
+            if sections[name] is not None:
+                raise b.fail(f"zero_optimization.{old}", f"give either it or zero_optimization.{name}, not both")
+            sections[name] = {"device": "cpu"}
     if "cpu_offload_use_pin_memory" in zero:
-        pin = t.flag(zero["cpu_offload_use_pin_memory"], "zero_optimization.cpu_offload_use_pin_memory")
-        for name in ("offload_param", "offload_optimizer"):
-            if sections[name] is not None and "pin_memory" not in sections[name]:
-                sections[name] = {**sections[name], "pin_memory": pin}
-        log.info("DeepSpeed zero_optimization.cpu_offload_use_pin_memory read as the offload sections' pin_memory")
+        pin = b.flag(zero["cpu_offload_use_pin_memory"], "zero_optimization.cpu_offload_use_pin_memory")
+        for name, section in list(sections.items()):
+            if section is not None and "pin_memory" not in section:
+                sections[name] = {**section, "pin_memory": pin}
 
-    devices = {name: _device(t, sections[name], f"zero_optimization.{name}") for name in sections}
+    devices = {name: _device(b, sections[name], f"zero_optimization.{name}") for name in sections}
     active = {name: sections[name] for name in sections if devices[name] != "none"}
     for name, section in sections.items():
         path = f"zero_optimization.{name}"
         if section is None:
             continue
         if name in active:
-            t.sort_section(path, section, _OFFLOAD_HANDLED, _OFFLOAD_NO_MEANING)
+            b.sort_section(path, section, _OFFLOAD_HANDLED, _OFFLOAD_RULES)
         else:
-            ignored = sorted(k for k in section if k != "device")
-            if ignored:
-                log.info("DeepSpeed %s: device is 'none', so %s are ignored (as DeepSpeed ignores them)",
-                         t.n(path), ", ".join(ignored))
+            for key in section:
+                if key != "device":
+                    b.ignored(f"{path}.{key}", _WHY_DEVICE_NONE)
 
     if stage == 0 and active:
-        raise t.fail("zero_optimization.stage", f"stage 0 cannot offload ({', '.join(t.n('zero_optimization.' + a) for a in active)} "
+        raise b.fail("zero_optimization.stage", f"stage 0 cannot offload ({', '.join(b.n('zero_optimization.' + a) for a in active)} "
                      "is set; DeepSpeed refuses this too); set stage 2 or 3")
     if stage < 3 and "offload_param" in active:
-        raise t.fail("zero_optimization.offload_param",
+        raise b.fail("zero_optimization.offload_param",
                      f"parameter offload needs zero_optimization.stage 3 (it is {stage}); set stage 3 or device 'none'")
-    param = devices["offload_param"] if stage == 3 else "none"
-    t.set("offload.param", param, "zero_optimization.offload_param.device")
-    optimizer = devices["offload_optimizer"]
-    if optimizer == "none":
-        optimizer = "cpu"
-        log.info("DeepSpeed %s is none or absent: offload always keeps the optimizer on the host, so offload.optimizer is 'cpu'",
-                 t.n("zero_optimization.offload_optimizer.device"))
-    t.set("offload.optimizer", optimizer, "zero_optimization.offload_optimizer.device")
-    if stage in (1, 2, 3):
-        log.info("DeepSpeed zero_optimization.stage %d: offload always partitions optimizer state across ranks", stage)
+    b.set("offload.param", devices["offload_param"] if stage == 3 else "none", "zero_optimization.offload_param.device")
+    # offload always keeps the optimizer off the accelerator: device none means the host here
+    b.set("offload.optimizer", "nvme" if devices["offload_optimizer"] == "nvme" else "cpu",
+          "zero_optimization.offload_optimizer.device")
 
-    # nvme_path: one swap directory here.
     paths = {}
     for name, section in active.items():
         key = f"zero_optimization.{name}.nvme_path"
         if devices[name] == "nvme":
             value = section.get("nvme_path")
             if not isinstance(value, str) or not value:
-                raise t.fail(key, f"device 'nvme' needs a directory here, got {value!r}")
+                raise b.fail(key, f"device 'nvme' needs a directory here, got {value!r}")
             paths[key] = value
         elif "nvme_path" in section:
-            log.info("DeepSpeed %s is not used: the device there is %r", t.n(key), devices[name])
+            b.ignored(key, f"the section's device is {devices[name]!r}, not 'nvme'")
     if len({os.path.normpath(p) for p in paths.values()}) > 1:
-        shown = " and ".join(f"'{t.n(k)}' = {v!r}" for k, v in paths.items())
-        raise ConfigError(f"DeepSpeed config gives two different NVMe paths, {shown}; offload keeps parameters and "
-                          "optimizer state in one swap directory: give both the same path")
+        shown = " and ".join(f"'{b.n(k)}' = {v!r}" for k, v in paths.items())
+        raise ConfigError(f"{b.result.kind} config gives two different NVMe paths, {shown}; offload keeps parameters and "
+                          "optimizer state in one swap directory: give both the same path", key=b.n(next(iter(paths))))
     if paths:
         key, value = next(iter(paths.items()))
-        t.set("offload.nvme_path", value, key)
+        b.set("offload.nvme_path", value, key)
 
     pins = {}
     for name, section in active.items():
         if "pin_memory" in section:
-            pins[f"zero_optimization.{name}.pin_memory"] = t.flag(section["pin_memory"], f"zero_optimization.{name}.pin_memory")
+            pins[f"zero_optimization.{name}.pin_memory"] = b.flag(section["pin_memory"], f"zero_optimization.{name}.pin_memory")
     if len(set(pins.values())) > 1:
-        shown = " and ".join(f"'{t.n(k)}' = {str(v).lower()}" for k, v in pins.items())
-        raise ConfigError(f"DeepSpeed config gives {shown}; offload has one pin_memory switch for all host buffers: give both the same value")
+        shown = " and ".join(f"'{b.n(k)}' = {str(v).lower()}" for k, v in pins.items())
+        raise ConfigError(f"{b.result.kind} config gives {shown}; offload has one pin_memory switch for all host buffers: "
+                          "give both the same value", key=b.n(next(iter(pins))))
     if pins:
         key, value = next(iter(pins.items()))
-        t.set("offload.pin_memory", value, key)
-    elif active:
-        log.info("DeepSpeed offload sections give no pin_memory: offload's default (pinned host buffers, budgeted up front) is used")
+        b.set("offload.pin_memory", value, key)
 
     counts = {}
     for name, section in active.items():
         if "buffer_count" in section:
             key = f"zero_optimization.{name}.buffer_count"
-            counts[key] = t.number(section["buffer_count"], key, integer=True)
+            counts[key] = b.number(section["buffer_count"], key, integer=True)
     if counts:
         key = max(counts, key=counts.get)
         value = counts[key]
-        if len(set(counts.values())) > 1:
-            log.info("DeepSpeed buffer_count differs between offload sections (%s): offload.buffer_count uses the larger, %d",
-                     ", ".join(f"{t.n(k)}={v}" for k, v in counts.items()), value)
         if value < 2:
-            log.warning("DeepSpeed %s = %d is below offload's minimum of 2 buffers (read next, step this, write last); using 2",
-                        t.n(key), value)
+            log.warning("%s %s = %d is below offload's minimum of 2 buffers (read next, step this, write last); using 2",
+                        b.result.kind, b.n(key), value)
             value = 2
-        t.set("offload.buffer_count", value, key)
+        b.set("offload.buffer_count", value, key)
 
 
-def _aio(t: _Translation, mapping: dict) -> None:
-    aio = t.section(mapping, "aio", "aio")
+def _aio(b: _Builder, mapping: dict) -> None:
+    aio = b.section(mapping, "aio", "aio")
+    prefix = "aio"
+    nested = b.section(mapping.get("zero_optimization") or {}, "aio", "zero_optimization.aio")
+    if nested is not None:
+        if aio is not None:
+            raise b.fail("zero_optimization.aio", "DeepSpeed reads 'aio' at the top level; give one aio section, not two")
+        aio, prefix = nested, "zero_optimization.aio"
     if aio is None:
         return
-    if aio.get("use_gds") is True:
-        raise t.fail("aio.use_gds", "GPUDirect Storage cannot be honoured: offload reads swap files through host buffers; "
-                     "set it to false or remove it")
-    t.sort_section("aio", aio, _AIO_HANDLED, _AIO_NO_MEANING)
-    if "block_size" in aio:
-        t.set("io.block_size", t.number(aio["block_size"], "aio.block_size", integer=True), "aio.block_size")
-    if "queue_depth" in aio:
-        t.set("io.queue_depth", t.number(aio["queue_depth"], "aio.queue_depth", integer=True), "aio.queue_depth")
-    threads = {k: t.number(aio[k], f"aio.{k}", integer=True) for k in ("thread_count", "intra_op_parallelism") if k in aio}
+    if aio.get("use_gds") not in (None, False):
+        raise b.fail(f"{prefix}.use_gds", "GPUDirect Storage cannot be honoured: offload reads swap files through host "
+                     "buffers; set it to false or remove it")
+    if "use_gds" in aio:
+        b.ignored(f"{prefix}.use_gds", _WHY_OFF)
+    b.sort_section(prefix, aio, _AIO_HANDLED, _AIO_RULES)
+    for key, ours in (("block_size", "io.block_size"), ("queue_depth", "io.queue_depth")):
+        if key in aio:
+            b.set(ours, b.number(aio[key], f"{prefix}.{key}", integer=True), f"{prefix}.{key}")
+    threads = {k: b.number(aio[k], f"{prefix}.{k}", integer=True) for k in ("thread_count", "intra_op_parallelism") if k in aio}
     if len(set(threads.values())) > 1:
-        raise t.fail("aio.intra_op_parallelism", f"is the new spelling of aio.thread_count but the two differ ({threads}); "
-                     "keep one of them")
+        raise b.fail(f"{prefix}.intra_op_parallelism", f"is the new spelling of {prefix}.thread_count but the two differ "
+                     f"({threads}); keep one of them")
     if threads:
         key = next(iter(threads))
-        t.set("io.threads", threads[key], f"aio.{key}")
+        b.set("io.threads", threads[key], f"{prefix}.{key}")
 
 
-def _enabled(t: _Translation, section: Optional[dict], path: str) -> Any:
+def _enabled(b: _Builder, section: dict | None, path: str) -> Any:
     if section is None:
         return False
     value = section.get("enabled", False)
     if value == "auto":
         return "auto"
-    return t.flag(value, f"{path}.enabled")
+    return b.flag(value, f"{path}.enabled")
 
 
-def _precision(t: _Translation, mapping: dict, mixed_precision: Optional[str]) -> None:
+def _precision(b: _Builder, mapping: dict, mixed_precision: str | None) -> None:
     if "bf16" in mapping and "bfloat16" in mapping:
-        raise t.fail("bfloat16", "is the old name of the bf16 section; keep only 'bf16'")
+        raise b.fail("bfloat16", "is the old name of the bf16 section; keep only 'bf16'")
     bf16_key = "bfloat16" if "bfloat16" in mapping else "bf16"
-    bf16 = t.section(mapping, bf16_key, bf16_key)
-    fp16 = t.section(mapping, "fp16", "fp16")
-    b = _enabled(t, bf16, bf16_key)
-    f = _enabled(t, fp16, "fp16")
-    if b is True and f is True:
-        raise t.fail("fp16.enabled", f"and {bf16_key}.enabled are both true; enable one of them")
+    bf16 = b.section(mapping, bf16_key, bf16_key)
+    fp16 = b.section(mapping, "fp16", "fp16")
+    bf, fp = _enabled(b, bf16, bf16_key), _enabled(b, fp16, "fp16")
+    if bf is True and fp is True:
+        raise b.fail("fp16.enabled", f"and {bf16_key}.enabled are both true; enable one of them")
     if mixed_precision is not None:
-        for explicit, name, wanted in ((b, bf16_key, "bf16"), (f, "fp16", "fp16")):
+        for explicit, name, wanted in ((bf, bf16_key, "bf16"), (fp, "fp16", "fp16")):
             if explicit is True and mixed_precision != wanted:
                 raise ConfigError(f"accelerate mixed_precision {mixed_precision!r} contradicts '{name}.enabled': true in the "
-                                  "DeepSpeed config; make them agree")
-        if b == "auto":
-            b = mixed_precision == "bf16"
-            log.info("DeepSpeed %s.enabled 'auto' resolved to %s from accelerate mixed_precision %r", bf16_key, str(b).lower(), mixed_precision)
-        if f == "auto":
-            f = mixed_precision == "fp16"
-            log.info("DeepSpeed fp16.enabled 'auto' resolved to %s from accelerate mixed_precision %r", str(f).lower(), mixed_precision)
-    if b == "auto":
-        b = f is not True and _bf16_supported()
-        log.info("DeepSpeed %s.enabled 'auto' resolved to %s (%s)", bf16_key, str(b).lower(),
-                 "fp16 is enabled" if f is True else ("bf16 is supported here" if b else "this GPU has no bf16"))
-    if f == "auto":
-        f = b is not True and _cuda_available()
-        log.info("DeepSpeed fp16.enabled 'auto' resolved to %s (%s)", str(f).lower(),
-                 "bf16 is enabled" if b is True else ("a GPU without bf16 is present" if f else "no GPU: fp32"))
-    precision = "bf16" if b else "fp16" if f else "fp32"
-    t.set("precision", precision, f"{bf16_key}.enabled" if b else "fp16.enabled")
+                                  "DeepSpeed config; make them agree", key="mixed_precision")
+        if bf == "auto":
+            bf = mixed_precision == "bf16"
+            b.auto(f"{bf16_key}.enabled", f"{_show(bf)} (accelerate mixed_precision {mixed_precision!r})")
+        if fp == "auto":
+            fp = mixed_precision == "fp16"
+            b.auto("fp16.enabled", f"{_show(fp)} (accelerate mixed_precision {mixed_precision!r})")
+    if bf == "auto":
+        bf = fp is not True and _bf16_supported()
+        why = "fp16 is enabled" if fp is True else ("bf16 is supported here" if bf else "this GPU has no bf16")
+        b.auto(f"{bf16_key}.enabled", f"{_show(bf)} ({why})")
+    if fp == "auto":
+        fp = bf is not True and _cuda_available()
+        why = "bf16 is enabled" if bf is True else ("a GPU is present" if fp else "no GPU: fp32")
+        b.auto("fp16.enabled", f"{_show(fp)} ({why})")
+    precision = "bf16" if bf else "fp16" if fp else "fp32"
+    b.set("precision", precision, f"{bf16_key}.enabled" if bf else "fp16.enabled")
 
     if bf16 is not None:
-        if b:
-            t.sort_section(bf16_key, bf16, _BF16_HANDLED, _BF16_NO_MEANING)
-        elif set(bf16) - {"enabled"}:
-            log.info("DeepSpeed %s is disabled, so %s are ignored (as DeepSpeed ignores them)", bf16_key, ", ".join(sorted(set(bf16) - {"enabled"})))
+        if bf:
+            b.sort_section(bf16_key, bf16, _BF16_HANDLED, _BF16_RULES)
+        else:
+            for key in sorted(set(bf16) - {"enabled"}):
+                b.ignored(f"{bf16_key}.{key}", _WHY_DISABLED)
     if fp16 is None:
         return
-    if not f:
-        rest = sorted(set(fp16) - {"enabled"})
-        if rest:
-            log.info("DeepSpeed fp16 is disabled, so %s are ignored (as DeepSpeed ignores them)", ", ".join(rest))
+    if not fp:
+        for key in sorted(set(fp16) - {"enabled"}):
+            b.ignored(f"fp16.{key}", _WHY_DISABLED)
         return
-    t.sort_section("fp16", fp16, _FP16_HANDLED, _FP16_NO_MEANING)
+    b.sort_section("fp16", fp16, _FP16_HANDLED, _FP16_RULES)
     scale = fp16.get("loss_scale", 0)
-    if scale != "auto" and t.number(scale, "fp16.loss_scale") > 0:
-        raise t.fail("fp16.loss_scale", f"{scale} asks for static loss scaling, which offload does not do (it scales "
+    if scale != "auto" and b.number(scale, "fp16.loss_scale") > 0:
+        raise b.fail("fp16.loss_scale", f"{scale} asks for static loss scaling, which offload does not do (it scales "
                      "dynamically and skips a step on overflow); set it to 0")
     if fp16.get("initial_scale_power", "auto") != "auto":
-        power = t.number(fp16["initial_scale_power"], "fp16.initial_scale_power", integer=True)
-        t.set("loss_scale.initial", float(2.0**power), "fp16.initial_scale_power")
+        power = b.number(fp16["initial_scale_power"], "fp16.initial_scale_power", integer=True)
+        b.set("loss_scale.initial", float(2.0**power), "fp16.initial_scale_power")
     if fp16.get("loss_scale_window", "auto") != "auto":
-        t.set("loss_scale.growth_interval", t.number(fp16["loss_scale_window"], "fp16.loss_scale_window", integer=True), "fp16.loss_scale_window")
+        b.set("loss_scale.growth_interval", b.number(fp16["loss_scale_window"], "fp16.loss_scale_window", integer=True),
+              "fp16.loss_scale_window")
     if fp16.get("min_loss_scale", "auto") != "auto":
-        t.set("loss_scale.min_scale", float(t.number(fp16["min_loss_scale"], "fp16.min_loss_scale")), "fp16.min_loss_scale")
+        b.set("loss_scale.min_scale", float(b.number(fp16["min_loss_scale"], "fp16.min_loss_scale")), "fp16.min_loss_scale")
 
 
-def _optimizer(t: _Translation, mapping: dict) -> None:
-    opt = t.section(mapping, "optimizer", "optimizer")
+def _communication_dtype(b: _Builder, mapping: dict) -> None:
+    if "communication_data_type" not in mapping:
+        return
+    value = mapping["communication_data_type"]
+    precision = b.result.config["precision"]
+    same = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16", "half"), "fp32": ("fp32", "float32", "float")}[precision]
+    if value is None or str(value).lower() in same:
+        b.ignored("communication_data_type", f"the compute precision ({precision}) is what offload communicates in")
+    else:
+        b.unsupported("communication_data_type", _WHY_COMM_DTYPE)
+
+
+def _optimizer(b: _Builder, mapping: dict) -> None:
+    opt = b.section(mapping, "optimizer", "optimizer")
     if opt is None:
-        log.info("DeepSpeed config has no 'optimizer' section: offload's default AdamW (optimizer.* defaults) is used")
+        log.info("%s config has no 'optimizer' section: offload's default AdamW (optimizer.* defaults) is used", b.result.kind)
         return
     flat = sorted(k for k in opt if k in _OPT_PARAMS_HANDLED)
     if flat:
-        raise t.fail("optimizer", f"{', '.join(flat)} belong under 'optimizer.params' in a DeepSpeed config; move them there")
-    t.sort_section("optimizer", opt, ("type", "params"), {"legacy_fusion": _WHY_TORCH_FLAGS})
+        raise b.fail("optimizer", f"{', '.join(flat)} belong under 'optimizer.params' in a DeepSpeed config; move them there")
+    b.sort_section("optimizer", opt, ("type", "params"), {"legacy_fusion": _ignore(_WHY_TORCH_IMPL)})
     kind = opt.get("type")
     if not isinstance(kind, str):
-        raise t.fail("optimizer.type", f"expected a string such as 'AdamW', got {kind!r}")
-    params = t.section(opt, "params", "optimizer.params") or {}
-    t.sort_section("optimizer.params", params, _OPT_PARAMS_HANDLED, _OPT_PARAMS_NO_MEANING)
-    adam_w_mode = params.get("adam_w_mode", True)
-    adam_w_mode = t.flag(adam_w_mode, "optimizer.params.adam_w_mode")
+        raise b.fail("optimizer.type", f"expected a string such as 'AdamW', got {kind!r}")
+    params = b.section(opt, "params", "optimizer.params") or {}
+    b.sort_section("optimizer.params", params, _OPT_PARAMS_HANDLED, _OPT_PARAMS_RULES)
+    adam_w_mode = b.flag(params.get("adam_w_mode", True), "optimizer.params.adam_w_mode")
     lowered = kind.lower()
     if lowered == "adamw":
         ours = "adamw"
@@ -628,60 +671,97 @@ def _optimizer(t: _Translation, mapping: dict) -> None:
                         "(decoupled weight decay) and so does offload; use type 'Adam' for L2 weight decay", kind)
     elif lowered in _ADAM_TYPES:
         ours = "adamw" if adam_w_mode else "adam"
-        if "adam_w_mode" not in params:
-            log.info("DeepSpeed optimizer type %r without adam_w_mode means AdamW (DeepSpeed's default adam_w_mode is true)", kind)
     else:
-        raise t.fail("optimizer.type", f"{kind!r} cannot be honoured: offload's CPU optimizer is Adam/AdamW only; "
+        raise b.fail("optimizer.type", f"{kind!r} cannot be honoured: offload's CPU optimizer is Adam/AdamW only; "
                      "use type 'AdamW' (or 'Adam')")
-    t.set("optimizer.type", ours, "optimizer.type")
-    if params.get("torch_adam") is not None and t.flag(params["torch_adam"], "optimizer.params.torch_adam"):
-        t.unused("optimizer.params.torch_adam", _WHY_TORCH_ADAM)
-    if params.get("amsgrad") is not None and t.flag(params["amsgrad"], "optimizer.params.amsgrad"):
-        raise t.fail("optimizer.params.amsgrad", "AMSGrad cannot be honoured (offload's Adam keeps no max of the second "
+    b.set("optimizer.type", ours, "optimizer.type")
+    if params.get("amsgrad") is not None and b.flag(params["amsgrad"], "optimizer.params.amsgrad"):
+        raise b.fail("optimizer.params.amsgrad", "AMSGrad cannot be honoured (offload's Adam keeps no max of the second "
                      "moment); set it to false")
     if "max_grad_norm" in params:
-        raise t.fail("optimizer.params.max_grad_norm", "is not an optimizer parameter; use the top-level 'gradient_clipping'")
+        raise b.fail("optimizer.params.max_grad_norm", "is not an optimizer parameter; use the top-level 'gradient_clipping'")
     for key in ("lr", "betas", "eps", "weight_decay"):
         path = f"optimizer.params.{key}"
         value = params.get(key)
         if value == "auto":
-            from offload.config import OptimizerConfig
-
-            log.info("DeepSpeed %s 'auto' resolved to offload's default %r", path, getattr(OptimizerConfig(), key))
-            continue
-        if value is None:
+            value = TRAINER_DEFAULTS[path]
+            b.auto(path, _show(value))
+        elif value is None:
             value = _DS_OPT_DEFAULTS[key]
-            log.info("DeepSpeed %s not given: DeepSpeed's default %r is used", path, value)
         elif key == "betas":
             if not isinstance(value, (list, tuple)) or len(value) != 2:
-                raise t.fail(path, f"expected a list of two numbers, got {value!r}")
-            value = tuple(t.number(v, f"{path}[{i}]") for i, v in enumerate(value))
+                raise b.fail(path, f"expected a list of two numbers, got {value!r}")
+            value = tuple(b.number(v, f"{path}[{i}]") for i, v in enumerate(value))
         else:
-            value = t.number(value, path)
-        t.set(f"optimizer.{key}", value, path)
+            value = b.number(value, path)
+        b.set(f"optimizer.{key}", value, path)
     if "bias_correction" in params:
-        t.set("optimizer.bias_correction", t.flag(params["bias_correction"], "optimizer.params.bias_correction"),
+        b.set("optimizer.bias_correction", b.flag(params["bias_correction"], "optimizer.params.bias_correction"),
               "optimizer.params.bias_correction")
 
 
-def _steps(t: _Translation, mapping: dict) -> None:
+def _scheduler(b: _Builder, mapping: dict) -> None:
+    sched = b.section(mapping, "scheduler", "scheduler")
+    if sched is None:
+        return
+    b.sort_section("scheduler", sched, ("type", "params"), {})
+    kind = sched.get("type")
+    if not isinstance(kind, str) or kind.lower() not in _SCHEDULERS:
+        raise b.fail("scheduler.type", f"{kind!r} cannot be honoured: offload translates {', '.join(_SCHEDULER_NAMES)}; "
+                     "use one of them, or drive the learning rate from your training loop (engine.optimizer)")
+    ours, defaults = _SCHEDULERS[kind.lower()]
+    b.set("scheduler.type", ours, "scheduler.type")
+    params = b.section(sched, "params", "scheduler.params") or {}
+    rules = {"last_batch_iteration": _Rule(_WHY_RESUME, ok=lambda v: v == -1, why_not=_WHY_RESUME + "; remove it")}
+    b.sort_section("scheduler.params", params, tuple(defaults), rules)
+    for key, default in defaults.items():
+        path = f"scheduler.params.{key}"
+        value = params.get(key, default)
+        if value == "auto":
+            if key == "warmup_max_lr":
+                value = None
+                b.auto(path, "the optimizer's lr")
+            elif key == "total_num_steps":
+                value = None
+                b.auto(path, "unknown: set scheduler.total_num_steps to the number of optimizer steps before training "
+                       "(the Hugging Face Trainer computes it from the data)")
+            elif path in TRAINER_DEFAULTS:
+                value = TRAINER_DEFAULTS[path]
+                b.auto(path, _show(value))
+            else:
+                raise b.fail(path, "'auto' cannot be resolved here; give a value")
+        elif value is None:
+            if key in _SCHEDULER_REQUIRED:
+                raise b.fail(path, f"{kind} needs it (DeepSpeed has no default); give a value")
+        elif key == "warmup_type":
+            if value not in ("log", "linear"):
+                raise b.fail(path, f"{value!r} is not one of log, linear")
+        elif key in ("cycle_momentum", "lr_range_test_staircase"):
+            value = b.flag(value, path)
+        else:
+            integer = key.endswith(("_steps", "_size", "_count"))
+            value = b.number(value, path, integer=integer)
+        b.set(f"scheduler.{key}", value, path if key in params else "scheduler.type")
+
+
+def _steps(b: _Builder, mapping: dict) -> None:
     clip = mapping.get("gradient_clipping")
     if clip == "auto":
-        t.set("gradient_clipping", 0.0, "gradient_clipping")
-        log.info("DeepSpeed gradient_clipping 'auto' resolved to 0 (clipping off); the Hugging Face Trainer would use its "
-                 "max_grad_norm: write a number to clip")
+        clip = TRAINER_DEFAULTS["gradient_clipping"]
+        b.auto("gradient_clipping", f"{_show(clip)} (max_grad_norm)")
+        b.set("gradient_clipping", clip, "gradient_clipping")
     elif clip is not None:
-        t.set("gradient_clipping", t.number(clip, "gradient_clipping"), "gradient_clipping")
+        b.set("gradient_clipping", b.number(clip, "gradient_clipping"), "gradient_clipping")
 
-    def known(key: str) -> Optional[int]:
+    def known(key: str) -> int | None:
         value = mapping.get(key)
         if value is None or value == "auto":
             if value == "auto" and key != "gradient_accumulation_steps":
-                log.info("DeepSpeed %s 'auto': not checked (your training loop chooses the batch size)", t.n(key))
+                b.auto(key, "not checked (your training loop chooses the batch size)")
             return None
-        value = t.number(value, key, integer=True)
+        value = b.number(value, key, integer=True)
         if value < 1:
-            raise t.fail(key, f"must be >= 1, got {value}")
+            raise b.fail(key, f"must be >= 1, got {value}")
         return value
 
     batch = known("train_batch_size")
@@ -692,59 +772,26 @@ def _steps(t: _Translation, mapping: dict) -> None:
         if batch != micro * accumulation * world:
             raise ConfigError(
                 f"DeepSpeed train_batch_size {batch} != train_micro_batch_size_per_gpu {micro} * gradient_accumulation_steps "
-                f"{accumulation} * world size {world}; fix one of them (or drop train_batch_size)")
+                f"{accumulation} * world size {world}; fix one of them (or drop train_batch_size)", key="train_batch_size")
     elif batch is not None and micro is not None:
         if batch % (micro * world):
             raise ConfigError(f"DeepSpeed train_batch_size {batch} is not a multiple of train_micro_batch_size_per_gpu "
-                              f"{micro} * world size {world}; fix one of them")
+                              f"{micro} * world size {world}; fix one of them", key="train_batch_size")
         accumulation = batch // (micro * world)
         log.info("DeepSpeed gradient_accumulation_steps derived from the batch sizes: %d", accumulation)
-        t.set("gradient_accumulation_steps", accumulation, "train_batch_size")
+        b.set("gradient_accumulation_steps", accumulation, "train_batch_size")
     elif batch is not None and accumulation is not None and batch % (accumulation * world):
         raise ConfigError(f"DeepSpeed train_batch_size {batch} is not a multiple of gradient_accumulation_steps "
-                          f"{accumulation} * world size {world}; fix one of them")
-    if accumulation is not None and "gradient_accumulation_steps" not in t.out:
-        t.set("gradient_accumulation_steps", accumulation, "gradient_accumulation_steps")
-    elif mapping.get("gradient_accumulation_steps") == "auto" and "gradient_accumulation_steps" not in t.out:
-        t.set("gradient_accumulation_steps", 1, "gradient_accumulation_steps")
-        log.info("DeepSpeed gradient_accumulation_steps 'auto' resolved to 1")
-    used = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu") if mapping.get(k) not in (None, "auto")]
-    if used:
-        log.info("DeepSpeed %s used for validation only: offload does not batch, your training loop does", ", ".join(used))
+                          f"{accumulation} * world size {world}; fix one of them", key="train_batch_size")
+    if accumulation is not None and not b.has("gradient_accumulation_steps"):
+        b.set("gradient_accumulation_steps", accumulation, "gradient_accumulation_steps")
+    elif mapping.get("gradient_accumulation_steps") == "auto" and not b.has("gradient_accumulation_steps"):
+        value = TRAINER_DEFAULTS["gradient_accumulation_steps"]
+        b.set("gradient_accumulation_steps", value, "gradient_accumulation_steps")
+        b.auto("gradient_accumulation_steps", _show(value))
 
 
-def _report(t: _Translation) -> None:
-    if not t.no_meaning:
-        return
-    by_reason: dict[str, list[str]] = {}
-    for key, why in t.no_meaning:
-        by_reason.setdefault(why, []).append(key)
-    lines = [f"  - {', '.join(keys)}: {why}" for why, keys in by_reason.items()]
-    count = len(t.no_meaning)
-    head = f"DeepSpeed config: {count} key{'s' if count != 1 else ''} with no meaning in offload"
-    if t.strict:
-        raise ConfigError(f"{head} (remove them, or load with strict=False to ignore them with a warning):\n" + "\n".join(lines))
-    log.warning("%s, ignored (strict=False):\n%s", head, "\n".join(lines))
-
-
-def _check(t: _Translation) -> None:
-    """Validates the result now, so that an error names the DeepSpeed key the bad value came from."""
-    from offload.config import Config, _from_mapping, validate
-
-    try:
-        validate(_from_mapping("", t.out, Config))
-    except ConfigError as error:
-        match = re.search(r"config key '([^']+)'", str(error))
-        if not match:
-            raise
-        key = match.group(1)
-        base = re.split(r"\[", key)[0]
-        sources = sorted({t.n(src) for ours, src in t.origin.items() if ours == base or ours.startswith(base + ".")})
-        if not sources:
-            raise
-        raise ConfigError(f"{error} (translated from DeepSpeed key {', '.join(repr(s) for s in sources)}; fix it there)") from error
-
-
+# ---- accelerate -----------------------------------------------------------------------------
 def _read_yaml(path: Path) -> Any:
     try:
         import yaml
@@ -756,10 +803,8 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"accelerate config {str(path)!r} is not valid YAML: {error}") from error
 
 
-def load_accelerate_config(path: str | os.PathLike, strict: bool = True):
-    """A validated `offload.Config` from an accelerate config YAML whose DeepSpeed settings are inline or in a JSON file."""
-    from offload.config import load_config
-
+def translate_accelerate(path: str | os.PathLike) -> Translation:
+    """An accelerate config YAML (DeepSpeed settings inline, or in a JSON file it names) as offload config data."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"accelerate config {str(path)!r} does not exist")
@@ -770,64 +815,96 @@ def load_accelerate_config(path: str | os.PathLike, strict: bool = True):
     kind = data.get("distributed_type")
     if kind not in (None, "DEEPSPEED"):
         raise ConfigError(f"accelerate config {str(path)!r} has distributed_type {kind!r}; offload reads DeepSpeed settings "
-                          "only (distributed_type DEEPSPEED with a deepspeed_config section)")
+                          "only (distributed_type DEEPSPEED with a deepspeed_config section)", key="distributed_type")
     if not isinstance(ds, dict):
         raise ConfigError(f"accelerate config {str(path)!r} has no 'deepspeed_config' mapping; add one (inline keys such as "
-                          "zero_stage, or deepspeed_config_file pointing at a DeepSpeed JSON)")
+                          "zero_stage, or deepspeed_config_file pointing at a DeepSpeed JSON)", key="deepspeed_config")
     mixed = data.get("mixed_precision")
     if mixed is not None and mixed not in _MIXED_PRECISIONS:
-        raise ConfigError(f"accelerate config key 'mixed_precision': {mixed!r} is not one of {', '.join(_MIXED_PRECISIONS)}")
-    launcher = sorted(k for k in data if k not in ("deepspeed_config", "mixed_precision"))
-    launcher += sorted(f"deepspeed_config.{k}" for k in ds if k in _ACCEL_LAUNCHER)
-    if launcher:
-        log.info("accelerate config keys %s are for `accelerate launch`, not read by offload", ", ".join(launcher))
-
-    extra = [(f"deepspeed_config.{k}", why) for k, why in _ACCEL_INLINE_NO_MEANING.items() if k in ds]
+        raise ConfigError(f"accelerate config key 'mixed_precision': {mixed!r} is not one of {', '.join(_MIXED_PRECISIONS)}",
+                          key="mixed_precision")
+    ignored = [(k, _WHY_LAUNCHER) for k in data if k not in ("deepspeed_config", "mixed_precision")]
+    unsupported = []
     file = ds.get("deepspeed_config_file")
+    known = list(_ACCEL_INLINE) + list(_ACCEL_INLINE_RULES) + ["deepspeed_config_file"]
+    for key, value in ds.items():
+        if key in _ACCEL_INLINE_RULES:
+            verdict, why = _ACCEL_INLINE_RULES[key].judge(value)
+            (ignored if verdict == "ignored" else unsupported).append((f"deepspeed_config.{key}", why))
+        elif key not in _ACCEL_INLINE and key != "deepspeed_config_file":
+            unsupported.append((f"deepspeed_config.{key}", f"not an accelerate DeepSpeed key offload knows; {_nearest(key, known)}"))
+
     if file is not None:
         inline = sorted(k for k in ds if k in _ACCEL_INLINE)
         if inline:
             raise ConfigError(f"accelerate config {str(path)!r}: with deepspeed_config_file, the inline keys "
-                              f"{', '.join('deepspeed_config.' + k for k in inline)} are not used; set them in the DeepSpeed JSON instead")
-        for key in ds:
-            if key not in _ACCEL_INLINE_NO_MEANING and key not in _ACCEL_LAUNCHER and key != "deepspeed_config_file":
-                extra.append((f"deepspeed_config.{key}", f"not an accelerate DeepSpeed key offload knows; "
-                              f"{_nearest(key, list(_ACCEL_INLINE) + list(_ACCEL_INLINE_NO_MEANING) + ['deepspeed_config_file'])}"))
+                              f"{', '.join('deepspeed_config.' + k for k in inline)} are not used; set them in the DeepSpeed "
+                              "JSON instead", key=f"deepspeed_config.{inline[0]}")
         json_path = Path(file)
         candidates = [json_path] if json_path.is_absolute() else [Path.cwd() / json_path, path.parent / json_path]
         found = next((c for c in candidates if c.is_file()), None)
         if found is None:
             raise ConfigError(f"accelerate config key 'deepspeed_config.deepspeed_config_file': {str(file)!r} not found "
-                              f"(tried {', '.join(str(c) for c in candidates)})")
+                              f"(tried {', '.join(str(c) for c in candidates)})", key="deepspeed_config.deepspeed_config_file")
         try:
             mapping = json.loads(found.read_text())
         except json.JSONDecodeError as error:
             raise ConfigError(f"DeepSpeed config file {str(found)!r} is not valid JSON: {error}") from error
-        translated = translate(mapping, strict, _mixed_precision=mixed, _extra_no_meaning=extra)
-        return load_config(translated, strict=strict)
+        result = translate_deepspeed(mapping, mixed_precision=mixed)
+    else:
+        mapping: dict[str, Any] = {}
+        names: dict[str, str] = {}
+        for key, value in ds.items():
+            if key in _ACCEL_INLINE:
+                target = _ACCEL_INLINE[key]
+                names[target] = f"deepspeed_config.{key}"
+                *parents, leaf = target.split(".")
+                node = mapping
+                for parent in parents:
+                    node = node.setdefault(parent, {})
+                node[leaf] = value
+        if mixed in ("bf16", "fp16"):
+            mapping[mixed] = {"enabled": True}
+            names[f"{mixed}.enabled"] = "mixed_precision"
+        mapping.setdefault("zero_optimization", {}).setdefault("stage", 2)  # accelerate's default stage
+        result = translate_deepspeed(mapping, names=names, kind="accelerate")
+    result.ignored[:0] = ignored
+    result.unsupported[:0] = unsupported
+    return result
 
-    mapping: dict[str, Any] = {}
-    names: dict[str, str] = {}
-    for key, value in ds.items():
-        if key in _ACCEL_INLINE:
-            target = _ACCEL_INLINE[key]
-            names[target] = f"deepspeed_config.{key}"
-            *parents, leaf = target.split(".")
-            node = mapping
-            for parent in parents:
-                node = node.setdefault(parent, {})
-            node[leaf] = value
-        elif key not in _ACCEL_INLINE_NO_MEANING and key not in _ACCEL_LAUNCHER:
-            extra.append((f"deepspeed_config.{key}", f"not an accelerate DeepSpeed key offload knows; "
-                          f"{_nearest(key, list(_ACCEL_INLINE) + list(_ACCEL_INLINE_NO_MEANING))}"))
-    if mixed == "bf16":
-        mapping["bf16"] = {"enabled": True}
-        names["bf16.enabled"] = "mixed_precision"
-    elif mixed == "fp16":
-        mapping["fp16"] = {"enabled": True}
-        names["fp16.enabled"] = "mixed_precision"
-    # accelerate's own defaults: ZeRO stage 2; offload devices "none".
-    zero = mapping.setdefault("zero_optimization", {})
-    zero.setdefault("stage", 2)
-    translated = translate(mapping, strict, _names=names, _extra_no_meaning=extra)
-    return load_config(translated, strict=strict)
+
+# ---- reporting ------------------------------------------------------------------------------
+def _group(pairs: list[tuple[str, str]]) -> dict[str, list[str]]:
+    by_reason: dict[str, list[str]] = {}
+    for key, why in pairs:
+        by_reason.setdefault(why, []).append(key)
+    return by_reason
+
+
+def report(translation: Translation, strict: bool = True) -> None:
+    """Refuses (strict) or warns about the unsupported keys, in one message; logs the ignored keys
+    in one INFO line and the `"auto"` resolutions in one WARNING line."""
+    kind = translation.kind
+    if translation.unsupported:
+        count = len(translation.unsupported)
+        lines = [f"  - {', '.join(keys)}: {why}" for why, keys in _group(translation.unsupported).items()]
+        head = f"{kind} config: {count} key{'s' if count != 1 else ''} offload cannot honour"
+        if strict:
+            raise ConfigError(f"{head} (fix or remove them, or load with strict=False to drop them with a warning):\n"
+                              + "\n".join(lines), key=translation.unsupported[0][0])
+        log.warning("%s, dropped (strict=False):\n%s", head, "\n".join(lines))
+    if translation.ignored:
+        groups = "; ".join(f"{', '.join(keys)} ({why})" for why, keys in _group(translation.ignored).items())
+        log.info("%s config: ignoring %d key(s) that cannot change training here: %s", kind, len(translation.ignored), groups)
+    if translation.auto:
+        chosen = "; ".join(f"{key} -> {value}" for key, value in translation.auto)
+        log.warning("%s config: 'auto' values resolved as the Hugging Face Trainer would with its default arguments "
+                    "(write values to choose others): %s", kind, chosen)
+
+
+def translate(mapping: dict, strict: bool = True) -> dict:
+    """The offload config dict for a DeepSpeed config mapping, after `report` (not yet validated:
+    `offload.load_config` does that, naming the DeepSpeed key of any error)."""
+    result = translate_deepspeed(mapping)
+    report(result, strict)
+    return result.config

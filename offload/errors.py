@@ -1,4 +1,5 @@
 """Exceptions offload raises. Each message names the thing that is wrong and what to do."""
+from __future__ import annotations
 
 
 class OffloadError(Exception):
@@ -6,7 +7,18 @@ class OffloadError(Exception):
 
 
 class ConfigError(OffloadError, ValueError):
-    """A config key or value that cannot be honoured (unknown key, wrong type, bad range)."""
+    """A config key or value that cannot be honoured (unknown key, wrong type, bad range).
+
+    `key` is the dotted key in the user's own file that the error is about (`"io.block_size"`,
+    `"zero_optimization.offload_param.device"`, `"optimizer.betas[1]"`), or None when the error
+    is about the config as a whole (a missing file, invalid JSON)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+    def __reduce__(self):
+        return type(self), (str(self), self.key)
 
 
 class InsufficientMemoryError(OffloadError, MemoryError):

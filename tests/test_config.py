@@ -14,6 +14,7 @@ from offload.config import (
     OffloadConfig,
     OptimizerConfig,
     PrefetchConfig,
+    SchedulerConfig,
     WrapConfig,
     field_docs,
     is_deepspeed_config,
@@ -252,7 +253,7 @@ def test_valid_configs_round_trip_through_json(precision, param, optimizer, accu
     assert load_config(config) == config
 
 
-CONFIG_CLASSES = [Config, OptimizerConfig, OffloadConfig, PrefetchConfig, IOConfig, WrapConfig, LossScaleConfig]
+CONFIG_CLASSES = [Config, OptimizerConfig, OffloadConfig, PrefetchConfig, IOConfig, WrapConfig, LossScaleConfig, SchedulerConfig]
 
 
 def test_every_config_dataclass_is_covered():
