@@ -1,12 +1,15 @@
 # The two commands a fresh machine needs (Python 3.11 and a C++ compiler, nothing else):
 #   make demo   set everything up and run the main job
 #   make test   set everything up and run the whole test suite
+# And on a GPU machine that reaches no package registry (torch and the test packages already
+# installed there, see the README):
+#   make test-here   install the package into the Python at hand, run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-here clean
 
 # torch is pinned first and alone: this exact version is the CPU build available locally;
 # any other request would pull several GB of CUDA packages.
@@ -25,6 +28,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# No venv and no torch install: the C++ extension is built against the interpreter's own
+# packages (pybind11, setuptools), and the tests run on the device the engine picks (CUDA there).
+test-here:
+	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PYTHON) -m pytest -q tests
 
 clean:
 	rm -rf build $(VENV) offload/*.so *.egg-info

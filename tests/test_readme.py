@@ -55,6 +55,23 @@ def test_the_two_commands_are_make_targets():
     assert "make demo" in README and "make test" in README
 
 
+def test_the_gpu_machine_command_uses_the_python_at_hand():
+    """`make test-here` (documented for GPU machines without a registry) installs only the
+    package, into the interpreter it is given, and runs the whole suite with that interpreter."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    python = "/opt/python-at-hand/bin/python3"
+    dry_run = subprocess.run(["make", "-n", "-s", "test-here", f"PYTHON={python}"], cwd=ROOT, capture_output=True, text=True, check=False)
+    assert dry_run.returncode == 0, dry_run.stderr
+    install, run = dry_run.stdout.splitlines()
+    assert install.startswith(f"{python} -m pip install") and {"--no-deps", "--no-build-isolation", "-e", "."} <= set(install.split())
+    assert run.startswith(f"{python} -m pytest") and run.split()[-1] == "tests"
+    assert ".venv" not in dry_run.stdout and "torch" not in dry_run.stdout
+    assert "make test-here" in README
+
+
 def test_readme_estimate_commands_work(tmp_path, capsys):
     llama = tmp_path / "config.json"
     llama.write_text(json.dumps({"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
