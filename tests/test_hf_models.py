@@ -10,9 +10,9 @@ import copy
 
 import pytest
 import torch
+from reference import fp32_weight_tolerance
 
 import offload
-from reference import fp32_weight_tolerance
 
 transformers = pytest.importorskip("transformers")
 
