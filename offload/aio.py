@@ -4,10 +4,17 @@ The C++ engine (csrc/aio) splits each request into `block_size` pieces, keeps at
 `queue_depth` pieces in flight on a pool of `threads` workers doing pread/pwrite, and can
 checksum (CRC-32C) each piece in the worker that moves it. Waiting releases the GIL.
 
-Who owns what: from `submit_*` until the handle's `wait()` returns, the tensor belongs to the
-engine (do not free, resize or write it); the handle keeps a reference so it cannot be
-garbage-collected early. An fd passed in stays the caller's; a path passed in is opened by
-the handle and closed when the request completes (in `wait()`).
+Who owns what: from `submit_*` until the request completes, the tensor belongs to the
+engine (do not resize or write it). The engine keeps the tensor (and any fd it opened) in
+its table of requests in flight until the request is done, not merely until the handle is
+dropped: a handle dropped mid-read cannot let a worker write into freed memory. The table
+is pruned, with the GIL held, on every submit and at close; the C++ workers never touch
+Python objects. An fd passed in stays the caller's and must stay open until completion; a
+path passed in is opened by the engine and closed when the request completes.
+
+Waiting: `AioHandle.wait()` sleeps in slices so that Ctrl-C is handled while I/O runs; an
+interrupt (any exception raised while waiting) leaves the request pending, and a later
+`wait()` gives its real result.
 
 O_DIRECT needs the buffer address, file offset and transfer length 4 KiB-aligned. A path
 target uses O_DIRECT when all three are aligned and the filesystem accepts it
@@ -21,6 +28,7 @@ import mmap
 import os
 import threading
 import uuid
+import weakref
 
 import torch
 
@@ -58,24 +66,42 @@ def _warn_buffered(path: str, dev: int, reason: str) -> None:
                 "page cache. Put nvme_path on a local ext4/xfs filesystem for direct I/O.", path, reason)
 
 
-def probe_o_direct(path: str | os.PathLike) -> bool:
+def probe_o_direct(path: str | os.PathLike, *, dir_fd: int | None = None) -> bool:
     """Whether the filesystem holding `path` (a directory or a file) accepts O_DIRECT I/O.
 
     Writes and reads back one aligned 4 KiB block in a temporary file (open alone is not
-    enough: some filesystems accept the flag and fail the I/O). Logs once per filesystem
-    when refused. The result is cached per device.
+    enough: some filesystems accept the flag and fail the I/O). With `dir_fd` (an open
+    directory; `path` then only names it in messages) the probe file is made relative to
+    that descriptor, as an unnamed O_TMPFILE where the filesystem has them, so no path is
+    ever followed. Logs once per filesystem when refused. The result is cached per device.
     """
     path = os.fspath(path)
-    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    dev = os.stat(directory).st_dev
+    if dir_fd is not None:
+        directory = path
+        dev = os.fstat(dir_fd).st_dev
+    else:
+        directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+        dev = os.stat(directory).st_dev
     with _probe_lock:
         if dev in _probe_cache:
             return _probe_cache[dev]
-    probe = os.path.join(directory, f".offload-odirect-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    name = f".offload-odirect-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    probe = name if dir_fd is not None else os.path.join(directory, name)
     ok, reason = True, ""
+    linked = False
     buf = mmap.mmap(-1, ALIGN)
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_DIRECT", 0), 0o600)
+        fd = None
+        direct = getattr(os, "O_DIRECT", 0)
+        if dir_fd is not None and hasattr(os, "O_TMPFILE"):
+            try:
+                fd = os.open(".", os.O_RDWR | os.O_TMPFILE | direct, 0o600, dir_fd=dir_fd)
+            except OSError as e:
+                if e.errno not in (_errno.EOPNOTSUPP, _errno.EISDIR, _errno.ENOENT):
+                    raise  # EINVAL: O_DIRECT refused, handled below
+        if fd is None:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | direct, 0o600, dir_fd=dir_fd)
+            linked = True
         try:
             os.pwritev(fd, [buf], 0)
             os.preadv(fd, [buf], 0)
@@ -89,10 +115,11 @@ def probe_o_direct(path: str | os.PathLike) -> bool:
                                      "check the path exists and is writable", directory) from None
     finally:
         buf.close()
-        try:
-            os.unlink(probe)
-        except FileNotFoundError:
-            pass
+        if linked or dir_fd is None:
+            try:
+                os.unlink(probe, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
     if not hasattr(os, "O_DIRECT"):
         ok, reason = False, "O_DIRECT not available on this platform"
     with _probe_lock:
@@ -113,14 +140,35 @@ def direct_ok(tensor: torch.Tensor, offset: int, io_nbytes: int) -> bool:
             and storage_capacity(tensor) >= io_nbytes)
 
 
+class _Flight:
+    """What a request in flight needs alive until it completes: the buffer's owner, and the
+    fd the engine opened for it. Held by the engine's table; the handle only points at it."""
+
+    __slots__ = ("request", "tensor", "owned_fd", "handle")
+
+    def __init__(self, request, tensor: torch.Tensor, owned_fd: int | None):
+        self.request, self.tensor, self.owned_fd = request, tensor, owned_fd
+        self.handle = None  # weakref to the AioHandle
+
+    def release(self) -> None:
+        if self.owned_fd is not None:
+            fd, self.owned_fd = self.owned_fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.tensor = None
+
+
 class AioHandle:
     """One submitted request. `wait()` blocks (GIL released), raises SwapError on failure."""
 
-    def __init__(self, request, tensor: torch.Tensor, path: str, owned_fd: int | None = None, on_done=None):
-        self._request = request
-        self._tensor = tensor  # keeps the buffer alive until completion
+    def __init__(self, engine: "AioEngine", flight: _Flight, path: str, on_done=None):
+        self._engine = engine
+        self._flight = flight
+        self._request = flight.request
+        self._tensor = flight.tensor
         self._path = path
-        self._owned_fd = owned_fd
         self._on_done = on_done
         self._finished = False
         self._error: BaseException | None = None
@@ -137,7 +185,8 @@ class AioHandle:
         """Wait for completion; True when done, False when `timeout` seconds passed first.
 
         Raises SwapError (errno, message naming op, offset and file) if any piece failed; the
-        same error again on every later call.
+        same error again on every later call. An exception raised while waiting (Ctrl-C's
+        KeyboardInterrupt) propagates and leaves the request pending: wait again for its result.
         """
         if self._finished:
             if self._error is not None:
@@ -162,9 +211,7 @@ class AioHandle:
 
     def _complete(self) -> None:
         self._finished = True
-        if self._owned_fd is not None:
-            os.close(self._owned_fd)
-            self._owned_fd = None
+        self._engine._landed(self._flight)
         if self._on_done is not None:
             cb, self._on_done = self._on_done, None
             cb(self)
@@ -172,7 +219,10 @@ class AioHandle:
 
 
 class AioEngine:
-    """Asynchronous file I/O on host tensors; see the module docstring for ownership rules."""
+    """Asynchronous file I/O on host tensors; see the module docstring for ownership rules.
+
+    Thread-safe: submits and waits may come from several threads (the table of requests in
+    flight has its own lock)."""
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 4):
         try:
@@ -181,6 +231,30 @@ class AioEngine:
             raise ValueError(f"io settings: {e}") from None
         self.block_size, self.queue_depth, self.threads = int(block_size), int(queue_depth), int(threads)
         self._closed = False
+        self._flights_lock = threading.Lock()
+        self._flights: dict[int, _Flight] = {}  # id(flight) -> flight, until the request is done
+
+    def in_flight(self) -> int:
+        """Requests whose buffers the engine still holds (submitted, not yet known complete)."""
+        self._reap()
+        with self._flights_lock:
+            return len(self._flights)
+
+    def _landed(self, flight: _Flight) -> None:
+        """The handle saw its request complete: the engine lets go of the buffer and fd."""
+        with self._flights_lock:
+            self._flights.pop(id(flight), None)
+        flight.release()
+
+    def _reap(self, everything: bool = False) -> None:
+        """Drops the table's hold on completed requests whose handle is gone (dropped mid-I/O)."""
+        with self._flights_lock:
+            gone = [f for f in self._flights.values()
+                    if (everything or f.request.done()) and (f.handle is None or f.handle() is None)]
+            for f in gone:
+                del self._flights[id(f)]
+        for f in gone:
+            f.release()
 
     def _submit(self, op, target, tensor: torch.Tensor, offset: int, nbytes: int | None, io_nbytes: int | None,
                 checksum: bool, piece_size: int, path: str | None) -> AioHandle:
@@ -190,6 +264,7 @@ class AioEngine:
             raise ValueError("aio needs a contiguous host tensor")
         if tensor.device.type != "cpu":
             raise ValueError(f"aio needs a host (cpu) tensor, got one on {tensor.device}")
+        self._reap()
         size = tensor.numel() * tensor.element_size()
         nbytes = size if nbytes is None else int(nbytes)
         io_nbytes = nbytes if io_nbytes is None else int(io_nbytes)
@@ -220,7 +295,13 @@ class AioEngine:
             if owned is not None:
                 os.close(owned)
             raise
-        return AioHandle(req, tensor, name, owned)
+        # from here the table holds the buffer until the request is done (see the module docstring)
+        flight = _Flight(req, tensor, owned)
+        handle = AioHandle(self, flight, name)
+        flight.handle = weakref.ref(handle)
+        with self._flights_lock:
+            self._flights[id(flight)] = flight
+        return handle
 
     def submit_read(self, target, tensor: torch.Tensor, offset: int = 0, *, nbytes: int | None = None,
                     io_nbytes: int | None = None, checksum: bool = False, piece_size: int = 0,
@@ -234,9 +315,10 @@ class AioEngine:
         """Write the tensor's bytes (or `io_nbytes` of its buffer, padding included) at `offset`."""
         return self._submit(_aio_ext.Op.WRITE, target, tensor, offset, nbytes, io_nbytes, checksum, piece_size, path)
 
-    def set_fault(self, op: str, err: int, after_offset: int = 0) -> None:
-        """Test hook: make every `op` ("read"/"write") piece ending past `after_offset` fail with errno `err`."""
-        self._engine.set_fault(0 if op == "read" else 1, int(err), int(after_offset))
+    def set_fault(self, op: str, err: int, after_offset: int = 0, count: int | None = None) -> None:
+        """Test hook: make every `op` ("read"/"write") piece ending past `after_offset` fail with
+        errno `err`; with `count`, only the next `count` such pieces fail."""
+        self._engine.set_fault(0 if op == "read" else 1, int(err), int(after_offset), -1 if count is None else int(count))
 
     def clear_fault(self) -> None:
         self._engine.clear_fault()
@@ -246,10 +328,18 @@ class AioEngine:
         self._engine.set_delay_us(int(seconds * 1e6))
 
     def close(self) -> None:
-        """Finish every queued piece, then stop the workers (idempotent)."""
+        """Finish every queued piece, then stop the workers (idempotent). Handles still held
+        can be waited afterwards (their requests are complete)."""
         if not self._closed:
             self._closed = True
             self._engine.close()
+        self._reap(everything=True)
+
+    def __del__(self):
+        try:
+            self.close()  # before the table goes: no worker may outlive the buffers it writes
+        except Exception:
+            pass
 
     def __enter__(self):
         return self

@@ -163,3 +163,88 @@ def test_probe_accepts_on_this_disk(tmp_path):
     # ext4 (the test machine) accepts O_DIRECT; the probe leaves no file behind.
     assert probe_o_direct(tmp_path) in (True, False)
     assert os.listdir(tmp_path) == []
+
+
+# ---- issue 16: the request owns its buffer; one-shot faults; interrupted waits ---------------
+DROPPED_HANDLE = r"""
+import gc, sys, torch
+from offload.aio import AioEngine
+path, n = sys.argv[1], 64 << 20
+with open(path, "wb") as f:
+    f.write(b"\xab" * n)
+eng = AioEngine(1 << 20, 1, 1)
+eng.set_delay(0.002)  # ~130 ms of reading still to do when the handle is dropped
+t = torch.empty(n, dtype=torch.uint8)
+h = eng.submit_read(path, t)
+del h, t
+gc.collect()
+fresh = torch.zeros(n, dtype=torch.uint8)  # typically lands on the freed buffer's address
+eng.close()  # every queued piece has run
+print("overwritten", int((fresh != 0).sum()), "held", eng.in_flight())
+"""
+
+
+def test_dropped_handle_mid_read_never_writes_into_freed_memory(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", DROPPED_HANDLE, str(tmp_path / "big.bin")], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "overwritten 0 held 0" in result.stdout, result.stdout
+
+
+def test_dropped_handle_is_released_once_complete(tmp_path, pool):
+    with AioEngine(4096, 2, 2) as eng:
+        eng.set_delay(0.05)
+        h = eng.submit_write(str(tmp_path / "f.bin"), random_bytes(pool, 8192))
+        del h
+        assert eng.in_flight() == 1  # the engine still holds the buffer (and the fd it opened)
+        eng.set_delay(0)
+        import time
+
+        deadline = time.monotonic() + 10
+        while eng.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.in_flight() == 0
+        kept = eng.submit_write(str(tmp_path / "g.bin"), random_bytes(pool, 4096))
+        kept.wait()
+        assert eng.in_flight() == 0
+
+
+def test_fault_with_a_count_fails_only_the_next_pieces(tmp_path, pool):
+    src = random_bytes(pool, 4 * 4096)
+    with AioEngine(block_size=4096, queue_depth=1, threads=1) as eng:
+        eng.set_fault("write", errno.EIO, count=2)
+        with pytest.raises(SwapError) as e:
+            eng.submit_write(str(tmp_path / "f.bin"), src).wait()
+        assert e.value.errno == errno.EIO and "(and 1 more failed pieces)" in str(e.value)
+        eng.submit_write(str(tmp_path / "f.bin"), src).wait()  # spent: no clear_fault needed
+    assert (tmp_path / "f.bin").read_bytes() == src.numpy().tobytes()
+
+
+class Interrupt(BaseException):
+    pass
+
+
+def test_interrupted_wait_leaves_the_request_pending(tmp_path, pool):
+    import signal
+    import threading
+
+    def handler(signum, frame):
+        raise Interrupt()
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        src = random_bytes(pool, 4096 * 8)
+        with AioEngine(4096, 1, 1) as eng:
+            eng.set_delay(0.1)
+            h = eng.submit_write(str(tmp_path / "slow.bin"), src)
+            threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+            with pytest.raises(Interrupt):
+                h.wait()
+            assert not h.done()
+            assert h.wait() is True  # the real result
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert (tmp_path / "slow.bin").read_bytes() == src.numpy().tobytes()

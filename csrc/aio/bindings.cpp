@@ -48,7 +48,8 @@ PYBIND11_MODULE(_aio_ext, m) {
             py::arg("op"), py::arg("fd"), py::arg("ptr"), py::arg("offset"), py::arg("nbytes"), py::arg("crc_nbytes"),
             py::arg("want_crc"), py::arg("piece_size"), py::arg("path"))
         .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
-        .def("set_fault", &Engine::set_fault, py::arg("op"), py::arg("err"), py::arg("after_offset"))
+        .def("set_fault", &Engine::set_fault, py::arg("op"), py::arg("err"), py::arg("after_offset"),
+             py::arg("count") = -1)
         .def("clear_fault", &Engine::clear_fault)
         .def("set_delay_us", &Engine::set_delay_us, py::arg("us"))
         .def_property_readonly("block_size", &Engine::block_size)

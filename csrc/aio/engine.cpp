@@ -104,10 +104,22 @@ void Engine::close() {
     workers_.clear();
 }
 
-void Engine::set_fault(int op, int err, uint64_t after_offset) {
+void Engine::set_fault(int op, int err, uint64_t after_offset, int64_t count) {
+    fault_op_.store(-1);
     fault_err_.store(err);
     fault_after_.store(after_offset);
+    fault_left_.store(count < 0 ? -1 : count);
     fault_op_.store(op);
+}
+
+bool Engine::take_fault(Op op, uint64_t end) {
+    if (fault_op_.load() != static_cast<int>(op) || end <= fault_after_.load()) return false;
+    int64_t left = fault_left_.load();
+    while (left >= 0) {
+        if (left == 0) return false;  // spent
+        if (fault_left_.compare_exchange_weak(left, left - 1)) return true;
+    }
+    return true;  // unlimited
 }
 
 void Engine::clear_fault() { fault_op_.store(-1); }
@@ -159,8 +171,7 @@ void Engine::run_piece(const Piece& p) {
     if (r.want_crc_ && r.op_ == Op::Write) crc = crc32c_extend(0, buf, crc_len);
 
     if (uint64_t us = delay_us_.load()) std::this_thread::sleep_for(std::chrono::microseconds(us));
-    int fop = fault_op_.load();
-    if (fop == static_cast<int>(r.op_) && off + len > fault_after_.load()) {
+    if (take_fault(r.op_, off + len)) {
         int err = fault_err_.load();
         IoError e = make_error(err, r.op_, len, off, r.path_, std::string(std::strerror(err)) + " (injected fault)");
         r.finish_piece(p.index, 0, &e);

@@ -14,6 +14,11 @@
 // - Errors: every failing piece is counted; the first is kept with errno, op, file and
 //   offset and thrown (IoError) by wait(). Short reads (EOF before the requested length)
 //   are errors, short writes are retried until an errno comes back (e.g. ENOSPC).
+// - The engine never opens files: it is given fds (the caller opens them, relative to a
+//   directory fd, and keeps them open until the request completes).
+// - The buffer's lifetime is the caller's to guarantee (offload/aio.py keeps the buffer's
+//   owner in a table of requests in flight until the request is done, even when the Python
+//   handle is dropped): a worker never releases Python objects, so it never takes the GIL.
 // - close()/the destructor lets workers finish every queued piece, then joins them, so no
 //   worker touches a buffer after close() returns.
 #pragma once
@@ -83,8 +88,9 @@ public:
     std::shared_ptr<Request> submit(Op op, int fd, char* buf, uint64_t offset, size_t nbytes, size_t crc_nbytes,
                                     bool want_crc, size_t piece_size, const std::string& path);
     void close();
-    // Fault injection for tests: pieces of `op` whose range ends past `after_offset` fail with `err`.
-    void set_fault(int op, int err, uint64_t after_offset);
+    // Fault injection for tests: pieces of `op` whose range ends past `after_offset` fail with `err`;
+    // `count` >= 0: only the next `count` such pieces fail, then the fault is spent.
+    void set_fault(int op, int err, uint64_t after_offset, int64_t count = -1);
     void clear_fault();
     // Test hook: every piece sleeps this long before its I/O (0: off).
     void set_delay_us(uint64_t us) { delay_us_.store(us); }
@@ -99,6 +105,7 @@ private:
     };
     void worker();
     void run_piece(const Piece& p);
+    bool take_fault(Op op, uint64_t end);
 
     const size_t block_size_;
     const size_t queue_depth_;
@@ -111,6 +118,7 @@ private:
     std::atomic<int> fault_op_{-1};
     std::atomic<int> fault_err_{0};
     std::atomic<uint64_t> fault_after_{0};
+    std::atomic<int64_t> fault_left_{-1};  // pieces still to fail; -1: every matching piece
     std::atomic<uint64_t> delay_us_{0};
 };
 
