@@ -58,6 +58,20 @@ class CollectiveError(OffloadError, RuntimeError):
     """A collective failed: a peer rank failed, exited or did not arrive within the timeout."""
 
 
+class RankMismatchError(CollectiveError):
+    """The ranks were about to issue different collectives (a data-dependent branch): issuing
+    them would mix the tensors of different units, or wait for the timeout."""
+
+
+def mismatch_message(keys_by_rank: list[tuple[int, int]], describe) -> str | None:
+    """None when every rank gives the same key; else which rank was about to do what (plain
+    decision, tested directly). `describe(key)` names a key, e.g. "all_gather of blocks.3"."""
+    if all(key == keys_by_rank[0] for key in keys_by_rank):
+        return None
+    doing = "; ".join(f"rank {rank}: {describe(key)}" for rank, key in enumerate(keys_by_rank))
+    return f"the ranks are out of step ({doing})"
+
+
 def timeout_from_env(environ=os.environ) -> float:
     """The process-group timeout in seconds (`OFFLOAD_DIST_TIMEOUT_S`, default 600)."""
     raw = environ.get(TIMEOUT_ENV)
@@ -215,6 +229,7 @@ class Collectives:
             return "the failed rank is unknown (no rendezvous store to ask)"
         answered: set[int] = set()
         announced: dict[int, str] = {}
+        store_timeout = self._store.timeout
         try:
             self._store.set_timeout(datetime.timedelta(seconds=FAILURE_GRACE_S))
             self._store.set(self._key("alive", self.rank), "1")
@@ -230,7 +245,16 @@ class Collectives:
                 time.sleep(0.1)
         except Exception:  # noqa: BLE001 (the store itself is gone)
             return describe_failed_ranks(others, answered, announced, store_ok=False)
+        finally:
+            self._restore_store_timeout(store_timeout)
         return describe_failed_ranks(others, answered, announced, store_ok=True)
+
+    def _restore_store_timeout(self, timeout) -> None:
+        """The store is the process group's: it keeps the timeout it had before our short waits."""
+        try:
+            self._store.set_timeout(timeout)
+        except Exception:  # noqa: BLE001 (a store that is gone has no timeout to restore)
+            logger.debug("offload: could not restore the store's timeout", exc_info=True)
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self._namespace}/{kind}/{rank}"
@@ -240,10 +264,32 @@ class Collectives:
         if not self.is_distributed or self._store is None:
             return
         try:
+            store_timeout = self._store.timeout
             self._store.set_timeout(datetime.timedelta(seconds=FAILURE_GRACE_S))
             self._store.set(self._key("error", self.rank), f"{type(error).__name__}: {_first_line(error)}"[:1000])
+            self._restore_store_timeout(store_timeout)
         except Exception as store_error:  # noqa: BLE001
             logger.warning("offload: could not tell the other ranks about this rank's failure: %s", store_error)
+
+    # ---- agreement before a unit's collective ------------------------------------------------
+    def agree(self, key: tuple[int, int], flags: list[int], describe, hint: str = "") -> list[int]:
+        """Every rank states what it is about to do (`key`, e.g. (operation, unit)) with a row of
+        0/1 `flags` (each rank the same length); returns the flags OR-ed over ranks. Ranks whose
+        keys differ fail at once with `RankMismatchError` naming what each rank was doing, instead
+        of a collective that pairs different units. One small host all_gather (gloo)."""
+        if not self.is_distributed:
+            return list(flags)
+        row = torch.tensor([key[0], key[1], *flags], dtype=torch.int64)
+        rows = [torch.empty_like(row) for _ in range(self.world_size)]
+        self._run("all_gather(agreement)", describe(key), lambda: dist.all_gather(rows, row, group=self.host_group))
+        keys = [(int(r[0]), int(r[1])) for r in rows]
+        message = mismatch_message(keys, describe)
+        if message is not None:
+            self._failure = RankMismatchError(f"offload: {message}. {hint}".strip())
+            logger.error("%s", self._failure)
+            raise self._failure
+        union = torch.stack(rows)[:, 2:].amax(dim=0) if flags else torch.empty(0)
+        return [int(v) for v in union]
 
     # ---- device tensors (the engine's group) ---------------------------------------------
     def all_gather_flat(self, full: torch.Tensor, shard: torch.Tensor, what: str = "a unit") -> None:

@@ -41,6 +41,8 @@ from offload.materialize import has_meta_state, mapped_zeros, materialize_unit_p
 from offload.optim import kernels
 from offload.precision import DynamicLossScaler, gradient_multiplier
 from offload.prefetch import ExecutionOrder, step_order
+from offload.rank_order import MISMATCH_HINT, Op, ReduceOrder
+from offload.rank_order import describe as describe_op
 from offload.residency import ExternalParamReads, Residency, tensors_in
 from offload.state import UnitState
 from offload.stepper import StepHyper, UnitStepper
@@ -155,6 +157,7 @@ class Engine:
             ledger=self.ledger,
             param_tier=self.config.offload.param,
             compute_dtype=self.compute_dtype,
+            agree_before=self._agree_before_collective,
         )
         self.stepper = UnitStepper(self.store, self.device, rank)
         try:
@@ -187,6 +190,13 @@ class Engine:
         # units whose forward is running, innermost last, each with who owns its hold
         self._entered: list[Entry] = []
         self._external_holds: set[int] = set()
+        # forward uses of each unit (with borrows and external reads) since the last backward,
+        # and, with several ranks, the agreed order of this backward's reductions (rank_order.py)
+        self._uses: collections.Counter[int] = collections.Counter()
+        self._reduce_order: ReduceOrder | None = None
+        self._agreement_width = max(1 + 2 * len(self.units), max(len(unit.spec.params) for unit in self.units))
+        # param none with several ranks: a stepped unit's new shards are gathered at its next use
+        self._gathers_after_step = not self.residency.offloaded and self.collectives.is_distributed
         self._root_holds_for_backward = 0
         self._boundary_backward = False
         self._grad_futures: list[Future] = []  # every gradient transfer of the window (errors)
@@ -294,6 +304,8 @@ class Engine:
         logger.debug("offload: unit %s read outside its forward; held until the end of backward", self.units[unit_index].spec.name)
         self._external_holds.add(unit_index)
         self.residency.acquire(self.units[unit_index])
+        if torch.is_grad_enabled():
+            self._uses[unit_index] += 1
 
     def _raise_if_step_failed(self) -> None:
         future = self._step_future
@@ -341,6 +353,8 @@ class Engine:
         self._enter_unit(unit)
         if kind is EntryKind.RECOMPUTE:
             unit.backward_holds += 1
+        elif torch.is_grad_enabled():
+            self._uses.update([index, *unit.spec.borrows])
         entry = Entry(index, kind)
         self._entered.append(entry)
         return entry
@@ -384,6 +398,8 @@ class Engine:
         if self._phase == "forward":
             self.forward_order.end()
             self._phase = "idle"
+        if self._gathers_after_step:
+            self.residency.gather_stepped()
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)):
             # the forward's hold on the root (embeddings, head) passes to its backward
             self._root_holds_for_backward += 1
@@ -430,19 +446,21 @@ class Engine:
             raise OffloadError("engine.backward needs the scalar loss tensor (e.g. out.loss)")
         if not loss.requires_grad:
             raise OffloadError("engine.backward: the loss does not require grad (was the forward run under torch.no_grad?)")
-        if self.config.precision != "fp16":
-            # agreed over ranks: a rank skipping backward alone would leave the others in its collectives
-            bad_ranks = self.collectives.ranks_with(not math.isfinite(float(loss.detach())), what="the non-finite loss check")
-            if bad_ranks:
-                self._end_backward()
-                where = ""
-                if self.collectives.is_distributed:
-                    where = f" (not finite on rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))})"
-                raise NonFiniteError(
-                    f"the loss is {float(loss.detach())}{where} at micro-step {self.micro_steps}: backward "
-                    "was not run and no state changed; check the data and the learning rate, or use precision 'fp16' "
-                    "whose overflow skips the step"
-                )
+        # agreed over ranks: a rank skipping backward alone would leave the others in its collectives
+        nonfinite = self.config.precision != "fp16" and not math.isfinite(float(loss.detach()))
+        any_nonfinite = self._agree_on_backward(nonfinite)
+        if any_nonfinite:
+            bad_ranks = self.collectives.ranks_with(nonfinite, what="the non-finite loss check")
+            self._reduce_order = None
+            self._end_backward()
+            where = ""
+            if self.collectives.is_distributed:
+                where = f" (not finite on rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))})"
+            raise NonFiniteError(
+                f"the loss is {float(loss.detach())}{where} at micro-step {self.micro_steps}: backward "
+                "was not run and no state changed; check the data and the learning rate, or use precision 'fp16' "
+                "whose overflow skips the step"
+            )
         self._wait_step()
         self._boundary_backward = (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
         scaled = loss.float() / self.config.gradient_accumulation_steps
@@ -452,18 +470,54 @@ class Engine:
         self.backward_order.begin()
         started = time.perf_counter()
         try:
+            if self._reduce_order is not None:
+                self._reduce_units(self._reduce_order.start())
             scaled.backward()
         finally:
             self._end_backward()
             self.timings["backward"] += time.perf_counter() - started
         self.micro_steps += 1
 
+    def _agree_on_backward(self, nonfinite: bool) -> bool:
+        """Several ranks: one exchange says whether any rank's loss is not finite and which units
+        each rank's forward used (for the gradient reduction order, see rank_order.py); returns
+        whether a loss was not finite."""
+        uses, self._uses = self._uses, collections.Counter()
+        if not self.collectives.is_distributed:
+            return nonfinite
+        count = len(self.units)
+        used = [1 if uses[i] and self._trainable[i] else 0 for i in range(count)]
+        twice = [1 if uses[i] > 1 and self._trainable[i] else 0 for i in range(count)]
+        flags = self._agreement_row([int(nonfinite), *used, *twice])
+        union = self.collectives.agree((Op.BACKWARD, 0), flags, self._describe_op, MISMATCH_HINT)
+        used_anywhere = {i for i in range(count) if union[1 + i]}
+        twice_anywhere = {i for i in range(count) if union[1 + count + i]}
+        self._reduce_order = ReduceOrder(used_anywhere, {i for i in range(count) if used[i]}, twice_anywhere)
+        return bool(union[0])
+
+    def _agreement_row(self, flags: list[int]) -> list[int]:
+        """Every agreement row has the same length on every rank (a collective of other sizes
+        would not pair up): the longest that any agreement needs."""
+        return flags + [0] * (self._agreement_width - len(flags))
+
+    def _agree_before_collective(self, op: Op, unit: UnitState) -> None:
+        row = self._agreement_row([])
+        self.collectives.agree((op, unit.index), row, self._describe_op, MISMATCH_HINT)
+
+    def _describe_op(self, key: tuple[int, int]) -> str:
+        return describe_op(key, [unit.spec.name for unit in self.units])
+
     def _end_backward(self) -> None:
         try:
-            for unit in self.units:
-                if unit.grads_pending:
-                    self._flush_grads(unit)
+            if self._reduce_order is None:
+                for unit in self.units:
+                    if unit.grads_pending:
+                        self._flush_grads(unit)
+            else:
+                self._reduce_units(self._reduce_order.finish())
+                self._reduce_unannounced()
         finally:
+            self._reduce_order = None
             for unit in self.units:
                 self._release_backward_holds(unit)
             for _ in range(self._root_holds_for_backward):
@@ -476,6 +530,17 @@ class Engine:
                 self.backward_order.end()
             self._phase = "idle"
             self._entered.clear()
+
+    def _reduce_unannounced(self) -> None:
+        """Several ranks, end of backward: units with gradients that no rank's forward announced
+        (a parameter used outside the model's forward) reduce now, in an order agreed first."""
+        flags = [1 if unit.grads_pending else 0 for unit in self.units]
+        union = self.collectives.agree((Op.EXTRAS, 0), self._agreement_row(flags), self._describe_op, MISMATCH_HINT)
+        self._reduce_units([i for i in range(len(self.units) - 1, -1, -1) if union[i]])
+
+    def _reduce_units(self, indices: list[int]) -> None:
+        for index in indices:
+            self._flush_grads(self.units[index])
 
     def _drop_external_holds(self) -> None:
         for unit_index in sorted(self._external_holds):
@@ -498,14 +563,33 @@ class Engine:
     def _on_param_grad(self, unit_index: int, param_index: int, param: torch.Tensor) -> None:
         unit = self.units[unit_index]
         unit.grads_pending.add(param_index)
-        if unit.grads_pending >= self._trainable[unit_index]:
+        if unit.grads_pending < self._trainable[unit_index]:
+            return
+        if self._reduce_order is None:
             self._flush_grads(unit)
+        else:
+            # several ranks: the weights are no longer needed, the reduction waits its turn
+            self._release_backward_holds(unit)
+            self._reduce_units(self._reduce_order.grads_final(unit_index))
 
     def _flush_grads(self, unit: UnitState) -> None:
-        """Main thread: hands the unit's gradients to the transfer worker and releases the unit."""
+        """Main thread: hands the unit's gradients to the transfer worker and releases the unit.
+
+        With several ranks, the ranks first agree that they reduce this unit and which of its
+        parameters have a gradient on any rank (rank_order.py); a unit none has gradients for
+        is not reduced."""
         pending, unit.grads_pending = unit.grads_pending, set()
         layout = unit.layout
         params = unit.spec.params
+        if self.collectives.is_distributed:
+            flags = self._agreement_row([1 if i in pending else 0 for i in range(len(params))])
+            union = self.collectives.agree((Op.REDUCE, unit.index), flags, self._describe_op, MISMATCH_HINT)
+            with_grad = {i for i in range(len(params)) if union[i]}
+            if not with_grad:
+                self._release_backward_holds(unit)
+                return
+        else:
+            with_grad = pending
         self._bound_grads_in_flight()
         if self.device.is_cuda or self.collectives.is_distributed:
             pieces = [(0, self._flat_grad_shard(unit, pending))]
@@ -523,10 +607,12 @@ class Engine:
         event = self.device.record_compute_event()
         first = not unit.window_started
         unit.window_started = True
-        unit.grads_in_window |= pending
+        unit.grads_in_window |= with_grad
         for _, grad in pieces:
             self.device.keep_alive_on_copy_stream(grad)
-        final = self._boundary_backward and self.config.overlap == "backward" and self._runs_once(unit)
+        final = self._boundary_backward and self.config.overlap == "backward" and self._reduced_once_per_backward(unit)
+        if final and self._gathers_after_step:
+            unit.needs_gather = True
         future = self.transfer.submit(self._offload_grad, unit, pieces, event, first, self._boundary_backward, final)
         self._grad_futures.append(future)
         self._grads_in_flight.append(future)
@@ -566,7 +652,12 @@ class Engine:
                 oldest.exception()  # waits; errors surface in step() through _grad_futures
                 self.timings["wait_fetch"] += time.perf_counter() - started
 
-    def _runs_once(self, unit: UnitState) -> bool:
+    def _reduced_once_per_backward(self, unit: UnitState) -> bool:
+        """Whether this reduction of the unit's gradients is its last in this backward: always
+        with several ranks (each unit reduces once, rank_order.py); with one rank, when the
+        unit runs once per forward."""
+        if self.collectives.is_distributed:
+            return True
         recorded = self.forward_order.recorded or []
         return recorded.count(unit.index) == 1
 
@@ -695,8 +786,7 @@ class Engine:
         self.global_steps += 1
         order = step_order(self.forward_order.recorded, len(self.units))
         to_step = [self.units[i] for i in order if self.units[i].window_started]
-        for unit in to_step:
-            unit.begin_step()
+        self._begin_steps(to_step)
         self._step_future = self.optimizer_worker.submit(self.stepper.run, to_step, self._hyper(multiplier))
         if self.config.overlap == "none":
             self._wait_step()
@@ -713,11 +803,17 @@ class Engine:
             )
         self.global_steps += 1
         rest = [unit for unit in window if unit.window_started]
-        for unit in rest:
-            unit.begin_step()
+        self._begin_steps(rest)
         self._step_future = self.optimizer_worker.submit(self.stepper.run, rest, self._hyper(1.0 / self.collectives.world_size))
         self._wait_step()
         return True
+
+    def _begin_steps(self, units: list[UnitState]) -> None:
+        """Main thread, before the optimizer worker steps `units`: their weights change."""
+        for unit in units:
+            unit.begin_step()
+            if self._gathers_after_step:
+                unit.needs_gather = True
 
     def _discard_window(self) -> None:
         for unit in self.units:

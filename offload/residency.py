@@ -14,6 +14,7 @@ unit's storage is freed. Holders and storage changes happen on the main thread o
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 import torch
@@ -22,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from offload.collectives import Collectives
 from offload.device import Device
 from offload.memory import TierLedger
+from offload.rank_order import Op
 from offload.state import UnitState
 from offload.tiers import TierStore
 
@@ -40,6 +42,7 @@ class Residency:
         ledger: TierLedger,
         param_tier: str,
         compute_dtype: torch.dtype,
+        agree_before: Callable[[Op, UnitState], None],
     ) -> None:
         self.units = units
         self.device = device
@@ -48,6 +51,9 @@ class Residency:
         self.collectives = collectives
         self.ledger = ledger
         self.offloaded = param_tier != "none"
+        # several ranks: called before each gather, so that the ranks fail at once, naming what
+        # each was about to do, when they are out of step (rank_order.py)
+        self.agree_before = agree_before
         self.element_size = torch.empty(0, dtype=compute_dtype).element_size()
 
     # ---- storage (main thread) ----------------------------------------------------------
@@ -105,22 +111,56 @@ class Residency:
         event = future.result()
         self.device.compute_waits(event)
         if unit.fetch_target is not unit.device_flat:
-            self.collectives.all_gather_flat(unit.device_flat, unit.fetch_target, what=f"weights of unit {unit.spec.name}")
+            self._gather(unit, unit.device_flat, unit.fetch_target)
             self.ledger.release("device", unit.shard_numel * self.element_size, "param_shard")
         unit.fetch_target = None
         unit.resident = True
         unit.resident_version = unit.fetch_version
 
-    def _refresh_resident(self, unit: UnitState) -> None:
-        """Param tier `none`: wait for the step's write into `device_flat`, then gather shards."""
+    def _abandon_fetch(self, unit: UnitState) -> None:
+        """A fetch nobody will use: waits for its copy, gathers nothing (the other ranks may not
+        have fetched this unit), leaves the unit not resident."""
+        future, unit.fetch_future = unit.fetch_future, None
+        future.result().synchronize()
+        if unit.fetch_target is not unit.device_flat:
+            self.ledger.release("device", unit.shard_numel * self.element_size, "param_shard")
+        unit.fetch_target = None
+
+    def _gather(self, unit: UnitState, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Several ranks: `full` receives every rank's shard of the unit, after the ranks agreed
+        that this is the collective each of them issues now (rank_order.py)."""
+        self.agree_before(Op.GATHER, unit)
+        self.collectives.all_gather_flat(full, shard, what=f"weights of unit {unit.spec.name}")
+
+    def _await_step(self, unit: UnitState) -> None:
+        """Param tier `none`: the compute stream waits for the step's write into `device_flat`."""
         unit.step_done.wait()
         if unit.device_update_event is not None:
             self.device.compute_waits(unit.device_update_event)
             unit.device_update_event = None
-        if unit.needs_gather:
-            start, end = unit.layout.shard_range(self.collectives.rank)
-            self.collectives.all_gather_flat(unit.device_flat, unit.device_flat[start:end].clone(), what=f"weights of unit {unit.spec.name}")
-            unit.needs_gather = False
+
+    def _gather_resident(self, unit: UnitState) -> None:
+        self._await_step(unit)
+        start, end = unit.layout.shard_range(self.collectives.rank)
+        self._gather(unit, unit.device_flat, unit.device_flat[start:end].clone())
+        unit.needs_gather = False
+
+    def _refresh_resident(self, unit: UnitState) -> None:
+        """Param tier `none`: the unit's new weights, whole. With several ranks each stepped unit
+        is gathered once, in index order (this one and every lower one not gathered yet), so the
+        ranks issue the same gathers in the same order even when they run different units."""
+        if self.collectives.is_distributed:
+            for earlier in self.units[: unit.index + 1]:
+                if earlier.needs_gather:
+                    self._gather_resident(earlier)
+        self._await_step(unit)
+
+    def gather_stepped(self) -> None:
+        """End of a forward (param tier `none`, several ranks): gathers the stepped units this
+        rank's forward did not use (another rank's may have), in index order."""
+        for unit in self.units:
+            if unit.needs_gather:
+                self._gather_resident(unit)
 
     # ---- holding ------------------------------------------------------------------------
     def acquire(self, unit: UnitState) -> None:
@@ -158,7 +198,7 @@ class Residency:
                 unit.holders = 0
                 if self.offloaded:
                     if unit.fetch_future is not None:
-                        self._complete_fetch(unit)
+                        self._abandon_fetch(unit)
                     self.free(unit)
 
     def release_idle(self) -> None:
@@ -168,7 +208,7 @@ class Residency:
         for unit in self.units:
             if unit.holders == 0:
                 if unit.fetch_future is not None:
-                    self._complete_fetch(unit)
+                    self._abandon_fetch(unit)
                 self.free(unit)
 
 

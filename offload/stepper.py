@@ -73,9 +73,8 @@ class UnitStepper:
         # every rank counts the unit's step, whether or not its shard holds any of the params
         unit.step_count += 1
         if not ranges:
-            # this rank's shard is only padding; with `param: none` the other ranks' shards changed
-            # all the same, and every rank must join the gather before the unit's next use
-            unit.needs_gather = self.store.param_tier == "none" and unit.layout.world_size > 1
+            # this rank's shard is only padding (with `param: none` every rank still joins the
+            # gather of the other ranks' new shards: the engine marked the unit before the step)
             return
         out, staging = self._param16_target(unit, slot)
         if self.store.param_tier == "nvme" and ranges != unit.layout.param_ranges_in_shard(self.rank):
@@ -145,4 +144,3 @@ class UnitStepper:
             with self.device.copy_stream_context():
                 unit.device_flat[start:end].copy_(out, non_blocking=True)
             unit.device_update_event = self.device.record_copy_event()
-        unit.needs_gather = unit.layout.world_size > 1

@@ -1,0 +1,106 @@
+"""Ranks that run different units (a data-dependent branch) never mix their collectives.
+
+With param none, each rank skips the blocks its branch skips, and training equals plain PyTorch
+AdamW on the mean of the ranks' losses (a block no rank ran is not stepped, as torch skips a
+parameter without gradient). With params offloaded, whose weights are gathered from every
+rank at each use, the ranks stop at once with an error naming what each was about to do,
+instead of gathering one unit's shards into another or waiting for the timeout.
+"""
+from __future__ import annotations
+
+import pytest
+
+from branch_worker import reference, train
+from distributed_worker import launch, make_config
+from offload.rank_order import Op, ReduceOrder, describe
+from reference import max_weight_difference
+
+WORLD = 2
+
+
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_ranks_skipping_different_units_train_like_plain_pytorch(tmp_path, optimizer, overlap):
+    swaps = []
+    for rank in range(WORLD):
+        (tmp_path / f"swap{rank}").mkdir()
+        swaps.append(str(tmp_path / f"swap{rank}"))
+    config = make_config(swaps, "none", optimizer, overlap)
+    results = launch(train, WORLD, config, timeout_s=30, deadline_s=150)
+    for rank, result in enumerate(results):
+        assert result["ok"], f"rank {rank}: {result.get('traceback') or result}"
+    expected, _ = reference(WORLD)
+    assert max_weight_difference(results[0]["value"]["weights"], expected) <= 1e-5
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_ranks_skipping_different_offloaded_units_fail_at_once(tmp_path, param):
+    swaps = []
+    for rank in range(WORLD):
+        (tmp_path / f"swap{rank}").mkdir()
+        swaps.append(str(tmp_path / f"swap{rank}"))
+    config = make_config(swaps, param, "cpu", "forward")
+    results = launch(train, WORLD, config, timeout_s=60, deadline_s=150)
+    for rank, result in enumerate(results):
+        assert not result["ok"] and result.get("type") == "RankMismatchError", result
+        assert "the ranks are out of step" in result["message"]
+        assert "rank 0: the all-gather of the weights of unit blocks." in result["message"]
+        assert "offload.param none" in result["message"]
+        assert result["seconds"] < 50, "the mismatch waited for the group timeout"
+
+
+# ---- the order itself (plain logic) --------------------------------------------------------
+def test_reduce_order_streams_in_descending_order_and_defers_what_it_must():
+    order = ReduceOrder(used_anywhere={0, 1, 2, 3, 4}, used_here={0, 1, 3, 4}, used_twice_anywhere={1})
+    assert order.start() == []  # unit 4 leads and is used here: wait for its gradients
+    assert order.grads_final(3) == []  # 4 first
+    assert order.grads_final(4) == [4, 3, 2]  # 2 is not used here: it contributes zeros in turn
+    assert order.grads_final(1) == []  # used twice on some rank: final only at the end
+    assert order.grads_final(0) == []
+    assert order.finish() == [1, 0]
+    assert order.grads_final(4) == []  # never twice
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_rank_reduces_the_same_sequence_whatever_order_its_gradients_arrive_in(seed):
+    """Property: for any units each rank used (once or twice) and any order in which their
+    gradients become final, every rank reduces each used unit exactly once, in one sequence."""
+    import random
+
+    rng = random.Random(seed)
+    units = range(8)
+    used = [{u for u in units if rng.random() < 0.7} for _ in range(3)]
+    twice = [{u for u in used[r] if rng.random() < 0.2} for r in range(3)]
+    anywhere = set().union(*used)
+    twice_anywhere = set().union(*twice)
+    sequences = []
+    for rank in range(3):
+        order = ReduceOrder(anywhere, used[rank], twice_anywhere)
+        sequence = order.start()
+        arrivals = list(used[rank]) * 2
+        rng.shuffle(arrivals)
+        for unit in arrivals:
+            sequence += order.grads_final(unit)
+        sequence += order.finish()
+        sequences.append(sequence)
+    assert all(sequence == sequences[0] for sequence in sequences)
+    assert sorted(sequences[0]) == sorted(anywhere)
+
+
+def test_describe_names_the_operation_and_the_unit():
+    names = ["<root>", "blocks.0"]
+    assert describe((Op.GATHER, 1), names) == "the all-gather of the weights of unit blocks.0"
+    assert describe((Op.REDUCE, 0), names) == "the reduce-scatter of the gradients of unit <root>"
+    assert "unknown" in describe((99, 0), names)
+
+
+def test_mismatch_message_names_what_each_rank_was_doing():
+    from offload.collectives import mismatch_message
+
+    names = ["<root>", "blocks.0", "blocks.1"]
+    assert mismatch_message([(Op.GATHER, 1), (Op.GATHER, 1)], lambda key: describe(key, names)) is None
+    message = mismatch_message([(Op.GATHER, 1), (Op.REDUCE, 2)], lambda key: describe(key, names))
+    assert message == (
+        "the ranks are out of step (rank 0: the all-gather of the weights of unit blocks.0; "
+        "rank 1: the reduce-scatter of the gradients of unit blocks.1)"
+    )
