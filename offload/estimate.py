@@ -38,6 +38,7 @@ from offload.units import plan_flat_layout, round_up
 PAGE = 4096
 SWAP_HEADER = 4096
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DEVICE_KINDS = ("cuda", "cpu")
 # Placements (offload.param, offload.optimizer), fastest first. The order is the cost per step:
 # weights on the device move nothing; the optimizer on cpu moves 2 B/param of gradients down and
 # 2 B/param of weights up over PCIe; weights on cpu add 2 x 2 B/param (forward and backward
@@ -96,29 +97,138 @@ def _require(config: dict, *names: str):
     if missing:
         model_type = config.get("model_type", "?")
         raise ConfigError(f"Hugging Face config (model_type {model_type!r}) lacks {', '.join(missing)}; "
-                          "pass a complete config.json, or a parameter count instead")
+                          "pass a complete config.json, or a parameter count instead", key=missing[0])
     return [int(config[n]) for n in names]
+
+
+# Whether the output head shares the embedding's weight when config.json does not say: each
+# transformers config class has its own default.
+TIED_BY_DEFAULT = {"gemma": True, "gemma2": True, "gpt2": True}
+
+
+def _tied(config: dict, model_type: str) -> bool:
+    value = config.get("tie_word_embeddings")
+    return TIED_BY_DEFAULT.get(model_type, False) if value is None else bool(value)
+
+
+def _root(config: dict, model_type: str, vocab: int, hidden: int) -> tuple[int, ...]:
+    """The root unit: the embedding, the final norm and, unless tied, the output head."""
+    return (vocab * hidden, hidden) + (() if _tied(config, model_type) else (vocab * hidden,))
+
+
+def _attention(config: dict, model_type: str, hidden: int) -> list[int]:
+    """q, k, v, o projections (grouped-query) with the biases and per-head norms of each family."""
+    heads = int(config.get("num_attention_heads") or max(1, hidden // 128))
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    if model_type in ("qwen2", "qwen2_moe"):
+        qkv_bias = bool(config.get("qkv_bias", config.get("attention_bias", True)))
+        out_bias = False
+    else:
+        qkv_bias = out_bias = bool(config.get("attention_bias", False))
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attn = [hidden * q] + ([q] if qkv_bias else []) + [hidden * kv] + ([kv] if qkv_bias else [])
+    attn += [hidden * kv] + ([kv] if qkv_bias else []) + [q * hidden] + ([hidden] if out_bias else [])
+    if model_type in ("qwen3", "qwen3_moe"):
+        attn += [head_dim, head_dim]  # q_norm, k_norm
+    return attn
+
+
+def _gated_mlp(hidden: int, inter: int, bias: bool = False) -> list[int]:
+    """gate, up and down projections of a SwiGLU / GeGLU MLP."""
+    return [hidden * inter] + ([inter] if bias else []) + [hidden * inter] + ([inter] if bias else []) + \
+        [inter * hidden] + ([hidden] if bias else [])
+
+
+def _experts(hidden: int, inter: int, count: int) -> list[int]:
+    """`count` routed experts as transformers stores them: one fused gate+up tensor and one down tensor."""
+    return [count * 2 * inter * hidden, count * hidden * inter]
+
+
+def _norms(model_type: str, hidden: int) -> list[int]:
+    """The RMSNorm weights of one block (Gemma-2 has four: around attention and around the MLP)."""
+    return [hidden] * (4 if model_type == "gemma2" else 2)
 
 
 def _llama_like(config: dict, model_type: str) -> ModelShape:
     hidden, inter, layers, vocab = _require(config, "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
     heads = int(config.get("num_attention_heads") or max(1, hidden // 128))
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    qkv_bias = bool(config.get("attention_bias", model_type == "qwen2"))
-    out_bias = bool(config.get("attention_bias", False)) and model_type != "qwen2"
-    mlp_bias = bool(config.get("mlp_bias", False))
-    q, kv = heads * head_dim, kv_heads * head_dim
-    attn = [hidden * q] + ([q] if qkv_bias else []) + [hidden * kv] + ([kv] if qkv_bias else [])
-    attn += [hidden * kv] + ([kv] if qkv_bias else []) + [q * hidden] + ([hidden] if out_bias else [])
-    if model_type == "qwen3":
-        attn += [head_dim, head_dim]  # q_norm, k_norm
-    mlp = [hidden * inter] + ([inter] if mlp_bias else []) + [hidden * inter] + ([inter] if mlp_bias else [])
-    mlp += [inter * hidden] + ([hidden] if mlp_bias else [])
-    layer = tuple(attn + mlp + [hidden, hidden])
-    tied = bool(config.get("tie_word_embeddings", False))
-    root = (vocab * hidden, hidden) + (() if tied else (vocab * hidden,))
-    return ModelShape(model_type, root, layer, layers, hidden, inter, heads, vocab, int(config.get("max_position_embeddings") or 0))
+    layer = tuple(_attention(config, model_type, hidden) + _gated_mlp(hidden, inter, bool(config.get("mlp_bias", False)))
+                  + _norms(model_type, hidden))
+    return ModelShape(model_type, _root(config, model_type, vocab, hidden), layer, layers, hidden, inter, heads, vocab,
+                      int(config.get("max_position_embeddings") or 0))
+
+
+def _mixtral(config: dict) -> ModelShape:
+    hidden, inter, layers, vocab, experts = _require(config, "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                     "vocab_size", "num_local_experts")
+    # attention, the router (one logit per expert), the experts, two norms
+    layer = tuple(_attention(config, "mixtral", hidden) + [experts * hidden] + _experts(hidden, inter, experts)
+                  + _norms("mixtral", hidden))
+    return ModelShape("mixtral", _root(config, "mixtral", vocab, hidden), layer, layers, hidden, inter,
+                      int(config.get("num_attention_heads") or 0), vocab, int(config.get("max_position_embeddings") or 0))
+
+
+def _qwen_moe(config: dict, model_type: str) -> ModelShape:
+    """Qwen2-MoE (routed experts plus one gated shared expert) and Qwen3-MoE (routed only); layers
+    listed in `mlp_only_layers`, or off the `decoder_sparse_step`, have a dense MLP instead."""
+    hidden, inter, layers, vocab, experts, moe_inter = _require(
+        config, "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "num_experts", "moe_intermediate_size")
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense_layers = set(config.get("mlp_only_layers") or [])
+    shared = int(config.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
+    attn = _attention(config, model_type, hidden)
+    units = []
+    for i in range(layers):
+        if i not in dense_layers and experts > 0 and (i + 1) % step == 0:
+            if model_type == "qwen2_moe":
+                mlp = [experts * hidden] + _experts(hidden, moe_inter, experts)
+                if shared:
+                    mlp += _gated_mlp(hidden, shared) + [hidden]  # the shared expert and its 1-output gate
+            else:
+                mlp = _experts(hidden, moe_inter, experts) + [experts * hidden]
+        else:
+            mlp = _gated_mlp(hidden, inter)
+        units.append(tuple(attn + mlp + _norms(model_type, hidden)))
+    root = _root(config, model_type, vocab, hidden)
+    return ModelShape(model_type, root, (), layers, hidden, inter, int(config.get("num_attention_heads") or 0), vocab,
+                      int(config.get("max_position_embeddings") or 0), units=(root, *units))
+
+
+def _deepseek(config: dict, model_type: str) -> ModelShape:
+    """DeepSeek-V2 / V3: multi-head latent attention; the first `first_k_dense_replace` layers
+    dense, the rest routed experts plus `n_shared_experts` shared ones (every `moe_layer_freq`-th).
+    V3's multi-token-prediction layers (`num_nextn_predict_layers`) are not built by transformers
+    for training and are not counted."""
+    hidden, inter, layers, vocab, heads = _require(config, "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                   "vocab_size", "num_attention_heads")
+    kv_rank, rope, nope, v_dim = _require(config, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    q_rank = config.get("q_lora_rank")
+    bias = bool(config.get("attention_bias", False))
+    qk = heads * (nope + rope)
+    if q_rank:
+        attn = [hidden * q_rank] + ([q_rank] if bias else []) + [q_rank, q_rank * qk]
+    else:
+        attn = [hidden * qk]
+    attn += [hidden * (kv_rank + rope)] + ([kv_rank + rope] if bias else []) + [kv_rank]
+    attn += [kv_rank * heads * (nope + v_dim), heads * v_dim * hidden] + ([hidden] if bias else [])
+    routed = int(config.get("n_routed_experts") or 0)
+    shared = int(config.get("n_shared_experts") or 0)
+    moe_inter = int(config.get("moe_intermediate_size") or 0)
+    first_dense = int(config.get("first_k_dense_replace") or 0)
+    freq = int(config.get("moe_layer_freq") or 1)
+    units = []
+    for i in range(layers):
+        if routed and i >= first_dense and i % freq == 0:
+            mlp = _experts(hidden, moe_inter, routed) + [routed * hidden]
+            if shared:
+                mlp += _gated_mlp(hidden, moe_inter * shared)
+        else:
+            mlp = _gated_mlp(hidden, inter)
+        units.append(tuple(attn + mlp + _norms(model_type, hidden)))
+    root = _root(config, model_type, vocab, hidden)
+    return ModelShape(model_type, root, (), layers, hidden, inter, heads, vocab, int(config.get("max_position_embeddings") or 0),
+                      units=(root, *units))
 
 
 def _gpt2(config: dict) -> ModelShape:
@@ -127,8 +237,7 @@ def _gpt2(config: dict) -> ModelShape:
     inter = int(config.get("n_inner") or 4 * hidden)
     layer = (hidden, hidden, hidden * 3 * hidden, 3 * hidden, hidden * hidden, hidden, hidden, hidden,
              hidden * inter, inter, inter * hidden, hidden)
-    tied = bool(config.get("tie_word_embeddings", True))
-    root = (vocab * hidden, positions * hidden, hidden, hidden) + (() if tied else (vocab * hidden,))
+    root = (vocab * hidden, positions * hidden, hidden, hidden) + (() if _tied(config, "gpt2") else (vocab * hidden,))
     return ModelShape("gpt2", root, layer, layers, hidden, inter, int(config.get("n_head") or 0), vocab, positions)
 
 
@@ -137,18 +246,30 @@ def _gpt_neox(config: dict) -> ModelShape:
     bias = bool(config.get("attention_bias", True))
     layer = (hidden, hidden, hidden, hidden, hidden * 3 * hidden) + ((3 * hidden,) if bias else ())
     layer += (hidden * hidden,) + ((hidden,) if bias else ()) + (hidden * inter, inter, inter * hidden, hidden)
-    tied = bool(config.get("tie_word_embeddings", False))
-    root = (vocab * hidden, hidden, hidden) + (() if tied else (vocab * hidden,))
+    root = (vocab * hidden, hidden, hidden) + (() if _tied(config, "gpt_neox") else (vocab * hidden,))
     return ModelShape("gpt_neox", root, layer, layers, hidden, inter, int(config.get("num_attention_heads") or 0), vocab,
                       int(config.get("max_position_embeddings") or 0))
 
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+MODEL_TYPES = {
+    **{name: (lambda c, name=name: _llama_like(c, name)) for name in LLAMA_LIKE},
+    "mixtral": _mixtral,
+    "qwen2_moe": lambda c: _qwen_moe(c, "qwen2_moe"),
+    "qwen3_moe": lambda c: _qwen_moe(c, "qwen3_moe"),
+    "deepseek_v2": lambda c: _deepseek(c, "deepseek_v2"),
+    "deepseek_v3": lambda c: _deepseek(c, "deepseek_v3"),
+    "gpt2": _gpt2,
+    "gpt_neox": _gpt_neox,
+}
+DENSE_TYPES = LLAMA_LIKE + ("gpt2", "gpt_neox")
+# Fields that mean experts: a dense model_type carrying one is a custom model the dense count would get wrong.
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def shape_from_hf_config(config: dict | str | os.PathLike) -> ModelShape:
-    """The unit shapes of a llama / mistral / qwen2 / qwen3 / gpt2 / gpt_neox model from its
-    Hugging Face config (a dict, a config.json, or a model directory holding one)."""
+    """The unit shapes of a model from its Hugging Face config (a dict, a config.json, or a model
+    directory holding one), for the model types in MODEL_TYPES; any other is refused by name."""
     if not isinstance(config, dict):
         path = Path(config)
         if path.is_dir():
@@ -162,17 +283,16 @@ def shape_from_hf_config(config: dict | str | os.PathLike) -> ModelShape:
         except json.JSONDecodeError as error:
             raise ConfigError(f"{str(path)!r} is not valid JSON: {error}") from error
     model_type = str(config.get("model_type", ""))
-    if model_type in LLAMA_LIKE:
-        return _llama_like(config, model_type)
-    if model_type == "gpt2":
-        return _gpt2(config)
-    if model_type == "gpt_neox":
-        return _gpt_neox(config)
-    if all(config.get(k) is not None for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")):
-        # unknown type with llama-style fields: count it as a llama (gated MLP, no biases)
-        return _llama_like(config, model_type or "llama")
-    raise ConfigError(f"model_type {model_type!r} is not one offload estimate knows ({', '.join(LLAMA_LIKE)}, gpt2, gpt_neox); "
-                      "pass the parameter count instead (offload estimate 7e9 --layers 32)")
+    count = "pass the parameter count instead (offload estimate 7e9 --layers 32)"
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"model_type {model_type!r} is not one offload estimate can count (it knows "
+                          f"{', '.join(MODEL_TYPES)}); {count}", key="model_type")
+    experts = [k for k in EXPERT_FIELDS if config.get(k)] if model_type in DENSE_TYPES else []
+    if experts:
+        raise ConfigError(f"the config says model_type {model_type!r} (a dense model) but has {', '.join(experts)}: a "
+                          f"mixture-of-experts model built by custom code, which offload estimate cannot count; {count}",
+                          key=experts[0])
+    return MODEL_TYPES[model_type](config)
 
 
 def shape_from_param_count(num_params: int, *, layers: int | None = None, vocab_size: int = 32000) -> ModelShape:
@@ -241,12 +361,17 @@ def estimate_tiers(
     world_size: int = 1,
     prefetch_depth: int = 2,
     buffer_count: int = 3,
-    staged_device_copies: bool = True,
+    device: str = "cuda",
 ) -> TierEstimate:
     """Peak bytes of one rank on each tier for this placement (see the module docstring).
 
-    staged_device_copies: gradients pass through a host staging ring (true on CUDA; on the CPU
-    fallback the device buffers are host memory already)."""
+    device: the kind the engine runs on, `cuda` or `cpu`. On CUDA the engine stages copies
+    through host buffers (the gradient staging ring; for `param: none` the pinned 16-bit source
+    of the weights); on the CPU stand-in the device buffers are host memory already. The same
+    switch as the engine's: `host_budget_bytes(..., staged_device_copies=device == "cuda")`."""
+    if device not in DEVICE_KINDS:
+        raise ConfigError(f"device {device!r} is not one of {', '.join(DEVICE_KINDS)}", key="device")
+    staged_device_copies = device == "cuda"
     if precision not in COMPUTE_BYTES:
         raise ConfigError(f"precision {precision!r} is not one of {', '.join(COMPUTE_BYTES)}")
     if world_size < 1:
@@ -279,7 +404,8 @@ def estimate_tiers(
         if world_size > 1:
             result.device["param_shard"] = cb * largest_shard * min(len(padded), prefetch_depth + 1)
 
-    # host: the engine's budget, every buffer rounded up to a page
+    # host: the engine's budget (state.host_budget_bytes), every buffer rounded up to a page as
+    # the host pool allocates it (one buffer per state kind and unit, per slot, per staging buffer)
     budget = host_budget_bytes(shards, param_tier=param, optimizer_tier=optimizer, compute_bytes=cb,
                                buffer_count=buffer_count, prefetch_depth=prefetch_depth,
                                staged_device_copies=staged_device_copies)
@@ -337,6 +463,17 @@ class Machine:
     disk_bytes: int
     ranks_per_node: int = 1
     nvme_path: str = "./offload-swap"
+    device: str | None = None
+    """The kind the engine runs on: `cuda` (host staging buffers for the copies) or `cpu`;
+    None: `cuda` when gpu_bytes is given, else `cpu`."""
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = "cpu" if self.gpu_bytes is None else "cuda"
+        if self.device not in DEVICE_KINDS:
+            raise ConfigError(f"device {self.device!r} is not one of {', '.join(DEVICE_KINDS)}", key="device")
+        if self.device == "cpu":
+            self.gpu_bytes = None  # the CPU stands in for the accelerator: its memory is the host's
 
 
 def detect_machine(nvme_path: str = "./offload-swap", ranks_per_node: int = 1) -> Machine:
@@ -344,8 +481,10 @@ def detect_machine(nvme_path: str = "./offload-swap", ranks_per_node: int = 1) -
     import psutil
     import torch
 
-    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-    return Machine(gpu, int(psutil.virtual_memory().available), free_disk_bytes(nvme_path), ranks_per_node, nvme_path)
+    cuda = torch.cuda.is_available()
+    gpu = torch.cuda.get_device_properties(0).total_memory if cuda else None
+    return Machine(gpu, int(psutil.virtual_memory().available), free_disk_bytes(nvme_path), ranks_per_node, nvme_path,
+                   "cuda" if cuda else "cpu")
 
 
 def free_disk_bytes(path: str) -> int:
@@ -401,17 +540,16 @@ def recommended_config(placement: tuple[str, str], *, precision: str = "bf16", n
 
 def estimate_report(shape: ModelShape, machine: Machine, *, precision: str = "bf16", world_size: int = 1,
                     prefetch_depth: int = 2, buffer_count: int = 3, micro_batch: int = 1, seq_len: int = 2048,
-                    checkpointing: bool = False, staged_device_copies: bool | None = None) -> dict:
+                    checkpointing: bool = False) -> dict:
     """Every placement's bytes per tier, whether it fits `machine`, and the recommended config
-    (a JSON-able dict; the CLI prints it as a table or as JSON)."""
-    if staged_device_copies is None:
-        staged_device_copies = machine.gpu_bytes is not None
+    (a JSON-able dict; the CLI prints it as a table or as JSON). The engine's device kind is
+    `machine.device`."""
     activations = activation_bytes(shape, micro_batch=micro_batch, seq_len=seq_len, precision=precision, checkpointing=checkpointing)
     rows = []
     fits = {}
     for placement in PLACEMENTS:
         estimate = estimate_tiers(shape, *placement, precision=precision, world_size=world_size, prefetch_depth=prefetch_depth,
-                                  buffer_count=buffer_count, staged_device_copies=staged_device_copies)
+                                  buffer_count=buffer_count, device=machine.device)
         problems = fit_problems(estimate, machine, activations or 0)
         fits[placement] = not problems
         rows.append({**estimate.as_dict(), "fits": not problems, "problems": problems})
@@ -425,7 +563,7 @@ def estimate_report(shape: ModelShape, machine: Machine, *, precision: str = "bf
             "largest_unit_params": max(sum(u) for u in shape.unit_tensors()),
             "root_unit_params": sum(shape.unit_tensors()[0]),
         },
-        "settings": {"precision": precision, "world_size": world_size, "ranks_per_node": machine.ranks_per_node,
+        "settings": {"precision": precision, "device": machine.device, "world_size": world_size, "ranks_per_node": machine.ranks_per_node,
                      "prefetch_depth": prefetch_depth, "buffer_count": buffer_count, "micro_batch": micro_batch,
                      "seq_len": seq_len, "checkpointing": checkpointing},
         "machine": {"gpu_bytes": machine.gpu_bytes, "ram_bytes": machine.ram_bytes, "disk_bytes": machine.disk_bytes,
@@ -445,14 +583,30 @@ def estimate_report(shape: ModelShape, machine: Machine, *, precision: str = "bf
 # ---- sizes as text -----------------------------------------------------------------------
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+_DECIMAL = {"kb": "kib", "mb": "mib", "gb": "gib", "tb": "tib"}
 
 
-def parse_bytes(text: str) -> int:
-    """'24GB' (10^9), '24GiB' or '24G' (2^30), '512M', '1e9' -> bytes."""
+def parse_bytes(text: str, *, binary: bool = False) -> int:
+    """'24GB' (10^9; 2^30 with `binary`), '24GiB' or '24G' (2^30), '512M', '1e9' -> bytes.
+
+    `binary=True` reads KB/MB/GB/TB as GPU and RAM makers mean them (a "24GB" GPU has 24 GiB);
+    disks are sold in decimal units, so sizes of disks are read with `binary=False`."""
     match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"{text!r} is not a size; write it like 24GB, 24GiB, 512M or 1e9 (bytes)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    unit = match.group(2).lower()
+    if binary:
+        unit = _DECIMAL.get(unit, unit)
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def size_note(option: str, text: str, nbytes: int, *, binary: bool) -> str | None:
+    """How a size given as text was read, when its unit is ambiguous (KB/MB/GB/TB), else None."""
+    unit = re.sub(r"[0-9.e\s]", "", str(text)).lower()
+    if unit not in _DECIMAL:
+        return None
+    how = "binary units, as GPU and RAM makers mean them" if binary else "decimal units, as disk makers mean them"
+    return f"{option} {text} read as {nbytes:,} bytes = {format_bytes(nbytes)} ({how})"
 
 
 def parse_count(text: str) -> int:

@@ -69,6 +69,8 @@ def test_unknown_model_type_names_the_fix():
 
 
 # ---- against the engine's own ledger --------------------------------------------------------
+# the device kind the engine picks here (CUDA when present): its host copies are staged there
+ENGINE_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MEASURED = dict(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=16, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
 
@@ -96,7 +98,7 @@ def measured_peaks(param: str, optimizer: str, precision: str, swap_dir: str, de
 def test_estimate_within_10_percent_of_measured_peak(swap_dir, param, optimizer, precision):
     measured = measured_peaks(param, optimizer, precision, swap_dir)
     estimate = est.estimate_tiers(est.shape_from_hf_config(MEASURED), param, optimizer, precision=precision,
-                                  staged_device_copies=False)
+                                  device=ENGINE_DEVICE)
     # host and nvme are allocated once, at exact sizes: the estimate must be exact
     assert estimate.total("host") == measured["host"]
     assert estimate.total("nvme") == measured["nvme"]
@@ -113,7 +115,7 @@ def test_depth_changes_device_bytes_as_the_engine_does(swap_dir):
     shape = est.shape_from_hf_config(MEASURED)
     for depth in (0, 4):
         measured = measured_peaks("cpu", "cpu", "bf16", swap_dir, depth=depth)
-        estimate = est.estimate_tiers(shape, "cpu", "cpu", precision="bf16", prefetch_depth=depth, staged_device_copies=False)
+        estimate = est.estimate_tiers(shape, "cpu", "cpu", precision="bf16", prefetch_depth=depth, device=ENGINE_DEVICE)
         assert estimate.total("device") == pytest.approx(measured["device"], rel=0.10)
 
 
@@ -157,6 +159,12 @@ def test_recommended_config_loads():
 @pytest.mark.parametrize("text, value", [("24GB", 24 * 10**9), ("24GiB", 24 << 30), ("512M", 512 << 20), ("1e9", 10**9)])
 def test_parse_bytes(text, value):
     assert est.parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text, value", [("24GB", 24 << 30), ("24GiB", 24 << 30), ("80gb", 80 << 30), ("1TB", 1 << 40),
+                                         ("512MB", 512 << 20), ("1e9", 10**9)])
+def test_parse_bytes_binary_reads_gb_as_a_gpu_buyer_means_it(text, value):
+    assert est.parse_bytes(text, binary=True) == value
 
 
 def test_parse_count():

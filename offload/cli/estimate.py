@@ -19,15 +19,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=sorted(est.COMPUTE_BYTES), help="compute precision (default: the config's, else bf16)")
     parser.add_argument("--world-size", type=int, default=1, help="ranks the model is sharded over (default 1)")
     parser.add_argument("--nodes", type=int, default=1, help="machines the ranks are spread over (default 1: they share this machine's RAM and disk)")
-    parser.add_argument("--gpu-memory", help="memory of one GPU, e.g. 24GB or 80GiB (default: detected with torch; none without a GPU)")
-    parser.add_argument("--ram", help="RAM available, e.g. 128GB (default: psutil's available memory)")
-    parser.add_argument("--disk", help="free disk at --nvme-path, e.g. 2TB (default: detected)")
+    parser.add_argument("--gpu-memory", help="memory of one GPU, e.g. 24GB or 80GiB, read in binary units as GPU makers mean "
+                        "them (24GB = 24 GiB) (default: detected with torch; none without a GPU)")
+    parser.add_argument("--device", choices=est.DEVICE_KINDS, help="what the engine will run on: cuda (its copies are "
+                        "staged through host buffers, counted in host) or cpu (default: cuda when a GPU is detected or "
+                        "--gpu-memory is given, else cpu)")
+    parser.add_argument("--ram", help="RAM available, e.g. 128GB, read in binary units (default: psutil's available memory)")
+    parser.add_argument("--disk", help="free disk at --nvme-path, e.g. 2TB, read in decimal units as disk makers mean them "
+                        "(default: detected)")
     parser.add_argument("--nvme-path", default=None, help="swap directory (default: the config's, else ./offload-swap)")
     parser.add_argument("--layers", type=int, help="with a parameter count: the number of blocks (default: a llama-like guess)")
     parser.add_argument("--vocab-size", type=int, default=32000, help="with a parameter count: the vocabulary size (default 32000)")
     parser.add_argument("--micro-batch", type=int, default=1, help="micro-batch size for the rough activation figure (default 1)")
     parser.add_argument("--seq-len", type=int, default=2048, help="sequence length for the rough activation figure (default 2048)")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing is on (smaller activation figure)")
+    parser.add_argument("--no-strict", action="store_true", help="with a DeepSpeed or accelerate --config: drop the keys "
+                        "offload cannot honour with a warning instead of refusing the config")
     parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
 
 
@@ -45,7 +52,7 @@ def _shape(args) -> est.ModelShape:
 def build_report(args) -> dict:
     from offload.config import Config, load_config
 
-    config = load_config(args.config) if args.config else Config()
+    config = load_config(args.config, strict=not args.no_strict) if args.config else Config()
     precision = args.precision or config.precision
     nvme_path = args.nvme_path or config.offload.nvme_path
     if isinstance(nvme_path, list):
@@ -54,29 +61,48 @@ def build_report(args) -> dict:
         raise ConfigError("--world-size and --nodes must be >= 1")
     ranks_per_node = -(-args.world_size // args.nodes)
     machine = est.detect_machine(nvme_path, ranks_per_node)
+    notes = []
+
+    def size(option: str, text: str, *, binary: bool) -> int:
+        nbytes = est.parse_bytes(text, binary=binary)
+        note = est.size_note(option, text, nbytes, binary=binary)
+        if note:
+            notes.append(note)
+        return nbytes
+
+    gpu_bytes, device = machine.gpu_bytes, machine.device
     if args.gpu_memory is not None:
-        machine.gpu_bytes = None if args.gpu_memory.lower() == "none" else est.parse_bytes(args.gpu_memory)
-    if args.ram is not None:
-        machine.ram_bytes = est.parse_bytes(args.ram)
-    if args.disk is not None:
-        machine.disk_bytes = est.parse_bytes(args.disk)
-    return est.estimate_report(
+        gpu_bytes = None if args.gpu_memory.lower() == "none" else size("--gpu-memory", args.gpu_memory, binary=True)
+        device = "cuda" if gpu_bytes is not None else "cpu"
+    if args.device is not None:
+        device = args.device
+    if device == "cuda" and gpu_bytes is None:
+        raise ConfigError("--device cuda needs the GPU's memory: no GPU was detected here, so give --gpu-memory (e.g. 24GB)")
+    ram = size("--ram", args.ram, binary=True) if args.ram is not None else machine.ram_bytes
+    disk = size("--disk", args.disk, binary=False) if args.disk is not None else machine.disk_bytes
+    machine = est.Machine(gpu_bytes, ram, disk, ranks_per_node, nvme_path, device)
+    report = est.estimate_report(
         _shape(args), machine, precision=precision, world_size=args.world_size, prefetch_depth=config.prefetch.depth,
         buffer_count=config.offload.buffer_count, micro_batch=args.micro_batch, seq_len=args.seq_len,
         checkpointing=args.checkpointing,
     )
+    report["machine"]["size_notes"] = notes
+    return report
 
 
 def format_report(report: dict) -> str:
     f = est.format_bytes
     model, settings, machine = report["model"], report["settings"], report["machine"]
+    gpu = f(machine["gpu_bytes"]) if machine["gpu_bytes"] else "none (the CPU stands in)"
     lines = [
-        f"model: {model['name']}: {model['params'] / 1e9:.2f}B params in {model['units']} units "
-        f"(largest {model['largest_unit_params'] / 1e6:.1f}M, root {model['root_unit_params'] / 1e6:.1f}M)",
-        f"settings: {settings['precision']}, world size {settings['world_size']} ({settings['ranks_per_node']} per node), "
-        f"prefetch depth {settings['prefetch_depth']}, buffer count {settings['buffer_count']}",
-        f"machine: GPU {f(machine['gpu_bytes']) if machine['gpu_bytes'] else 'none (the CPU stands in)'}, "
-        f"RAM {f(machine['ram_bytes'])} available, disk {f(machine['disk_bytes'])} free at {machine['nvme_path']}",
+        (f"model: {model['name']}: {model['params'] / 1e9:.2f}B params in {model['units']} units "
+         f"(largest {model['largest_unit_params'] / 1e6:.1f}M, root {model['root_unit_params'] / 1e6:.1f}M)"),
+        (f"settings: {settings['precision']} on {settings['device']}, world size {settings['world_size']} "
+         f"({settings['ranks_per_node']} per node), prefetch depth {settings['prefetch_depth']}, "
+         f"buffer count {settings['buffer_count']}"),
+        (f"machine: GPU {gpu}, RAM {f(machine['ram_bytes'])} available, disk {f(machine['disk_bytes'])} free at "
+         f"{machine['nvme_path']}"),
+        *machine.get("size_notes", []),
         "",
         "bytes per rank (host and nvme are shared by the ranks of a node):",
         f"{'param / optimizer':<18} {'device':>10} {'host':>10} {'nvme':>10}  fits",
