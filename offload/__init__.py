@@ -12,7 +12,17 @@ from offload.errors import (  # noqa: F401
     SwapError,
 )
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("offload")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0.1.0"
+
+
+__version__ = _version()
 
 
 def __getattr__(name):

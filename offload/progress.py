@@ -12,16 +12,22 @@ Times come from `engine.pop_timings()` (seconds since the previous call): `forwa
 `backward` include the waits inside them, `wait_fetch` is time the forward/backward waited for
 weights to arrive from host or NVMe (the I/O wait), `wait_step` time waited for the overlapped
 CPU optimizer step. `other` is the rest of the wall time between two updates (data loading, the
-caller's own work). Bytes come from `engine.memory_report()` (current and peak, per tier).
+caller's own work). Bytes come from `engine.memory_report()` (current and peak, per tier),
+shown on the bar as `dev=... host=... nvme=...`.
+
+While the bar is open, console logging goes through `tqdm.write` (tqdm's logging redirect), so
+log lines print above the bar instead of onto it.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 logger = logging.getLogger(__name__)
 
 TIERS = ("device", "host", "nvme")
+TIER_LABELS = {"device": "dev", "host": "host", "nvme": "nvme"}
 
 
 def _short(nbytes: int) -> str:
@@ -29,6 +35,11 @@ def _short(nbytes: int) -> str:
         if nbytes >= size:
             return f"{nbytes / size:.1f}{unit}"
     return f"{nbytes}B"
+
+
+def memory_postfix(breakdown: dict) -> dict[str, str]:
+    """The bytes per tier as the bar shows them, `dev=0B, host=28.1M, nvme=47.4M` (plain function: tested directly)."""
+    return {TIER_LABELS[tier]: _short(breakdown[f"{tier}_bytes"]) for tier in TIERS}
 
 
 def step_breakdown(timings: dict[str, float], memory: dict, wall: float, *, loss: float | None, tokens: int) -> dict:
@@ -61,6 +72,7 @@ class TrainingProgress:
     def __init__(self, engine, total: int | None = None, *, desc: str = "train", log_every: int = 1,
                  disable: bool = False, clock=time.perf_counter) -> None:
         from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         self.engine = engine
         self.log_every = log_every
@@ -69,6 +81,10 @@ class TrainingProgress:
         self.last: dict | None = None
         self.history: list[dict] = []
         self._bar = tqdm(total=total, desc=desc, disable=disable, dynamic_ncols=True)
+        # console log lines (this module's breakdown, the engine's warnings) above the bar, not onto it
+        self._redirect = contextlib.ExitStack()
+        if not disable:
+            self._redirect.enter_context(logging_redirect_tqdm(tqdm_class=type(self._bar)))
         engine.pop_timings()  # start from a clean slate
         self._since = clock()
 
@@ -86,7 +102,7 @@ class TrainingProgress:
             postfix["loss"] = f"{loss:.4f}"
         postfix["tok/s"] = f"{breakdown['tokens_per_s']:.0f}"
         postfix["step"] = f"{wall:.3f}s"
-        postfix["mem"] = "/".join(_short(breakdown[f"{tier}_bytes"]) for tier in TIERS)
+        postfix.update(memory_postfix(breakdown))
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(1)
         if self.log_every and self.steps % self.log_every == 0:
@@ -100,6 +116,7 @@ class TrainingProgress:
         return breakdown
 
     def close(self) -> None:
+        self._redirect.close()
         self._bar.close()
 
     def __enter__(self):

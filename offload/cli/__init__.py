@@ -14,9 +14,24 @@ SUBCOMMANDS = {
 }
 
 
+def version_line() -> str:
+    """`offload X (torch Y, Python Z)`, without importing torch (the CLI starts fast)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from offload import __version__
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"offload {__version__} (torch {torch_version}, Python {platform.python_version()})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="offload", description="offload: heterogeneous offload for PyTorch training")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--version", action="version", version=version_line(), help="print the versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
