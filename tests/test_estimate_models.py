@@ -50,31 +50,26 @@ def test_mixture_of_experts_is_not_counted_as_one_expert():
 
 
 # ---- against the models transformers builds ----------------------------------------------------
+SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "vocab_size": 300}
+MLA = {"kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8}
 TINY = {
-    "gemma": {"model_type": "gemma", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-                  "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 300},
-    "gemma2": {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300},
-    "gemma2_untied": {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-                          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300, "tie_word_embeddings": False},
-    "qwen3_tied": {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-                       "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300, "tie_word_embeddings": True},
-    "mixtral": {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-                    "num_key_value_heads": 2, "vocab_size": 300, "num_local_experts": 4},
-    "qwen2_moe": {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-                      "shared_expert_intermediate_size": 80, "num_experts": 4, "num_hidden_layers": 3, "num_attention_heads": 4,
-                      "num_key_value_heads": 2, "vocab_size": 300, "mlp_only_layers": [1]},
-    "qwen3_moe": {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
-                      "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300,
-                      "decoder_sparse_step": 2},
-    "deepseek_v2": {"model_type": "deepseek_v2", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-                        "n_routed_experts": 4, "n_shared_experts": 2, "first_k_dense_replace": 1, "num_hidden_layers": 3,
-                        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 300, "kv_lora_rank": 16, "q_lora_rank": None,
-                        "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8},
-    "deepseek_v3": {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-                        "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1, "num_hidden_layers": 3,
-                        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 300, "kv_lora_rank": 16, "q_lora_rank": 24,
-                        "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "n_group": 2, "topk_group": 1},
+    "gemma": {**SMALL, "model_type": "gemma", "num_hidden_layers": 2, "num_key_value_heads": 1, "head_dim": 16},
+    "gemma2": {**SMALL, "model_type": "gemma2", "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16},
+    "gemma2_untied": {**SMALL, "model_type": "gemma2", "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
+                      "tie_word_embeddings": False},
+    "qwen3_tied": {**SMALL, "model_type": "qwen3", "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
+                   "tie_word_embeddings": True},
+    "mixtral": {**SMALL, "model_type": "mixtral", "num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 4},
+    "qwen2_moe": {**SMALL, "model_type": "qwen2_moe", "num_hidden_layers": 3, "num_key_value_heads": 2, "num_experts": 4,
+                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 80, "mlp_only_layers": [1]},
+    "qwen3_moe": {**SMALL, "model_type": "qwen3_moe", "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16,
+                  "num_experts": 4, "moe_intermediate_size": 32, "decoder_sparse_step": 2},
+    "deepseek_v2": {**SMALL, **MLA, "model_type": "deepseek_v2", "num_hidden_layers": 3, "num_key_value_heads": 4,
+                    "q_lora_rank": None, "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 2,
+                    "first_k_dense_replace": 1},
+    "deepseek_v3": {**SMALL, **MLA, "model_type": "deepseek_v3", "num_hidden_layers": 3, "num_key_value_heads": 4,
+                    "q_lora_rank": 24, "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1,
+                    "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1},
 }
 
 
@@ -123,7 +118,7 @@ def test_an_unknown_model_type_is_refused_by_name(config):
 
 def test_a_dense_type_with_expert_fields_is_refused():
     config = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "num_experts": 8}
+              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "num_experts": 8}
     with pytest.raises(ConfigError, match="num_experts") as error:
         est.shape_from_hf_config(config)
     assert error.value.key == "num_experts"
@@ -131,16 +126,16 @@ def test_a_dense_type_with_expert_fields_is_refused():
 
 def test_a_missing_field_names_it():
     with pytest.raises(ConfigError, match="num_local_experts") as error:
-        est.shape_from_hf_config({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-                                      "vocab_size": 300})
+        est.shape_from_hf_config({**SMALL, "model_type": "mixtral", "num_hidden_layers": 2})
     assert error.value.key == "num_local_experts"
 
 
 # ---- host bytes: the engine's own budget, on CUDA as on the CPU --------------------------------
 def test_issue_12_figures_none_cpu_bf16():
     """The run of issue 12: memory_report() measured 13,783,040 host bytes on CUDA, 12,091,392 on the CPU."""
-    shape = est.shape_from_hf_config({"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 16,
-                                          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256})
+    shape = est.shape_from_hf_config({"model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
+                                      "num_hidden_layers": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                      "vocab_size": 256})
     assert est.estimate_tiers(shape, "none", "cpu", precision="bf16", device="cuda").total("host") == 13_783_040
     assert est.estimate_tiers(shape, "none", "cpu", precision="bf16", device="cpu").total("host") == 12_091_392
 
