@@ -19,6 +19,7 @@ became final during the boundary backward.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import enum
 import functools
 import logging
@@ -714,6 +715,9 @@ class Engine:
         )
 
     def _wait_grads(self) -> None:
+        """Waits for every gradient transfer of the window; re-raises the first error. The
+        transfers are forgotten only once done: an interrupted wait can be waited again."""
+        concurrent.futures.wait(self._grad_futures)
         futures, self._grad_futures = self._grad_futures, []
         self._grads_in_flight.clear()
         errors = [f.exception() for f in futures if f.exception() is not None]
@@ -726,12 +730,18 @@ class Engine:
         self._wait_step()
 
     def _wait_step(self) -> None:
-        """Waits for any step still running (overlap forward / backward); re-raises its error."""
-        future, self._step_future = self._step_future, None
-        if future is not None:
+        """Waits for any step still running (overlap forward / backward); re-raises its error.
+        A step is forgotten only once done: after an interrupt (Ctrl-C in `step()`), the next
+        wait (a checkpoint's, say) still waits for it."""
+        if self._step_future is not None:
+            concurrent.futures.wait([self._step_future])
+            future, self._step_future = self._step_future, None
             future.result()
         with self._lock:
-            futures, self._backward_step_futures = self._backward_step_futures, []
+            futures = list(self._backward_step_futures)
+        concurrent.futures.wait(futures)
+        with self._lock:
+            del self._backward_step_futures[: len(futures)]
         for f in futures:
             f.result()
 
@@ -752,8 +762,10 @@ class Engine:
             return False
         if self.micro_steps == self._stepped_at_micro:
             return False
-        self._stepped_at_micro = self.micro_steps
         self._drain()
+        # the window is decided from here on (stepped, skipped or refused); an interrupt in the
+        # wait above leaves it open, and the next step() takes it again
+        self._stepped_at_micro = self.micro_steps
         window = [unit for unit in self.units if unit.window_started]
         nonfinite, self._nonfinite_units = self._nonfinite_units, []
         if self.config.overlap == "backward":
@@ -817,9 +829,7 @@ class Engine:
 
     def _discard_window(self) -> None:
         for unit in self.units:
-            unit.grads_in_window.clear()
-            unit.window_started = False
-            unit.grad_sq_norm = None
+            unit.end_window()
 
     # ---- weights out -------------------------------------------------------------------
     def _master_shard(self, unit: UnitState) -> torch.Tensor:
@@ -827,9 +837,10 @@ class Engine:
         if self.store.optimizer_tier == "cpu":
             return unit.host["master"].clone()
         shard = torch.empty(unit.shard_numel, dtype=torch.float32)
-        slot = self.store.slots[0]
-        self.store.swap.read_into(unit.swap_name("master"), slot.master[: unit.shard_numel]).wait()
-        shard.copy_(slot.master[: unit.shard_numel])
+        with self.store.slots_lock:
+            slot = self.store.slots[0]
+            self.store.swap.read_into(unit.swap_name("master"), slot.master[: unit.shard_numel]).wait()
+            shard.copy_(slot.master[: unit.shard_numel])
         return shard
 
     def _full_master(self, unit: UnitState) -> torch.Tensor:

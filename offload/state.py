@@ -82,6 +82,12 @@ class UnitState:
         self.step_done.clear()
         self.weights_version += 1
 
+    def end_window(self) -> None:
+        """The gradient window is over (stepped, or discarded): no gradient is pending a step."""
+        self.grads_in_window.clear()
+        self.window_started = False
+        self.grad_sq_norm = None
+
     @property
     def index(self) -> int:
         return self.spec.index

@@ -57,6 +57,9 @@ class UnitStepper:
                 self._step(unit, views, hyper, slot=slot)
                 if slot is not None:
                     self.store.store_optimizer_state(unit, slot)
+                # only now: until the step is done, the unit's window is still open (a save that
+                # did not wait for it would be refused, not written with the old values)
+                unit.end_window()
                 unit.step_done.set()
         finally:
             for unit in units:
@@ -65,9 +68,6 @@ class UnitStepper:
     def _step(self, unit: UnitState, views: dict[str, torch.Tensor], hyper: StepHyper, slot) -> None:
         stepped = sorted(unit.grads_in_window)
         ranges = unit.layout.param_ranges_in_shard(self.rank, stepped)
-        unit.grads_in_window.clear()
-        unit.window_started = False
-        unit.grad_sq_norm = None
         if not stepped:
             return
         # every rank counts the unit's step, whether or not its shard holds any of the params

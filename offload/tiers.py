@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -66,6 +67,9 @@ class TierStore:
         buffer_count_estimate = 8 * len(units) + 4 * config.offload.buffer_count + config.prefetch.depth + 8
         self.pool = HostBufferPool(total_budget + 4096 * buffer_count_estimate, pin=pin and config.offload.pin_memory, ledger=ledger, name="offload host pool")
         self.swap = None
+        # held by whoever uses the optimizer slots (the optimizer worker's step, a checkpoint's
+        # save or load, a read of the masters): one user at a time, whichever thread it is on
+        self.slots_lock = threading.RLock()
         self._nvme_bytes_recorded = 0  # what this store put in the ledger's nvme tier
         try:
             uses_nvme = "nvme" in (self.param_tier, self.optimizer_tier)
@@ -184,6 +188,10 @@ class TierStore:
             for unit in units:
                 yield unit, unit.host, None
             return
+        with self.slots_lock:
+            yield from self._stream_through_slots(units, include_grad, timings)
+
+    def _stream_through_slots(self, units: list[UnitState], include_grad: bool, timings: dict | None):
         slots = self.slots
         reads: dict[int, list] = {}
 
@@ -308,4 +316,8 @@ class TierStore:
 
 
 def default_run_name() -> str:
-    return f"run-{os.getpid()}"
+    """A run name no other run on any machine or container shares (a pid alone repeats after a
+    container restart, and two engines of one process share it); rank 0's is broadcast."""
+    import uuid
+
+    return f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}"
