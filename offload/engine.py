@@ -101,8 +101,11 @@ class Engine:
         process_group=None,
         device: torch.device | str | None = None,
         run_name: str | None = None,
+        strict: bool = True,
     ) -> None:
-        self.config = load_config(config)
+        # strict=False: a DeepSpeed / accelerate key whose meaning cannot be honoured is dropped
+        # with a warning instead of refused
+        self.config = load_config(config, strict=strict)
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
         if not isinstance(model, nn.Module):
