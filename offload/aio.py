@@ -144,7 +144,7 @@ class _Flight:
     """What a request in flight needs alive until it completes: the buffer's owner, and the
     fd the engine opened for it. Held by the engine's table; the handle only points at it."""
 
-    __slots__ = ("request", "tensor", "owned_fd", "handle")
+    __slots__ = ("handle", "owned_fd", "request", "tensor")
 
     def __init__(self, request, tensor: torch.Tensor, owned_fd: int | None):
         self.request, self.tensor, self.owned_fd = request, tensor, owned_fd
@@ -163,7 +163,7 @@ class _Flight:
 class AioHandle:
     """One submitted request. `wait()` blocks (GIL released), raises SwapError on failure."""
 
-    def __init__(self, engine: "AioEngine", flight: _Flight, path: str, on_done=None):
+    def __init__(self, engine: AioEngine, flight: _Flight, path: str, on_done=None):
         self._engine = engine
         self._flight = flight
         self._request = flight.request
@@ -225,14 +225,15 @@ class AioEngine:
     flight has its own lock)."""
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 4):
+        self._closed = True  # until the C++ engine exists (a refused setting leaves nothing to close)
+        self._flights_lock = threading.Lock()
+        self._flights: dict[int, _Flight] = {}  # id(flight) -> flight, until the request is done
         try:
             self._engine = _aio_ext.Engine(int(block_size), int(queue_depth), int(threads))
         except ValueError as e:
             raise ValueError(f"io settings: {e}") from None
         self.block_size, self.queue_depth, self.threads = int(block_size), int(queue_depth), int(threads)
         self._closed = False
-        self._flights_lock = threading.Lock()
-        self._flights: dict[int, _Flight] = {}  # id(flight) -> flight, until the request is done
 
     def in_flight(self) -> int:
         """Requests whose buffers the engine still holds (submitted, not yet known complete)."""
@@ -338,8 +339,8 @@ class AioEngine:
     def __del__(self):
         try:
             self.close()  # before the table goes: no worker may outlive the buffers it writes
-        except Exception:
-            pass
+        except (OSError, RuntimeError) as e:
+            log.debug("closing a dropped AioEngine failed: %s", e)
 
     def __enter__(self):
         return self

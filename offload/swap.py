@@ -1,38 +1,71 @@
-"""The swap store: named tensors <-> files under `nvme_path/<run>/rank<r>/`.
+"""The swap store: named tensors <-> swap files of a private run directory under `nvme_path`.
+
+Where the files live. `nvme_path/<run>/rank<r>/` is made fresh for each store: the run
+directory (shared by the ranks of one run) and the rank directory are created 0700, checked
+with fstat on a descriptor opened O_DIRECTORY|O_NOFOLLOW (a real directory, owned by this
+user, mode 0700), and every later create, open or remove is relative to those descriptors,
+so a symlink planted or swapped in under `nvme_path` is never followed and `close()` never
+removes anything outside the run directory. A world-writable `nvme_path` without the
+sticky bit gets a warning.
+
+Nothing left behind. A swap file has no name: it is an O_TMPFILE in the rank directory (or,
+where the filesystem has no O_TMPFILE, a file unlinked right after it is opened) and lives
+only as long as its descriptor, so the kernel reclaims the space on any death: SIGKILL, an
+uncaught exception, an exit without close(), a store dropped by the garbage collector. Each
+store holds a shared flock on its run directory; what a dead run can leave (its empty
+directories) is removed by the next store made under the same `nvme_path` (`sweep_dead_runs`),
+and `close()`, garbage collection and interpreter exit (atexit) remove the store's own.
+`file_path(name)` is the name the file would have, used in messages; `proc_path(name)` opens
+the unnamed file (tests, debugging).
 
 Layout of one swap file (all offsets 4 KiB-aligned so the data moves with O_DIRECT):
 
     [0, 4096)            header: magic, format version, state, dtype, shape, data bytes,
-                         CRC-32C of the data, CRC-32C of the header itself
+                         CRC-32C of the data, generation, run id, the tensor's name,
+                         CRC-32C of the header itself
     [4096, 4096 + pad)   the tensor's bytes, padded to a multiple of 4096
 
 Space for every file is reserved when the tensor is created (posix_fallocate), so a full
 disk fails at start with needed vs free bytes, not in the middle of a step.
 
-A write moves the data first; the header (with the new checksum, computed by the I/O
-workers as they write) is written when the write's handle is waited on. A write that dies
-half way leaves the old header, whose checksum no longer matches: the next read raises
-SwapCorruptError naming the file, as it does for a truncated file, a flipped byte or a
-foreign header. A write that fails with an errno marks the header "failed".
+Identity. The store remembers, per name, the header it last wrote (state, data checksum,
+generation); a read checks the on-disk header against it: another tensor's file copied over
+(wrong name), another run's (wrong run id), or an older self-consistent copy of the same file
+(older generation) is a SwapCorruptError naming the file, as are a torn write (data checksum),
+a truncated file, a flipped byte or a foreign header.
 
-Concurrency: the store is driven from one thread (the engine's). Operations on one name are
-ordered: a read or write of a name first waits for that name's previous operation, so a
-read submitted after a write returns the written data even if the write is still in
-flight (the read's submit then blocks until the write is done). Operations on different
-names run concurrently in the I/O engine. Every handle must be waited on; `close()` waits
-for those still pending. A created but never written tensor reads as zeros.
+A write moves the data first; the header (the next generation, with the new checksum computed
+by the I/O workers as they write) is written when the write completes. A write that fails
+with an errno marks the name failed (in memory, and in its header): reads of it raise until
+it is written again.
+
+Concurrency and waiting. The store is driven from the engine's threads; its own state is
+guarded by one lock. Operations on one name are ordered: a read or write of a name first
+completes that name's previous operation, so a read submitted after a write returns the
+written data even if the write is still in flight (the read's submit then blocks until the
+write is done). Operations on different names run concurrently in the I/O engine.
+`SwapHandle.wait()` is safe from several threads and interrupt-safe: an exception raised while
+waiting (Ctrl-C's KeyboardInterrupt) leaves the operation pending and remembered (the next
+operation on the name, or close(), completes it, header included); waiting again gives the
+real result. A failed operation raises its error on the first wait() that completes it (the
+owner learns of it once) and later waits return: a failed handle left in a wait list does
+not re-raise forever, and the name stays failed until rewritten, so nothing can read what
+the failed write left. A created but never written tensor reads as zeros.
 """
 from __future__ import annotations
 
+import atexit
 import errno as _errno
+import fcntl
 import logging
 import mmap
 import os
-import shutil
+import re
+import stat
 import struct
-import tempfile
 import threading
 import uuid
+import weakref
 from urllib.parse import quote
 
 import torch
@@ -42,15 +75,22 @@ from offload.errors import InsufficientSpaceError, SwapCorruptError, SwapError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_SIZE = ALIGN
 _MAGIC = b"OFLDSWAP"
 _MAX_DIMS = 8
-# magic, version, state, dtype name, ndim, shape[8], data nbytes, data crc32c
-_HEADER = struct.Struct(f"<8sII32sI{_MAX_DIMS}QQI")
+# magic, version, state, dtype name, ndim, shape[8], data nbytes, data crc32c, generation,
+# run id, name length; then the name (utf-8), then the CRC-32C of all of it
+_HEADER = struct.Struct(f"<8sII32sI{_MAX_DIMS}QQIQ16sI")
+_MAX_NAME = HEADER_SIZE - _HEADER.size - 4
 _STATE_EMPTY, _STATE_VALID, _STATE_FAILED = 0, 1, 2
+_STATE_NAMES = {_STATE_EMPTY: "never written", _STATE_VALID: "valid", _STATE_FAILED: "failed"}
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_SWAP_SUFFIX = ".swp"
+_RANK_DIR = re.compile(r"rank\d+")
+_LEGACY_RUN = re.compile(r"run-(\d+)")  # offload before unique run names: run-<pid>
 
-from offload import _aio_ext  # noqa: E402  (after constants: used for header checksums)
+from offload import _aio_ext
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -62,9 +102,11 @@ def _dtype_from_name(name: str) -> torch.dtype | None:
     return d if isinstance(d, torch.dtype) else None
 
 
-def _pack_header(state: int, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, crc: int) -> bytes:
+def _pack_header(state: int, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, crc: int, generation: int,
+                 run_id: bytes, name: bytes) -> bytes:
     dims = list(shape) + [0] * (_MAX_DIMS - len(shape))
-    body = _HEADER.pack(_MAGIC, FORMAT_VERSION, state, _dtype_name(dtype).encode(), len(shape), *dims, nbytes, crc)
+    body = _HEADER.pack(_MAGIC, FORMAT_VERSION, state, _dtype_name(dtype).encode(), len(shape), *dims, nbytes, crc,
+                        generation, run_id, len(name)) + name
     return body + struct.pack("<I", _aio_ext.crc32c_bytes(body))
 
 
@@ -73,10 +115,25 @@ def _dtype_nbytes(numel: int, dtype: torch.dtype) -> int:
 
 
 class _Entry:
-    """One swap file. `pending` is the last handle not yet waited on (ordering per name)."""
+    """One swap file, and what the store last wrote to its header (state, crc, generation).
 
-    __slots__ = ("name", "path", "fd", "buffered_fd", "numel", "dtype", "nbytes", "padded", "pending", "written",
-                 "write_submitted")
+    `pending` is the last operation not yet completed (ordering per name)."""
+
+    __slots__ = (
+        "buffered_fd",
+        "crc",
+        "dtype",
+        "fd",
+        "generation",
+        "name",
+        "nbytes",
+        "numel",
+        "padded",
+        "path",
+        "pending",
+        "state",
+        "write_submitted",
+    )
 
     def __init__(self, name, path, fd, numel, dtype):
         self.name, self.path, self.fd, self.numel, self.dtype = name, path, fd, numel, dtype
@@ -84,8 +141,10 @@ class _Entry:
         self.nbytes = _dtype_nbytes(numel, dtype)
         self.padded = round_up(self.nbytes)
         self.pending: SwapHandle | None = None
-        self.written = False
         self.write_submitted = False  # any write ever started (even one that failed)
+        self.state = _STATE_EMPTY
+        self.crc = 0
+        self.generation = 0
 
     @property
     def file_size(self) -> int:
@@ -93,15 +152,21 @@ class _Entry:
 
 
 class SwapHandle:
-    """An in-flight swap read or write. `wait()` completes it and raises its error, if any."""
+    """An in-flight swap read or write. `wait()` completes it and raises its error, if any.
 
-    def __init__(self, store: "SwapStore", entry: _Entry, op: str, tensor: torch.Tensor,
-                 aio: AioHandle | None, expected_crc: int | None = None):
+    Who completes it: whichever thread first waits on it after the I/O is done (its owner, the
+    next operation on the same name, or close()); completion writes a write's header. See the
+    module docstring for interrupts and for errors being raised once."""
+
+    def __init__(self, store: SwapStore, entry: _Entry, op: str, tensor: torch.Tensor,
+                 aio: AioHandle | None, *, generation: int = 0, expected_crc: int | None = None):
         self._store, self._entry, self.op, self._tensor = store, entry, op, tensor
         self._aio = aio
+        self._generation = generation
         self._expected_crc = expected_crc
         self._done = aio is None
         self._error: BaseException | None = None
+        self._reported = False
         # wait() may be called from two threads at once (the optimizer worker draining a slot's
         # writes, the transfer worker ordering its read of the same name behind the write)
         self._wait_lock = threading.Lock()
@@ -110,46 +175,77 @@ class SwapHandle:
     def name(self) -> str:
         return self._entry.name
 
+    @property
+    def error(self) -> BaseException | None:
+        """The operation's error once it completed (None while pending or after success)."""
+        return self._error
+
     def done(self) -> bool:
         return self._done or (self._aio is not None and self._aio.done())
 
     def wait(self) -> None:
+        """Completes the operation; raises its error if it failed and no wait() raised it before."""
+        error = self._complete()
+        if error is None:
+            return
         with self._wait_lock:
-            if self._done:
-                if self._error is not None:
-                    raise self._error
+            if self._reported:
                 return
-            try:
-                self._finish()
-            except BaseException as e:
-                self._error = e
-                raise
-            finally:
+            self._reported = True
+        raise error
+
+    def _complete(self) -> BaseException | None:
+        """Completes the operation (idempotent; an interrupt leaves it pending); returns its error."""
+        with self._wait_lock:
+            if not self._done:
+                self._error = self._finish()  # an exception from here is an interrupt: still pending
                 self._done = True
+                self._tensor = None
                 with self._store._lock:
                     if self._entry.pending is self:
                         self._entry.pending = None
-                self._tensor = None
+            return self._error
 
-    def _finish(self) -> None:
-        entry = self._entry
+    def _finish(self) -> BaseException | None:
+        """Waits for the I/O and records its outcome. Every step may run again after an
+        interrupt (the header rewritten is the same), so a retry finishes the job."""
+        entry, store = self._entry, self._store
         try:
             self._aio.wait()
         except SwapError as e:
             if self.op == "write":
-                self._store._write_header(entry, _STATE_FAILED, 0, best_effort=True)
-                raise SwapError(e.errno, f"swap write of {entry.name!r} failed: {e.strerror}; other swap files are "
-                                         "unaffected; free disk space or fix the device and retry", e.filename) from None
-            raise SwapError(e.errno, f"swap read of {entry.name!r} failed: {e.strerror}", e.filename) from None
+                store._record_write(entry, _STATE_FAILED, 0, self._generation, best_effort=True)
+                return SwapError(e.errno, f"swap write of {entry.name!r} failed: {e.strerror}; other swap files are "
+                                          "unaffected; free disk space or fix the device, then write it again or "
+                                          "load a checkpoint", e.filename)
+            return SwapError(e.errno, f"swap read of {entry.name!r} failed: {e.strerror}", e.filename)
         crc = self._aio.checksum
         if self.op == "write":
-            self._store._write_header(entry, _STATE_VALID, crc)
-            entry.written = True
-        elif crc != self._expected_crc:
-            raise SwapCorruptError(
+            try:
+                store._record_write(entry, _STATE_VALID, crc, self._generation)
+            except SwapError as e:
+                return e
+            return None
+        if crc != self._expected_crc:
+            return SwapCorruptError(
                 _errno.EIO, f"swap file for {entry.name!r} is corrupt: data checksum {crc:#010x} does not match "
                             f"the header's {self._expected_crc:#010x} (torn write or damaged disk); the tensor "
                             "must be restored from a checkpoint", entry.path)
+        return None
+
+
+_live_stores: weakref.WeakSet[SwapStore] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_stores() -> None:
+    """Interpreter exit without close(): remove the stores' directories (their files' space is
+    reclaimed by the kernel in any case)."""
+    for store in list(_live_stores):
+        try:
+            store.close()
+        except BaseException:  # exiting: nothing more to do than log
+            log.debug("closing swap store %s at exit failed", getattr(store, "path", "?"), exc_info=True)
 
 
 class SwapStore:
@@ -157,47 +253,100 @@ class SwapStore:
 
     def __init__(self, nvme_path: str | os.PathLike, *, run_name: str | None = None, rank: int = 0,
                  block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 4, ledger=None):
-        root = os.path.abspath(os.fspath(nvme_path))
-        _validate_root(root)
-        self.run_name = run_name or f"run-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        if os.sep in self.run_name or self.run_name in ("", ".", ".."):
-            raise ValueError(f"run_name {self.run_name!r} must be a plain directory name")
-        self.rank = int(rank)
-        self.run_dir = os.path.join(root, self.run_name)
-        self.path = os.path.join(self.run_dir, f"rank{self.rank}")
-        self._created_run_dir = False
-        try:
-            try:
-                os.mkdir(self.run_dir, 0o700)
-                self._created_run_dir = True
-                os.chmod(self.run_dir, 0o700)  # umask may have narrowed it; never widened
-            except FileExistsError:
-                pass  # another rank of the same run made it
-            os.mkdir(self.path, 0o700)
-            os.chmod(self.path, 0o700)
-        except FileExistsError:
-            raise SwapError(_errno.EEXIST, f"swap directory {self.path} already exists: another run with the same "
-                                           "run name and rank is using it, or a crashed run left it; remove it or "
-                                           "choose another run name", self.path) from None
-        except OSError as e:
-            raise SwapError(e.errno, f"cannot create swap directory {self.path}: {e.strerror}", self.path) from None
-        self.direct = probe_o_direct(self.path)
-        self.engine = AioEngine(block_size, queue_depth, threads)
-        self.ledger = ledger
+        self._closed = True  # until fully made: close() and __del__ then only release descriptors
+        self._root_fd = self._run_fd = self._rank_fd = None
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
+        root = os.path.abspath(os.fspath(nvme_path))
+        self.run_name = run_name or f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        if (not isinstance(self.run_name, str) or self.run_name in ("", ".", "..") or self.run_name.startswith(".")
+                or os.sep in self.run_name or "\0" in self.run_name):
+            raise ValueError(f"run_name {self.run_name!r} must be a plain directory name, not starting with '.'")
+        self.rank = int(rank)
+        self.root = root
+        self.run_dir = os.path.join(root, self.run_name)
+        self.path = os.path.join(self.run_dir, f"rank{self.rank}")
+        self.run_id = uuid.uuid4().bytes  # in every header: a file from another store is foreign
+        try:
+            self._root_fd = _open_root(root)
+            self.other_runs = sweep_dead_runs(root, dir_fd=self._root_fd, keep=self.run_name)
+            self._run_fd, self._rank_fd = self._make_directories()
+            self.direct = probe_o_direct(self.path, dir_fd=self._rank_fd)
+            self.engine = AioEngine(block_size, queue_depth, threads)
+        except BaseException:
+            self._release_directories()
+            raise
+        self._tmpfile = hasattr(os, "O_TMPFILE")  # cleared at the first refusal
+        self.ledger = ledger
         self._header_buf = mmap.mmap(-1, HEADER_SIZE)  # aligned staging for header I/O; used under _lock
         self._closed = False
         # data bytes submitted to the disk so far (padding included, headers not): benchmarks
         # compare them with the disk's bandwidth
         self.bytes_read = 0
         self.bytes_written = 0
+        _live_stores.add(self)
         log.debug("swap store at %s (O_DIRECT: %s)", self.path, self.direct)
+
+    # ---------------------------------------------------------------- directories
+    def _make_directories(self) -> tuple[int, int]:
+        """Creates (or, for another rank of the run, joins) the run directory and creates this
+        rank's; returns their descriptors, the run's holding a shared flock."""
+        root, name, rank_name = self.root, self.run_name, f"rank{self.rank}"
+        for _ in range(10):  # a concurrent sweep may remove a run directory not yet locked: retry
+            created = False
+            try:
+                os.mkdir(name, 0o700, dir_fd=self._root_fd)
+                created = True
+            except FileExistsError:
+                pass  # another rank of the same run made it; checked below like any existing one
+            except OSError as e:
+                raise _not_writable(root, e) from None
+            run_fd = _open_private_dir(name, self._root_fd, self.run_dir, fresh=created)
+            try:
+                fcntl.flock(run_fd, fcntl.LOCK_SH)  # a sweep takes it exclusively, briefly
+                if os.fstat(run_fd).st_nlink == 0:
+                    os.close(run_fd)
+                    continue  # swept between mkdir and flock
+                try:
+                    os.mkdir(rank_name, 0o700, dir_fd=run_fd)
+                except FileNotFoundError:
+                    os.close(run_fd)
+                    continue
+                except FileExistsError:
+                    raise SwapError(_errno.EEXIST, f"swap directory {self.path} already exists: another run with the "
+                                                   "same run name and rank is using it; choose another run name",
+                                    self.path) from None
+                except OSError as e:
+                    raise SwapError(e.errno, f"cannot create swap directory {self.path}: {e.strerror}",
+                                    self.path) from None
+                return run_fd, _open_private_dir(rank_name, run_fd, self.path, fresh=True)
+            except BaseException:
+                os.close(run_fd)
+                raise
+        raise SwapError(_errno.EAGAIN, f"cannot create swap directory {self.path}: it keeps being removed "
+                                       "(another process sweeping this nvme_path?)", self.path)
+
+    def _release_directories(self) -> None:
+        """Removes this rank's directory and, when no other rank's is left, the run's; closes the
+        descriptors. Only ever removes the directories this store made (checked by inode)."""
+        if self._rank_fd is not None:
+            _rmdir_if_same(f"rank{self.rank}", self._run_fd, self._rank_fd, self.path)
+            os.close(self._rank_fd)
+            self._rank_fd = None
+        if self._run_fd is not None:
+            # still under our shared lock: a sweep cannot race; a rank of this run joining right
+            # now retries on ENOENT
+            _rmdir_if_same(self.run_name, self._root_fd, self._run_fd, self.run_dir, quiet_if_busy=True)
+            os.close(self._run_fd)
+            self._run_fd = None
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
 
     # ---------------------------------------------------------------- creation
     def _file_path(self, name: str) -> str:
-        fname = quote(name, safe="") + ".swp"
-        if len(fname) > 240:
+        fname = quote(name, safe="") + _SWAP_SUFFIX
+        if len(fname) > 240 or len(name.encode()) > _MAX_NAME:
             raise ValueError(f"swap tensor name too long for a file name ({len(name)} chars): {name[:60]}...")
         return os.path.join(self.path, fname)
 
@@ -212,12 +361,13 @@ class SwapStore:
                 raise ValueError(f"swap tensor {name!r}: numel must be >= 0, got {numel}")
             new[name] = (int(numel), dtype)
         needed = sum(HEADER_SIZE + round_up(_dtype_nbytes(n, d)) for n, d in new.values())
-        free = shutil.disk_usage(self.path).free
+        free = self._free_bytes()
         if needed > free:
             raise InsufficientSpaceError(
                 _errno.ENOSPC, f"swap needs {needed} bytes ({needed / 2**30:.2f} GiB) for {len(new)} tensors but "
-                               f"only {free} bytes ({free / 2**30:.2f} GiB) are free; free space or set "
-                               "offload.nvme_path to a larger disk", self.path)
+                               f"only {free} bytes ({free / 2**30:.2f} GiB) are free in {self.root}"
+                               f"{self._other_runs_note()}; free space or set offload.nvme_path to a larger disk",
+                self.path)
         made = []
         try:
             for name, (numel, dtype) in new.items():
@@ -236,11 +386,41 @@ class SwapStore:
     def create(self, name: str, numel: int, dtype: torch.dtype) -> None:
         self.reserve({name: (numel, dtype)})
 
+    def _free_bytes(self) -> int:
+        st = os.statvfs(self._rank_fd)
+        return st.f_bavail * st.f_frsize
+
+    def _other_runs_note(self) -> str:
+        if not self.other_runs:
+            return ""
+        shown = ", ".join(self.other_runs[:5]) + (" ..." if len(self.other_runs) > 5 else "")
+        return f" (other runs still alive hold swap there: {shown})"
+
+    def _open_unnamed(self, path: str) -> int:
+        """A new swap file without a name in the rank directory (see the module docstring)."""
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
+        if self._tmpfile:
+            try:
+                return os.open(".", flags | os.O_TMPFILE, 0o600, dir_fd=self._rank_fd)
+            except OSError as e:
+                if e.errno not in (_errno.EOPNOTSUPP, _errno.EISDIR, _errno.EINVAL):
+                    raise
+                self._tmpfile = False
+                log.debug("%s has no O_TMPFILE (%s): swap files are unlinked right after creation", self.path,
+                          e.strerror)
+        fname = os.path.basename(path)
+        fd = os.open(fname, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=self._rank_fd)
+        try:
+            os.unlink(fname, dir_fd=self._rank_fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def _create_file(self, name: str, numel: int, dtype: torch.dtype) -> _Entry:
         path = self._file_path(name)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
         try:
-            fd = os.open(path, flags, 0o600)
+            fd = self._open_unnamed(path)
         except OSError as e:
             raise SwapError(e.errno, f"cannot create swap file for {name!r}: {e.strerror}", path) from None
         entry = _Entry(name, path, fd, numel, dtype)
@@ -256,11 +436,11 @@ class SwapStore:
                 elif e.errno == _errno.ENOSPC:
                     raise InsufficientSpaceError(
                         _errno.ENOSPC, f"no space to reserve {entry.file_size} bytes for swap tensor {name!r} "
-                                       f"({shutil.disk_usage(self.path).free} bytes free); free space or set "
-                                       "offload.nvme_path to a larger disk", path) from None
+                                       f"({self._free_bytes()} bytes free){self._other_runs_note()}; free space or "
+                                       "set offload.nvme_path to a larger disk", path) from None
                 else:
                     raise
-            self._write_header(entry, _STATE_EMPTY, 0, locked=False)
+            self._write_header(entry, _STATE_EMPTY, 0, 0)
         except OSError as e:
             self._remove_entry(entry)
             if isinstance(e, SwapError):
@@ -272,9 +452,9 @@ class SwapStore:
         return entry
 
     # ---------------------------------------------------------------- headers
-    def _write_header(self, entry: _Entry, state: int, crc: int, *, best_effort: bool = False,
-                      locked: bool = True) -> None:
-        header = _pack_header(state, entry.dtype, (entry.numel,), entry.nbytes, crc)
+    def _write_header(self, entry: _Entry, state: int, crc: int, generation: int) -> None:
+        header = _pack_header(state, entry.dtype, (entry.numel,), entry.nbytes, crc, generation, self.run_id,
+                              entry.name.encode())
         try:
             with self._lock:
                 self._header_buf[:] = header.ljust(HEADER_SIZE, b"\0")
@@ -282,50 +462,73 @@ class SwapStore:
             if n != HEADER_SIZE:
                 raise OSError(_errno.EIO, f"short header write ({n} of {HEADER_SIZE} bytes)")
         except OSError as e:
-            if best_effort:
-                log.error("could not mark swap file %s as failed: %s", entry.path, e)
-                return
             raise SwapError(e.errno, f"cannot write the header of swap file for {entry.name!r}: {e.strerror}",
                             entry.path) from None
 
-    def _read_header(self, entry: _Entry) -> tuple[int, int]:
-        """Validate the on-disk header against the entry; returns (state, data crc)."""
+    def _record_write(self, entry: _Entry, state: int, crc: int, generation: int, *, best_effort: bool = False) -> None:
+        """A write of generation `generation` completed (state VALID) or failed (FAILED): the
+        header says so on disk and the entry remembers it. Idempotent (re-run after an interrupt)."""
+        try:
+            if entry.fd is not None:
+                self._write_header(entry, state, crc, generation)
+        except SwapError as e:
+            state = _STATE_FAILED  # the data is there but its header is not: unreadable
+            if not best_effort:
+                entry.state, entry.crc, entry.generation = state, 0, generation
+                raise
+            log.error("could not mark swap file %s as failed: %s", entry.path, e)
+        entry.state, entry.crc, entry.generation = state, crc, generation
+
+    def _check_header(self, entry: _Entry) -> None:
+        """The on-disk header must be the one this store last wrote for `entry`."""
+        if entry.state == _STATE_FAILED:
+            raise SwapCorruptError(_errno.EIO, f"swap file for {entry.name!r}: its last write failed, the data is "
+                                               "not valid; write it again or restore from a checkpoint", entry.path)
         size = os.fstat(entry.fd).st_size
         if size < entry.file_size:
             raise SwapCorruptError(_errno.EIO, f"swap file for {entry.name!r} is truncated: {size} bytes, expected "
                                                f"{entry.file_size}", entry.path)
         with self._lock:
             n = os.preadv(entry.fd, [self._header_buf], 0)
-            raw = bytes(self._header_buf[: _HEADER.size + 4])
+            raw = bytes(self._header_buf)
         if n != HEADER_SIZE:
             raise SwapCorruptError(_errno.EIO, f"swap file for {entry.name!r}: short header read ({n} bytes)",
                                    entry.path)
-        body, (hcrc,) = raw[: _HEADER.size], struct.unpack("<I", raw[_HEADER.size:])
-        fields = _HEADER.unpack(body)
-        magic, version, state, dname, ndim = fields[:5]
-        shape = tuple(fields[5:5 + ndim]) if ndim <= _MAX_DIMS else ()
-        nbytes, crc = fields[5 + _MAX_DIMS:]
 
         def bad(what: str) -> SwapCorruptError:
             return SwapCorruptError(_errno.EIO, f"swap file for {entry.name!r} has a wrong header: {what}; the file "
-                                                "was damaged or replaced", entry.path)
+                                                "was damaged or replaced; restore the tensor from a checkpoint",
+                                    entry.path)
 
+        fields = _HEADER.unpack(raw[: _HEADER.size])
+        magic, version, state, dname, ndim = fields[:5]
         if magic != _MAGIC:
             raise bad(f"magic {magic!r} is not {_MAGIC!r}")
-        if _aio_ext.crc32c_bytes(body) != hcrc:
-            raise bad("header checksum mismatch")
+        nbytes, crc, generation, run_id, name_len = fields[5 + _MAX_DIMS:]
         if version != FORMAT_VERSION:
             raise bad(f"format version {version}, this offload reads version {FORMAT_VERSION}")
-        dtype = _dtype_from_name(dname.rstrip(b"\0").decode(errors="replace"))
-        if dtype != entry.dtype or shape != (entry.numel,) or nbytes != entry.nbytes:
-            raise bad(f"holds {dname.rstrip(bytes(1)).decode(errors='replace')} {list(shape)} ({nbytes} bytes), "
+        if name_len > _MAX_NAME:
+            raise bad(f"name length {name_len}")
+        end = _HEADER.size + name_len
+        (hcrc,) = struct.unpack("<I", raw[end:end + 4])
+        if _aio_ext.crc32c_bytes(raw[:end]) != hcrc:
+            raise bad("header checksum mismatch")
+        shape = tuple(fields[5:5 + ndim]) if ndim <= _MAX_DIMS else ()
+        dtype_name = dname.rstrip(b"\0").decode(errors="replace")
+        if _dtype_from_name(dtype_name) != entry.dtype or shape != (entry.numel,) or nbytes != entry.nbytes:
+            raise bad(f"holds {dtype_name} {list(shape)} ({nbytes} bytes), "
                       f"expected {_dtype_name(entry.dtype)} [{entry.numel}] ({entry.nbytes} bytes)")
-        if state == _STATE_FAILED:
-            raise SwapCorruptError(_errno.EIO, f"swap file for {entry.name!r}: its last write failed, the data is "
-                                               "not valid; write it again or restore from a checkpoint", entry.path)
-        if state not in (_STATE_EMPTY, _STATE_VALID):
-            raise bad(f"unknown state {state}")
-        return state, crc
+        name = raw[_HEADER.size:end].decode(errors="replace")
+        if name != entry.name:
+            raise bad(f"it is the file of {name!r} (another tensor's file was copied over it)")
+        if run_id != self.run_id:
+            raise bad(f"it was written by another run (run id {run_id.hex()}, this store is {self.run_id.hex()})")
+        if generation != entry.generation:
+            raise bad(f"generation {generation}, but this store last wrote generation {entry.generation} "
+                      "(an older or newer copy of the file)")
+        if state != entry.state or crc != entry.crc:
+            raise bad(f"state {_STATE_NAMES.get(state, state)} with data checksum {crc:#010x}, but this store last "
+                      f"wrote {_STATE_NAMES[entry.state]} with {entry.crc:#010x}")
 
     # ---------------------------------------------------------------- I/O
     def _entry_for(self, name: str, tensor: torch.Tensor) -> _Entry:
@@ -338,8 +541,11 @@ class SwapStore:
                              f"{_dtype_name(tensor.dtype)}[{tensor.numel()}]")
         if not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError(f"swap I/O of {name!r} needs a contiguous host tensor (use HostBufferPool.alloc)")
-        if entry.pending is not None:  # order against the previous operation on this name
-            entry.pending.wait()
+        pending = entry.pending
+        if pending is not None:
+            # order against the previous operation on this name; its error belongs to its owner
+            # (a failed write leaves the name failed, which the read below reports itself)
+            pending._complete()
         return entry
 
     def _fd_and_length(self, entry: _Entry, tensor: torch.Tensor) -> tuple[int, int]:
@@ -347,9 +553,15 @@ class SwapStore:
             return entry.fd, entry.padded
         if not self.direct:
             return entry.fd, entry.nbytes
-        # An unaligned buffer on an O_DIRECT store: move exactly the data bytes through the page cache.
+        # An unaligned buffer on an O_DIRECT store: move exactly the data bytes through the page
+        # cache, on a second, buffered, open of the same (unnamed) file.
         if entry.buffered_fd is None:
-            entry.buffered_fd = os.open(entry.path, os.O_RDWR)
+            try:
+                entry.buffered_fd = os.open(f"/proc/self/fd/{entry.fd}", os.O_RDWR | os.O_CLOEXEC)
+            except OSError as e:
+                raise SwapError(e.errno, f"cannot reopen swap file for {entry.name!r} for buffered I/O through "
+                                         f"/proc/self/fd ({e.strerror}); pass buffers from HostBufferPool.alloc "
+                                         "(4 KiB-aligned)", entry.path) from None
         return entry.buffered_fd, entry.nbytes
 
     def write_from(self, name: str, tensor: torch.Tensor) -> SwapHandle:
@@ -358,10 +570,9 @@ class SwapStore:
         fd, io_len = self._fd_and_length(entry, tensor)
         aio = self.engine.submit_write(fd, tensor, HEADER_SIZE, nbytes=entry.nbytes, io_nbytes=io_len,
                                        checksum=True, path=entry.path)
+        handle = SwapHandle(self, entry, "write", tensor, aio, generation=entry.generation + 1)
         with self._lock:
             self.bytes_written += io_len
-        handle = SwapHandle(self, entry, "write", tensor, aio)
-        with self._lock:
             entry.pending = handle
         entry.write_submitted = True
         return handle
@@ -369,17 +580,16 @@ class SwapStore:
     def read_into(self, name: str, tensor: torch.Tensor) -> SwapHandle:
         """Start reading swap tensor `name` into `tensor`; the handle's wait() verifies the checksum."""
         entry = self._entry_for(name, tensor)
-        state, crc = self._read_header(entry)
-        if state == _STATE_EMPTY:
+        self._check_header(entry)
+        if entry.state == _STATE_EMPTY:
             tensor.zero_()
             return SwapHandle(self, entry, "read", tensor, None)
         fd, io_len = self._fd_and_length(entry, tensor)
         aio = self.engine.submit_read(fd, tensor, HEADER_SIZE, nbytes=entry.nbytes, io_nbytes=io_len,
                                       checksum=True, path=entry.path)
+        handle = SwapHandle(self, entry, "read", tensor, aio, expected_crc=entry.crc)
         with self._lock:
             self.bytes_read += io_len
-        handle = SwapHandle(self, entry, "read", tensor, aio, expected_crc=crc)
-        with self._lock:
             entry.pending = handle
         return handle
 
@@ -392,7 +602,12 @@ class SwapStore:
         return not self._entries[name].write_submitted
 
     def file_path(self, name: str) -> str:
+        """The name the swap file of `name` would have (it has none on disk): used in messages."""
         return self._entries[name].path
+
+    def proc_path(self, name: str) -> str:
+        """A path that opens the (unnamed) swap file of `name` from this process: for tests and debugging."""
+        return f"/proc/self/fd/{self._entries[name].fd}"
 
     def nbytes_on_disk(self) -> int:
         """Bytes of the swap files (headers and padding included), as reserved."""
@@ -403,6 +618,7 @@ class SwapStore:
             raise SwapError(_errno.EBADF, f"swap store at {self.path} is closed", self.path)
 
     def _remove_entry(self, entry: _Entry) -> None:
+        """Closing the last descriptor of an unnamed file frees its space."""
         for fd in (entry.fd, entry.buffered_fd):
             if fd is not None:
                 try:
@@ -410,40 +626,30 @@ class SwapStore:
                 except OSError:
                     pass
         entry.fd = entry.buffered_fd = None
-        try:
-            os.unlink(entry.path)
-        except FileNotFoundError:
-            pass
 
     def close(self) -> None:
-        """Wait for pending I/O, then remove the run's swap files and directories (idempotent)."""
+        """Complete pending I/O, free the swap files and remove the run's directories (idempotent).
+
+        An interrupt while waiting for pending I/O leaves the store open: call close() again."""
         if self._closed:
+            self._release_directories()  # a store whose construction failed half way
             return
-        self._closed = True
         errors = []
         for entry in list(self._entries.values()):
-            if entry.pending is not None:
-                try:
-                    entry.pending.wait()
-                except Exception as e:  # the file is being removed; report but keep cleaning
-                    errors.append(e)
+            pending = entry.pending
+            if pending is not None:
+                error = pending._complete()
+                if error is not None and not pending._reported:
+                    errors.append(error)  # the files are being freed; report but keep cleaning
+        self._closed = True
+        _live_stores.discard(self)
         self.engine.close()
         for entry in self._entries.values():
             self._remove_entry(entry)
             if self.ledger is not None:
                 self.ledger.release("nvme", entry.file_size, "swap")
         self._entries.clear()
-        shutil.rmtree(self.path, ignore_errors=True)
-        if self._created_run_dir:
-            try:
-                os.rmdir(self.run_dir)
-            except OSError:
-                pass  # other ranks' directories are still there; the last rank removes it
-        else:
-            try:
-                os.rmdir(self.run_dir)
-            except OSError:
-                pass
+        self._release_directories()
         self._header_buf.close()
         for e in errors:
             log.error("swap I/O pending at close failed: %s", e)
@@ -456,23 +662,189 @@ class SwapStore:
 
     def __del__(self):
         try:
-            if not self._closed:
-                self.close()
-        except Exception:
-            pass
+            self.close()
+        except (OSError, RuntimeError, AttributeError) as e:  # a half-made store, or interpreter teardown
+            log.debug("closing a dropped swap store failed: %s", e)
 
 
-def _validate_root(root: str) -> None:
-    if not os.path.exists(root):
-        raise SwapError(_errno.ENOENT, f"nvme_path {root} does not exist; create it (mkdir -p {root}) or set "
-                                       "offload.nvme_path to an existing directory on a fast local disk", root)
-    if not os.path.isdir(root):
-        raise SwapError(_errno.ENOTDIR, f"nvme_path {root} is not a directory; set offload.nvme_path to a directory",
-                        root)
+# ---------------------------------------------------------------- directories (plain functions)
+def _not_writable(root: str, e: OSError) -> SwapError:
+    if e.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS, _errno.ENOENT):
+        return SwapError(e.errno, f"nvme_path {root} is not writable ({e.strerror}); fix its permissions or set "
+                                  "offload.nvme_path to a writable directory", root)
+    return SwapError(e.errno, f"cannot create a run directory in nvme_path {root}: {e.strerror}", root)
+
+
+def _open_root(root: str) -> int:
+    """Opens nvme_path (the user's own path: a symlink there is followed) as a directory fd."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=".offload-write-test-", dir=root)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SwapError(_errno.ENOENT, f"nvme_path {root} does not exist; create it (mkdir -p {root}) or set "
+                                       "offload.nvme_path to an existing directory on a fast local disk", root) from None
+    except NotADirectoryError:
+        raise SwapError(_errno.ENOTDIR, f"nvme_path {root} is not a directory; set offload.nvme_path to a directory",
+                        root) from None
     except OSError as e:
-        raise SwapError(e.errno, f"nvme_path {root} is not writable ({e.strerror}); fix its permissions or set "
-                                 "offload.nvme_path to a writable directory", root) from None
-    os.close(fd)
-    os.unlink(probe)
+        raise SwapError(e.errno, f"cannot open nvme_path {root}: {e.strerror}", root) from None
+    st = os.fstat(fd)
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        log.warning("nvme_path %s is writable by every user and has no sticky bit: others can rename or replace "
+                    "entries in it. offload only works through descriptors of its own run directory, so it never "
+                    "writes or deletes outside it, but use a private directory (chmod 700, or +t)", root)
+    return fd
+
+
+def _open_private_dir(name: str, parent_fd: int, path: str, *, fresh: bool) -> int:
+    """Opens `name` under `parent_fd` without following a symlink and checks it is a real
+    directory owned by this user with mode 0700 (set it so when we just made it)."""
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as e:
+        if e.errno in (_errno.ELOOP, _errno.ENOTDIR):
+            raise SwapError(e.errno, f"{path} is not a directory this run created (a symbolic link or a file, "
+                                     "perhaps planted by someone else): refusing to use it; remove it or choose "
+                                     "another run name", path) from None
+        raise SwapError(e.errno, f"cannot open swap directory {path}: {e.strerror}", path) from None
+    try:
+        if fresh:
+            os.fchmod(fd, 0o700)  # umask may have narrowed it; never widened
+        st = os.fstat(fd)
+        problem = None
+        if not stat.S_ISDIR(st.st_mode):
+            problem = "is not a directory"
+        elif st.st_uid != os.geteuid():
+            problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+        elif stat.S_IMODE(st.st_mode) != 0o700:
+            problem = f"has mode {stat.S_IMODE(st.st_mode):o}, not 700 (others could read or replace swap files)"
+        if problem:
+            raise SwapError(_errno.EPERM, f"swap directory {path} {problem}: refusing to use it; remove it or "
+                                          "choose another run name", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _rmdir_if_same(name: str, parent_fd: int, fd: int, path: str, *, quiet_if_busy: bool = False) -> None:
+    """rmdir `name` under `parent_fd` only if it is still the directory `fd` is open on."""
+    try:
+        st, mine = os.stat(name, dir_fd=parent_fd, follow_symlinks=False), os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (mine.st_dev, mine.st_ino):
+            log.warning("swap directory %s was replaced by something else while in use; left alone", path)
+            return
+        os.rmdir(name, dir_fd=parent_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno in (_errno.ENOTEMPTY, _errno.EEXIST) and quiet_if_busy:
+            return  # other ranks' directories are still there; the last rank removes it
+        log.warning("could not remove swap directory %s: %s", path, e.strerror)
+
+
+def _swap_leftover(name: str) -> bool:
+    return name.endswith(_SWAP_SUFFIX) or name.startswith(".offload-odirect-probe-")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_dead_runs(root: str, *, dir_fd: int, keep: str | None = None) -> list[str]:
+    """Removes run directories under `root` left by dead runs; returns the live runs' names.
+
+    A run directory is a 0700 directory of this user holding only `rank<N>` directories,
+    which hold only swap files (or nothing). It is dead when no process holds its flock (each
+    store holds a shared one while alive). Swap files of current runs have no name, so what a
+    dead run leaves is its empty directories (and, from older versions or a filesystem
+    without O_TMPFILE, `*.swp` files). Everything is done relative to descriptors, without
+    following links; anything unexpected leaves the directory alone."""
+    live = []
+    try:
+        names = os.listdir(dir_fd)
+    except OSError:
+        return live
+    for name in names:
+        if name.startswith(".") or name == keep:
+            continue
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+            continue
+        legacy = _LEGACY_RUN.fullmatch(name)
+        if legacy and int(legacy.group(1)) != os.getpid() and _pid_alive(int(legacy.group(1))):
+            live.append(name)  # an older offload (no flock) whose pid is alive (ours: a past container's)
+            continue
+        try:
+            run_fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            mine = os.fstat(run_fd)
+            if (mine.st_dev, mine.st_ino) != (st.st_dev, st.st_ino):
+                continue
+            ranks = _run_layout(run_fd)
+            if ranks is None or (not ranks and not name.startswith("run-")):
+                continue  # not an offload run directory (an empty one counts only by its name)
+            try:
+                fcntl.flock(run_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                live.append(name)
+                continue
+            ranks = _run_layout(run_fd)  # again, under the lock
+            if ranks is None:
+                continue
+            freed = 0
+            for rank_name, files in ranks.items():
+                rank_fd = os.open(rank_name, _DIR_FLAGS, dir_fd=run_fd)
+                try:
+                    for f in files:
+                        freed += os.stat(f, dir_fd=rank_fd, follow_symlinks=False).st_blocks * 512
+                        os.unlink(f, dir_fd=rank_fd)
+                finally:
+                    os.close(rank_fd)
+                os.rmdir(rank_name, dir_fd=run_fd)
+            _rmdir_if_same(name, dir_fd, run_fd, os.path.join(root, name))
+            log.info("removed swap directory %s left by a run that is gone%s", os.path.join(root, name),
+                     f" ({freed} bytes of swap files)" if freed else "")
+        except OSError as e:
+            log.warning("could not remove the dead run's swap directory %s: %s", os.path.join(root, name), e)
+        finally:
+            os.close(run_fd)
+    return live
+
+
+def _run_layout(run_fd: int) -> dict[str, list[str]] | None:
+    """{rank directory: its swap files} if the directory looks like an offload run, else None."""
+    layout = {}
+    for rank_name in os.listdir(run_fd):
+        if not _RANK_DIR.fullmatch(rank_name):
+            return None
+        try:
+            st = os.stat(rank_name, dir_fd=run_fd, follow_symlinks=False)
+        except OSError:
+            return None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        try:
+            rank_fd = os.open(rank_name, _DIR_FLAGS, dir_fd=run_fd)
+        except OSError:
+            return None
+        try:
+            files = os.listdir(rank_fd)
+            for f in files:
+                fst = os.stat(f, dir_fd=rank_fd, follow_symlinks=False)
+                if not _swap_leftover(f) or not stat.S_ISREG(fst.st_mode):
+                    return None
+        finally:
+            os.close(rank_fd)
+        layout[rank_name] = files
+    return layout

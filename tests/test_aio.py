@@ -96,9 +96,8 @@ def test_short_read_is_an_error_naming_file_and_offset(tmp_path, pool):
     f = tmp_path / "short.bin"
     f.write_bytes(b"x" * 5000)
     dst = pool.alloc(8192, torch.uint8)
-    with AioEngine(block_size=4096, queue_depth=2, threads=2) as eng:
-        with pytest.raises(SwapError) as e:
-            eng.submit_read(str(f), dst).wait()
+    with AioEngine(block_size=4096, queue_depth=2, threads=2) as eng, pytest.raises(SwapError) as e:
+        eng.submit_read(str(f), dst).wait()
     msg = str(e.value)
     assert e.value.errno == errno.EIO and "short read" in msg and str(f) in msg and "offset 4096" in msg
 
@@ -189,7 +188,7 @@ def test_dropped_handle_mid_read_never_writes_into_freed_memory(tmp_path):
     import sys
 
     result = subprocess.run([sys.executable, "-c", DROPPED_HANDLE, str(tmp_path / "big.bin")], capture_output=True,
-                            text=True, timeout=120)
+                            text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "overwritten 0 held 0" in result.stdout, result.stdout
 

@@ -111,11 +111,10 @@ def test_modes_layout_and_close_leaves_nothing(tmp_path, pool):
     assert s.path == str(tmp_path / s.run_name / "rank3")
     assert stat.S_IMODE(os.stat(s.run_dir).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(s.path).st_mode) == 0o700
-    files = os.listdir(s.path)
-    assert len(files) == 2
-    for f in files:
-        st = os.stat(os.path.join(s.path, f))
-        assert stat.S_IMODE(st.st_mode) == 0o600
+    assert os.listdir(s.path) == []  # the files have no name: the kernel frees them on any exit
+    for name in ("x", "y/slash name"):
+        st = os.stat(s.proc_path(name))
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_nlink == 0
         assert st.st_blocks * 512 >= st.st_size  # space reserved up front (fallocate)
     assert s.nbytes_on_disk() == (HEADER_SIZE + 4096) * 2
     assert ledger.report()["nvme"]["current"] == s.nbytes_on_disk()
@@ -137,7 +136,7 @@ def _written(store, pool, name="t", numel=3000, dtype=torch.float32):
 def test_truncated_file_detected(store, pool):
     _written(store, pool)
     path = store.file_path("t")
-    os.truncate(path, HEADER_SIZE + 4096)
+    os.truncate(store.proc_path("t"), HEADER_SIZE + 4096)
     with pytest.raises(SwapCorruptError, match="truncated") as e:
         store.read_into("t", pool.alloc(3000, torch.float32))
     assert e.value.filename == path and path in str(e.value)
@@ -146,7 +145,7 @@ def test_truncated_file_detected(store, pool):
 def test_flipped_data_byte_detected(store, pool):
     src = _written(store, pool)
     path = store.file_path("t")
-    with open(path, "r+b") as f:
+    with open(store.proc_path("t"), "r+b") as f:
         f.seek(HEADER_SIZE + 5000)
         b = f.read(1)
         f.seek(HEADER_SIZE + 5000)
@@ -163,7 +162,7 @@ def test_flipped_data_byte_detected(store, pool):
 
 def test_flipped_byte_in_padding_is_harmless(store, pool):
     src = _written(store, pool)  # 12000 data bytes, padded to 12288
-    with open(store.file_path("t"), "r+b") as f:
+    with open(store.proc_path("t"), "r+b") as f:
         f.seek(HEADER_SIZE + 12100)
         f.write(b"\xff")
     dst = pool.alloc(3000, torch.float32)
@@ -176,7 +175,7 @@ def test_wrong_header_detected(store, pool, damage):
     _written(store, pool)
     _written(store, pool, name="other", numel=100, dtype=torch.int64)
     path = store.file_path("t")
-    with open(path, "r+b") as f:
+    with open(store.proc_path("t"), "r+b") as f:
         if damage == "magic":
             f.write(b"NOTSWAP!")
         elif damage == "header_byte":
@@ -185,7 +184,7 @@ def test_wrong_header_detected(store, pool, damage):
             f.seek(20)
             f.write(bytes([b[0] ^ 1]))
         elif damage == "foreign_header":
-            with open(store.file_path("other"), "rb") as g:
+            with open(store.proc_path("other"), "rb") as g:
                 f.write(g.read(HEADER_SIZE))
         else:
             f.write(bytes(HEADER_SIZE))
