@@ -1,9 +1,20 @@
 """The accelerator abstraction: CUDA streams and events, or the CPU standing in.
 
-One code path for both. On CUDA, copies between host and device run on a dedicated copy
-stream and complete an event that the compute stream waits on. On the CPU, a copy is done when
-the call returns, streams are absent and every event is already complete, so the same engine
-code runs (and is tested) without a GPU.
+One code path for both. On CUDA, copies between host and device run on two copy streams, one
+per direction (PCIe is full duplex: a unit's weights coming in need not queue behind another
+unit's gradients going out); each copy records an event that its consumer waits on. On the
+CPU, a copy is done when the call returns, there are no streams and every event has already
+happened, so the same engine code runs (and is tested) without a GPU.
+
+Streams and events, who fills them and who waits:
+- `host_to_device`: the transfer worker copies fetched 16-bit weights into a unit's device
+  buffer, and (param tier none) the optimizer worker copies a unit's new weights into it. The
+  compute stream waits on the event of the copy before the unit runs (`compute_waits`). A
+  fetch's copy first waits on a compute event recorded when its storage was allocated: the
+  memory may still be read by kernels queued before it was freed.
+- `device_to_host`: the transfer worker copies a unit's gradient into a pinned staging buffer
+  after waiting on the compute event recorded when the gradient was final, then waits on the
+  copy's event on the host before adding the staged values into the fp32 gradient.
 """
 from __future__ import annotations
 
@@ -22,34 +33,52 @@ class CompletedEvent:
         return True
 
 
+class CopyStream:
+    """One direction of host/device copies: a CUDA stream, or nothing on the CPU."""
+
+    def __init__(self, device: torch.device, name: str) -> None:
+        self.name = name
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def context(self):
+        """Copies issued inside run on this stream."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
+
+    def record_event(self):
+        """An event completed when the copies issued so far on this stream are done."""
+        if self.stream is None:
+            return CompletedEvent()
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def waits(self, event) -> None:
+        """This stream waits (without blocking the host) for `event`, e.g. a compute event."""
+        if self.stream is not None and not isinstance(event, CompletedEvent):
+            self.stream.wait_event(event)
+
+    def keep_alive(self, tensor: torch.Tensor) -> None:
+        """Tells the caching allocator that this stream still uses `tensor`."""
+        if self.stream is not None and tensor.is_cuda:
+            tensor.record_stream(self.stream)
+
+
 class Device:
-    """The compute device, its copy stream, and the host-side settings that follow from it."""
+    """The compute device, its two copy streams, and the host-side settings that follow from it."""
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.torch_device = torch.device(device)
         self.is_cuda = self.torch_device.type == "cuda"
-        # The copy stream: filled by the transfer worker and the optimizer worker with H2D/D2H
-        # copies; the compute stream waits on the events those copies record.
-        self.copy_stream = torch.cuda.Stream(self.torch_device) if self.is_cuda else None
+        self.host_to_device = CopyStream(self.torch_device, "host-to-device")
+        self.device_to_host = CopyStream(self.torch_device, "device-to-host")
 
     @property
     def pin_host_memory(self) -> bool:
         return self.is_cuda
-
-    def copy_stream_context(self):
-        if self.copy_stream is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self.copy_stream)
-
-    def record_copy_event(self):
-        """An event completed when the copies issued so far on the copy stream are done."""
-        if self.copy_stream is None:
-            return CompletedEvent()
-        event = torch.cuda.Event()
-        event.record(self.copy_stream)
-        return event
 
     def record_compute_event(self):
         """An event completed when the work issued so far on the compute stream is done."""
@@ -63,16 +92,6 @@ class Device:
         """The compute stream waits (without blocking the host) for `event`."""
         if self.is_cuda and not isinstance(event, CompletedEvent):
             torch.cuda.current_stream(self.torch_device).wait_event(event)
-
-    def copy_waits(self, event) -> None:
-        """The copy stream waits for `event` (e.g. gradients produced on the compute stream)."""
-        if self.copy_stream is not None and not isinstance(event, CompletedEvent):
-            self.copy_stream.wait_event(event)
-
-    def keep_alive_on_copy_stream(self, tensor: torch.Tensor) -> None:
-        """Tells the caching allocator that the copy stream still uses `tensor`."""
-        if self.copy_stream is not None and tensor.is_cuda:
-            tensor.record_stream(self.copy_stream)
 
     def synchronize(self) -> None:
         if self.is_cuda:

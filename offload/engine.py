@@ -1,4 +1,9 @@
-"""The Engine: forward, backward and step over a model cut into units (see DESIGN.md).
+"""The Engine: the public API over a model cut into units (see docs/design.md).
+
+`Engine` wires the parts together and keeps the window arithmetic: which backward ends a
+gradient window, the global gradient norm, clipping and the fp16 loss scale, and when a window
+is stepped, skipped or refused. What happens to each unit during a micro-step is in
+schedule.py; when the CPU step runs relative to compute is the overlap policy (overlap.py).
 
 Threads, and what each owns:
 - the main thread runs forward and backward, every hook, every collective, and all residency
@@ -9,26 +14,14 @@ Threads, and what each owns:
 - the optimizer worker (one thread) runs `UnitStepper.run`; the C++ Adam inside it uses its
   own pool of threads. Each unit's `step_done` event tells fetches and forwards when its new
   weights are ready.
-
-A gradient window (the micro-batches of one optimizer step) ends at the boundary backward;
-`step()` then waits for the transfer worker, reduces the squared norms, and starts the step:
-`overlap: none` waits for it; `forward` lets it run while the next forward computes (unit k's
-pre-forward waits for unit k only); `backward` already stepped each unit as its gradients
-became final during the boundary backward.
 """
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import enum
-import functools
 import logging
 import math
 import os
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -37,14 +30,15 @@ from offload.collectives import Collectives
 from offload.config import Config, load_config
 from offload.device import Device
 from offload.errors import ConfigError, NonFiniteError, OffloadError
-from offload.memory import TierLedger
+from offload.gradients import GradientOffload
 from offload.materialize import has_meta_state, mapped_zeros, materialize_unit_params
+from offload.memory import TierLedger
 from offload.optim import kernels
+from offload.overlap import Stepping, overlap_policy
 from offload.precision import DynamicLossScaler, gradient_multiplier
-from offload.prefetch import ExecutionOrder, step_order
-from offload.rank_order import MISMATCH_HINT, Op, ReduceOrder
-from offload.rank_order import describe as describe_op
-from offload.residency import ExternalParamReads, Residency, tensors_in
+from offload.prefetch import step_order
+from offload.residency import Residency
+from offload.schedule import Schedule, ScheduleContext
 from offload.state import UnitState
 from offload.stepper import StepHyper, UnitStepper
 from offload.tiers import TierStore, default_run_name
@@ -52,29 +46,7 @@ from offload.units import build_units, plan_flat_layout
 
 logger = logging.getLogger(__name__)
 
-
-class EntryKind(enum.Enum):
-    """Who owns the hold a unit's forward takes."""
-
-    # the model's forward: given back at the unit's post-forward
-    FORWARD = "forward"
-    # a forward re-run inside backward (activation checkpointing): a backward hold, given back
-    # when the unit's gradients are final or at the end of backward, whether or not the
-    # recompute ran to its end
-    RECOMPUTE = "recompute"
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A unit whose forward is running (the root is unit 0)."""
-
-    unit: int
-    kind: EntryKind
-
-
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Units whose gradients may sit on the device waiting for the transfer worker at once.
-MAX_GRADS_IN_FLIGHT = 2
 TIMING_KEYS = ("forward", "backward", "step", "wait_fetch", "wait_step")
 
 
@@ -123,8 +95,6 @@ class Engine:
         world, rank = self.collectives.world_size, self.collectives.rank
         specs = build_units(model, self.config.wrap.module_classes, self.config.wrap.min_params)
         self.units = [UnitState(spec, plan_flat_layout([p.numel() for p in spec.params], world)) for spec in specs]
-        self.unit_of_param = {id(p): unit.index for unit in self.units for p in unit.spec.params}
-        self._trainable = [{i for i, p in enumerate(unit.spec.params) if p.requires_grad} for unit in self.units]
         logger.info(
             "offload: %d units (largest %.1fM params), precision %s, param on %s, optimizer on %s, overlap %s, rank %d/%d",
             len(self.units),
@@ -152,6 +122,12 @@ class Engine:
         )
         self.transfer = ThreadPoolExecutor(1, thread_name_prefix="offload-transfer")
         self.optimizer_worker = ThreadPoolExecutor(1, thread_name_prefix="offload-step")
+        # seconds spent since the last `pop_timings()`, by phase; `wait_fetch` and `wait_step` are
+        # the main thread's waits for weights to arrive and for the CPU step to finish
+        self.timings: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
+        self.policy = overlap_policy(self.config.overlap)
+        self.stepper = UnitStepper(self.store, self.device, rank)
+        self.stepping = Stepping(self.optimizer_worker, self.stepper)
         self.residency = Residency(
             self.units,
             device=self.device,
@@ -159,11 +135,20 @@ class Engine:
             transfer=self.transfer,
             collectives=self.collectives,
             ledger=self.ledger,
-            param_tier=self.config.offload.param,
+            param_tier=self.store.param_tier,
             compute_dtype=self.compute_dtype,
-            agree_before=self._agree_before_collective,
+            agree_before=lambda op, unit: self.schedule.context.agree(op, unit.index, []),
         )
-        self.stepper = UnitStepper(self.store, self.device, rank)
+        self.gradients = GradientOffload(
+            device=self.device,
+            collectives=self.collectives,
+            store=self.store,
+            ledger=self.ledger,
+            transfer=self.transfer,
+            compute_dtype=self.compute_dtype,
+            timings=self.timings,
+            on_final=self._step_during_backward,
+        )
         try:
             for unit in self.units:
                 self._adopt(unit)
@@ -188,38 +173,27 @@ class Engine:
         self.skipped_steps = 0  # fp16 overflows
         self.last_grad_norm: float | None = None
         self._stepped_at_micro = -1  # micro_steps at the last step() that ended a window
-        self.forward_order = ExecutionOrder()
-        self.backward_order = ExecutionOrder()
-        self._phase = "idle"  # "forward" | "backward" | "idle"
-        # units whose forward is running, innermost last, each with who owns its hold
-        self._entered: list[Entry] = []
-        self._external_holds: set[int] = set()
-        # forward uses of each unit (with borrows and external reads) since the last backward,
-        # and, with several ranks, the agreed order of this backward's reductions (rank_order.py)
-        self._uses: collections.Counter[int] = collections.Counter()
-        self._reduce_order: ReduceOrder | None = None
-        self._agreement_width = max(1 + 2 * len(self.units), max(len(unit.spec.params) for unit in self.units))
-        # param none with several ranks: a stepped unit's new shards are gathered at its next use
-        self._gathers_after_step = not self.residency.offloaded and self.collectives.is_distributed
-        self._root_holds_for_backward = 0
-        self._boundary_backward = False
-        self._grad_futures: list[Future] = []  # every gradient transfer of the window (errors)
-        self._grads_in_flight: collections.deque[Future] = collections.deque()  # not yet known done
-        self._step_future: Future | None = None
-        self._backward_step_futures: list[Future] = []
+        # overlap 'backward': units whose gradients were not finite (not stepped); transfer worker
         self._nonfinite_units: list[str] = []
-        self._lock = threading.Lock()
-        # seconds spent since the last `pop_timings()`, by phase; `wait_fetch` and `wait_step` are
-        # the main thread's waits for weights to arrive and for the CPU step to finish
-        self.timings: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
-        # Reads of a parameter outside its unit's forward are seen (and wait for the unit's
-        # weights) when they could otherwise read freed storage (params offloaded), weights a
-        # step is still writing (overlap forward), or a shard not yet gathered (several ranks).
-        self._watch_external_reads = (
-            self.residency.offloaded or self.config.overlap == "forward" or self.collectives.is_distributed
+        context = ScheduleContext(
+            units=self.units,
+            residency=self.residency,
+            gradients=self.gradients,
+            collectives=self.collectives,
+            stepping=self.stepping,
+            policy=self.policy,
+            prefetch_depth=self.config.prefetch.depth,
+            timings=self.timings,
         )
-        self._hooks = []
-        self._register_hooks()
+        self.schedule = Schedule(
+            model,
+            context,
+            watch_external_reads=(
+                self.residency.offloaded or self.config.overlap == "forward" or self.collectives.is_distributed
+            ),
+        )
+        self.stepper.events = context.events
+        self.schedule.install()
 
     # ---- construction ------------------------------------------------------------------
     def _adopt(self, unit: UnitState) -> None:
@@ -255,194 +229,24 @@ class Engine:
                 if buffer is not None and buffer.device != self.device.torch_device:
                     setattr(module, name, buffer.to(self.device.torch_device))
 
-    def _register_hooks(self) -> None:
-        # post-forward hooks run even when the forward raises (always_call): an exception in a
-        # unit's forward, or the early stop of a non-reentrant checkpoint recompute
-        # (torch.utils.checkpoint's _StopRecomputationError), must give back what it took
-        self._hooks.append(self.model.register_forward_pre_hook(self._root_pre_forward))
-        self._hooks.append(self.model.register_forward_hook(self._root_post_forward, always_call=True))
-        for unit in self.units[1:]:
-            module = unit.spec.module
-            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, unit.index)))
-            self._hooks.append(
-                module.register_forward_hook(functools.partial(self._unit_post_forward, unit.index), always_call=True)
-            )
-        for unit in self.units:
-            for index, param in enumerate(unit.spec.params):
-                if param.requires_grad:
-                    hook = functools.partial(self._on_param_grad, unit.index, index)
-                    self._hooks.append(param.register_post_accumulate_grad_hook(hook))
-
-    # ---- forward -----------------------------------------------------------------------
+    # ---- forward and backward ----------------------------------------------------------
     def __call__(self, *args, **kwargs):
         self._check_open()
         args, kwargs = _prepare_inputs((args, kwargs), self.device.torch_device, self.compute_dtype)
         started = time.perf_counter()
         try:
-            if not self._watch_external_reads:
-                return self.model(*args, **kwargs)
-            with ExternalParamReads(self.unit_of_param, self._is_active, self._hold_external):
-                return self.model(*args, **kwargs)
-        except BaseException:
-            # what the always-called post-forward hooks could not unwind (a KeyboardInterrupt
-            # is not an Exception, and skips them)
-            self._abort_forward()
-            raise
+            return self.schedule.forward(*args, **kwargs)
         finally:
             self.timings["forward"] += time.perf_counter() - started
 
-    def _in_backward(self) -> bool:
-        """Whether autograd is running a backward now: a forward seen now is a recompute."""
-        return self._phase == "backward" or torch._C._current_graph_task_id() != -1
+    @property
+    def forward_order(self):
+        return self.schedule.context.forward_order
 
-    def _is_active(self, unit_index: int) -> bool:
-        if unit_index in self._external_holds:
-            return True
-        for entry in self._entered:
-            if entry.unit == unit_index or unit_index in self.units[entry.unit].spec.borrows:
-                return True
-        return False
+    @property
+    def backward_order(self):
+        return self.schedule.context.backward_order
 
-    def _hold_external(self, unit_index: int) -> None:
-        """A param read outside its unit's forward: hold its unit until the backward is over."""
-        logger.debug("offload: unit %s read outside its forward; held until the end of backward", self.units[unit_index].spec.name)
-        self._external_holds.add(unit_index)
-        self.residency.acquire(self.units[unit_index])
-        if torch.is_grad_enabled():
-            self._uses[unit_index] += 1
-
-    def _raise_if_step_failed(self) -> None:
-        future = self._step_future
-        if future is not None and future.done() and future.exception() is not None:
-            self._step_future = None
-            raise OffloadError(f"offload: the optimizer step failed: {future.exception()}") from future.exception()
-
-    def _enter_unit(self, unit: UnitState) -> None:
-        started = time.perf_counter()
-        waits_for_step = not unit.step_done.is_set()
-        taken = []
-        try:
-            for borrowed in sorted(unit.spec.borrows):
-                self.residency.acquire(self.units[borrowed])
-                taken.append(borrowed)
-            self.residency.acquire(unit)
-        except BaseException:
-            for borrowed in reversed(taken):
-                self.residency.release(self.units[borrowed])
-            raise
-        self.timings["wait_step" if waits_for_step else "wait_fetch"] += time.perf_counter() - started
-        self._raise_if_step_failed()
-
-    def _leave_unit(self, unit: UnitState) -> None:
-        self.residency.release(unit)
-        for borrowed in sorted(unit.spec.borrows):
-            self.residency.release(self.units[borrowed])
-
-    def _begin_entry(self, index: int) -> Entry:
-        """Pre-forward of unit `index` (the root is 0): takes its hold and records who owns it.
-
-        In the model's forward the hold is the forward's, given back at post-forward. Inside a
-        backward the forward is a recompute (activation checkpointing): its hold is a backward
-        hold, given back when the unit's gradients are final or the backward ends, so a
-        recompute that stops early (or raises) cannot keep the unit resident."""
-        unit = self.units[index]
-        kind = EntryKind.RECOMPUTE if self._in_backward() else EntryKind.FORWARD
-        if kind is EntryKind.FORWARD:
-            if self._phase == "idle" and index == 0:
-                self._phase = "forward"
-                self.forward_order.begin()
-            if self._phase == "forward":
-                self.forward_order.visit(index)
-                self._prefetch_ahead(self.forward_order)
-        self._enter_unit(unit)
-        if kind is EntryKind.RECOMPUTE:
-            unit.backward_holds += 1
-        elif torch.is_grad_enabled():
-            self._uses.update([index, *unit.spec.borrows])
-        entry = Entry(index, kind)
-        self._entered.append(entry)
-        return entry
-
-    def _end_entry(self, index: int) -> Entry | None:
-        """Post-forward of unit `index`: pops its entry (None if its pre-forward never finished);
-        the caller gives back its hold. Entries above it were abandoned by an exception that
-        skipped their post-forward: their forward holds are given back here."""
-        if not any(entry.unit == index for entry in self._entered):
-            return None
-        while True:
-            entry = self._entered.pop()
-            if entry.unit == index:
-                return entry
-            if entry.kind is EntryKind.FORWARD:
-                self._leave_unit(self.units[entry.unit])
-
-    def _abort_forward(self) -> None:
-        """A forward failed: gives back every hold it still has; the next forward starts clean."""
-        while self._entered and self._entered[-1].kind is EntryKind.FORWARD:
-            self._leave_unit(self.units[self._entered.pop().unit])
-        if self._phase == "forward":
-            self.forward_order.abandon()
-            self._phase = "idle"
-        if not self._entered and not self._root_holds_for_backward:
-            self._drop_external_holds()
-
-    def _root_pre_forward(self, module, args):
-        self._begin_entry(0)
-
-    def _root_post_forward(self, module, args, output):
-        entry = self._end_entry(0)
-        if entry is None:
-            return
-        if entry.kind is EntryKind.RECOMPUTE:
-            return  # a backward hold, given back at the end of backward
-        if output is None:  # the forward raised
-            self._leave_unit(self.units[0])
-            self._abort_forward()
-            return
-        if self._phase == "forward":
-            self.forward_order.end()
-            self._phase = "idle"
-        if self._gathers_after_step:
-            self.residency.gather_stepped()
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)):
-            # the forward's hold on the root (embeddings, head) passes to its backward
-            self._root_holds_for_backward += 1
-            return
-        self._leave_unit(self.units[0])
-        if not self._entered and not self._root_holds_for_backward:
-            self._drop_external_holds()
-
-    def _unit_pre_forward(self, index: int, module, args):
-        self._begin_entry(index)
-
-    def _unit_post_forward(self, index: int, module, args, output):
-        entry = self._end_entry(index)
-        if entry is None:
-            return
-        if entry.kind is EntryKind.FORWARD:
-            self._leave_unit(self.units[index])
-        if output is None or not torch.is_grad_enabled():
-            return
-        tensors = [t for t in tensors_in(output) if t.requires_grad]
-        if tensors:
-            fired = [False]
-
-            def before_backward(grad, unit_index=index):
-                if not fired[0]:
-                    fired[0] = True
-                    self._pre_backward(unit_index)
-
-            for tensor in tensors:
-                tensor.register_hook(before_backward)
-
-    def _prefetch_ahead(self, order: ExecutionOrder) -> None:
-        for upcoming in order.upcoming(self.config.prefetch.depth):
-            unit = self.units[upcoming]
-            for borrowed in unit.spec.borrows:
-                self.residency.prefetch(self.units[borrowed])
-            self.residency.prefetch(unit)
-
-    # ---- backward ----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` / gradient_accumulation_steps (times the loss scale in fp16)."""
         self._check_open()
@@ -452,11 +256,10 @@ class Engine:
             raise OffloadError("engine.backward: the loss does not require grad (was the forward run under torch.no_grad?)")
         # agreed over ranks: a rank skipping backward alone would leave the others in its collectives
         nonfinite = self.config.precision != "fp16" and not math.isfinite(float(loss.detach()))
-        any_nonfinite = self._agree_on_backward(nonfinite)
-        if any_nonfinite:
+        if self.schedule.agree_on_backward(nonfinite):
             bad_ranks = self.collectives.ranks_with(nonfinite, what="the non-finite loss check")
-            self._reduce_order = None
-            self._end_backward()
+            self.schedule.context.reduce_order = None
+            self.schedule.end_backward()
             where = ""
             if self.collectives.is_distributed:
                 where = f" (not finite on rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))})"
@@ -465,243 +268,26 @@ class Engine:
                 "was not run and no state changed; check the data and the learning rate, or use precision 'fp16' "
                 "whose overflow skips the step"
             )
-        self._wait_step()
-        self._boundary_backward = (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        self.stepping.wait()
+        boundary = (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
         scaled = loss.float() / self.config.gradient_accumulation_steps
         if self.config.precision == "fp16":
             scaled = scaled * self.scaler.scale
-        self._phase = "backward"
-        self.backward_order.begin()
         started = time.perf_counter()
         try:
-            if self._reduce_order is not None:
-                self._reduce_units(self._reduce_order.start())
-            scaled.backward()
+            self.schedule.backward(scaled, boundary=boundary)
         finally:
-            self._end_backward()
             self.timings["backward"] += time.perf_counter() - started
         self.micro_steps += 1
-
-    def _agree_on_backward(self, nonfinite: bool) -> bool:
-        """Several ranks: one exchange says whether any rank's loss is not finite and which units
-        each rank's forward used (for the gradient reduction order, see rank_order.py); returns
-        whether a loss was not finite."""
-        uses, self._uses = self._uses, collections.Counter()
-        if not self.collectives.is_distributed:
-            return nonfinite
-        count = len(self.units)
-        used = [1 if uses[i] and self._trainable[i] else 0 for i in range(count)]
-        twice = [1 if uses[i] > 1 and self._trainable[i] else 0 for i in range(count)]
-        flags = self._agreement_row([int(nonfinite), *used, *twice])
-        union = self.collectives.agree((Op.BACKWARD, 0), flags, self._describe_op, MISMATCH_HINT)
-        used_anywhere = {i for i in range(count) if union[1 + i]}
-        twice_anywhere = {i for i in range(count) if union[1 + count + i]}
-        self._reduce_order = ReduceOrder(used_anywhere, {i for i in range(count) if used[i]}, twice_anywhere)
-        return bool(union[0])
-
-    def _agreement_row(self, flags: list[int]) -> list[int]:
-        """Every agreement row has the same length on every rank (a collective of other sizes
-        would not pair up): the longest that any agreement needs."""
-        return flags + [0] * (self._agreement_width - len(flags))
-
-    def _agree_before_collective(self, op: Op, unit: UnitState) -> None:
-        row = self._agreement_row([])
-        self.collectives.agree((op, unit.index), row, self._describe_op, MISMATCH_HINT)
-
-    def _describe_op(self, key: tuple[int, int]) -> str:
-        return describe_op(key, [unit.spec.name for unit in self.units])
-
-    def _end_backward(self) -> None:
-        try:
-            if self._reduce_order is None:
-                for unit in self.units:
-                    if unit.grads_pending:
-                        self._flush_grads(unit)
-            else:
-                self._reduce_units(self._reduce_order.finish())
-                self._reduce_unannounced()
-        finally:
-            self._reduce_order = None
-            for unit in self.units:
-                self._release_backward_holds(unit)
-            for _ in range(self._root_holds_for_backward):
-                self._leave_unit(self.units[0])
-            self._root_holds_for_backward = 0
-            self._drop_external_holds()
-            self.residency.release_idle()
-            self.residency.reset_leaked_holds()
-            if self._phase == "backward":
-                self.backward_order.end()
-            self._phase = "idle"
-            self._entered.clear()
-
-    def _reduce_unannounced(self) -> None:
-        """Several ranks, end of backward: units with gradients that no rank's forward announced
-        (a parameter used outside the model's forward) reduce now, in an order agreed first."""
-        flags = [1 if unit.grads_pending else 0 for unit in self.units]
-        union = self.collectives.agree((Op.EXTRAS, 0), self._agreement_row(flags), self._describe_op, MISMATCH_HINT)
-        self._reduce_units([i for i in range(len(self.units) - 1, -1, -1) if union[i]])
-
-    def _reduce_units(self, indices: list[int]) -> None:
-        for index in indices:
-            self._flush_grads(self.units[index])
-
-    def _drop_external_holds(self) -> None:
-        for unit_index in sorted(self._external_holds):
-            self.residency.release(self.units[unit_index])
-        self._external_holds.clear()
-
-    def _pre_backward(self, index: int) -> None:
-        unit = self.units[index]
-        if self._phase == "backward":
-            self.backward_order.visit(index)
-            self._prefetch_ahead(self.backward_order)
-        self._enter_unit(unit)
-        unit.backward_holds += 1
-
-    def _release_backward_holds(self, unit: UnitState) -> None:
-        while unit.backward_holds:
-            unit.backward_holds -= 1
-            self._leave_unit(unit)
-
-    def _on_param_grad(self, unit_index: int, param_index: int, param: torch.Tensor) -> None:
-        unit = self.units[unit_index]
-        unit.grads_pending.add(param_index)
-        if unit.grads_pending < self._trainable[unit_index]:
-            return
-        if self._reduce_order is None:
-            self._flush_grads(unit)
-        else:
-            # several ranks: the weights are no longer needed, the reduction waits its turn
-            self._release_backward_holds(unit)
-            self._reduce_units(self._reduce_order.grads_final(unit_index))
-
-    def _flush_grads(self, unit: UnitState) -> None:
-        """Main thread: hands the unit's gradients to the transfer worker and releases the unit.
-
-        With several ranks, the ranks first agree that they reduce this unit and which of its
-        parameters have a gradient on any rank (rank_order.py); a unit none has gradients for
-        is not reduced."""
-        pending, unit.grads_pending = unit.grads_pending, set()
-        layout = unit.layout
-        params = unit.spec.params
-        if self.collectives.is_distributed:
-            flags = self._agreement_row([1 if i in pending else 0 for i in range(len(params))])
-            union = self.collectives.agree((Op.REDUCE, unit.index), flags, self._describe_op, MISMATCH_HINT)
-            with_grad = {i for i in range(len(params)) if union[i]}
-            if not with_grad:
-                self._release_backward_holds(unit)
-                return
-        else:
-            with_grad = pending
-        self._bound_grads_in_flight()
-        if self.device.is_cuda or self.collectives.is_distributed:
-            pieces = [(0, self._flat_grad_shard(unit, pending))]
-        else:
-            # CPU device, one rank: the gradients are host memory already; the transfer worker
-            # adds them straight into the fp32 gradient, with no flat copy in between
-            pieces = []
-            with torch.no_grad():
-                for index in sorted(pending):
-                    grad = params[index].grad
-                    if grad is not None:
-                        pieces.append((layout.offsets[index], grad.reshape(-1)))
-                    params[index].grad = None
-            self.ledger.allocate("device", sum(g.numel() * g.element_size() for _, g in pieces), "grad")
-        event = self.device.record_compute_event()
-        first = not unit.window_started
-        unit.window_started = True
-        unit.grads_in_window |= with_grad
-        for _, grad in pieces:
-            self.device.keep_alive_on_copy_stream(grad)
-        final = self._boundary_backward and self.config.overlap == "backward" and self._reduced_once_per_backward(unit)
-        if final and self._gathers_after_step:
-            unit.needs_gather = True
-        future = self.transfer.submit(self._offload_grad, unit, pieces, event, first, self._boundary_backward, final)
-        self._grad_futures.append(future)
-        self._grads_in_flight.append(future)
-        self._release_backward_holds(unit)
-
-    def _flat_grad_shard(self, unit: UnitState, pending: set[int]) -> torch.Tensor:
-        """The unit's gradients as one flat device buffer, reduce-scattered to this rank's shard."""
-        layout = unit.layout
-        params = unit.spec.params
-        flat = self.device.empty(layout.padded_numel, self.compute_dtype)
-        full_nbytes = flat.numel() * flat.element_size()
-        self.ledger.allocate("device", full_nbytes, "grad")
-        flat.zero_()
-        with torch.no_grad():
-            for index in pending:
-                grad = params[index].grad
-                if grad is not None:
-                    flat[layout.offsets[index] : layout.offsets[index] + layout.numels[index]].copy_(grad.reshape(-1))
-                params[index].grad = None
-        if not self.collectives.is_distributed:
-            return flat
-        shard = self.device.empty(layout.shard_numel, self.compute_dtype)
-        self.ledger.allocate("device", shard.numel() * shard.element_size(), "grad")
-        self.collectives.reduce_scatter_flat(shard, flat, what=f"gradients of unit {unit.spec.name}")
-        self.ledger.release("device", full_nbytes, "grad")
-        return shard
-
-    def _bound_grads_in_flight(self) -> None:
-        """Backpressure: at most MAX_GRADS_IN_FLIGHT units' gradients wait on the device for the
-        transfer worker; the main thread (and so backward) waits for the oldest beyond that."""
-        while self._grads_in_flight and (
-            len(self._grads_in_flight) >= MAX_GRADS_IN_FLIGHT or self._grads_in_flight[0].done()
-        ):
-            oldest = self._grads_in_flight.popleft()
-            if not oldest.done():
-                started = time.perf_counter()
-                oldest.exception()  # waits; errors surface in step() through _grad_futures
-                self.timings["wait_fetch"] += time.perf_counter() - started
-
-    def _reduced_once_per_backward(self, unit: UnitState) -> bool:
-        """Whether this reduction of the unit's gradients is its last in this backward: always
-        with several ranks (each unit reduces once, rank_order.py); with one rank, when the
-        unit runs once per forward."""
-        if self.collectives.is_distributed:
-            return True
-        recorded = self.forward_order.recorded or []
-        return recorded.count(unit.index) == 1
-
-    def _offload_grad(self, unit: UnitState, pieces: list, event, first: bool, boundary: bool, step_now: bool) -> None:
-        """Transfer worker: device gradients -> fp32 gradient on its tier (+ norm at the boundary).
-
-        `pieces` are (offset in the shard, gradient) pairs: the reduce-scattered flat shard on
-        CUDA or with several ranks, the params' own gradients on a CPU device."""
-        nbytes = sum(grad.numel() * grad.element_size() for _, grad in pieces)
-        staging = None
-        try:
-            if self.device.is_cuda:
-                ((offset, flat),) = pieces
-                self.device.copy_waits(event)
-                staging = self.store.grad_staging.take()
-                with self.device.copy_stream_context():
-                    staging[: flat.numel()].copy_(flat, non_blocking=True)
-                self.device.record_copy_event().synchronize()
-                pieces = [(offset, staging[: flat.numel()])]
-            norm = self.store.accumulate_grad(unit, pieces, first, compute_norm=boundary)
-            if boundary:
-                unit.grad_sq_norm = norm
-        finally:
-            if staging is not None:
-                self.store.grad_staging.give(staging)
-            del pieces
-            self.ledger.release("device", nbytes, "grad")
-        if step_now:
-            self._step_during_backward(unit)
 
     def _step_during_backward(self, unit: UnitState) -> None:
         """overlap 'backward' (transfer worker): the unit's gradients are final, step it now."""
         if unit.grad_sq_norm is None or not math.isfinite(unit.grad_sq_norm):
-            with self._lock:
-                self._nonfinite_units.append(unit.spec.name)
+            self._nonfinite_units.append(unit.spec.name)
             return
         unit.begin_step()
-        hyper = self._hyper(1.0 / self.collectives.world_size)
-        with self._lock:
-            self._backward_step_futures.append(self.optimizer_worker.submit(self.stepper.run, [unit], hyper))
+        self.schedule.context.events.record("step_begin", unit.index)
+        self.stepping.submit([unit], self._hyper(1.0 / self.collectives.world_size))
 
     # ---- step --------------------------------------------------------------------------
     def _hyper(self, grad_multiplier: float) -> StepHyper:
@@ -717,36 +303,10 @@ class Engine:
             grad_multiplier=grad_multiplier,
         )
 
-    def _wait_grads(self) -> None:
-        """Waits for every gradient transfer of the window; re-raises the first error. The
-        transfers are forgotten only once done: an interrupted wait can be waited again."""
-        concurrent.futures.wait(self._grad_futures)
-        futures, self._grad_futures = self._grad_futures, []
-        self._grads_in_flight.clear()
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            raise OffloadError(f"offload: moving gradients off the device failed: {errors[0]}") from errors[0]
-
     def _drain(self) -> None:
         """Waits for every gradient transfer and optimizer step in flight; re-raises their errors."""
-        self._wait_grads()
-        self._wait_step()
-
-    def _wait_step(self) -> None:
-        """Waits for any step still running (overlap forward / backward); re-raises its error.
-        A step is forgotten only once done: after an interrupt (Ctrl-C in `step()`), the next
-        wait (a checkpoint's, say) still waits for it."""
-        if self._step_future is not None:
-            concurrent.futures.wait([self._step_future])
-            future, self._step_future = self._step_future, None
-            future.result()
-        with self._lock:
-            futures = list(self._backward_step_futures)
-        concurrent.futures.wait(futures)
-        with self._lock:
-            del self._backward_step_futures[: len(futures)]
-        for f in futures:
-            f.result()
+        self.gradients.wait_all()
+        self.stepping.wait()
 
     def step(self) -> bool:
         """At the end of an accumulation window, updates the weights; returns True when it did.
@@ -770,9 +330,8 @@ class Engine:
         # wait above leaves it open, and the next step() takes it again
         self._stepped_at_micro = self.micro_steps
         window = [unit for unit in self.units if unit.window_started]
-        nonfinite, self._nonfinite_units = self._nonfinite_units, []
-        if self.config.overlap == "backward":
-            return self._finish_backward_overlap(window, nonfinite)
+        if self.policy.steps_in_backward:
+            return self._finish_window_stepped_in_backward(window)
         for unit in window:
             if unit.grad_sq_norm is None:
                 unit.grad_sq_norm = self.store.grad_sq_norm(unit)
@@ -800,14 +359,11 @@ class Engine:
             self.scaler.update(overflow=False)
         self.global_steps += 1
         order = step_order(self.forward_order.recorded, len(self.units))
-        to_step = [self.units[i] for i in order if self.units[i].window_started]
-        self._begin_steps(to_step)
-        self._step_future = self.optimizer_worker.submit(self.stepper.run, to_step, self._hyper(multiplier))
-        if self.config.overlap == "none":
-            self._wait_step()
+        self._submit_steps([self.units[i] for i in order if self.units[i].window_started], multiplier)
         return True
 
-    def _finish_backward_overlap(self, window: list[UnitState], nonfinite: list[str]) -> bool:
+    def _finish_window_stepped_in_backward(self, window: list[UnitState]) -> bool:
+        nonfinite, self._nonfinite_units = self._nonfinite_units, []
         if self.collectives.ranks_with(bool(nonfinite), what="the non-finite gradient check") and not nonfinite:
             nonfinite = ["units on other ranks"]
         if nonfinite:
@@ -817,18 +373,20 @@ class Engine:
                 "stepped (with overlap 'backward' the other units already were); lower the learning rate or check the data"
             )
         self.global_steps += 1
-        rest = [unit for unit in window if unit.window_started]
-        self._begin_steps(rest)
-        self._step_future = self.optimizer_worker.submit(self.stepper.run, rest, self._hyper(1.0 / self.collectives.world_size))
-        self._wait_step()
+        self._submit_steps([unit for unit in window if unit.window_started], 1.0 / self.collectives.world_size)
         return True
 
-    def _begin_steps(self, units: list[UnitState]) -> None:
-        """Main thread, before the optimizer worker steps `units`: their weights change."""
+    def _submit_steps(self, units: list[UnitState], multiplier: float) -> None:
+        """The window's units step on the optimizer worker; the overlap policy says whether
+        step() waits for them."""
+        context = self.schedule.context
         for unit in units:
             unit.begin_step()
-            if self._gathers_after_step:
+            context.events.record("step_begin", unit.index)
+            if context.gathers_after_step:
                 unit.needs_gather = True
+        self.stepping.submit(units, self._hyper(multiplier))
+        self.policy.on_window_end(self.stepping)
 
     def _discard_window(self) -> None:
         for unit in self.units:
@@ -837,7 +395,7 @@ class Engine:
     # ---- weights out -------------------------------------------------------------------
     def _master_shard(self, unit: UnitState) -> torch.Tensor:
         """A host copy of this rank's fp32 master shard of `unit`."""
-        if self.store.optimizer_tier == "cpu":
+        if not self.store.optimizer_tier.streamed:
             return unit.host["master"].clone()
         shard = torch.empty(unit.shard_numel, dtype=torch.float32)
         with self.store.slots_lock:
@@ -876,7 +434,9 @@ class Engine:
 
     def pop_timings(self) -> dict[str, float]:
         """Seconds per phase since the last call (forward, backward, step, wait_fetch, wait_step)."""
-        timings, self.timings = self.timings, dict.fromkeys(TIMING_KEYS, 0.0)
+        timings = dict(self.timings)
+        for key in self.timings:
+            self.timings[key] = 0.0
         return timings
 
     # ---- checkpoints (offload.checkpoint does the work) --------------------------------
@@ -900,6 +460,10 @@ class Engine:
         """Bytes the engine holds now and at peak, per tier (device / host / nvme), by category."""
         return self.ledger.report()
 
+    def memory_report(self) -> dict:
+        """Bytes the engine holds now and at peak, per tier (device / host / nvme), by category."""
+        return self.ledger.report()
+
     # ---- end ---------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -917,9 +481,7 @@ class Engine:
             final = self.consolidated_state_dict() if restore_weights else None
         finally:
             self._closed = True
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks.clear()
+            self.schedule.remove()
             self.transfer.shutdown(wait=True)
             self.optimizer_worker.shutdown(wait=True)
             self.store.close()

@@ -4,7 +4,7 @@ Every unit's params are views into its `device_flat` buffer. With `param: none` 
 always holds the weights. With `param: cpu|nvme` its storage is freed (resized to 0 bytes)
 between uses: the params keep their shapes and any accidental read fails loudly instead of
 reading stale data. A fetch re-allocates the storage (main thread) and the transfer worker
-fills it from the host copy or the swap file, on the copy stream; the compute stream waits on
+fills it from the host copy or the swap file, on the host-to-device stream; the compute stream waits on
 the copy's event before the unit runs.
 
 Residency is counted: `acquire` adds a holder (the unit's forward, its backward, a unit that
@@ -19,10 +19,12 @@ from concurrent.futures import Executor
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.profiler import record_function
 
 from offload.collectives import Collectives
 from offload.device import Device
 from offload.memory import TierLedger
+from offload.placement import ParamTier
 from offload.rank_order import Op
 from offload.state import UnitState
 from offload.tiers import TierStore
@@ -40,7 +42,7 @@ class Residency:
         transfer: Executor,
         collectives: Collectives,
         ledger: TierLedger,
-        param_tier: str,
+        param_tier: ParamTier,
         compute_dtype: torch.dtype,
         agree_before: Callable[[Op, UnitState], None],
     ) -> None:
@@ -50,7 +52,7 @@ class Residency:
         self.transfer = transfer
         self.collectives = collectives
         self.ledger = ledger
-        self.offloaded = param_tier != "none"
+        self.offloaded = param_tier.offloaded
         # several ranks: called before each gather, so that the ranks fail at once, naming what
         # each was about to do, when they are out of step (rank_order.py)
         self.agree_before = agree_before
@@ -85,20 +87,24 @@ class Residency:
         else:
             unit.fetch_target = unit.device_flat
         # The storage just allocated may be memory the compute stream freed while kernels that
-        # read it are still queued: the copy stream must not write it before they finish.
+        # read it are still queued: the copy must not write it before they finish.
         compute_done = self.device.record_compute_event()
         unit.fetch_version = unit.weights_version
         unit.fetch_future = self.transfer.submit(self._fetch, unit, unit.fetch_target, compute_done)
 
     def _fetch(self, unit: UnitState, target: torch.Tensor, compute_done):
         """Transfer worker: waits for the unit's pending step, copies its 16-bit shard to `target`."""
+        with record_function(f"offload::fetch[{unit.index}]"):
+            return self._fetch_shard(unit, target, compute_done)
+
+    def _fetch_shard(self, unit: UnitState, target: torch.Tensor, compute_done):
         unit.step_done.wait()
         source, staged = self.store.read_param16(unit)
         try:
-            with self.device.copy_stream_context():
-                self.device.copy_waits(compute_done)
+            with self.device.host_to_device.context():
+                self.device.host_to_device.waits(compute_done)
                 target[: unit.shard_numel].copy_(source, non_blocking=True)
-            event = self.device.record_copy_event()
+            event = self.device.host_to_device.record_event()
             if staged:
                 event.synchronize()  # the staging buffer is reused by the next fetch
         finally:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload.placement import OptimizerTier, ParamTier
 from offload.units import FlatLayout, UnitSpec
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad32")
@@ -139,8 +140,8 @@ class OptimizerSlot:
 def host_budget_bytes(
     shard_numels: list[int],
     *,
-    param_tier: str,
-    optimizer_tier: str,
+    param_tier: ParamTier | str,
+    optimizer_tier: OptimizerTier | str,
     compute_bytes: int,
     buffer_count: int,
     prefetch_depth: int,
@@ -152,19 +153,20 @@ def host_budget_bytes(
     fp32) compute element. staged_device_copies: gradients pass through a host staging ring
     (CUDA); on the CPU the device buffers are host memory already.
     """
+    param_tier, optimizer_tier = ParamTier(param_tier), OptimizerTier(optimizer_tier)
     largest = max(shard_numels, default=0)
     total = sum(shard_numels)
     need = {}
-    if optimizer_tier == "cpu":
+    if not optimizer_tier.streamed:
         need["optimizer_state"] = 16 * total  # master, exp_avg, exp_avg_sq, grad32
     else:
         need["optimizer_slots"] = buffer_count * largest * (16 + compute_bytes)
         need["grad_slot"] = 4 * largest
-    if param_tier == "cpu" or (param_tier == "none" and staged_device_copies):
+    if param_tier.host_copy or (param_tier is ParamTier.DEVICE and staged_device_copies):
         # the weights' home (cpu), or the pinned source of their copy to the device (none, CUDA);
         # with `none` on the CPU the step writes the device buffer, host memory, in place
         need["param16"] = compute_bytes * total
-    elif param_tier == "nvme":
+    elif param_tier is ParamTier.NVME:
         need["param_staging"] = (prefetch_depth + 2) * largest * compute_bytes
     if staged_device_copies:
         need["grad_staging"] = 2 * largest * compute_bytes

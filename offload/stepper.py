@@ -12,9 +12,11 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from offload.device import Device
 from offload.optim import kernels
+from offload.placement import ParamTier
 from offload.state import UnitState
 from offload.tiers import TierStore
 
@@ -45,6 +47,8 @@ class UnitStepper:
         # optimizer-worker seconds since the last pop_timings(): waiting for state reads, for a
         # slot's writes before reusing it, in the Adam kernel, and sending 16-bit weights home
         self.timings: dict[str, float] = dict.fromkeys(STEP_TIMING_KEYS, 0.0)
+        # the schedule's EventLog, when the engine gives it one (tests that pin the order)
+        self.events = None
 
     def pop_timings(self) -> dict[str, float]:
         timings, self.timings = self.timings, dict.fromkeys(STEP_TIMING_KEYS, 0.0)
@@ -61,11 +65,17 @@ class UnitStepper:
                 # did not wait for it would be refused, not written with the old values)
                 unit.end_window()
                 unit.step_done.set()
+                if self.events is not None:
+                    self.events.record("step_done", unit.index)
         finally:
             for unit in units:
                 unit.step_done.set()
 
     def _step(self, unit: UnitState, views: dict[str, torch.Tensor], hyper: StepHyper, slot) -> None:
+        with record_function(f"offload::step[{unit.index}]"):
+            self._step_unit(unit, views, hyper, slot)
+
+    def _step_unit(self, unit: UnitState, views: dict[str, torch.Tensor], hyper: StepHyper, slot) -> None:
         stepped = sorted(unit.grads_in_window)
         ranges = unit.layout.param_ranges_in_shard(self.rank, stepped)
         if not stepped:
@@ -77,7 +87,7 @@ class UnitStepper:
             # gather of the other ranks' new shards: the engine marked the unit before the step)
             return
         out, staging = self._param16_target(unit, slot)
-        if self.store.param_tier == "nvme" and ranges != unit.layout.param_ranges_in_shard(self.rank):
+        if self.store.param_tier is ParamTier.NVME and ranges != unit.layout.param_ranges_in_shard(self.rank):
             # some params are not stepped (frozen, or no gradient this window): the buffer is shared
             # by all units, so it must start from this unit's 16-bit values, which are written back whole
             self.store.swap.read_into(unit.swap_name("param16"), out).wait()
@@ -114,11 +124,11 @@ class UnitStepper:
     def _param16_target(self, unit: UnitState, slot) -> tuple[torch.Tensor, bool]:
         """Where the kernel writes the new 16-bit weights: (buffer, is it a staging buffer)."""
         n = unit.shard_numel
-        if self.store.param_tier == "none" and not self.device.is_cuda:
+        if self.store.param_tier is ParamTier.DEVICE and not self.device.is_cuda:
             # the CPU device's buffer is host memory: the kernel writes the weights in place
             start, end = unit.layout.shard_range(self.rank)
             return unit.device_flat[start:end], False
-        if self.store.param_tier in ("none", "cpu"):
+        if self.store.param_tier is not ParamTier.NVME:
             return unit.param16, False
         if slot is not None:
             return slot.param16[:n], False
@@ -127,9 +137,9 @@ class UnitStepper:
     def _publish(self, unit: UnitState, out: torch.Tensor, slot) -> None:
         """Sends the new 16-bit shard to the param's home tier."""
         tier = self.store.param_tier
-        if tier == "cpu":
+        if tier is ParamTier.HOST:
             return
-        if tier == "nvme":
+        if tier is ParamTier.NVME:
             handle = self.store.swap.write_from(unit.swap_name("param16"), out)
             if slot is None:
                 handle.wait()  # `out` is a staging buffer, given back right after
@@ -141,6 +151,6 @@ class UnitStepper:
             return
         start, end = unit.layout.shard_range(self.rank)
         if out.data_ptr() != unit.device_flat[start:end].data_ptr():
-            with self.device.copy_stream_context():
+            with self.device.host_to_device.context():
                 unit.device_flat[start:end].copy_(out, non_blocking=True)
-            unit.device_update_event = self.device.record_copy_event()
+            unit.device_update_event = self.device.host_to_device.record_event()

@@ -17,6 +17,7 @@ import torch
 
 from offload.config import Config
 from offload.memory import HostBufferPool, TierLedger
+from offload.placement import ParamTier, Placement
 from offload.state import STATE_KINDS, BufferRing, OptimizerSlot, UnitState, host_budget_bytes
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,9 @@ class TierStore:
         run_name: str,
     ) -> None:
         self.units = units
-        self.param_tier = config.offload.param
-        self.optimizer_tier = config.offload.optimizer
+        self.placement = Placement.of(config.offload.param, config.offload.optimizer)
+        self.param_tier = self.placement.param
+        self.optimizer_tier = self.placement.optimizer
         self.compute_dtype = compute_dtype
         self.ledger = ledger
         self.buffer_count = config.offload.buffer_count
@@ -72,8 +74,7 @@ class TierStore:
         self.slots_lock = threading.RLock()
         self._nvme_bytes_recorded = 0  # what this store put in the ledger's nvme tier
         try:
-            uses_nvme = "nvme" in (self.param_tier, self.optimizer_tier)
-            if uses_nvme:
+            if self.placement.uses_nvme:
                 from offload.swap import SwapStore
 
                 path = nvme_path_for_rank(config.offload.nvme_path, local_rank)
@@ -87,10 +88,10 @@ class TierStore:
                 )
                 specs = {}
                 for unit in units:
-                    if self.optimizer_tier == "nvme":
+                    if self.optimizer_tier.streamed:
                         for kind in STATE_KINDS:
                             specs[unit.swap_name(kind)] = (unit.shard_numel, torch.float32)
-                    if self.param_tier == "nvme":
+                    if self.param_tier is ParamTier.NVME:
                         specs[unit.swap_name("param16")] = (unit.shard_numel, compute_dtype)
                 self.swap.reserve(specs)
                 self._nvme_bytes_recorded = self.swap.nbytes_on_disk()
@@ -102,7 +103,7 @@ class TierStore:
 
     def _allocate_host(self) -> None:
         largest = self.largest_shard
-        if self.optimizer_tier == "cpu":
+        if not self.optimizer_tier.streamed:
             for unit in self.units:
                 for kind in STATE_KINDS:
                     unit.host[kind] = self.pool.alloc(unit.shard_numel, torch.float32, category="optimizer_state")
@@ -118,7 +119,7 @@ class TierStore:
         if "param16" in self.budget:
             for unit in self.units:
                 unit.param16 = self.pool.alloc(unit.shard_numel, self.compute_dtype, category="param16")
-        elif self.param_tier == "nvme":
+        elif self.param_tier is ParamTier.NVME:
             count = self.prefetch_depth + 2
             self.param_staging = BufferRing([self.pool.alloc(largest, self.compute_dtype, category="param_staging") for _ in range(count)])
         if "grad_staging" in self.budget:
@@ -131,7 +132,7 @@ class TierStore:
     # ---- start --------------------------------------------------------------------------
     def initialise(self, unit: UnitState, master_values: torch.Tensor) -> None:
         """Stores the unit's initial state: master = values, moments = 0, 16-bit = values cast."""
-        if self.optimizer_tier == "cpu":
+        if not self.optimizer_tier.streamed:
             unit.host["master"].copy_(master_values)
             for kind in ("exp_avg", "exp_avg_sq", "grad32"):
                 unit.host[kind].zero_()
@@ -154,7 +155,7 @@ class TierStore:
 
     def store_param16_values(self, unit: UnitState, values32: torch.Tensor) -> None:
         """The 16-bit home copy of `values32` (used at start and after loading a checkpoint)."""
-        if self.param_tier in ("none", "cpu"):
+        if self.param_tier is not ParamTier.NVME:
             if unit.param16 is not None:  # `none` on the CPU has no host copy: the device buffer is it
                 unit.param16.copy_(values32)
             return
@@ -184,7 +185,7 @@ class TierStore:
         the writes queued on it (`store_optimizer_state`) completed. The consumer may modify the
         views and queue writes before asking for the next unit. `timings`, if given, accumulates
         the seconds spent in `wait_read` and `wait_write`."""
-        if self.optimizer_tier == "cpu":
+        if not self.optimizer_tier.streamed:
             for unit in units:
                 yield unit, unit.host, None
             return
@@ -239,7 +240,7 @@ class TierStore:
 
     def optimizer_views(self, unit: UnitState, slot: OptimizerSlot | None) -> dict[str, torch.Tensor]:
         """The unit's four fp32 state tensors, wherever they are now (host, or a loaded slot)."""
-        if self.optimizer_tier == "cpu":
+        if not self.optimizer_tier.streamed:
             return unit.host
         n = unit.shard_numel
         return {kind: buffer[:n] for kind, buffer in slot.tensors().items()}
@@ -254,7 +255,7 @@ class TierStore:
         from offload.optim import kernels
 
         n = unit.shard_numel
-        if self.optimizer_tier == "cpu":
+        if not self.optimizer_tier.streamed:
             target = unit.host["grad32"]
         else:
             target = self.grad_slot[:n]
@@ -271,7 +272,7 @@ class TierStore:
             for offset, grad in pieces:
                 target[offset : offset + grad.numel()].add_(grad)
         norm = kernels.sq_norm(target) if compute_norm else None
-        if self.optimizer_tier == "nvme":
+        if self.optimizer_tier.streamed:
             self.swap.write_from(unit.swap_name("grad32"), target).wait()
         return norm
 
@@ -279,7 +280,7 @@ class TierStore:
         """Squared norm of the stored fp32 gradient (for a unit whose window ended early)."""
         from offload.optim import kernels
 
-        if self.optimizer_tier == "cpu":
+        if not self.optimizer_tier.streamed:
             return kernels.sq_norm(unit.host["grad32"])
         target = self.grad_slot[: unit.shard_numel]
         self.swap.read_into(unit.swap_name("grad32"), target).wait()
@@ -288,7 +289,7 @@ class TierStore:
     # ---- 16-bit weights ---------------------------------------------------------------------
     def read_param16(self, unit: UnitState) -> tuple[torch.Tensor, bool]:
         """The unit's 16-bit shard on the host: (tensor, whether it is a staging buffer to give back)."""
-        if self.param_tier in ("none", "cpu"):
+        if self.param_tier is not ParamTier.NVME:
             return unit.param16, False
         staging = self.param_staging.take()
         try:

@@ -228,7 +228,7 @@ def bench_rank(rank: int, world_size: int, config: dict, width: int, depth: int,
         started = time.perf_counter()
         engine.backward(mse(engine, x, y))
         engine.step()
-        engine._wait_step()  # the step's full cost, overlap or not
+        engine.stepping.wait()  # the step's full cost, overlap or not
         if i >= warmup:
             times.append(time.perf_counter() - started)
     report = engine.memory_report()

@@ -74,7 +74,7 @@ def main() -> None:
             try:
                 engine.step()
             except KeyboardInterrupt:
-                print("interrupted in step(), step in flight:", engine._step_future is not None, flush=True)
+                print("interrupted in step(), step in flight:", engine.stepping.pending, flush=True)
                 engine.save_checkpoint(checkpoint)
                 engine.close(restore_weights=False)
                 return

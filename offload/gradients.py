@@ -1,0 +1,158 @@
+"""Each unit's gradients, from the device into the fp32 gradient on the optimizer tier.
+
+`GradientOffload.hand_off` (main thread, when a unit's gradients are final in a backward) takes
+the params' device gradients (flattened, and reduce-scattered to this rank's shard with several
+ranks), records a compute event, and submits `_land` to the transfer worker, which copies the
+shard to the host (device-to-host stream, through a pinned staging buffer on CUDA), adds it
+into the fp32 gradient and, at the end of a window, takes its squared norm.
+
+In flight: every hand-off of the window is kept in `futures` until `wait_all` (errors surface
+there, at the window's end); at most MAX_GRADS_IN_FLIGHT units' gradients wait on the device,
+the main thread (and so backward) waits for the oldest beyond that.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+
+import torch
+from torch.profiler import record_function
+
+from offload.collectives import Collectives
+from offload.device import Device
+from offload.errors import OffloadError
+from offload.memory import TierLedger
+from offload.state import UnitState
+from offload.tiers import TierStore
+
+# Units whose gradients may sit on the device waiting for the transfer worker at once.
+MAX_GRADS_IN_FLIGHT = 2
+
+
+class GradientOffload:
+    def __init__(
+        self,
+        *,
+        device: Device,
+        collectives: Collectives,
+        store: TierStore,
+        ledger: TierLedger,
+        transfer: Executor,
+        compute_dtype: torch.dtype,
+        timings: dict[str, float],
+        on_final: Callable[[UnitState], None],
+    ) -> None:
+        self.device = device
+        self.collectives = collectives
+        self.store = store
+        self.ledger = ledger
+        self.transfer = transfer
+        self.compute_dtype = compute_dtype
+        self.timings = timings
+        # transfer worker: a unit's gradients of the window have landed and are its last (the
+        # overlap policy steps it now)
+        self.on_final = on_final
+        self.futures: list[Future] = []  # every hand-off of the window (errors)
+        self._in_flight: collections.deque[Future] = collections.deque()  # not yet known done
+
+    # ---- main thread ----------------------------------------------------------------------
+    def hand_off(self, unit: UnitState, pending: set[int], *, first: bool, boundary: bool, final: bool) -> None:
+        """Takes the gradients of the params `pending` off the device (their .grad becomes None)."""
+        layout = unit.layout
+        params = unit.spec.params
+        self._bound_in_flight()
+        if self.device.is_cuda or self.collectives.is_distributed:
+            pieces = [(0, self._flat_shard(unit, pending))]
+        else:
+            # CPU device, one rank: the gradients are host memory already; the transfer worker
+            # adds them straight into the fp32 gradient, with no flat copy in between
+            pieces = []
+            with torch.no_grad():
+                for index in sorted(pending):
+                    grad = params[index].grad
+                    if grad is not None:
+                        pieces.append((layout.offsets[index], grad.reshape(-1)))
+                    params[index].grad = None
+            self.ledger.allocate("device", sum(g.numel() * g.element_size() for _, g in pieces), "grad")
+        event = self.device.record_compute_event()
+        for _, grad in pieces:
+            self.device.device_to_host.keep_alive(grad)
+        future = self.transfer.submit(self._land, unit, pieces, event, first, boundary, final)
+        self.futures.append(future)
+        self._in_flight.append(future)
+
+    def _flat_shard(self, unit: UnitState, pending: set[int]) -> torch.Tensor:
+        """The unit's gradients as one flat device buffer, reduce-scattered to this rank's shard."""
+        layout = unit.layout
+        params = unit.spec.params
+        flat = self.device.empty(layout.padded_numel, self.compute_dtype)
+        full_nbytes = flat.numel() * flat.element_size()
+        self.ledger.allocate("device", full_nbytes, "grad")
+        flat.zero_()
+        with torch.no_grad():
+            for index in pending:
+                grad = params[index].grad
+                if grad is not None:
+                    flat[layout.offsets[index] : layout.offsets[index] + layout.numels[index]].copy_(grad.reshape(-1))
+                params[index].grad = None
+        if not self.collectives.is_distributed:
+            return flat
+        shard = self.device.empty(layout.shard_numel, self.compute_dtype)
+        self.ledger.allocate("device", shard.numel() * shard.element_size(), "grad")
+        self.collectives.reduce_scatter_flat(shard, flat, what=f"gradients of unit {unit.spec.name}")
+        self.ledger.release("device", full_nbytes, "grad")
+        return shard
+
+    def _bound_in_flight(self) -> None:
+        while self._in_flight and (len(self._in_flight) >= MAX_GRADS_IN_FLIGHT or self._in_flight[0].done()):
+            oldest = self._in_flight.popleft()
+            if not oldest.done():
+                started = time.perf_counter()
+                oldest.exception()  # waits; errors surface in wait_all
+                self.timings["wait_fetch"] += time.perf_counter() - started
+
+    def wait_all(self) -> None:
+        """Waits for every hand-off of the window; re-raises the first error. The hand-offs are
+        forgotten only once done: an interrupted wait can be waited again."""
+        concurrent.futures.wait(self.futures)
+        futures, self.futures = self.futures, []
+        self._in_flight.clear()
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise OffloadError(f"offload: moving gradients off the device failed: {errors[0]}") from errors[0]
+
+    # ---- transfer worker ------------------------------------------------------------------
+    def _land(self, unit: UnitState, pieces: list, event, first: bool, boundary: bool, final: bool) -> None:
+        """Device gradients -> fp32 gradient on its tier (+ squared norm at the boundary).
+
+        `pieces` are (offset in the shard, gradient) pairs: the reduce-scattered flat shard on
+        CUDA or with several ranks, the params' own gradients on a CPU device."""
+        with record_function(f"offload::grads_to_host[{unit.index}]"):
+            self._accumulate(unit, pieces, event, first, boundary)
+        if final:
+            self.on_final(unit)
+
+    def _accumulate(self, unit: UnitState, pieces: list, event, first: bool, boundary: bool) -> None:
+        nbytes = sum(grad.numel() * grad.element_size() for _, grad in pieces)
+        staging = None
+        try:
+            if self.device.is_cuda:
+                ((offset, flat),) = pieces
+                to_host = self.device.device_to_host
+                to_host.waits(event)
+                staging = self.store.grad_staging.take()
+                with to_host.context():
+                    staging[: flat.numel()].copy_(flat, non_blocking=True)
+                to_host.record_event().synchronize()
+                pieces = [(offset, staging[: flat.numel()])]
+            norm = self.store.accumulate_grad(unit, pieces, first, compute_norm=boundary)
+            if boundary:
+                unit.grad_sq_norm = norm
+        finally:
+            if staging is not None:
+                self.store.grad_staging.give(staging)
+            del pieces
+            self.ledger.release("device", nbytes, "grad")

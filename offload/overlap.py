@@ -1,0 +1,110 @@
+"""When the CPU step runs (config `overlap`), as small policy objects, and the queue of steps.
+
+A unit's step must follow its last gradient of the window and precede the next read of its
+weights; the policies differ in how far they push it into the surrounding compute:
+
+- `none` (StepAfterBackward): `step()` steps every unit of the window and waits.
+- `forward` (StepDuringForward): `step()` hands the window to the optimizer worker and returns;
+  each unit's next use waits for its own step only (`UnitState.step_done`), so unit k steps
+  while the next forward computes the units before it. Exact, global-norm clipping included:
+  the norm is known before the first unit steps.
+- `backward` (StepDuringBackward): a unit steps as soon as its last gradients of the window
+  land, while backward computes the units below it; `step()` steps the rest and waits.
+  Refused with clipping and fp16, whose factor needs every gradient first.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from concurrent.futures import Executor, Future
+
+from offload.errors import OffloadError
+from offload.state import UnitState
+from offload.stepper import StepHyper, UnitStepper
+
+
+class Stepping:
+    """The optimizer worker's queue: steps submitted (from the main thread at `step()`, or from
+    the transfer worker during backward), waited for, their failures re-raised."""
+
+    def __init__(self, worker: Executor, stepper: UnitStepper) -> None:
+        self.worker = worker
+        self.stepper = stepper
+        self._futures: list[Future] = []
+        self._lock = threading.Lock()
+
+    def submit(self, units: list[UnitState], hyper: StepHyper) -> None:
+        """Steps `units` in this order; each unit's `step_done` is set as it finishes. The
+        caller has called `begin_step()` on each (their weights now change)."""
+        future = self.worker.submit(self.stepper.run, units, hyper)
+        with self._lock:
+            self._futures.append(future)
+
+    @property
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._futures)
+
+    def wait(self) -> None:
+        """Waits for every step submitted; re-raises the first failure. A step is forgotten only
+        once done: after an interrupt (Ctrl-C in `step()`), the next wait still waits for it."""
+        with self._lock:
+            futures = list(self._futures)
+        concurrent.futures.wait(futures)
+        with self._lock:
+            del self._futures[: len(futures)]
+        for future in futures:
+            future.result()
+
+    def raise_if_failed(self) -> None:
+        """Without waiting: a step that already failed is raised in the main thread."""
+        with self._lock:
+            failed = [f for f in self._futures if f.done() and f.exception() is not None]
+            for future in failed:
+                self._futures.remove(future)
+        if failed:
+            error = failed[0].exception()
+            raise OffloadError(f"offload: the optimizer step failed: {error}") from error
+
+
+class OverlapPolicy:
+    """Base: steps nothing during backward; `step()` waits for the window's steps."""
+
+    name = "none"
+    # whether units step during backward (step() then only finishes the window)
+    steps_in_backward = False
+
+    def on_grads_final(self, unit: UnitState) -> bool:
+        """Main thread, backward: the unit's last gradients of the window were handed off.
+        True: step it as soon as they land (on the transfer worker)."""
+        return False
+
+    def on_window_end(self, stepping: Stepping) -> None:
+        """`step()`, after the window's steps were submitted."""
+        stepping.wait()
+
+
+class StepAfterBackward(OverlapPolicy):
+    name = "none"
+
+
+class StepDuringForward(OverlapPolicy):
+    name = "forward"
+
+    def on_window_end(self, stepping: Stepping) -> None:
+        """Returns at once: each unit's next fetch or forward waits for its own step."""
+
+
+class StepDuringBackward(OverlapPolicy):
+    name = "backward"
+    steps_in_backward = True
+
+    def on_grads_final(self, unit: UnitState) -> bool:
+        return True
+
+
+POLICIES = {policy.name: policy for policy in (StepAfterBackward, StepDuringForward, StepDuringBackward)}
+
+
+def overlap_policy(name: str) -> OverlapPolicy:
+    return POLICIES[name]()

@@ -1,0 +1,540 @@
+"""The per-unit schedule: what happens to each unit during a micro-step, in one place.
+
+A unit goes through these transitions (module hooks call them; `UnitSchedule` implements them):
+
+  pre_forward    take a hold: the unit's 16-bit weights on the device, current (fetched, or
+                 waited for its step); fetch the next `prefetch.depth` units of the recorded order
+  post_forward   give the hold back (an offloaded unit's device copy is freed at zero holders);
+                 hook its outputs so that its backward announces itself
+  pre_backward   take a backward hold (fetched again if it was freed); fetch ahead along the
+                 recorded backward order
+  grads_final    every trainable param's gradient has accumulated: give the backward holds
+                 back and hand the gradients off (gradients.py), in the agreed order with
+                 several ranks (rank_order.py); the overlap policy may step the unit right
+                 after they land (overlap.py)
+  (step)         `Engine.step()` decides the window; the optimizer worker steps the unit and
+                 publishes its new 16-bit weights (stepper.py), then sets `step_done`
+
+The root unit (parameters outside every block: embeddings, head) opens and closes the model's
+forward. A forward seen during backward is a recompute (activation checkpointing): its hold is a
+backward hold, so a recompute that stops early cannot keep a unit resident. Each transition is
+a `torch.profiler.record_function` range (`offload::pre_forward[3]`), so a profile shows the
+pipeline. Everything here runs on the main thread, except what the transfer worker runs for
+`GradientOffload` and the overlap policy.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from offload.collectives import Collectives
+from offload.gradients import GradientOffload
+from offload.overlap import OverlapPolicy, Stepping
+from offload.prefetch import ExecutionOrder
+from offload.rank_order import MISMATCH_HINT, Op, ReduceOrder
+from offload.rank_order import describe as describe_op
+from offload.residency import ExternalParamReads, Residency, tensors_in
+from offload.state import UnitState
+
+logger = logging.getLogger(__name__)
+
+
+class EventLog:
+    """The order of transitions, for tests that pin it (FSDP2's expected-events style): off
+    unless `enabled`. Appended from the main thread and the two workers."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.events: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+
+    def record(self, name: str, unit: int) -> None:
+        if self.enabled:
+            with self._lock:
+                self.events.append((name, unit))
+
+    def take(self) -> list[tuple[str, int]]:
+        with self._lock:
+            events, self.events = self.events, []
+        return events
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class EntryKind(enum.Enum):
+    """Who owns the hold a unit's forward takes."""
+
+    # the model's forward: given back at the unit's post-forward
+    FORWARD = "forward"
+    # a forward re-run inside backward (activation checkpointing): a backward hold, given back
+    # when the unit's gradients are final or at the end of backward, whether or not the
+    # recompute ran to its end
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A unit whose forward is running (the root is unit 0)."""
+
+    unit: int
+    kind: EntryKind
+
+
+@dataclass
+class ScheduleContext:
+    """Run-time state shared by every unit's schedule (one per engine; main thread only)."""
+
+    units: list[UnitState]
+    residency: Residency
+    gradients: GradientOffload
+    collectives: Collectives
+    stepping: Stepping
+    policy: OverlapPolicy
+    prefetch_depth: int
+    # seconds by phase since the engine's last pop_timings() (shared with the engine)
+    timings: dict[str, float]
+    # per unit, the indices of its params that require grad
+    trainable: list[set[int]] = field(default_factory=list)
+    phase: Phase = Phase.IDLE
+    forward_order: ExecutionOrder = field(default_factory=ExecutionOrder)
+    backward_order: ExecutionOrder = field(default_factory=ExecutionOrder)
+    # units whose forward is running, innermost last, each with who owns its hold
+    entered: list[Entry] = field(default_factory=list)
+    # units held because a param was read outside its unit's forward (until the end of backward)
+    external_holds: set[int] = field(default_factory=set)
+    # forward uses of each unit (with borrows and external reads) since the last backward
+    uses: collections.Counter = field(default_factory=collections.Counter)
+    # several ranks: the agreed order of this backward's reductions (rank_order.py)
+    reduce_order: ReduceOrder | None = None
+    # the root's forward holds, passed to the backward of each forward whose output needs grad
+    root_holds_for_backward: int = 0
+    # whether the running backward ends a gradient window
+    boundary_backward: bool = False
+    # every unit's schedule, by unit index (set by Schedule)
+    schedules: list = field(default_factory=list)
+    events: EventLog = field(default_factory=EventLog)
+
+    def __post_init__(self) -> None:
+        self.agreement_width = max(1 + 2 * len(self.units), max(len(unit.spec.params) for unit in self.units))
+        # param none with several ranks: a stepped unit's new shards are gathered at its next use
+        self.gathers_after_step = not self.residency.offloaded and self.collectives.is_distributed
+
+    def in_backward(self) -> bool:
+        """Whether autograd is running a backward now: a forward seen now is a recompute."""
+        return self.phase is Phase.BACKWARD or torch._C._current_graph_task_id() != -1
+
+    def agreement_row(self, flags: list[int]) -> list[int]:
+        """Every agreement row has the same length on every rank (a collective of other sizes
+        would not pair up): the longest that any agreement needs."""
+        return flags + [0] * (self.agreement_width - len(flags))
+
+    def agree(self, op: Op, unit: int, flags: list[int]) -> list[int]:
+        return self.collectives.agree((op, unit), self.agreement_row(flags), self.describe, MISMATCH_HINT)
+
+    def describe(self, key: tuple[int, int]) -> str:
+        return describe_op(key, [unit.spec.name for unit in self.units])
+
+
+class UnitSchedule:
+    """The transitions of one unit (see the module docstring), in the order they happen."""
+
+    def __init__(self, unit: UnitState, context: ScheduleContext) -> None:
+        self.unit = unit
+        self.context = context
+        self.index = unit.index
+
+    # ---- holds --------------------------------------------------------------------------
+    def enter(self) -> None:
+        """Holds the unit (and the units it borrows tied weights from) on the device."""
+        context = self.context
+        units = context.units
+        started = time.perf_counter()
+        waits_for_step = not self.unit.step_done.is_set()
+        taken = []
+        try:
+            for borrowed in sorted(self.unit.spec.borrows):
+                context.residency.acquire(units[borrowed])
+                taken.append(borrowed)
+            context.residency.acquire(self.unit)
+        except BaseException:
+            for borrowed in reversed(taken):
+                context.residency.release(units[borrowed])
+            raise
+        context.timings["wait_step" if waits_for_step else "wait_fetch"] += time.perf_counter() - started
+        context.stepping.raise_if_failed()
+
+    def leave(self) -> None:
+        self.context.residency.release(self.unit)
+        for borrowed in sorted(self.unit.spec.borrows):
+            self.context.residency.release(self.context.units[borrowed])
+
+    def release_backward_holds(self) -> None:
+        while self.unit.backward_holds:
+            self.unit.backward_holds -= 1
+            self.leave()
+
+    # ---- forward ------------------------------------------------------------------------
+    def pre_forward(self) -> Entry:
+        """Takes the unit's hold and records who owns it: the forward's, given back at
+        post-forward; inside a backward (a recompute), a backward hold."""
+        context = self.context
+        with record_function(f"offload::pre_forward[{self.index}]"):
+            kind = EntryKind.RECOMPUTE if context.in_backward() else EntryKind.FORWARD
+            if kind is EntryKind.FORWARD and context.phase is Phase.FORWARD:
+                context.forward_order.visit(self.index)
+                prefetch_ahead(context, context.forward_order)
+            self.enter()
+            # recorded once the weights are on the device and current
+            context.events.record("pre_recompute" if kind is EntryKind.RECOMPUTE else "pre_forward", self.index)
+            if kind is EntryKind.RECOMPUTE:
+                self.unit.backward_holds += 1
+            elif torch.is_grad_enabled():
+                context.uses.update([self.index, *self.unit.spec.borrows])
+            entry = Entry(self.index, kind)
+            context.entered.append(entry)
+            return entry
+
+    def end_entry(self) -> Entry | None:
+        """Pops this unit's entry (None if its pre-forward never finished); the caller gives
+        back its hold. Entries above it were abandoned by an exception that skipped their
+        post-forward: their forward holds are given back here."""
+        entered = self.context.entered
+        if not any(entry.unit == self.index for entry in entered):
+            return None
+        while True:
+            entry = entered.pop()
+            if entry.unit == self.index:
+                return entry
+            if entry.kind is EntryKind.FORWARD:
+                self.context.schedules[entry.unit].leave()
+
+    def post_forward(self, output) -> None:
+        """Gives the forward's hold back; hooks the outputs so that the unit's backward announces
+        itself. `output` is None when the forward raised (or a recompute stopped early)."""
+        with record_function(f"offload::post_forward[{self.index}]"):
+            entry = self.end_entry()
+            if entry is None:
+                return
+            self.context.events.record("post_forward" if entry.kind is EntryKind.FORWARD else "post_recompute", self.index)
+            if entry.kind is EntryKind.FORWARD:
+                self.leave()
+            if output is None or not torch.is_grad_enabled():
+                return
+            tensors = [t for t in tensors_in(output) if t.requires_grad]
+            if tensors:
+                fired = [False]
+
+                def before_backward(grad):
+                    if not fired[0]:
+                        fired[0] = True
+                        self.pre_backward()
+
+                for tensor in tensors:
+                    tensor.register_hook(before_backward)
+
+    # ---- backward -----------------------------------------------------------------------
+    def pre_backward(self) -> None:
+        context = self.context
+        with record_function(f"offload::pre_backward[{self.index}]"):
+            if context.phase is Phase.BACKWARD:
+                context.backward_order.visit(self.index)
+                prefetch_ahead(context, context.backward_order)
+            self.enter()
+            context.events.record("pre_backward", self.index)
+            self.unit.backward_holds += 1
+
+    def on_param_grad(self, param_index: int) -> None:
+        """A param's gradient has accumulated; at the last one the unit's gradients are final."""
+        context = self.context
+        self.unit.grads_pending.add(param_index)
+        if self.unit.grads_pending < context.trainable[self.index]:
+            return
+        if context.reduce_order is None:
+            self.grads_final()
+        else:
+            # several ranks: the weights are no longer needed, the reduction waits its turn
+            self.release_backward_holds()
+            for index in context.reduce_order.grads_final(self.index):
+                context.schedules[index].grads_final()
+
+    def grads_final(self) -> None:
+        """Hands the unit's gradients off and gives its backward holds back.
+
+        With several ranks, the ranks first agree that they reduce this unit and which of its
+        parameters have a gradient on any rank (rank_order.py); a unit none has gradients for
+        is not reduced."""
+        context = self.context
+        unit = self.unit
+        with record_function(f"offload::grads_final[{self.index}]"):
+            context.events.record("grads_final", self.index)
+            pending, unit.grads_pending = unit.grads_pending, set()
+            params = unit.spec.params
+            if context.collectives.is_distributed:
+                union = context.agree(Op.REDUCE, self.index, [1 if i in pending else 0 for i in range(len(params))])
+                with_grad = {i for i in range(len(params)) if union[i]}
+                if not with_grad:
+                    self.release_backward_holds()
+                    return
+            else:
+                with_grad = pending
+            first = not unit.window_started
+            unit.window_started = True
+            unit.grads_in_window |= with_grad
+            final = (
+                context.boundary_backward
+                and self._reduced_once_per_backward()
+                and context.policy.on_grads_final(unit)
+            )
+            if final and context.gathers_after_step:
+                unit.needs_gather = True
+            context.gradients.hand_off(unit, pending, first=first, boundary=context.boundary_backward, final=final)
+            self.release_backward_holds()
+
+    def _reduced_once_per_backward(self) -> bool:
+        """Whether this hand-off is the unit's last in this backward: always with several ranks
+        (each unit reduces once, rank_order.py); with one rank, when it runs once per forward."""
+        if self.context.collectives.is_distributed:
+            return True
+        recorded = self.context.forward_order.recorded or []
+        return recorded.count(self.index) == 1
+
+
+class RootSchedule(UnitSchedule):
+    """Unit 0, the model itself: its forward opens and closes the model's forward."""
+
+    def pre_forward(self) -> Entry:
+        context = self.context
+        if context.phase is Phase.IDLE and not context.in_backward():
+            context.phase = Phase.FORWARD
+            context.forward_order.begin()
+        return super().pre_forward()
+
+    def post_forward(self, output) -> None:
+        context = self.context
+        with record_function("offload::post_forward[0]"):
+            entry = self.end_entry()
+            if entry is None:
+                return
+            context.events.record("post_forward" if entry.kind is EntryKind.FORWARD else "post_recompute", 0)
+            if entry.kind is EntryKind.RECOMPUTE:
+                return  # a recompute's hold is a backward hold
+            if output is None:  # the forward raised
+                self.leave()
+                abort_forward(context)
+                return
+            if context.phase is Phase.FORWARD:
+                context.forward_order.end()
+                context.phase = Phase.IDLE
+            if context.gathers_after_step:
+                context.residency.gather_stepped()
+            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)):
+                # the forward's hold on the root (embeddings, head) passes to its backward
+                context.root_holds_for_backward += 1
+                return
+            self.leave()
+            if not context.entered and not context.root_holds_for_backward:
+                drop_external_holds(context)
+
+
+def prefetch_ahead(context: ScheduleContext, order: ExecutionOrder) -> None:
+    for upcoming in order.upcoming(context.prefetch_depth):
+        unit = context.units[upcoming]
+        for borrowed in unit.spec.borrows:
+            context.residency.prefetch(context.units[borrowed])
+        context.residency.prefetch(unit)
+
+
+def abort_forward(context: ScheduleContext) -> None:
+    """A forward failed: gives back every hold it still has; the next forward starts clean."""
+    while context.entered and context.entered[-1].kind is EntryKind.FORWARD:
+        context.schedules[context.entered.pop().unit].leave()
+    if context.phase is Phase.FORWARD:
+        context.forward_order.abandon()
+        context.phase = Phase.IDLE
+    if not context.entered and not context.root_holds_for_backward:
+        drop_external_holds(context)
+
+
+def drop_external_holds(context: ScheduleContext) -> None:
+    for unit_index in sorted(context.external_holds):
+        context.residency.release(context.units[unit_index])
+    context.external_holds.clear()
+
+
+class Schedule:
+    """The model's hooks, the forward and backward of the model as a whole, and the unit
+    schedules they drive."""
+
+    def __init__(self, model: nn.Module, context: ScheduleContext, *, watch_external_reads: bool) -> None:
+        self.model = model
+        self.context = context
+        context.trainable = [{i for i, p in enumerate(unit.spec.params) if p.requires_grad} for unit in context.units]
+        context.schedules = [
+            (RootSchedule if unit.index == 0 else UnitSchedule)(unit, context) for unit in context.units
+        ]
+        self.unit_of_param = {id(p): unit.index for unit in context.units for p in unit.spec.params}
+        # Reads of a parameter outside its unit's forward are seen (and wait for the unit's
+        # weights) when they could otherwise read freed storage (params offloaded), weights a
+        # step is still writing (overlap forward), or a shard not yet gathered (several ranks).
+        self.watch_external_reads = watch_external_reads
+        self.hooks: list = []
+
+    @property
+    def schedules(self) -> list[UnitSchedule]:
+        return self.context.schedules
+
+    def install(self) -> None:
+        """Module and gradient hooks. Post-forward hooks run even when the forward raises
+        (always_call): an exception in a unit's forward, or the early stop of a non-reentrant
+        checkpoint recompute (torch.utils.checkpoint's _StopRecomputationError), must give
+        back what it took."""
+        hooks = self.hooks
+        for schedule in self.schedules:
+            module = self.model if schedule.index == 0 else schedule.unit.spec.module
+            hooks.append(module.register_forward_pre_hook(_call(schedule.pre_forward)))
+            hooks.append(module.register_forward_hook(_post(schedule.post_forward), always_call=True))
+            for index, param in enumerate(schedule.unit.spec.params):
+                if param.requires_grad:
+                    hooks.append(param.register_post_accumulate_grad_hook(_grad(schedule.on_param_grad, index)))
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        try:
+            if not self.watch_external_reads:
+                return self.model(*args, **kwargs)
+            with ExternalParamReads(self.unit_of_param, self._is_active, self._hold_external):
+                return self.model(*args, **kwargs)
+        except BaseException:
+            # what the always-called post-forward hooks could not unwind (a KeyboardInterrupt
+            # is not an Exception, and skips them)
+            abort_forward(self.context)
+            raise
+
+    def _is_active(self, unit_index: int) -> bool:
+        context = self.context
+        if unit_index in context.external_holds:
+            return True
+        for entry in context.entered:
+            if entry.unit == unit_index or unit_index in context.units[entry.unit].spec.borrows:
+                return True
+        return False
+
+    def _hold_external(self, unit_index: int) -> None:
+        """A param read outside its unit's forward: hold its unit until the backward is over."""
+        context = self.context
+        logger.debug("offload: unit %s read outside its forward; held until the end of backward", context.units[unit_index].spec.name)
+        context.external_holds.add(unit_index)
+        context.residency.acquire(context.units[unit_index])
+        if torch.is_grad_enabled():
+            context.uses[unit_index] += 1
+
+    # ---- backward -------------------------------------------------------------------------
+    def agree_on_backward(self, nonfinite: bool) -> bool:
+        """Before a backward. Several ranks: one exchange says whether any rank's loss is not
+        finite and which units each rank's forward used (for the reduction order, see
+        rank_order.py). Returns whether a loss (any rank's) is not finite."""
+        context = self.context
+        uses, context.uses = context.uses, collections.Counter()
+        if not context.collectives.is_distributed:
+            return nonfinite
+        count = len(context.units)
+        used = [1 if uses[i] and context.trainable[i] else 0 for i in range(count)]
+        twice = [1 if uses[i] > 1 and context.trainable[i] else 0 for i in range(count)]
+        union = context.agree(Op.BACKWARD, 0, [int(nonfinite), *used, *twice])
+        used_anywhere = {i for i in range(count) if union[1 + i]}
+        twice_anywhere = {i for i in range(count) if union[1 + count + i]}
+        context.reduce_order = ReduceOrder(used_anywhere, {i for i in range(count) if used[i]}, twice_anywhere)
+        return bool(union[0])
+
+    def backward(self, scaled_loss: torch.Tensor, *, boundary: bool) -> None:
+        context = self.context
+        context.boundary_backward = boundary
+        context.phase = Phase.BACKWARD
+        context.backward_order.begin()
+        try:
+            if context.reduce_order is not None:
+                self._grads_final(context.reduce_order.start())
+            scaled_loss.backward()
+        finally:
+            self.end_backward()
+
+    def end_backward(self) -> None:
+        """Hands off what is left, gives every backward hold back; no unit stays held."""
+        context = self.context
+        try:
+            if context.reduce_order is None:
+                for schedule in self.schedules:
+                    if schedule.unit.grads_pending:
+                        schedule.grads_final()
+            else:
+                self._grads_final(context.reduce_order.finish())
+                self._reduce_unannounced()
+        finally:
+            context.reduce_order = None
+            for schedule in self.schedules:
+                schedule.release_backward_holds()
+            for _ in range(context.root_holds_for_backward):
+                self.schedules[0].leave()
+            context.root_holds_for_backward = 0
+            drop_external_holds(context)
+            context.residency.release_idle()
+            context.residency.reset_leaked_holds()
+            if context.phase is Phase.BACKWARD:
+                context.backward_order.end()
+            context.phase = Phase.IDLE
+            context.entered.clear()
+
+    def _reduce_unannounced(self) -> None:
+        """Several ranks, end of backward: units with gradients that no rank's forward announced
+        (a parameter used outside the model's forward) reduce now, in an order agreed first."""
+        context = self.context
+        union = context.agree(Op.EXTRAS, 0, [1 if unit.grads_pending else 0 for unit in context.units])
+        self._grads_final([i for i in range(len(context.units) - 1, -1, -1) if union[i]])
+
+    def _grads_final(self, indices: list[int]) -> None:
+        for index in indices:
+            self.schedules[index].grads_final()
+
+
+def _call(transition):
+    """A forward pre-hook: returns None, so the module's inputs are left as they are."""
+
+    def hook(module, args) -> None:
+        transition()
+
+    return hook
+
+
+def _post(transition):
+    """A forward hook: returns None, so the module's output is left as it is."""
+
+    def hook(module, args, output) -> None:
+        transition(output)
+
+    return hook
+
+
+def _grad(transition, index: int):
+    return functools.partial(_on_grad, transition, index)
+
+
+def _on_grad(transition, index: int, param) -> None:
+    transition(index)

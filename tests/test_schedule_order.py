@@ -1,0 +1,148 @@
+"""The order of the per-unit schedule's events, pinned for each overlap mode (FSDP2's
+expected-events style), and the proof that the CPU step overlaps what it should.
+
+TinyNet with two blocks: unit 0 is the root (input layer and head), units 1 and 2 the blocks.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import offload
+from reference import TinyNet, batches, mse
+
+
+def traced_engine(swap_dir, overlap, param="cpu", optimizer="cpu"):
+    torch.manual_seed(0)
+    config = {
+        "precision": "fp32",
+        "optimizer": {"lr": 1e-2},
+        "offload": {"param": param, "optimizer": optimizer, "nvme_path": swap_dir},
+        "overlap": overlap,
+        "prefetch": {"depth": 1},
+    }
+    engine = offload.initialize(TinyNet(depth=2), config)
+    engine.schedule.context.events.enabled = True
+    return engine
+
+
+def one_step(engine, batch):
+    x, y = batch
+    engine.backward(mse(engine, x, y))
+    engine.step()
+
+
+FORWARD = [("pre_forward", 0), ("pre_forward", 1), ("post_forward", 1), ("pre_forward", 2), ("post_forward", 2), ("post_forward", 0)]
+BACKWARD = [("pre_backward", 2), ("grads_final", 2), ("pre_backward", 1), ("grads_final", 1), ("grads_final", 0)]
+
+
+@pytest.mark.parametrize("param", ["none", "cpu", "nvme"])
+def test_overlap_none_steps_after_backward_in_forward_order(swap_dir, param):
+    engine = traced_engine(swap_dir, "none", param=param)
+    try:
+        one_step(engine, batches(1)[0])
+        events = engine.schedule.context.events.take()
+        steps = [("step_begin", 0), ("step_begin", 1), ("step_begin", 2), ("step_done", 0), ("step_done", 1), ("step_done", 2)]
+        assert events == FORWARD + BACKWARD + steps
+    finally:
+        engine.close()
+
+
+def test_overlap_forward_steps_each_unit_before_its_next_use(swap_dir):
+    engine = traced_engine(swap_dir, "forward")
+    try:
+        data = batches(3)
+        for batch in data:
+            one_step(engine, batch)
+        events = engine.schedule.context.events.take()
+        # the second step onwards: each unit's step is done before its next pre_forward
+        for unit in range(3):
+            done = [i for i, e in enumerate(events) if e == ("step_done", unit)]
+            uses = [i for i, e in enumerate(events) if e == ("pre_forward", unit)]
+            for step_done, next_use in zip(done, uses[1:]):
+                assert step_done < next_use, (unit, events)
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def slow_adam(monkeypatch):
+    """Each Adam call takes 50 ms longer: long enough that a step not overlapped would show."""
+    from offload import stepper
+
+    real = stepper.kernels.adam_step
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stepper.kernels, "adam_step", slow)
+
+
+def test_overlap_forward_hides_the_step_behind_the_next_forward(swap_dir, slow_adam):
+    """With a slow CPU step, step() returns before the units have stepped, and the next
+    forward starts computing while the later units are still stepping: the root (stepped
+    first) runs its forward before the last block's step is done."""
+    engine = traced_engine(swap_dir, "forward")
+    try:
+        data = batches(2)
+        one_step(engine, data[0])
+        x, y = data[1]
+        engine.backward(mse(engine, x, y))  # waits for the first step
+        engine.schedule.context.events.take()
+        started = time.perf_counter()
+        engine.step()
+        step_call = time.perf_counter() - started
+        engine.schedule.context.events.record("step_returned", -1)
+        mse(engine, x, y)
+        events = engine.schedule.context.events.take()
+        assert events.index(("step_returned", -1)) < events.index(("step_done", 0)), events
+        assert events.index(("pre_forward", 0)) < events.index(("step_done", 2)), events
+        # every unit's Adam sleeps 50 ms; step() itself waited for none of them
+        assert step_call < 0.05, f"step() took {step_call:.3f} s: it waited for the CPU step"
+    finally:
+        engine.close()
+
+
+def test_overlap_backward_steps_a_block_while_backward_continues(swap_dir, slow_adam):
+    engine = traced_engine(swap_dir, "backward")
+    try:
+        data = batches(2)
+        one_step(engine, data[0])
+        one_step(engine, data[1])
+        events = engine.schedule.context.events.take()
+        second = events[len(events) // 2 :]
+        # block 2's step is submitted from the transfer worker as soon as its gradients land,
+        # before the root's gradients are final; the root steps at step()
+        assert second.index(("step_begin", 2)) < second.index(("grads_final", 0)), second
+        assert ("step_begin", 0) in second[second.index(("grads_final", 0)) :]
+    finally:
+        engine.close()
+
+
+def test_a_recompute_takes_a_backward_hold_and_gives_it_back(swap_dir):
+    """Non-reentrant checkpointing with early stop: the recompute's post-forward is called
+    (always_call) after it stopped early, and the unit is free after its gradients are final."""
+    from torch.utils import checkpoint
+
+    class Checkpointed(TinyNet):
+        def forward(self, x):
+            h = self.inp(x)
+            for block in self.blocks:
+                h = checkpoint.checkpoint(block, h, use_reentrant=False)
+            return self.out(h)
+
+    torch.manual_seed(0)
+    config = {"precision": "fp32", "offload": {"param": "cpu", "optimizer": "cpu", "nvme_path": swap_dir}, "overlap": "none"}
+    engine = offload.initialize(Checkpointed(depth=2), config)
+    engine.schedule.context.events.enabled = True
+    try:
+        one_step(engine, batches(1)[0])
+        events = engine.schedule.context.events.take()
+        backward = events[events.index(("post_forward", 0)) + 1 :]
+        assert backward[:4] == [("pre_backward", 2), ("pre_recompute", 2), ("post_recompute", 2), ("grads_final", 2)]
+        assert all(unit.holders == 0 for unit in engine.units)
+    finally:
+        engine.close()
