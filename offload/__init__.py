@@ -1,6 +1,6 @@
 """offload: a heterogeneous offload engine for PyTorch training.
 
-Public surface (see DESIGN.md): `initialize`, `Config`, `CPUAdamW`, `Engine`.
+Public surface (the project's DESIGN page; the inside in docs/design.md): `initialize`, `Config`, `CPUAdamW`, `Engine`.
 """
 from offload.errors import (  # noqa: F401
     ConfigError,
