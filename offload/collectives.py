@@ -135,7 +135,8 @@ def init_process_group_from_env(device: "torch.device | str | None" = None, envi
     else:
         device_type = torch.device(device).type
     backend = backend_for(device_type)
-    if backend == "nccl" and device is None:
+    if backend == "nccl" and (device is None or torch.device(device).index is None):
+        # one GPU per local rank, unless the caller named one (cuda:N)
         torch.cuda.set_device(cuda_index_for_local_rank(environ, torch.cuda.device_count()))
     timeout = timeout_from_env(environ)
     dist.init_process_group(backend=backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
