@@ -23,7 +23,8 @@ inline __m256 load_grad(const void* grad, size_t i) {
 inline __m128i to_bf16(__m256 p) {
   __m256i u = _mm256_castps_si256(p);
   __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
   __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
   rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), is_nan);
   return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
@@ -61,7 +62,8 @@ inline void adam_vector(const AdamArgs& a, float* param, const void* grad, float
   _mm256_storeu_ps(exp_avg + i, m);
   _mm256_storeu_ps(exp_avg_sq + i, v);
   if (OutType == kNone) return;
-  const __m128i half = OutType == kBF16 ? to_bf16(p) : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m128i half =
+      OutType == kBF16 ? to_bf16(p) : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   if (Stream)
     _mm_stream_si128(reinterpret_cast<__m128i*>(out16 + i), half);
   else
@@ -81,7 +83,8 @@ inline void adam_partial(const AdamArgs& a, size_t i, size_t rest, bool lerp_sma
   std::memcpy(exp_avg, a.exp_avg + i, rest * 4);
   std::memcpy(exp_avg_sq, a.exp_avg_sq + i, rest * 4);
   std::memcpy(grad, static_cast<const unsigned char*>(a.grad) + i * grad_bytes, rest * grad_bytes);
-  adam_vector<GradType, OutType, Traffic>(a, param, grad, exp_avg, exp_avg_sq, out, 0, lerp_small, lerp_coeff);
+  adam_vector<GradType, OutType, Traffic>(a, param, grad, exp_avg, exp_avg_sq, out, 0, lerp_small,
+                                          lerp_coeff);
   std::memcpy(a.param + i, param, rest * 4);
   std::memcpy(a.exp_avg + i, exp_avg, rest * 4);
   std::memcpy(a.exp_avg_sq + i, exp_avg_sq, rest * 4);
@@ -106,8 +109,8 @@ void adam_stream(const AdamArgs& a, size_t begin, size_t end, bool lerp_small, _
     }
   }
   for (; i + 8 <= end; i += 8)
-    adam_vector<GradType, OutType, Traffic, true>(a, a.param, a.grad, a.exp_avg, a.exp_avg_sq, out16, i, lerp_small,
-                                                  lerp_coeff);
+    adam_vector<GradType, OutType, Traffic, true>(a, a.param, a.grad, a.exp_avg, a.exp_avg_sq, out16, i,
+                                                  lerp_small, lerp_coeff);
   if (i < end) adam_partial<GradType, OutType, Traffic>(a, i, end - i, lerp_small, lerp_coeff);
   _mm_sfence();
 }
@@ -126,7 +129,8 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
   uint16_t* out16 = static_cast<uint16_t*>(a.param_out16);
   size_t i = begin;
   for (; i + 8 <= end; i += 8)
-    adam_vector<GradType, OutType, Traffic>(a, a.param, a.grad, a.exp_avg, a.exp_avg_sq, out16, i, lerp_small, lerp_coeff);
+    adam_vector<GradType, OutType, Traffic>(a, a.param, a.grad, a.exp_avg, a.exp_avg_sq, out16, i, lerp_small,
+                                            lerp_coeff);
   if (i < end) adam_partial<GradType, OutType, Traffic>(a, i, end - i, lerp_small, lerp_coeff);
 }
 

@@ -24,7 +24,8 @@ inline __m512 load_grad(const void* grad, size_t i, __mmask16 mask) {
 inline __m256i to_bf16(__m512 p) {
   __m512i u = _mm512_castps_si512(p);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
   __mmask16 is_nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
   return _mm512_cvtepi32_epi16(rounded);
@@ -61,7 +62,8 @@ inline void adam_vector(const AdamArgs& a, size_t i, __mmask16 mask, bool lerp_s
   _mm512_mask_storeu_ps(a.exp_avg_sq + i, mask, v);
   if (OutType == kNone) return;
   uint16_t* out16 = static_cast<uint16_t*>(a.param_out16);
-  const __m256i half = OutType == kBF16 ? to_bf16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i half =
+      OutType == kBF16 ? to_bf16(p) : _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   if (Stream)
     _mm256_stream_si256(reinterpret_cast<__m256i*>(out16 + i), half);
   else
@@ -85,8 +87,10 @@ void adam_stream(const AdamArgs& a, size_t begin, size_t end, bool lerp_small, _
       head -= k;
     }
   }
-  for (; i + 16 <= end; i += 16) adam_vector<GradType, OutType, Traffic, true>(a, i, 0xffff, lerp_small, lerp_coeff);
-  if (i < end) adam_vector<GradType, OutType, Traffic>(a, i, __mmask16((1u << (end - i)) - 1u), lerp_small, lerp_coeff);
+  for (; i + 16 <= end; i += 16)
+    adam_vector<GradType, OutType, Traffic, true>(a, i, 0xffff, lerp_small, lerp_coeff);
+  if (i < end)
+    adam_vector<GradType, OutType, Traffic>(a, i, __mmask16((1u << (end - i)) - 1u), lerp_small, lerp_coeff);
   _mm_sfence();
 }
 
@@ -102,8 +106,10 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
   if (OutType != kNone && a.stream && (reinterpret_cast<uintptr_t>(a.param_out16) & 1) == 0)
     return adam_stream<GradType, OutType, Traffic>(a, begin, end, lerp_small, lerp_coeff);
   size_t i = begin;
-  for (; i + 16 <= end; i += 16) adam_vector<GradType, OutType, Traffic>(a, i, 0xffff, lerp_small, lerp_coeff);
-  if (i < end) adam_vector<GradType, OutType, Traffic>(a, i, __mmask16((1u << (end - i)) - 1u), lerp_small, lerp_coeff);
+  for (; i + 16 <= end; i += 16)
+    adam_vector<GradType, OutType, Traffic>(a, i, 0xffff, lerp_small, lerp_coeff);
+  if (i < end)
+    adam_vector<GradType, OutType, Traffic>(a, i, __mmask16((1u << (end - i)) - 1u), lerp_small, lerp_coeff);
 }
 
 #include "adam/isa_dispatch.inc"

@@ -19,27 +19,27 @@ enum ElemType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
 // Everything one Adam step needs. Pointers are borrowed from the caller (torch tensors that
 // Python keeps alive for the duration of the call); the kernel never frees them.
 struct AdamArgs {
-  float* param;          // fp32 master weights, updated in place
-  const void* grad;      // gradient, element type grad_type
-  float* exp_avg;        // fp32 first moment, updated in place
-  float* exp_avg_sq;     // fp32 second moment, updated in place
-  void* param_out16;     // optional 16-bit copy of the updated weights (nullptr: none)
-  int grad_type;         // kF32 | kBF16 | kF16
-  int out_type;          // kBF16 | kF16 | kNone
+  float* param;       // fp32 master weights, updated in place
+  const void* grad;   // gradient, element type grad_type
+  float* exp_avg;     // fp32 first moment, updated in place
+  float* exp_avg_sq;  // fp32 second moment, updated in place
+  void* param_out16;  // optional 16-bit copy of the updated weights (nullptr: none)
+  int grad_type;      // kF32 | kBF16 | kF16
+  int out_type;       // kBF16 | kF16 | kNone
   // Scalars, already rounded to fp32 the way torch rounds a Python scalar operand.
-  float grad_scale;      // gradient multiplier (1 skips the multiply)
+  float grad_scale;  // gradient multiplier (1 skips the multiply)
   bool apply_scale;
-  float weight_decay;    // L2 coefficient (adamw_mode false)
+  float weight_decay;  // L2 coefficient (adamw_mode false)
   bool l2_decay;
-  float decay_factor;    // 1 - lr * weight_decay (adamw_mode true)
+  float decay_factor;  // 1 - lr * weight_decay (adamw_mode true)
   bool decoupled_decay;
-  float beta1_weight;    // 1 - beta1, the lerp weight of exp_avg
+  float beta1_weight;  // 1 - beta1, the lerp weight of exp_avg
   float beta2;
   float one_minus_beta2;
   float bias_correction2_sqrt;
-  bool divide_bc2;       // bias_correction2_sqrt != 1 (x / 1 == x exactly: the division is skipped)
+  bool divide_bc2;  // bias_correction2_sqrt != 1 (x / 1 == x exactly: the division is skipped)
   float eps;
-  float neg_step_size;   // -lr / bias_correction1
+  float neg_step_size;  // -lr / bias_correction1
   // Large arrays (far beyond the last-level cache): write param_out16 with non-temporal
   // stores (no read-for-ownership of lines that are only written; it will not be re-read
   // from this cache soon). Changes no result, only the memory traffic; the portable variant
@@ -116,17 +116,17 @@ static inline uint16_t float_to_f16(float f) {
     return sign | 0x7e00u | uint16_t((x >> 13) & 0x3ffu);
   }
   if (x >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to infinity
-  if (x < 0x38800000u) {                         // below 2^-14: half subnormal or zero
-    if (x <= 0x33000000u) return sign;           // <= 2^-25 rounds (ties to even) to zero
+  if (x < 0x38800000u) {                        // below 2^-14: half subnormal or zero
+    if (x <= 0x33000000u) return sign;          // <= 2^-25 rounds (ties to even) to zero
     uint32_t mantissa = (x & 0x7fffffu) | 0x800000u;
-    uint32_t shift = 126u - (x >> 23);           // 14 .. 24
+    uint32_t shift = 126u - (x >> 23);  // 14 .. 24
     uint32_t result = mantissa >> shift;
     uint32_t rest = mantissa & ((1u << shift) - 1u);
     uint32_t half = 1u << (shift - 1u);
     if (rest > half || (rest == half && (result & 1u))) ++result;
     return sign | uint16_t(result);
   }
-  uint32_t rebased = x - 0x38000000u;            // exponent bias 127 -> 15
+  uint32_t rebased = x - 0x38000000u;  // exponent bias 127 -> 15
   return sign | uint16_t((rebased + 0xfffu + ((rebased >> 13) & 1u)) >> 13);
 }
 
@@ -161,7 +161,8 @@ static inline double sum_squares_any(const void* data, int type, size_t begin, s
   }
   const uint16_t* h = static_cast<const uint16_t*>(data);
   if (type == kBF16)
-    return sum_squares_generic([h](size_t i) { return double(bits_float(uint32_t(h[i]) << 16)); }, begin, end);
+    return sum_squares_generic([h](size_t i) { return double(bits_float(uint32_t(h[i]) << 16)); }, begin,
+                               end);
   return sum_squares_generic([h](size_t i) { return double(f16_to_float(h[i])); }, begin, end);
 }
 

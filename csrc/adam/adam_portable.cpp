@@ -37,15 +37,15 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
       v = v + g;
     } else {
       if (a.apply_scale) g = g * a.grad_scale;
-      if (a.l2_decay) g = __builtin_fmaf(p, a.weight_decay, g);        // grad.add(param, alpha=wd)
-      if (a.decoupled_decay) p = p * a.decay_factor;                   // param.mul_(1 - lr*wd)
-      m = __builtin_fmaf(lerp_coeff, g - m, lerp_small ? m : g);       // exp_avg.lerp_(grad, 1-beta1)
-      v = v * a.beta2;                                                 // exp_avg_sq.mul_(beta2)
-      v = __builtin_fmaf(a.one_minus_beta2 * g, g, v);                 //   .addcmul_(grad, grad, 1-beta2)
+      if (a.l2_decay) g = __builtin_fmaf(p, a.weight_decay, g);   // grad.add(param, alpha=wd)
+      if (a.decoupled_decay) p = p * a.decay_factor;              // param.mul_(1 - lr*wd)
+      m = __builtin_fmaf(lerp_coeff, g - m, lerp_small ? m : g);  // exp_avg.lerp_(grad, 1-beta1)
+      v = v * a.beta2;                                            // exp_avg_sq.mul_(beta2)
+      v = __builtin_fmaf(a.one_minus_beta2 * g, g, v);            //   .addcmul_(grad, grad, 1-beta2)
       float root = __builtin_sqrtf(v);
       if (a.divide_bc2) root = root / a.bias_correction2_sqrt;
       float denom = root + a.eps;
-      p = p + (a.neg_step_size * m) / denom;                           // addcdiv_(m, denom, -step)
+      p = p + (a.neg_step_size * m) / denom;  // addcdiv_(m, denom, -step)
     }
     a.param[i] = p;
     a.exp_avg[i] = m;

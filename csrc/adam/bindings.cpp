@@ -171,23 +171,26 @@ AdamArgs buffer_args(const char* op, uintptr_t param, uintptr_t grad, uintptr_t 
 
 // The memory traffic of adam_step on these buffers (IsaKernels::traffic), streaming mode
 // forced on or off; for the benchmark's bandwidth limit. Overwrites the buffers.
-void adam_traffic(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t param_out16,
-                  size_t n, int grad_type, int out_type, bool stream) {
+void adam_traffic(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+                  uintptr_t param_out16, size_t n, int grad_type, int out_type, bool stream) {
   check_step_types("adam_traffic", grad_type, out_type);
   if (n == 0) return;
-  AdamArgs args = buffer_args("adam_traffic", param, grad, exp_avg, exp_avg_sq, param_out16, grad_type, out_type);
+  AdamArgs args =
+      buffer_args("adam_traffic", param, grad, exp_avg, exp_avg_sq, param_out16, grad_type, out_type);
   args.stream = stream;
   const IsaKernels& k = kernels();
   parallel_ranges(n, [&](size_t begin, size_t end) { k.traffic(args, begin, end); });
 }
 
-void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t param_out16,
-               size_t n, int grad_type, int out_type, double grad_scale, double weight_decay, bool l2_decay,
-               double decay_factor, bool decoupled_decay, double beta1_weight, double beta2, double one_minus_beta2,
-               double bias_correction2_sqrt, double eps, double neg_step_size) {
+void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+               uintptr_t param_out16, size_t n, int grad_type, int out_type, double grad_scale,
+               double weight_decay, bool l2_decay, double decay_factor, bool decoupled_decay,
+               double beta1_weight, double beta2, double one_minus_beta2, double bias_correction2_sqrt,
+               double eps, double neg_step_size) {
   check_step_types("adam_step", grad_type, out_type);
   if (n == 0) return;
-  AdamArgs args = buffer_args("adam_step", param, grad, exp_avg, exp_avg_sq, param_out16, grad_type, out_type);
+  AdamArgs args =
+      buffer_args("adam_step", param, grad, exp_avg, exp_avg_sq, param_out16, grad_type, out_type);
   args.stream = use_streaming(n);
   // Each scalar is rounded to fp32 once, as torch rounds a Python scalar operand.
   args.grad_scale = float(grad_scale);
@@ -245,8 +248,10 @@ bool has_nonfinite(uintptr_t data, size_t n, int type) {
   std::atomic<bool> found{false};
   std::atomic<size_t> next{0};
   pool().run([&](int, int) {
-    for (size_t b = next.fetch_add(1); b < blocks && !found.load(std::memory_order_relaxed); b = next.fetch_add(1))
-      if (k.any_nonfinite(ptr, type, b * kReduceBlock, std::min(n, (b + 1) * kReduceBlock))) found.store(true);
+    for (size_t b = next.fetch_add(1); b < blocks && !found.load(std::memory_order_relaxed);
+         b = next.fetch_add(1))
+      if (k.any_nonfinite(ptr, type, b * kReduceBlock, std::min(n, (b + 1) * kReduceBlock)))
+        found.store(true);
   });
   return found.load();
 }
@@ -288,20 +293,23 @@ void stream_scale_add(uintptr_t a, uintptr_t b, size_t n, double scalar) {
 }  // namespace
 
 PYBIND11_MODULE(_adam_ext, m) {
-  m.doc() = "CPU Adam/AdamW kernel, squared norm and non-finite check over raw buffers (offload.optim.kernels wraps it)";
+  m.doc() =
+      "CPU Adam/AdamW kernel, squared norm and non-finite check over raw buffers (offload.optim.kernels "
+      "wraps it)";
   using release = py::call_guard<py::gil_scoped_release>;
   m.attr("F32") = int(kF32);
   m.attr("BF16") = int(kBF16);
   m.attr("F16") = int(kF16);
   m.attr("NONE") = int(kNone);
   m.def("adam_step", &adam_step, release(), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
-        py::arg("exp_avg_sq"), py::arg("param_out16"), py::arg("n"), py::arg("grad_type"), py::arg("out_type"),
-        py::arg("grad_scale"), py::arg("weight_decay"), py::arg("l2_decay"), py::arg("decay_factor"),
-        py::arg("decoupled_decay"), py::arg("beta1_weight"), py::arg("beta2"), py::arg("one_minus_beta2"),
-        py::arg("bias_correction2_sqrt"), py::arg("eps"), py::arg("neg_step_size"));
+        py::arg("exp_avg_sq"), py::arg("param_out16"), py::arg("n"), py::arg("grad_type"),
+        py::arg("out_type"), py::arg("grad_scale"), py::arg("weight_decay"), py::arg("l2_decay"),
+        py::arg("decay_factor"), py::arg("decoupled_decay"), py::arg("beta1_weight"), py::arg("beta2"),
+        py::arg("one_minus_beta2"), py::arg("bias_correction2_sqrt"), py::arg("eps"),
+        py::arg("neg_step_size"));
   m.def("adam_traffic", &adam_traffic, release(), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
-        py::arg("exp_avg_sq"), py::arg("param_out16"), py::arg("n"), py::arg("grad_type"), py::arg("out_type"),
-        py::arg("stream"));
+        py::arg("exp_avg_sq"), py::arg("param_out16"), py::arg("n"), py::arg("grad_type"),
+        py::arg("out_type"), py::arg("stream"));
   m.def("set_streaming_threshold", &set_streaming_threshold, py::arg("n"));
   m.def("streaming_threshold", [] { return g_stream_elements.load(); });
   m.attr("DEFAULT_STREAMING_THRESHOLD") = kDefaultStreamElements;

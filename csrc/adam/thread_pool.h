@@ -31,20 +31,20 @@ class ThreadPool {
   void start_workers(int num_threads);  // call_mutex_ held
   void stop_workers();                  // call_mutex_ held
   void worker_loop(int index, uint64_t start_generation);
-  void restart_after_fork();            // call_mutex_ held
+  void restart_after_fork();  // call_mutex_ held
 
-  std::mutex call_mutex_;   // held for the whole of run() / resize(): one job at a time
-  std::mutex state_mutex_;  // guards the fields below it
+  std::mutex call_mutex_;         // held for the whole of run() / resize(): one job at a time
+  std::mutex state_mutex_;        // guards the fields below it
   std::condition_variable wake_;  // workers wait here for a new generation or stop
   std::condition_variable done_;  // the caller waits here for remaining_ == 0
   const std::function<void(int, int)>* job_ = nullptr;  // borrowed from run()'s caller
   uint64_t generation_ = 0;
-  int remaining_ = 0;       // workers that have not finished the current job
-  int job_count_ = 1;       // threads taking part in the current job
+  int remaining_ = 0;  // workers that have not finished the current job
+  int job_count_ = 1;  // threads taking part in the current job
   bool stopping_ = false;
-  int num_threads_ = 1;     // workers_.size() + 1 (the caller)
+  int num_threads_ = 1;               // workers_.size() + 1 (the caller)
   std::vector<std::thread> workers_;  // owned; joined by stop_workers()
-  pid_t owner_pid_;         // process that started workers_; a forked child has none of them
+  pid_t owner_pid_;                   // process that started workers_; a forked child has none of them
 };
 
 }  // namespace offload_adam

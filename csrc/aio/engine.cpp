@@ -13,10 +13,11 @@ namespace offload_aio {
 namespace {
 const char* op_name(Op op) { return op == Op::Read ? "read" : "write"; }
 
-IoError make_error(int err, Op op, size_t len, uint64_t offset, const std::string& path, const std::string& reason) {
-    std::string msg = std::string(op_name(op)) + " of " + std::to_string(len) + " bytes at offset " +
-                      std::to_string(offset) + " in " + path + ": " + reason;
-    return IoError{err, msg, path};
+IoError make_error(int err, Op op, size_t len, uint64_t offset, const std::string& path,
+                   const std::string& reason) {
+  std::string msg = std::string(op_name(op)) + " of " + std::to_string(len) + " bytes at offset " +
+                    std::to_string(offset) + " in " + path + ": " + reason;
+  return IoError{err, msg, path};
 }
 }  // namespace
 
@@ -34,178 +35,184 @@ Request::Request(Op op, int fd, char* buf, uint64_t offset, size_t nbytes, size_
       path_(std::move(path)),
       piece_crc_(want_crc ? npieces_ : 0, 0),
       remaining_(npieces_) {
-    if (npieces_ == 0) finished_.store(true, std::memory_order_release);
+  if (npieces_ == 0) finished_.store(true, std::memory_order_release);
 }
 
 bool Request::wait(double timeout_s) {
-    std::unique_lock<std::mutex> lock(mu_);
-    auto ready = [this] { return finished_.load(std::memory_order_acquire); };
-    if (timeout_s < 0) {
-        cv_.wait(lock, ready);
-    } else if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready)) {
-        return false;
-    }
-    if (has_error_) {
-        IoError e = error_;
-        if (nerrors_ > 1) e.msg += " (and " + std::to_string(nerrors_ - 1) + " more failed pieces)";
-        throw e;
-    }
-    return true;
+  std::unique_lock<std::mutex> lock(mu_);
+  auto ready = [this] { return finished_.load(std::memory_order_acquire); };
+  if (timeout_s < 0) {
+    cv_.wait(lock, ready);
+  } else if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready)) {
+    return false;
+  }
+  if (has_error_) {
+    IoError e = error_;
+    if (nerrors_ > 1) e.msg += " (and " + std::to_string(nerrors_ - 1) + " more failed pieces)";
+    throw e;
+  }
+  return true;
 }
 
 void Request::finish_piece(size_t index, uint32_t crc, const IoError* error) {
-    if (want_crc_) piece_crc_[index] = crc;
-    if (error) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!has_error_) {
-            has_error_ = true;
-            error_ = *error;
-        }
-        ++nerrors_;
-    }
-    if (remaining_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
-    // Last piece: join the checksums in file order. Piece i covers crc bytes
-    // [i*piece, min((i+1)*piece, crc_nbytes)).
-    uint32_t total = 0;
-    if (want_crc_) {
-        for (size_t i = 0; i < npieces_; ++i) {
-            size_t start = i * piece_size_;
-            if (start >= crc_nbytes_) break;
-            size_t len = std::min(piece_size_, crc_nbytes_ - start);
-            total = crc32c_combine(total, piece_crc_[i], len);
-        }
-    }
+  if (want_crc_) piece_crc_[index] = crc;
+  if (error) {
     std::lock_guard<std::mutex> lock(mu_);
-    checksum_ = total;
-    finished_.store(true, std::memory_order_release);
-    cv_.notify_all();
+    if (!has_error_) {
+      has_error_ = true;
+      error_ = *error;
+    }
+    ++nerrors_;
+  }
+  if (remaining_.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  // Last piece: join the checksums in file order. Piece i covers crc bytes
+  // [i*piece, min((i+1)*piece, crc_nbytes)).
+  uint32_t total = 0;
+  if (want_crc_) {
+    for (size_t i = 0; i < npieces_; ++i) {
+      size_t start = i * piece_size_;
+      if (start >= crc_nbytes_) break;
+      size_t len = std::min(piece_size_, crc_nbytes_ - start);
+      total = crc32c_combine(total, piece_crc_[i], len);
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  checksum_ = total;
+  finished_.store(true, std::memory_order_release);
+  cv_.notify_all();
 }
 
-Engine::Engine(size_t block_size, size_t queue_depth, size_t threads) : block_size_(block_size), queue_depth_(queue_depth) {
-    if (block_size == 0 || block_size % 4096 != 0)
-        throw std::invalid_argument("block_size must be a positive multiple of 4096, got " + std::to_string(block_size));
-    if (queue_depth == 0) throw std::invalid_argument("queue_depth must be at least 1");
-    if (threads == 0) throw std::invalid_argument("threads must be at least 1");
-    workers_.reserve(threads);
-    for (size_t i = 0; i < threads; ++i) workers_.emplace_back(&Engine::worker, this);
+Engine::Engine(size_t block_size, size_t queue_depth, size_t threads)
+    : block_size_(block_size), queue_depth_(queue_depth) {
+  if (block_size == 0 || block_size % 4096 != 0)
+    throw std::invalid_argument("block_size must be a positive multiple of 4096, got " +
+                                std::to_string(block_size));
+  if (queue_depth == 0) throw std::invalid_argument("queue_depth must be at least 1");
+  if (threads == 0) throw std::invalid_argument("threads must be at least 1");
+  workers_.reserve(threads);
+  for (size_t i = 0; i < threads; ++i) workers_.emplace_back(&Engine::worker, this);
 }
 
 Engine::~Engine() { close(); }
 
 void Engine::close() {
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (stop_ && workers_.empty()) return;
-        stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : workers_)
-        if (t.joinable()) t.join();
-    workers_.clear();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_ && workers_.empty()) return;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : workers_)
+    if (t.joinable()) t.join();
+  workers_.clear();
 }
 
 void Engine::set_fault(int op, int err, uint64_t after_offset, int64_t count) {
-    fault_op_.store(-1);
-    fault_err_.store(err);
-    fault_after_.store(after_offset);
-    fault_left_.store(count < 0 ? -1 : count);
-    fault_op_.store(op);
+  fault_op_.store(-1);
+  fault_err_.store(err);
+  fault_after_.store(after_offset);
+  fault_left_.store(count < 0 ? -1 : count);
+  fault_op_.store(op);
 }
 
 bool Engine::take_fault(Op op, uint64_t end) {
-    if (fault_op_.load() != static_cast<int>(op) || end <= fault_after_.load()) return false;
-    int64_t left = fault_left_.load();
-    while (left >= 0) {
-        if (left == 0) return false;  // spent
-        if (fault_left_.compare_exchange_weak(left, left - 1)) return true;
-    }
-    return true;  // unlimited
+  if (fault_op_.load() != static_cast<int>(op) || end <= fault_after_.load()) return false;
+  int64_t left = fault_left_.load();
+  while (left >= 0) {
+    if (left == 0) return false;  // spent
+    if (fault_left_.compare_exchange_weak(left, left - 1)) return true;
+  }
+  return true;  // unlimited
 }
 
 void Engine::clear_fault() { fault_op_.store(-1); }
 
-std::shared_ptr<Request> Engine::submit(Op op, int fd, char* buf, uint64_t offset, size_t nbytes, size_t crc_nbytes,
-                                        bool want_crc, size_t piece_size, const std::string& path) {
-    if (piece_size == 0) piece_size = block_size_;
-    if (crc_nbytes > nbytes) throw std::invalid_argument("crc_nbytes exceeds nbytes");
-    auto req = std::make_shared<Request>(op, fd, buf, offset, nbytes, crc_nbytes, want_crc, piece_size, path);
-    if (req->npieces_ == 0) return req;
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (stop_) throw std::runtime_error("the I/O engine is closed; create a new one");
-        for (size_t i = 0; i < req->npieces_; ++i) queue_.push_back(Piece{req, i});
-    }
-    cv_.notify_all();
-    return req;
+std::shared_ptr<Request> Engine::submit(Op op, int fd, char* buf, uint64_t offset, size_t nbytes,
+                                        size_t crc_nbytes, bool want_crc, size_t piece_size,
+                                        const std::string& path) {
+  if (piece_size == 0) piece_size = block_size_;
+  if (crc_nbytes > nbytes) throw std::invalid_argument("crc_nbytes exceeds nbytes");
+  auto req = std::make_shared<Request>(op, fd, buf, offset, nbytes, crc_nbytes, want_crc, piece_size, path);
+  if (req->npieces_ == 0) return req;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) throw std::runtime_error("the I/O engine is closed; create a new one");
+    for (size_t i = 0; i < req->npieces_; ++i) queue_.push_back(Piece{req, i});
+  }
+  cv_.notify_all();
+  return req;
 }
 
 void Engine::worker() {
-    for (;;) {
-        Piece piece;
-        {
-            std::unique_lock<std::mutex> lock(mu_);
-            cv_.wait(lock, [this] { return (stop_ && queue_.empty()) || (!queue_.empty() && in_flight_ < queue_depth_); });
-            if (queue_.empty()) return;  // stop_ and drained
-            piece = std::move(queue_.front());
-            queue_.pop_front();
-            ++in_flight_;
-        }
-        run_piece(piece);
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            --in_flight_;
-        }
-        cv_.notify_one();
+  for (;;) {
+    Piece piece;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] {
+        return (stop_ && queue_.empty()) || (!queue_.empty() && in_flight_ < queue_depth_);
+      });
+      if (queue_.empty()) return;  // stop_ and drained
+      piece = std::move(queue_.front());
+      queue_.pop_front();
+      ++in_flight_;
     }
+    run_piece(piece);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --in_flight_;
+    }
+    cv_.notify_one();
+  }
 }
 
 void Engine::run_piece(const Piece& p) {
-    Request& r = *p.req;
-    const size_t start = p.index * r.piece_size_;
-    const size_t len = std::min(r.piece_size_, r.nbytes_ - start);
-    const uint64_t off = r.offset_ + start;
-    char* buf = r.buf_ + start;
-    const size_t crc_len = start < r.crc_nbytes_ ? std::min(len, r.crc_nbytes_ - start) : 0;
-    uint32_t crc = 0;
+  Request& r = *p.req;
+  const size_t start = p.index * r.piece_size_;
+  const size_t len = std::min(r.piece_size_, r.nbytes_ - start);
+  const uint64_t off = r.offset_ + start;
+  char* buf = r.buf_ + start;
+  const size_t crc_len = start < r.crc_nbytes_ ? std::min(len, r.crc_nbytes_ - start) : 0;
+  uint32_t crc = 0;
 
-    if (r.want_crc_ && r.op_ == Op::Write) crc = crc32c_extend(0, buf, crc_len);
+  if (r.want_crc_ && r.op_ == Op::Write) crc = crc32c_extend(0, buf, crc_len);
 
-    if (uint64_t us = delay_us_.load()) std::this_thread::sleep_for(std::chrono::microseconds(us));
-    if (take_fault(r.op_, off + len)) {
-        int err = fault_err_.load();
-        IoError e = make_error(err, r.op_, len, off, r.path_, std::string(std::strerror(err)) + " (injected fault)");
+  if (uint64_t us = delay_us_.load()) std::this_thread::sleep_for(std::chrono::microseconds(us));
+  if (take_fault(r.op_, off + len)) {
+    int err = fault_err_.load();
+    IoError e =
+        make_error(err, r.op_, len, off, r.path_, std::string(std::strerror(err)) + " (injected fault)");
+    r.finish_piece(p.index, 0, &e);
+    return;
+  }
+
+  size_t done = 0;
+  while (done < len) {
+    ssize_t n = r.op_ == Op::Read ? ::pread(r.fd_, buf + done, len - done, off + done)
+                                  : ::pwrite(r.fd_, buf + done, len - done, off + done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      IoError e = make_error(err, r.op_, len - done, off + done, r.path_, std::strerror(err));
+      r.finish_piece(p.index, 0, &e);
+      return;
+    }
+    if (n == 0) {
+      if (r.op_ == Op::Read) {
+        IoError e = make_error(
+            EIO, r.op_, len, off, r.path_,
+            "short read: end of file after " + std::to_string(done) + " bytes (the file is truncated)");
         r.finish_piece(p.index, 0, &e);
         return;
+      }
+      // pwrite returning 0 for a non-empty write: retrying would spin.
+      IoError e = make_error(EIO, r.op_, len - done, off + done, r.path_, "write made no progress");
+      r.finish_piece(p.index, 0, &e);
+      return;
     }
-
-    size_t done = 0;
-    while (done < len) {
-        ssize_t n = r.op_ == Op::Read ? ::pread(r.fd_, buf + done, len - done, off + done)
-                                      : ::pwrite(r.fd_, buf + done, len - done, off + done);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            int err = errno;
-            IoError e = make_error(err, r.op_, len - done, off + done, r.path_, std::strerror(err));
-            r.finish_piece(p.index, 0, &e);
-            return;
-        }
-        if (n == 0) {
-            if (r.op_ == Op::Read) {
-                IoError e = make_error(EIO, r.op_, len, off, r.path_,
-                                       "short read: end of file after " + std::to_string(done) +
-                                           " bytes (the file is truncated)");
-                r.finish_piece(p.index, 0, &e);
-                return;
-            }
-            // pwrite returning 0 for a non-empty write: retrying would spin.
-            IoError e = make_error(EIO, r.op_, len - done, off + done, r.path_, "write made no progress");
-            r.finish_piece(p.index, 0, &e);
-            return;
-        }
-        done += static_cast<size_t>(n);
-    }
-    if (r.want_crc_ && r.op_ == Op::Read) crc = crc32c_extend(0, buf, crc_len);
-    r.finish_piece(p.index, crc, nullptr);
+    done += static_cast<size_t>(n);
+  }
+  if (r.want_crc_ && r.op_ == Op::Read) crc = crc32c_extend(0, buf, crc_len);
+  r.finish_piece(p.index, crc, nullptr);
 }
 
 }  // namespace offload_aio

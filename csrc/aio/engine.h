@@ -36,90 +36,90 @@
 namespace offload_aio {
 
 struct IoError {
-    int err;           // errno (EIO for a short read)
-    std::string msg;   // "<op> of N bytes at offset O in <path>: <reason>"
-    std::string path;
+  int err;          // errno (EIO for a short read)
+  std::string msg;  // "<op> of N bytes at offset O in <path>: <reason>"
+  std::string path;
 };
 
 enum class Op { Read = 0, Write = 1 };
 
 class Request {
-public:
-    Request(Op op, int fd, char* buf, uint64_t offset, size_t nbytes, size_t crc_nbytes, bool want_crc,
-            size_t piece_size, std::string path);
-    // Blocks (caller must have released the GIL) for up to `timeout_s` (< 0: forever).
-    // Returns false on timeout; throws IoError if any piece failed.
-    bool wait(double timeout_s);
-    bool done() const { return finished_.load(std::memory_order_acquire); }
-    uint32_t checksum() const { return checksum_; }
-    size_t nbytes() const { return nbytes_; }
+ public:
+  Request(Op op, int fd, char* buf, uint64_t offset, size_t nbytes, size_t crc_nbytes, bool want_crc,
+          size_t piece_size, std::string path);
+  // Blocks (caller must have released the GIL) for up to `timeout_s` (< 0: forever).
+  // Returns false on timeout; throws IoError if any piece failed.
+  bool wait(double timeout_s);
+  bool done() const { return finished_.load(std::memory_order_acquire); }
+  uint32_t checksum() const { return checksum_; }
+  size_t nbytes() const { return nbytes_; }
 
-private:
-    friend class Engine;
-    void finish_piece(size_t index, uint32_t crc, const IoError* error);
+ private:
+  friend class Engine;
+  void finish_piece(size_t index, uint32_t crc, const IoError* error);
 
-    const Op op_;
-    const int fd_;
-    char* const buf_;
-    const uint64_t offset_;
-    const size_t nbytes_;      // bytes transferred
-    const size_t crc_nbytes_;  // leading bytes covered by the checksum (<= nbytes_)
-    const bool want_crc_;
-    const size_t piece_size_;
-    const size_t npieces_;
-    const std::string path_;
+  const Op op_;
+  const int fd_;
+  char* const buf_;
+  const uint64_t offset_;
+  const size_t nbytes_;      // bytes transferred
+  const size_t crc_nbytes_;  // leading bytes covered by the checksum (<= nbytes_)
+  const bool want_crc_;
+  const size_t piece_size_;
+  const size_t npieces_;
+  const std::string path_;
 
-    std::vector<uint32_t> piece_crc_;  // written by the worker of each piece, read by the last
-    std::atomic<size_t> remaining_;
-    std::atomic<bool> finished_{false};
-    uint32_t checksum_ = 0;
-    std::mutex mu_;
-    std::condition_variable cv_;
-    bool has_error_ = false;
-    IoError error_;
-    size_t nerrors_ = 0;
+  std::vector<uint32_t> piece_crc_;  // written by the worker of each piece, read by the last
+  std::atomic<size_t> remaining_;
+  std::atomic<bool> finished_{false};
+  uint32_t checksum_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool has_error_ = false;
+  IoError error_;
+  size_t nerrors_ = 0;
 };
 
 class Engine {
-public:
-    Engine(size_t block_size, size_t queue_depth, size_t threads);
-    ~Engine();
-    // piece_size 0: the engine's block_size.
-    std::shared_ptr<Request> submit(Op op, int fd, char* buf, uint64_t offset, size_t nbytes, size_t crc_nbytes,
-                                    bool want_crc, size_t piece_size, const std::string& path);
-    void close();
-    // Fault injection for tests: pieces of `op` whose range ends past `after_offset` fail with `err`;
-    // `count` >= 0: only the next `count` such pieces fail, then the fault is spent.
-    void set_fault(int op, int err, uint64_t after_offset, int64_t count = -1);
-    void clear_fault();
-    // Test hook: every piece sleeps this long before its I/O (0: off).
-    void set_delay_us(uint64_t us) { delay_us_.store(us); }
-    size_t block_size() const { return block_size_; }
-    size_t queue_depth() const { return queue_depth_; }
-    size_t threads() const { return workers_.size(); }
+ public:
+  Engine(size_t block_size, size_t queue_depth, size_t threads);
+  ~Engine();
+  // piece_size 0: the engine's block_size.
+  std::shared_ptr<Request> submit(Op op, int fd, char* buf, uint64_t offset, size_t nbytes, size_t crc_nbytes,
+                                  bool want_crc, size_t piece_size, const std::string& path);
+  void close();
+  // Fault injection for tests: pieces of `op` whose range ends past `after_offset` fail with `err`;
+  // `count` >= 0: only the next `count` such pieces fail, then the fault is spent.
+  void set_fault(int op, int err, uint64_t after_offset, int64_t count = -1);
+  void clear_fault();
+  // Test hook: every piece sleeps this long before its I/O (0: off).
+  void set_delay_us(uint64_t us) { delay_us_.store(us); }
+  size_t block_size() const { return block_size_; }
+  size_t queue_depth() const { return queue_depth_; }
+  size_t threads() const { return workers_.size(); }
 
-private:
-    struct Piece {
-        std::shared_ptr<Request> req;
-        size_t index;
-    };
-    void worker();
-    void run_piece(const Piece& p);
-    bool take_fault(Op op, uint64_t end);
+ private:
+  struct Piece {
+    std::shared_ptr<Request> req;
+    size_t index;
+  };
+  void worker();
+  void run_piece(const Piece& p);
+  bool take_fault(Op op, uint64_t end);
 
-    const size_t block_size_;
-    const size_t queue_depth_;
-    std::vector<std::thread> workers_;
-    std::mutex mu_;
-    std::condition_variable cv_;
-    std::deque<Piece> queue_;
-    size_t in_flight_ = 0;
-    bool stop_ = false;
-    std::atomic<int> fault_op_{-1};
-    std::atomic<int> fault_err_{0};
-    std::atomic<uint64_t> fault_after_{0};
-    std::atomic<int64_t> fault_left_{-1};  // pieces still to fail; -1: every matching piece
-    std::atomic<uint64_t> delay_us_{0};
+  const size_t block_size_;
+  const size_t queue_depth_;
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Piece> queue_;
+  size_t in_flight_ = 0;
+  bool stop_ = false;
+  std::atomic<int> fault_op_{-1};
+  std::atomic<int> fault_err_{0};
+  std::atomic<uint64_t> fault_after_{0};
+  std::atomic<int64_t> fault_left_{-1};  // pieces still to fail; -1: every matching piece
+  std::atomic<uint64_t> delay_us_{0};
 };
 
 }  // namespace offload_aio
