@@ -28,26 +28,41 @@ whole in RAM. Every byte read back is checked: size, header checksum, per-chunk 
 a mismatch names the file and the tensor.
 
 Atomicity. Files are written into `<root>/.tmp-<tag>-<pid>/`, each fsynced, the directory
-fsynced and renamed to `<root>/<tag>`, and only then is `<root>/latest` replaced (temp file,
-fsync, rename). A process killed at any moment, or a full disk, leaves the previous checkpoint
-and `latest` as they were; a save that fails removes its temporary directory, and a later save
-removes those left by dead processes. `keep_last=N` removes older checkpoints after `latest`
+fsynced and renamed to `<root>/<tag>`, and only then is `<root>/latest` replaced (temp file
+made with O_EXCL, fsync, rename). A process killed at any moment, or a full disk, leaves the
+previous checkpoint and `latest` as they were; a save that fails removes its temporary
+directory, and a later save removes those left by dead saves. A save in progress holds a
+flock on its temporary directory (and on its `latest` temp file), so "dead" is judged by the
+lock (which the kernel drops with the process), not by whether a pid is alive on this host. `keep_last=N` removes older checkpoints after `latest`
 points to the new one (renamed to `.trash-*` first, so a half-removed one is never taken for
 a checkpoint). With several ranks the root must be a filesystem every rank sees.
+
+Reading a checkpoint trusts nothing in it: checksums catch damage, not crafting. Only the file
+names the format writes are read (`index.json`, `latest`, `rank<r>.json`,
+`rank<r>.safetensors`, and the three small files above), each opened relative to the
+checkpoint directory without following a symlink, and only if it is a regular file; a file
+is read up to its declared size and no further; every offset, size and count in the index
+and the rank files is checked before it is used. `client_state` is loaded with
+`torch.load(weights_only=True)`, which needs torch >= 2.6 (pyproject's floor: earlier
+versions could execute code from a crafted file).
 """
 from __future__ import annotations
 
 import base64
 import errno
+import fcntl
 import json
 import logging
+import math
 import os
 import random
+import re
 import shutil
+import stat
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -67,6 +82,11 @@ HF_CONFIG = "hf_config.json"
 CHUNK_BYTES = 16 << 20  # one CRC-32C per this many bytes of a slice
 CHUNK_ELEMENTS = CHUNK_BYTES // 4
 DATA_ALIGN = 4096  # the data of a rank file starts at a multiple of this
+RANK_JSON = re.compile(r"rank(\d+)\.json")
+RANK_STATE = re.compile(r"rank(\d+)\.safetensors")
+SMALL_FILES = (BUFFERS, CLIENT_STATE, HF_CONFIG)
+MAX_INDEX_BYTES = 256 << 20  # index.json has no declared size: a cap instead (a 70B model's is ~1 MB)
+MAX_LATEST_BYTES = 4096
 
 
 class CheckpointError(OffloadError):
@@ -170,7 +190,7 @@ def _space_error(path: str, err: OSError, needed: int | None = None) -> OffloadE
 
 def _write_small(path: str, data: bytes) -> dict:
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             _write_all(fd, data, path)
             os.fsync(fd)
@@ -183,19 +203,90 @@ def _write_small(path: str, data: bytes) -> dict:
     return {"bytes": len(data), "crc32c": crc32c(data)}
 
 
-def _read_verified(directory: str, name: str, info: dict) -> bytes:
-    path = os.path.join(directory, name)
+def _checked_name(name, directory: str) -> str:
+    """`name` if it is a file name the format writes, else a CheckpointCorruptError."""
+    if not isinstance(name, str) or not (name in SMALL_FILES or RANK_JSON.fullmatch(name)
+                                         or RANK_STATE.fullmatch(name)):
+        raise CheckpointCorruptError(
+            f"checkpoint {directory} names a file {name!r} that the format never writes: refusing to read it "
+            "(the index or a rank file was crafted or damaged)")
+    return name
+
+
+def _open_dir(path: str) -> int:
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {path}: it does not exist") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot open checkpoint directory {path}: {e.strerror}") from None
+
+
+def _open_regular(dir_fd: int, name: str, path: str) -> tuple[int, int]:
+    """Opens `name` under `dir_fd` for reading, never through a symlink, only if it is a regular
+    file (not a device such as /dev/zero, not a FIFO); returns (fd, size)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
         raise CheckpointCorruptError(f"checkpoint file {path} is missing; the checkpoint is incomplete") from None
-    if len(data) != info["bytes"]:
-        raise CheckpointCorruptError(f"checkpoint file {path} is {len(data)} bytes, the index says {info['bytes']}: "
-                                     "it was truncated or replaced")
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointCorruptError(f"checkpoint file {path} is a symbolic link: refusing to follow it "
+                                         "(a checkpoint holds only regular files)") from None
+        raise CheckpointError(f"cannot open checkpoint file {path}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointCorruptError(f"checkpoint file {path} is not a regular file: refusing to read it "
+                                     "(a checkpoint holds only regular files)")
+    return fd, st.st_size
+
+
+def _read_exactly(fd: int, size: int, path: str) -> bytes:
+    """`size` bytes from the start of `fd`, never more."""
+    chunks, done = [], 0
+    while done < size:
+        chunk = os.pread(fd, min(size - done, 64 << 20), done)
+        if not chunk:
+            raise CheckpointCorruptError(f"checkpoint file {path} ends early (short read at byte {done}): truncated")
+        chunks.append(chunk)
+        done += len(chunk)
+    return b"".join(chunks)
+
+
+def _read_small(dir_fd: int, directory: str, name: str, *, limit: int) -> bytes:
+    """A whole small file of at most `limit` bytes (for files without a declared size)."""
+    path = os.path.join(directory, name)
+    fd, size = _open_regular(dir_fd, name, path)
+    try:
+        if size > limit:
+            raise CheckpointCorruptError(f"checkpoint file {path} is {size} bytes, more than the {limit} such a file "
+                                         "can have: refusing to read it (crafted or damaged)")
+        return _read_exactly(fd, size, path)
+    finally:
+        os.close(fd)
+
+
+def _read_verified(dir_fd: int, directory: str, name: str, info) -> bytes:
+    """A file the index lists, checked against its declared size (read no further) and checksum."""
+    path = os.path.join(directory, _checked_name(name, directory))
+    if not (isinstance(info, dict) and _is_count(info.get("bytes")) and _is_count(info.get("crc32c"))):
+        raise CheckpointCorruptError(f"checkpoint {directory}: the index's entry for {name} is malformed")
+    fd, size = _open_regular(dir_fd, name, path)
+    try:
+        if size != info["bytes"]:
+            raise CheckpointCorruptError(f"checkpoint file {path} is {size} bytes, the index says {info['bytes']}: "
+                                         "it was truncated or replaced")
+        data = _read_exactly(fd, info["bytes"], path)
+    finally:
+        os.close(fd)
     if crc32c(data) != info["crc32c"]:
         raise CheckpointCorruptError(f"checkpoint file {path} fails its checksum: it was edited or damaged")
     return data
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _json_with_checksum(body: dict) -> bytes:
@@ -203,12 +294,9 @@ def _json_with_checksum(body: dict) -> bytes:
     return json.dumps({**body, "checksum": crc32c(canonical)}, sort_keys=True, indent=1).encode()
 
 
-def _parse_json_with_checksum(path: str) -> dict:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"checkpoint file {path} is missing") from None
+def _parse_json_with_checksum(dir_fd: int, directory: str, name: str) -> dict:
+    path = os.path.join(directory, name)
+    raw = _read_small(dir_fd, directory, name, limit=MAX_INDEX_BYTES)
     try:
         data = json.loads(raw)
         checksum = data.pop("checksum")
@@ -313,7 +401,7 @@ def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> 
         by_unit.setdefault(s.unit, []).append((s, offset))
     records = []
     done = len(prefix)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
             _write_all(fd, prefix, path)
@@ -352,7 +440,7 @@ def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> 
 
 def _shared_pid(engine) -> int:
     pid = os.getpid() if engine.collectives.rank == 0 else 0
-    return int(round(engine.collectives.sum_host([float(pid)])[0]))
+    return round(engine.collectives.sum_host([float(pid)])[0])
 
 
 def _agree_on_failure(engine, error: BaseException | None, cleanup: Callable[[], None]) -> None:
@@ -367,33 +455,52 @@ def _agree_on_failure(engine, error: BaseException | None, cleanup: Callable[[],
     raise CheckpointError("saving the checkpoint failed on another rank (see its log); the previous checkpoint is untouched")
 
 
+def _lock_held(fd: int) -> None:
+    """Marks a save's temporary file or directory as in use: a shared-nothing flock that the
+    kernel drops when the saving process dies, wherever it ran (flock is coherent over NFSv4)."""
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def _remove_stale(root: str) -> None:
-    """Removes `.tmp-*` / `.trash-*` directories whose process is gone (a killed save)."""
-    for entry in os.listdir(root):
-        if not (entry.startswith(".tmp-") or entry.startswith(".trash-")):
-            continue
-        try:
-            pid = int(entry.rsplit("-", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        if pid != os.getpid() and _pid_alive(pid):
-            continue
-        stale = os.path.join(root, entry)
-        logger.info("offload: removing %s left by an interrupted save", stale)
-        if os.path.isdir(stale):
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            os.remove(stale)
-
-
-def _pid_alive(pid: int) -> bool:
+    """Removes `.tmp-*` / `.trash-*` entries no live save holds the lock of (a killed save)."""
+    root_fd = _open_dir(root)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        for entry in os.listdir(root_fd):
+            if not entry.startswith((".tmp-", ".trash-")):
+                continue
+            try:
+                fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root_fd)
+            except OSError:
+                continue  # gone meanwhile, or a symlink: not ours to follow
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a save in progress (this or another process, on any host)
+                stale = os.path.join(root, entry)
+                logger.info("offload: removing %s left by an interrupted save", stale)
+                if stat.S_ISDIR(os.fstat(fd).st_mode):
+                    shutil.rmtree(entry, dir_fd=root_fd, ignore_errors=True)
+                else:
+                    os.unlink(entry, dir_fd=root_fd)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(root_fd)
+
+
+def _save_error(error: BaseException, root: str) -> BaseException:
+    """An OSError of a save as an error that names the path and says what to do."""
+    if isinstance(error, OffloadError) or not isinstance(error, OSError):
+        return error
+    where = error.filename or root
+    if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return _space_error(where, error)
+    if error.errno in (errno.ENOTDIR, errno.EEXIST) and os.path.exists(root) and not os.path.isdir(root):
+        return CheckpointError(f"cannot save a checkpoint to {root}: it is a file, not a directory; pass a directory "
+                               "path (it is created if missing)")
+    return CheckpointError(f"cannot save a checkpoint to {root}: {error.strerror} ({where}); choose a directory "
+                           "you can write to, or fix its permissions; the previous checkpoint is untouched")
 
 
 def _hf_config(model) -> bytes | None:
@@ -402,7 +509,7 @@ def _hf_config(model) -> bytes | None:
     if callable(to_json):
         try:
             return to_json().encode()
-        except Exception as e:  # an exotic config: the checkpoint is still complete without it
+        except Exception as e:  # noqa: BLE001  (an exotic config: the checkpoint is still complete without it)
             logger.warning("offload: the model's config could not be saved (%s); export will not write config.json", e)
     return None
 
@@ -421,7 +528,7 @@ def save(engine, path, client_state: dict | None = None, *, tag: str | None = No
     if any(unit.window_started for unit in engine.units):
         raise CheckpointError("save_checkpoint in the middle of a gradient accumulation window: the accumulated "
                               "gradients are not part of a checkpoint; save after engine.step() returned True")
-    rank, world = engine.collectives.rank, engine.collectives.world_size
+    rank = engine.collectives.rank
     root = os.path.abspath(os.fspath(path))
     tag = check_tag(tag or f"global_step{engine.global_steps}")
     final = os.path.join(root, tag)
@@ -433,20 +540,25 @@ def save(engine, path, client_state: dict | None = None, *, tag: str | None = No
             if os.path.exists(final):
                 raise CheckpointError(f"checkpoint {final} already exists; pass another tag or remove it first")
             _remove_stale(root)
-        except BaseException as e:
-            error = e
+        except BaseException as e:  # noqa: BLE001  (every rank must learn of any failure, Ctrl-C included)
+            error = _save_error(e, root)
     _agree_on_failure(engine, error, lambda: None)
     pid = _shared_pid(engine)
     temp = os.path.join(root, f".tmp-{tag}-{pid}")
+    lock_fd: int | None = None  # rank 0 holds the temp directory's lock for the whole save
 
     def cleanup() -> None:
         shutil.rmtree(temp, ignore_errors=True)
+        if lock_fd is not None:
+            os.close(lock_fd)
 
     if rank == 0:
         try:
             os.mkdir(temp, 0o700)
-        except BaseException as e:
-            error = e
+            lock_fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            _lock_held(lock_fd)
+        except BaseException as e:  # noqa: BLE001  (every rank must learn of any failure, Ctrl-C included)
+            error = _save_error(e, root)
     _agree_on_failure(engine, error, cleanup)
 
     canonical, aliases, keys = _model_names(engine.model)
@@ -455,15 +567,18 @@ def save(engine, path, client_state: dict | None = None, *, tag: str | None = No
         _write_small(os.path.join(temp, f"rank{rank}.json"), json.dumps(part, sort_keys=True).encode())
         if rank == 0:
             files = _write_rank0_files(engine, temp, client_state, keys)
-    except BaseException as e:
-        error = e
+    except BaseException as e:  # noqa: BLE001  (every rank must learn of any failure, Ctrl-C included)
+        error = _save_error(e, root)
     _agree_on_failure(engine, error, cleanup)
 
     if rank == 0:
         try:
             _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, keep_last)
-        except BaseException as e:
-            error = e
+        except BaseException as e:  # noqa: BLE001  (every rank must learn of any failure, Ctrl-C included)
+            error = _save_error(e, root)
+        finally:
+            os.close(lock_fd)  # the directory is `final` now, or removed by cleanup below
+            lock_fd = None
     _agree_on_failure(engine, error, cleanup)
     logger.info("offload: saved checkpoint %s in %.2f s", final, time.perf_counter() - started)
     return final
@@ -486,7 +601,7 @@ def _write_rank0_files(engine, temp: str, client_state, keys) -> dict:
             torch.save(client_state, buffer)
             data = buffer.getvalue()
             torch.load(io.BytesIO(data), weights_only=True)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (pickling and weights_only refusals have many types)
             raise CheckpointError(
                 "client_state holds objects that cannot be loaded safely (torch.load weights_only): keep it to "
                 f"tensors, numbers, strings, lists, tuples and dicts ({e})") from None
@@ -499,11 +614,14 @@ def _write_rank0_files(engine, temp: str, client_state, keys) -> dict:
 
 def _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, keep_last) -> None:
     world = engine.collectives.world_size
-    for r in range(world):
-        name = f"rank{r}.json"
-        with open(os.path.join(temp, name), "rb") as f:
-            data = f.read()
-        files[name] = {"bytes": len(data), "crc32c": crc32c(data)}
+    temp_fd = _open_dir(temp)
+    try:
+        for r in range(world):
+            name = f"rank{r}.json"
+            data = _read_small(temp_fd, temp, name, limit=MAX_INDEX_BYTES)
+            files[name] = {"bytes": len(data), "crc32c": crc32c(data)}
+    finally:
+        os.close(temp_fd)
     params = {}
     trainable = {}
     for unit in engine.units:
@@ -530,7 +648,7 @@ def _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, kee
             "stepped_at_micro": engine._stepped_at_micro,
             "lr": engine.lr,
             "loss_scaler": scaler,
-            "last_grad_norm": norm if norm is None or norm == norm and abs(norm) != float("inf") else None,
+            "last_grad_norm": norm if norm is None or math.isfinite(norm) else None,
         },
         "params": params,
         "state_dict_keys": [[key, what] for key, what in keys],
@@ -541,12 +659,21 @@ def _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, kee
     _fsync_dir(temp)
     os.rename(temp, final)
     _fsync_dir(root)
-    latest_temp = os.path.join(root, f".tmp-latest-{os.getpid()}")
-    with open(latest_temp, "w") as f:
-        f.write(tag + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(latest_temp, os.path.join(root, LATEST))
+    latest_temp = os.path.join(root, f".tmp-latest-{os.getpid()}-{os.urandom(4).hex()}")
+    fd = os.open(latest_temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        _lock_held(fd)  # a concurrent save's sweep leaves it alone
+        _write_all(fd, (tag + "\n").encode(), latest_temp)
+        os.fsync(fd)
+        os.replace(latest_temp, os.path.join(root, LATEST))
+    except BaseException:
+        try:
+            os.unlink(latest_temp)
+        except FileNotFoundError:
+            pass
+        raise
+    finally:
+        os.close(fd)
     _fsync_dir(root)
     if keep_last:
         _rotate(root, keep_last, tag)
@@ -558,12 +685,16 @@ def list_checkpoints(root: str) -> dict[str, int]:
     for entry in os.listdir(root):
         if entry.startswith("."):
             continue
-        index = os.path.join(root, entry, INDEX)
+        directory = os.path.join(root, entry)
+        index = os.path.join(directory, INDEX)
         if os.path.isfile(index):
             try:
-                with open(index, "rb") as f:
-                    found[entry] = int(json.load(f)["saved_at_ns"])
-            except (ValueError, KeyError, OSError):
+                dir_fd = _open_dir(directory)
+                try:
+                    found[entry] = int(json.loads(_read_small(dir_fd, directory, INDEX, limit=MAX_INDEX_BYTES))["saved_at_ns"])
+                finally:
+                    os.close(dir_fd)
+            except (ValueError, KeyError, TypeError, OSError, CheckpointError):
                 logger.warning("offload: %s is not a readable checkpoint index; left alone by rotation", index)
     return found
 
@@ -585,10 +716,21 @@ def resolve(path, tag: str | None = None) -> str:
         directory = os.path.join(root, check_tag(tag))
     elif os.path.isfile(os.path.join(root, INDEX)):
         return root
-    elif os.path.isfile(os.path.join(root, LATEST)):
-        with open(os.path.join(root, LATEST)) as f:
-            named = f.read().strip()
-        directory = os.path.join(root, check_tag(named))
+    elif os.path.lexists(os.path.join(root, LATEST)):
+        root_fd = _open_dir(root)
+        try:
+            raw = _read_small(root_fd, root, LATEST, limit=MAX_LATEST_BYTES)
+        finally:
+            os.close(root_fd)
+        try:
+            named = raw.decode().strip()
+        except UnicodeDecodeError:
+            raise CheckpointCorruptError(f"{os.path.join(root, LATEST)} does not hold a checkpoint tag") from None
+        try:
+            directory = os.path.join(root, check_tag(named))
+        except CheckpointError:
+            raise CheckpointCorruptError(f"{os.path.join(root, LATEST)} names {named[:80]!r}, which is not a "
+                                         "checkpoint tag (a plain directory name)") from None
         if not os.path.isdir(directory):
             raise CheckpointError(f"{os.path.join(root, LATEST)} names checkpoint {named!r}, but {directory} does not exist")
     else:
@@ -603,65 +745,113 @@ class _Stored:
     start: int
     end: int
     path: str
+    fd: int
     offset: int
     crcs: list[int]
     key: str
 
 
+def _malformed(where: str, what: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{where}: {what} is malformed (the file was crafted or damaged); the checkpoint "
+                                  "cannot be loaded")
+
+
 class CheckpointReader:
     """A verified view of a checkpoint: its index, and reads of any element range of any
-    parameter's state, checked chunk by chunk against the recorded checksums."""
+    parameter's state, checked chunk by chunk against the recorded checksums.
+
+    Every file is opened once, relative to the checkpoint directory (see the module docstring
+    on what is trusted); the rank files stay open until close()."""
 
     def __init__(self, path, tag: str | None = None) -> None:
         self.directory = resolve(path, tag)
-        self.index = _parse_json_with_checksum(os.path.join(self.directory, INDEX))
-        if self.index.get("format") != FORMAT:
-            raise CheckpointCorruptError(f"{os.path.join(self.directory, INDEX)} is not an offload checkpoint index")
+        self._dir_fd = _open_dir(self.directory)
+        self._fds: dict[str, int] = {}
+        self._bounce: torch.Tensor | None = None
+        try:
+            self._load_index()
+        except BaseException:
+            self.close()
+            raise
+
+    def _load_index(self) -> None:
+        index_path = os.path.join(self.directory, INDEX)
+        self.index = _parse_json_with_checksum(self._dir_fd, self.directory, INDEX)
+        if not isinstance(self.index, dict) or self.index.get("format") != FORMAT:
+            raise CheckpointCorruptError(f"{index_path} is not an offload checkpoint index")
         if self.index.get("version") != FORMAT_VERSION:
             raise CheckpointError(f"checkpoint {self.directory} has format version {self.index.get('version')}; this "
                                   f"offload reads version {FORMAT_VERSION}")
-        self.files = self.index["files"]
+        self.files = self.index.get("files")
+        ranks = self.index.get("ranks")
+        params = self.index.get("params")
+        if not isinstance(self.files, dict) or not isinstance(ranks, list) or not ranks or not isinstance(params, dict):
+            raise _malformed(index_path, "its list of files, ranks or parameters")
+        for name, info in params.items():
+            if not (isinstance(info, dict) and isinstance(info.get("shape"), list)
+                    and all(_is_count(d) for d in info["shape"]) and _is_count(info.get("numel"))
+                    and info["numel"] == math.prod(info["shape"])):
+                raise _malformed(index_path, f"the entry of parameter {name!r}")
         self.parts = []
         self.stored: dict[tuple[str, str], list[_Stored]] = {}
-        for name in self.index["ranks"]:
-            part = json.loads(_read_verified(self.directory, name, self.files[name]))
+        for name in ranks:
+            if not isinstance(name, str) or not RANK_JSON.fullmatch(name) or name not in self.files:
+                raise _malformed(index_path, f"its rank file entry {name!r}")
+            try:
+                part = json.loads(_read_verified(self._dir_fd, self.directory, name, self.files[name]))
+            except ValueError:
+                raise _malformed(os.path.join(self.directory, name), "its content") from None
             self.parts.append(part)
-            path = os.path.join(self.directory, part["file"])
-            self._check_rank_file(path, part)
-            for record in part["slices"]:
-                self.stored.setdefault((record["param"], record["kind"]), []).append(
-                    _Stored(record["start"], record["end"], path, record["offset"], record["crc32c"], record["key"]))
+            self._add_rank_file(name, part)
         for pieces in self.stored.values():
             pieces.sort(key=lambda p: p.start)
-        self._fds: dict[str, int] = {}
-        self._bounce: torch.Tensor | None = None
+
+    def _add_rank_file(self, json_name: str, part) -> None:
+        where = os.path.join(self.directory, json_name)
+        if not isinstance(part, dict) or not isinstance(part.get("file"), str) or not RANK_STATE.fullmatch(part["file"]):
+            raise _malformed(where, "the name of its state file")
+        file_bytes, header_bytes = part.get("file_bytes"), part.get("header_bytes")
+        if not (_is_count(file_bytes) and _is_count(header_bytes) and 8 <= header_bytes <= file_bytes
+                and _is_count(part.get("header_crc32c")) and isinstance(part.get("slices"), list)):
+            raise _malformed(where, "the sizes of its state file")
+        path = os.path.join(self.directory, part["file"])
+        fd = self._open_rank_file(part["file"], path, file_bytes, header_bytes, part["header_crc32c"])
+        for record in part["slices"]:
+            try:
+                start, end, offset, crcs = record["start"], record["end"], record["offset"], record["crc32c"]
+                param, kind, key = record["param"], record["kind"], record["key"]
+                ok = (all(_is_count(v) for v in (start, end, offset)) and start <= end
+                      and offset >= header_bytes and offset + 4 * (end - start) <= file_bytes
+                      and isinstance(crcs, list) and len(crcs) == len(chunk_bounds(end - start))
+                      and all(_is_count(c) for c in crcs) and kind in KINDS and isinstance(key, str)
+                      and isinstance(param, str))
+            except (KeyError, TypeError):
+                ok = False
+            if not ok:
+                raise _malformed(where, f"slice record {str(record)[:120]}")
+            self.stored.setdefault((param, kind), []).append(_Stored(start, end, path, fd, offset, crcs, key))
+
+    def _open_rank_file(self, name: str, path: str, file_bytes: int, header_bytes: int, header_crc: int) -> int:
+        if name in self._fds:
+            raise CheckpointCorruptError(f"checkpoint {self.directory}: two rank files name the state file {path}")
+        fd, size = _open_regular(self._dir_fd, name, path)
+        self._fds[name] = fd
+        if size != file_bytes:
+            raise CheckpointCorruptError(f"checkpoint file {path} is {size} bytes, expected {file_bytes}: it was "
+                                         "truncated or replaced")
+        if crc32c(_read_exactly(fd, header_bytes, path)) != header_crc:
+            raise CheckpointCorruptError(f"checkpoint file {path}: its safetensors header fails its checksum (edited or damaged)")
+        return fd
 
     @staticmethod
-    def _check_rank_file(path: str, part: dict) -> None:
-        try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"checkpoint file {path} is missing; the checkpoint is incomplete") from None
-        if size != part["file_bytes"]:
-            raise CheckpointCorruptError(f"checkpoint file {path} is {size} bytes, expected {part['file_bytes']}: it was "
-                                         "truncated or replaced")
-        with open(path, "rb") as f:
-            header = f.read(part["header_bytes"])
-        if crc32c(header) != part["header_crc32c"]:
-            raise CheckpointCorruptError(f"checkpoint file {path}: its safetensors header fails its checksum (edited or damaged)")
-
-    def _fd(self, path: str) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
-
-    def _pread(self, path: str, target: torch.Tensor, offset: int) -> None:
+    def _pread(piece: _Stored, target: torch.Tensor, offset: int) -> None:
         view = _tensor_bytes(target) if target.numel() else memoryview(b"")
-        fd, done = self._fd(path), 0
+        done = 0
         while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
+            n = os.preadv(piece.fd, [view[done:]], offset + done)
             if n <= 0:
-                raise CheckpointCorruptError(f"checkpoint file {path} ends early (short read at byte {offset + done}): truncated")
+                raise CheckpointCorruptError(f"checkpoint file {piece.path} ends early (short read at byte "
+                                             f"{offset + done}): truncated")
             done += n
 
     def read_range(self, param: str, kind: str, start: int, end: int, out: torch.Tensor) -> None:
@@ -687,7 +877,7 @@ class CheckpointReader:
                     if self._bounce is None:
                         self._bounce = torch.empty(CHUNK_ELEMENTS, dtype=torch.float32)
                     target = self._bounce[: c1 - c0]
-                self._pread(piece.path, target, piece.offset + 4 * c0)
+                self._pread(piece, target, piece.offset + 4 * c0)
                 if crc32c(target) != piece.crcs[c0 // CHUNK_ELEMENTS]:
                     raise CheckpointCorruptError(
                         f"checkpoint file {piece.path}: tensor {piece.key!r} (bytes {piece.offset + 4 * c0}.."
@@ -703,6 +893,10 @@ class CheckpointReader:
 
     def read_param(self, param: str, kind: str = "master") -> torch.Tensor:
         info = self.index["params"][param]
+        stored = sum(p.end - p.start for p in self.stored.get((param, kind), []))
+        if stored < info["numel"]:  # before allocating what the index claims
+            raise CheckpointCorruptError(f"checkpoint {self.directory} holds {stored} elements of {param!r} {kind}, "
+                                         f"its index says {info['numel']}")
         out = torch.empty(info["numel"], dtype=torch.float32)
         self.read_range(param, kind, 0, info["numel"], out)
         return out.view(info["shape"])
@@ -710,25 +904,39 @@ class CheckpointReader:
     def buffers(self) -> dict[str, torch.Tensor]:
         from safetensors.torch import load as safetensors_load
 
-        return safetensors_load(_read_verified(self.directory, BUFFERS, self.files[BUFFERS]))
+        if BUFFERS not in self.files:
+            raise CheckpointCorruptError(f"checkpoint {self.directory}: its index lists no {BUFFERS}")
+        data = _read_verified(self._dir_fd, self.directory, BUFFERS, self.files[BUFFERS])
+        try:
+            return safetensors_load(data)
+        except Exception as e:  # noqa: BLE001  (safetensors' own parse errors: a crafted file that passes its checksum)
+            raise _malformed(os.path.join(self.directory, BUFFERS), f"its content ({e})") from None
 
     def client_state(self) -> dict:
         if CLIENT_STATE not in self.files:
             return {}
         import io
 
-        data = _read_verified(self.directory, CLIENT_STATE, self.files[CLIENT_STATE])
-        return torch.load(io.BytesIO(data), weights_only=True)
+        data = _read_verified(self._dir_fd, self.directory, CLIENT_STATE, self.files[CLIENT_STATE])
+        try:
+            return torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as e:  # noqa: BLE001  (weights_only refuses anything but plain data: report, never run it)
+            raise CheckpointCorruptError(f"checkpoint file {os.path.join(self.directory, CLIENT_STATE)} cannot be "
+                                         f"loaded as plain data ({type(e).__name__}: {str(e)[:200]}); it was crafted "
+                                         "or written by something else") from None
 
     def hf_config(self) -> bytes | None:
         if HF_CONFIG not in self.files:
             return None
-        return _read_verified(self.directory, HF_CONFIG, self.files[HF_CONFIG])
+        return _read_verified(self._dir_fd, self.directory, HF_CONFIG, self.files[HF_CONFIG])
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
     def __enter__(self):
         return self
@@ -775,7 +983,13 @@ def _quiesce_residency(engine) -> None:
             raise CheckpointError(f"load_checkpoint while unit {unit.spec.name} is in use (inside a forward or "
                                   "backward); load between steps")
         if unit.fetch_future is not None:
-            residency._complete_fetch(unit)
+            try:
+                residency._complete_fetch(unit)
+            except Exception as e:  # noqa: BLE001  (the weights it fetched are replaced below: recovery after an I/O error)
+                logger.warning("offload: load_checkpoint discards a failed fetch of unit %s: %s", unit.spec.name, e)
+                if unit.fetch_target is not None and unit.fetch_target is not unit.device_flat:
+                    residency.ledger.release("device", unit.shard_numel * residency.element_size, "param_shard")
+                unit.fetch_target = None
         residency.free(unit)
 
 
@@ -790,6 +1004,11 @@ def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict
         _quiesce_residency(engine)
         saved_params = reader.index["params"]
         store = engine.store
+        if store.swap is not None:
+            # recovery after a swap I/O error: what a failed step left in flight or in wait lists
+            # must not fail the load that replaces it (every state it touched is rewritten below)
+            for failure in store.swap.settle():
+                logger.warning("offload: load_checkpoint discards a failed swap operation: %s", failure)
         slots = getattr(store, "slots", None)
         for position, unit in enumerate(engine.units):
             n = unit.shard_numel
@@ -859,9 +1078,17 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype = torch.float32, tag: str 
     """Writes `out_dir/model.safetensors`: the full weights (fp32 master, cast to `dtype`) and
     buffers under the model's state_dict keys (tied weights under every key), streamed one
     tensor at a time, plus `config.json` when the checkpoint recorded a Hugging Face config.
+    Each file is written to a new temporary file (O_EXCL), fsynced and renamed into place.
     Returns the safetensors path."""
     out_dir = os.path.abspath(os.fspath(out_dir))
-    os.makedirs(out_dir, exist_ok=True)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"cannot export to {out_dir}: it is a file, not a directory; pass a directory path "
+                              "(it is created if missing; model.safetensors goes inside)")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the export directory {out_dir}: {e.strerror}; choose a directory you "
+                              "can write to") from None
     with CheckpointReader(checkpoint, tag) as reader:
         buffers = reader.buffers()
         params = reader.index["params"]
@@ -879,30 +1106,47 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype = torch.float32, tag: str 
                 entries.append((key, SAFETENSORS_DTYPES[dtype], info["shape"], info["numel"] * torch.empty(0, dtype=dtype).element_size()))
                 sources.append(name)
         prefix, _ = safetensors_header(entries, {"format": "pt"})
-        path = os.path.join(out_dir, "model.safetensors")
-        temp = os.path.join(out_dir, f".tmp-model-{os.getpid()}.safetensors")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            try:
-                _write_all(fd, prefix, temp)
-                for source in sources:
-                    tensor = source if isinstance(source, torch.Tensor) else reader.read_param(source).to(dtype)
-                    _write_all(fd, _tensor_bytes(tensor), temp)
-                os.fsync(fd)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                    raise _space_error(temp, e) from None
-                raise
-        except BaseException:
-            os.close(fd)
-            os.unlink(temp)
-            raise
-        os.close(fd)
-        os.replace(temp, path)
+
+        def tensors():
+            yield prefix
+            for source in sources:
+                tensor = source if isinstance(source, torch.Tensor) else reader.read_param(source).to(dtype)
+                yield _tensor_bytes(tensor)
+
+        path = _write_replacing(os.path.join(out_dir, "model.safetensors"), tensors())
         config = reader.hf_config()
         if config is not None:
-            with open(os.path.join(out_dir, "config.json"), "wb") as f:
-                f.write(config)
+            _write_replacing(os.path.join(out_dir, "config.json"), [config])
         _fsync_dir(out_dir)
     logger.info("offload: exported %s (%s)", path, dtype)
+    return path
+
+
+def _write_replacing(path: str, pieces) -> str:
+    """Writes `pieces` (bytes-like) to a new temporary file next to `path` (O_EXCL, never through
+    a symlink), fsyncs it and renames it over `path`; on any failure the temporary file goes."""
+    directory, name = os.path.split(path)
+    temp = os.path.join(directory, f".tmp-{name}-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"cannot write {path}: {e.strerror} ({temp}); choose a directory you can write to") from None
+    try:
+        try:
+            for piece in pieces:
+                _write_all(fd, piece, temp)
+            os.fsync(fd)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise _space_error(temp, e) from None
+            raise CheckpointError(f"cannot write {path}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
+        raise
     return path

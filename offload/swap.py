@@ -186,13 +186,8 @@ class SwapHandle:
     def wait(self) -> None:
         """Completes the operation; raises its error if it failed and no wait() raised it before."""
         error = self._complete()
-        if error is None:
-            return
-        with self._wait_lock:
-            if self._reported:
-                return
-            self._reported = True
-        raise error
+        if error is not None and self._mark_reported():
+            raise error
 
     def _complete(self) -> BaseException | None:
         """Completes the operation (idempotent; an interrupt leaves it pending); returns its error."""
@@ -204,7 +199,17 @@ class SwapHandle:
                 with self._store._lock:
                     if self._entry.pending is self:
                         self._entry.pending = None
+                    if self._error is not None:
+                        self._store._unreported.add(self)
             return self._error
+
+    def _mark_reported(self) -> bool:
+        """Whether this call is the one that reports the error (False if reported before)."""
+        with self._wait_lock:
+            first, self._reported = not self._reported, True
+        with self._store._lock:
+            self._store._unreported.discard(self)
+        return first
 
     def _finish(self) -> BaseException | None:
         """Waits for the I/O and records its outcome. Every step may run again after an
@@ -257,6 +262,7 @@ class SwapStore:
         self._root_fd = self._run_fd = self._rank_fd = None
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
+        self._unreported: weakref.WeakSet[SwapHandle] = weakref.WeakSet()  # failed, not yet raised to anyone
         root = os.path.abspath(os.fspath(nvme_path))
         self.run_name = run_name or f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         if (not isinstance(self.run_name, str) or self.run_name in ("", ".", "..") or self.run_name.startswith(".")
@@ -627,6 +633,22 @@ class SwapStore:
                     pass
         entry.fd = entry.buffered_fd = None
 
+    def settle(self) -> list[BaseException]:
+        """Completes every pending operation and takes every failure not yet raised to anyone off
+        the books (later waits on those handles return); returns those errors, for the log.
+
+        For recovery after an I/O error (load_checkpoint, which rewrites the state): the handles
+        a failed step left in wait lists then no longer fail the load. Names whose write failed
+        stay failed (reads of them raise) until written again."""
+        self._check_open()
+        for entry in list(self._entries.values()):
+            pending = entry.pending
+            if pending is not None:
+                pending._complete()
+        with self._lock:
+            failed = list(self._unreported)
+        return [h._error for h in failed if h._mark_reported()]
+
     def close(self) -> None:
         """Complete pending I/O, free the swap files and remove the run's directories (idempotent).
 
@@ -634,13 +656,13 @@ class SwapStore:
         if self._closed:
             self._release_directories()  # a store whose construction failed half way
             return
-        errors = []
         for entry in list(self._entries.values()):
             pending = entry.pending
             if pending is not None:
-                error = pending._complete()
-                if error is not None and not pending._reported:
-                    errors.append(error)  # the files are being freed; report but keep cleaning
+                pending._complete()
+        with self._lock:
+            errors = [h._error for h in self._unreported if not h._reported]  # the files go; report, keep cleaning
+            self._unreported.clear()
         self._closed = True
         _live_stores.discard(self)
         self.engine.close()

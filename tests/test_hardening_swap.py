@@ -379,6 +379,21 @@ def test_a_failed_write_raises_once_and_the_store_recovers(store, pool, err):
         assert torch.equal(dst.view(torch.uint8), srcs[n].view(torch.uint8))
 
 
+def test_settle_takes_every_unreported_failure_off_the_books(store, pool):
+    """load_checkpoint's first move: a failed step's wait lists then drain at once."""
+    store.reserve({n: (3000, torch.float32) for n in "abcd"})
+    srcs = {n: fill(pool.alloc(3000, torch.float32), i) for i, n in enumerate("abcd")}
+    store.engine.set_fault("write", errno.EIO)  # every write fails
+    pending = [store.write_from(n, srcs[n]) for n in "abcd"]
+    errors = store.settle()
+    store.engine.clear_fault()
+    assert sorted(str(e).split("'")[1] for e in errors) == list("abcd")
+    wait_all(pending)  # nothing left to raise
+    assert store.settle() == []
+    for n in "abcd":
+        store.write_from(n, srcs[n]).wait()
+
+
 def test_a_failed_read_raises_once_and_the_next_read_works(store, pool):
     store.create("a", 3000, torch.float32)
     src = fill(pool.alloc(3000, torch.float32), 1)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 
@@ -22,8 +23,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         path = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype], tag=args.tag)
-    except OffloadError as e:
-        print(f"offload export: {e}")
+    except (OffloadError, OSError) as e:  # every cause names the path and what to do: no traceback
+        print(f"offload export: {e}", file=sys.stderr)
         return 1
     print(f"wrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB, {args.dtype})")
     return 0
