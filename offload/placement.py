@@ -32,6 +32,7 @@ class ParamTier(str, enum.Enum):
 class OptimizerTier(str, enum.Enum):
     """Where the fp32 master weights, Adam moments and fp32 gradient live."""
 
+    DEVICE = "device"  # on the accelerator, stepped there (offload.optimizer: auto may choose it)
     HOST = "cpu"  # resident host buffers, stepped in place
     NVME = "nvme"  # swap files, streamed through `buffer_count` host slots during the step
 

@@ -1,0 +1,150 @@
+"""Where each unit's optimizer state goes under `offload.optimizer: auto` (plain logic, no torch).
+
+A unit's optimizer state (fp32 master, exp_avg, exp_avg_sq, fp32 gradient: 16 bytes per
+element of this rank's shard) goes to the fastest tier with room, in the order the units step:
+
+- the device first (a unit there steps on the accelerator in microseconds), after the 16-bit
+  weights, the gradient buffers and an activation reserve; never on a machine whose "device" is
+  the CPU itself (there the device and the host are the same memory);
+- then host RAM (resident buffers, stepped in place by the C++ Adam);
+- then NVMe (swap files streamed through `buffer_count` host slots during the step).
+
+Units step in the next forward's order, and with overlap 'forward' a unit's step only has to
+finish before its own next use: the first units to step are the ones the next forward waits
+for, so they take the fast tiers, and the last ones (with the most forward time ahead of them
+to hide their disk traffic) take NVMe. The host slots that stream NVMe units are paid for only
+when some unit goes there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from offload.placement import OptimizerTier
+
+STATE_BYTES_PER_ELEMENT = 16  # master, exp_avg, exp_avg_sq, grad32, fp32 each
+
+
+class PlanError(ValueError):
+    """The optimizer state does not fit in device, host and NVMe together."""
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Bytes each tier can give to optimizer state (already net of everything else it holds)."""
+
+    device: int
+    host: int
+    nvme: int
+
+
+@dataclass
+class OptimizerPlan:
+    tiers: list[OptimizerTier]
+    # per unit, why it went where it did (for the log and memory_report)
+    reasons: list[str]
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    # host bytes of the NVMe slots (0 when no unit is on NVMe)
+    slot_bytes: int = 0
+
+    def summary(self) -> str:
+        counts = {tier: self.tiers.count(tier) for tier in OptimizerTier if tier in self.tiers}
+        parts = [f"{tier.value}: {count} units, {self.bytes_by_tier.get(tier.value, 0) / 2**30:.2f} GiB" for tier, count in counts.items()]
+        if self.slot_bytes:
+            parts.append(f"NVMe slots in RAM {self.slot_bytes / 2**30:.2f} GiB")
+        return "; ".join(parts)
+
+
+def slot_bytes_for(largest_numel: int, buffer_count: int, compute_bytes: int) -> int:
+    """Host bytes of the slots that stream NVMe-resident units: `buffer_count` sets of master,
+    moments, gradient (fp32) and the 16-bit result, plus the transfer worker's fp32 gradient."""
+    return buffer_count * largest_numel * (STATE_BYTES_PER_ELEMENT + compute_bytes) + 4 * largest_numel
+
+
+def plan_optimizer_tiers(
+    shard_numels: list[int],
+    step_order: list[int],
+    capacity: Capacity,
+    *,
+    buffer_count: int,
+    compute_bytes: int,
+) -> OptimizerPlan:
+    """Per unit (indexed as `shard_numels`), the tier of its optimizer state; see the module
+    docstring. `step_order` lists every unit once, in the order they step."""
+    if sorted(step_order) != list(range(len(shard_numels))):
+        raise ValueError("step_order must list every unit exactly once")
+    need = [STATE_BYTES_PER_ELEMENT * n for n in shard_numels]
+    tiers: list[OptimizerTier | None] = [None] * len(need)
+    reasons = [""] * len(need)
+    device_left = capacity.device
+    on_device = set()
+    for unit in step_order:
+        if need[unit] <= device_left:
+            device_left -= need[unit]
+            on_device.add(unit)
+            tiers[unit] = OptimizerTier.DEVICE
+            reasons[unit] = "device: fits in the accelerator's spare memory"
+        else:
+            break  # later units would overtake an earlier one: keep the step order's prefix
+    rest = [unit for unit in step_order if unit not in on_device]
+    if sum(need[u] for u in rest) <= capacity.host:
+        for unit in rest:
+            tiers[unit] = OptimizerTier.HOST
+            reasons[unit] = "host: fits in RAM" if not on_device else "host: the device is full"
+        return _finish(tiers, reasons, need, 0)
+    # some units go to NVMe: their slots take RAM first
+    largest_rest = max((shard_numels[u] for u in rest), default=0)
+    slots = slot_bytes_for(largest_rest, buffer_count, compute_bytes)
+    host_left = capacity.host - slots
+    if host_left < 0:
+        raise PlanError(
+            f"the optimizer state does not fit in RAM ({capacity.host / 2**30:.2f} GiB for it) and streaming "
+            f"it from NVMe needs {slots / 2**30:.2f} GiB of RAM for its slots; raise offload.max_host_memory, "
+            "lower offload.buffer_count, or use more ranks"
+        )
+    host_units = []
+    for unit in rest:
+        if need[unit] <= host_left:
+            host_left -= need[unit]
+            host_units.append(unit)
+        else:
+            break
+    nvme_units = rest[len(host_units):]
+    nvme_need = sum(need[u] for u in nvme_units)
+    if nvme_need > capacity.nvme:
+        total = sum(need)
+        raise PlanError(
+            f"the optimizer state ({total / 2**30:.1f} GiB) does not fit: device {capacity.device / 2**30:.1f} GiB, "
+            f"host {capacity.host / 2**30:.1f} GiB (less {slots / 2**30:.1f} GiB of NVMe slots), NVMe "
+            f"{capacity.nvme / 2**30:.1f} GiB free for it; {nvme_need / 2**30:.1f} GiB would go to NVMe. Raise "
+            "offload.max_host_memory / max_device_memory, free disk under offload.nvme_path, or use more ranks"
+        )
+    for unit in host_units:
+        tiers[unit] = OptimizerTier.HOST
+        reasons[unit] = "host: fits in RAM beside the NVMe slots"
+    for unit in nvme_units:
+        tiers[unit] = OptimizerTier.NVME
+        reasons[unit] = "nvme: RAM full (steps last in the order, with the most forward time to hide its I/O)"
+    return _finish(tiers, reasons, need, slots)
+
+
+def _finish(tiers, reasons, need, slots) -> OptimizerPlan:
+    by_tier: dict[str, int] = {}
+    for tier, nbytes in zip(tiers, need):
+        by_tier[tier.value] = by_tier.get(tier.value, 0) + nbytes
+    return OptimizerPlan(tiers=list(tiers), reasons=reasons, bytes_by_tier=by_tier, slot_bytes=slots)
+
+
+def parse_size(value: int | str | None) -> int | None:
+    """Bytes from a cap as a user writes it: an int, or "40GB" (10^9), "40GiB" (2^30), "512MB"."""
+    if value is None or isinstance(value, int):
+        return value
+    text = value.strip().upper().replace(" ", "")
+    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    for suffix, factor in units.items():
+        if text.endswith(suffix):
+            number = text[: -len(suffix)]
+            try:
+                return int(float(number) * factor)
+            except ValueError:
+                break
+    raise ValueError(f"{value!r} is not a size: write bytes as an integer, or like \"40GB\" or \"40GiB\"")

@@ -1,0 +1,74 @@
+"""The optimizer-state plan of `offload.optimizer: auto` (plain logic), tested directly."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload.placement import OptimizerTier
+from offload.plan import Capacity, PlanError, parse_size, plan_optimizer_tiers, slot_bytes_for
+
+GiB = 2**30
+
+
+def test_everything_on_the_host_when_it_fits():
+    plan = plan_optimizer_tiers([1000] * 4, [0, 1, 2, 3], Capacity(device=0, host=10**9, nvme=0), buffer_count=3, compute_bytes=2)
+    assert plan.tiers == [OptimizerTier.HOST] * 4
+    assert plan.slot_bytes == 0
+    assert plan.bytes_by_tier == {"cpu": 4 * 16000}
+
+
+def test_device_first_in_step_order_then_host_then_nvme_last():
+    numels = [100, 100, 100, 100, 100]
+    order = [0, 3, 1, 2, 4]
+    slots = slot_bytes_for(100, 1, 2)
+    capacity = Capacity(device=2 * 1600, host=slots + 1600, nvme=10**6)  # room for one unit beside the slots
+    plan = plan_optimizer_tiers(numels, order, capacity, buffer_count=1, compute_bytes=2)
+    assert [plan.tiers[u] for u in order] == [
+        OptimizerTier.DEVICE, OptimizerTier.DEVICE, OptimizerTier.HOST, OptimizerTier.NVME, OptimizerTier.NVME
+    ]
+    assert plan.slot_bytes == slots
+    assert "nvme" in plan.reasons[4] and "device" in plan.reasons[0]
+
+
+def test_too_little_everywhere_is_an_error_with_the_numbers():
+    with pytest.raises(PlanError, match="does not fit.*max_host_memory"):
+        plan_optimizer_tiers([10**8] * 4, [0, 1, 2, 3], Capacity(device=0, host=GiB, nvme=GiB), buffer_count=3, compute_bytes=2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    numels=st.lists(st.integers(min_value=1, max_value=10**6), min_size=1, max_size=12),
+    device=st.integers(min_value=0, max_value=10**8),
+    host=st.integers(min_value=0, max_value=2 * 10**8),
+    data=st.data(),
+)
+def test_plan_properties(numels, device, host, data):
+    """Any plan: every tier within its capacity (the host's including the slots), the device
+    and host take a prefix of the step order and NVMe its suffix, and nothing goes to NVMe
+    while everything fits in RAM."""
+    order = data.draw(st.permutations(range(len(numels))))
+    capacity = Capacity(device=device, host=host, nvme=10**12)
+    try:
+        plan = plan_optimizer_tiers(numels, list(order), capacity, buffer_count=3, compute_bytes=2)
+    except PlanError:
+        # only when RAM cannot even hold the slots that would stream the rest from NVMe
+        rest_largest = max(numels)
+        assert host < slot_bytes_for(rest_largest, 3, 2)
+        return
+    assert plan.bytes_by_tier.get("device", 0) <= device
+    assert plan.bytes_by_tier.get("cpu", 0) + plan.slot_bytes <= host
+    rank = {OptimizerTier.DEVICE: 0, OptimizerTier.HOST: 1, OptimizerTier.NVME: 2}
+    sequence = [rank[plan.tiers[u]] for u in order]
+    assert sequence == sorted(sequence)
+    if sum(16 * n for n in numels) <= host:
+        assert OptimizerTier.NVME not in plan.tiers
+
+
+def test_parse_size_reads_gpu_buyer_and_binary_units():
+    assert parse_size("40GB") == 40 * 10**9
+    assert parse_size("40GiB") == 40 * GiB
+    assert parse_size("1.5 GiB") == int(1.5 * GiB)
+    assert parse_size(123) == 123
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("forty gigs")
