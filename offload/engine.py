@@ -460,10 +460,6 @@ class Engine:
         """Bytes the engine holds now and at peak, per tier (device / host / nvme), by category."""
         return self.ledger.report()
 
-    def memory_report(self) -> dict:
-        """Bytes the engine holds now and at peak, per tier (device / host / nvme), by category."""
-        return self.ledger.report()
-
     # ---- end ---------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
