@@ -12,7 +12,7 @@ from torch import nn
 
 import offload
 from distributed_worker import RANK_DEVICE, local_half
-from reference import Block, batches
+from reference import TinyNet, batches
 
 # per step, the block each rank skips; at step 2 both skip block 2 (no gradient on any rank:
 # it must not step), at step 5 both skip block 1
@@ -23,12 +23,8 @@ SKIPS = {
 STEPS = len(SKIPS[0])
 
 
-class BranchNet(nn.Module):
-    def __init__(self, width: int = 32, depth: int = 4, inputs: int = 8) -> None:
-        super().__init__()
-        self.inp = nn.Linear(inputs, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.out = nn.Linear(width, 1)
+class BranchNet(TinyNet):
+    """TinyNet that skips block `skip` (None: runs them all)."""
 
     def forward(self, x, skip=None):
         h = self.inp(x)

@@ -18,22 +18,19 @@ from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
 import offload
-from reference import Block, batches, max_weight_difference, mse, reference_run
+from reference import TinyNet, batches, max_weight_difference, mse, reference_run
 
 PLACEMENTS = list(itertools.product(["none", "cpu", "nvme"], ["cpu", "nvme"]))
 CHECKPOINTING = ["non_reentrant", "non_reentrant_no_early_stop", "reentrant"]
 
 
-class CheckpointedNet(nn.Module):
+class CheckpointedNet(TinyNet):
     """TinyNet whose blocks (the units) run under `torch.utils.checkpoint`, called on the
     module itself, so a recompute re-enters the unit's forward hooks."""
 
-    def __init__(self, mode: str = "off", width: int = 32, depth: int = 4, inputs: int = 8) -> None:
+    def __init__(self, mode: str = "off") -> None:
         super().__init__()
         self.mode = mode
-        self.inp = nn.Linear(inputs, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.out = nn.Linear(width, 1)
 
     def forward(self, x):
         h = self.inp(x)
