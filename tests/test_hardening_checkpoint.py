@@ -65,7 +65,7 @@ def load_index(directory):
 
 def write_index(directory, index):
     """An attacker recomputes the checksums: they detect damage, not crafting."""
-    (directory / "index.json").write_bytes(checkpoint._json_with_checksum(index))
+    (directory / "index.json").write_bytes(checkpoint.json_with_checksum(index))
 
 
 def child(code: str, *args, timeout=120) -> subprocess.CompletedProcess:

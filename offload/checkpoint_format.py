@@ -1,0 +1,752 @@
+"""The checkpoint file format: writing, reading and checking a checkpoint directory, with no
+engine in sight (offload.checkpoint is the engine's side: what each rank saves and loads).
+
+(Over 600 lines because it is one format read by a hostile-input-proof reader: the writer, the
+checks on every name, size and offset, and the reader belong together.)
+
+Format. A checkpoint is a directory `<root>/<tag>/`:
+
+    index.json              format, engine counters, every parameter (canonical name, shape,
+                            aliases, Adam step count), the list of small files with their size
+                            and CRC-32C, and a CRC-32C of the index itself
+    rank<r>.safetensors     rank r's fp32 state: for every parameter slice inside rank r's
+                            shard, keys `<param>/master`, `<param>/exp_avg`, `<param>/exp_avg_sq`
+                            (1-D, the element range [start, end) of the flattened parameter)
+    rank<r>.json            where each slice lives in rank<r>.safetensors (byte offset), its
+                            element range, a CRC-32C per 16 MiB of data, the file's size and
+                            header checksum, and rank r's RNG states
+    buffers.safetensors     the model's persistent buffers (state_dict keys)
+    client_state.pt         the caller's `client_state` (loaded with torch.load(weights_only=True))
+    hf_config.json          the model's Hugging Face config, when it has one
+
+Because slices are keyed by parameter name and element range, not by unit or shard, a
+checkpoint saved by N ranks with NVMe offload loads on M ranks with CPU offload (or another
+wrap): each rank reads the ranges that intersect its new shard from whichever files hold them.
+torch.distributed.checkpoint is not used: its chunks must be rectangular boxes of a tensor
+(a flat shard cuts a 2-D weight mid-row), and its metadata file is a pickle, executed on load.
+
+The rank files are valid safetensors files written by a streaming writer (the header is known
+before any data, so the data goes out unit by unit); with the optimizer state on NVMe, each
+unit's state is read from its swap files into a slot buffer and written on, never gathered
+whole in RAM. Every byte read back is checked: size, header checksum, per-chunk checksums, and
+a mismatch names the file and the tensor.
+
+Atomicity. Files are written into `<root>/.tmp-<tag>-<pid>/`, each fsynced, the directory
+fsynced and renamed to `<root>/<tag>`, and only then is `<root>/latest` replaced (temp file
+made with O_EXCL, fsync, rename). A process killed at any moment, or a full disk, leaves the
+previous checkpoint and `latest` as they were; a save that fails removes its temporary
+directory, and a later save removes those left by dead saves. A save in progress holds a
+flock on its temporary directory (and on its `latest` temp file), so "dead" is judged by the
+lock (which the kernel drops with the process), not by whether a pid is alive on this host. `keep_last=N` removes older checkpoints after `latest`
+points to the new one (renamed to `.trash-*` first, so a half-removed one is never taken for
+a checkpoint). With several ranks the root must be a filesystem every rank sees.
+
+Reading a checkpoint trusts nothing in it: checksums catch damage, not crafting. Only the file
+names the format writes are read (`index.json`, `latest`, `rank<r>.json`,
+`rank<r>.safetensors`, and the three small files above), each opened relative to the
+checkpoint directory without following a symlink, and only if it is a regular file; a file
+is read up to its declared size and no further; every offset, size and count in the index
+and the rank files is checked before it is used. `client_state` is loaded with
+`torch.load(weights_only=True)`, which needs torch >= 2.6 (pyproject's floor: earlier
+versions could execute code from a crafted file).
+"""
+from __future__ import annotations
+
+import base64
+import errno
+import fcntl
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import stat
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from offload.aio import crc32c
+from offload.errors import InsufficientSpaceError, OffloadError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "offload-checkpoint"
+FORMAT_VERSION = 1
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+INDEX = "index.json"
+LATEST = "latest"
+BUFFERS = "buffers.safetensors"
+CLIENT_STATE = "client_state.pt"
+HF_CONFIG = "hf_config.json"
+CHUNK_BYTES = 16 << 20  # one CRC-32C per this many bytes of a slice
+CHUNK_ELEMENTS = CHUNK_BYTES // 4
+DATA_ALIGN = 4096  # the data of a rank file starts at a multiple of this
+RANK_JSON = re.compile(r"rank(\d+)\.json")
+RANK_STATE = re.compile(r"rank(\d+)\.safetensors")
+SMALL_FILES = (BUFFERS, CLIENT_STATE, HF_CONFIG)
+MAX_INDEX_BYTES = 256 << 20  # index.json has no declared size: a cap instead (a 70B model's is ~1 MB)
+MAX_LATEST_BYTES = 4096
+
+
+class CheckpointError(OffloadError):
+    """A checkpoint cannot be saved or loaded (missing, incompatible); the message says which."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file is truncated, edited or damaged; the message names the file."""
+
+
+# ---- plain functions (tested directly) -----------------------------------------------------
+def shard_pieces(offsets, numels, shard_start: int, shard_end: int) -> list[tuple[int, int, int, int]]:
+    """(param index, start, end, position in shard): the element range [start, end) of each
+    flattened param that lies in the flat-buffer range [shard_start, shard_end)."""
+    pieces = []
+    for index, (offset, numel) in enumerate(zip(offsets, numels)):
+        low, high = max(offset, shard_start), min(offset + numel, shard_end)
+        if low < high:
+            pieces.append((index, low - offset, high - offset, low - shard_start))
+    return pieces
+
+
+def chunk_bounds(numel: int, chunk: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
+    """[start, end) of each checksummed chunk of a slice of `numel` elements."""
+    return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
+
+
+def checkpoints_to_remove(saved: dict[str, int], keep_last: int, keep: str) -> list[str]:
+    """Tags to delete so that `keep_last` checkpoints remain: the oldest by save time (ns),
+    never `keep` (the one `latest` names)."""
+    if keep_last is None or keep_last <= 0:
+        return []
+    newest_first = sorted(saved, key=lambda tag: (saved[tag], tag), reverse=True)
+    kept = [keep] + [tag for tag in newest_first if tag != keep][: max(0, keep_last - 1)]
+    return [tag for tag in newest_first if tag not in kept]
+
+
+def check_tag(tag: str) -> str:
+    if not tag or tag.startswith(".") or os.sep in tag or tag == LATEST or (os.altsep and os.altsep in tag):
+        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain directory name, not starting with '.', not {LATEST!r}")
+    return tag
+
+
+def safetensors_header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, str], align: int = 8) -> tuple[bytes, list[int]]:
+    """The safetensors prefix (8-byte length + JSON header, space-padded so data starts at a
+    multiple of `align`) for `entries` (key, dtype e.g. "F32", shape, nbytes) stored back to back;
+    returns (prefix, data offset of each entry relative to the start of the data)."""
+    header: dict = {"__metadata__": dict(metadata)}
+    offsets, cursor = [], 0
+    for key, dtype, shape, nbytes in entries:
+        if key in header:
+            raise ValueError(f"duplicate safetensors key {key!r}")
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [cursor, cursor + nbytes]}
+        offsets.append(cursor)
+        cursor += nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    total = -(-(8 + len(body)) // align) * align
+    body = body + b" " * (total - 8 - len(body))
+    return struct.pack("<Q", len(body)) + body, offsets
+
+
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+# ---- small file helpers ----------------------------------------------------------------------
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    tensor = tensor.contiguous()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    elif tensor.dtype == torch.bool:
+        tensor = tensor.view(torch.uint8)
+    return memoryview(tensor.numpy()).cast("B")
+
+
+def write_all(fd: int, data, path: str) -> None:
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+    while len(view):
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def space_error(path: str, err: OSError, needed: int | None = None) -> OffloadError:
+    free = shutil.disk_usage(os.path.dirname(path) or ".").free
+    what = "the disk is full" if err.errno == errno.ENOSPC else f"the file size limit was reached ({err.strerror})"
+    need = f" ({needed} bytes needed)" if needed is not None else ""
+    return InsufficientSpaceError(
+        err.errno, f"checkpoint write failed: {what} while writing {path}{need}, {free} bytes free; the previous "
+                   "checkpoint is untouched; free space or save to another directory", path)
+
+
+def write_small(path: str, data: bytes) -> dict:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            write_all(fd, data, path)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise space_error(path, e, len(data)) from None
+        raise
+    return {"bytes": len(data), "crc32c": crc32c(data)}
+
+
+def _checked_name(name, directory: str) -> str:
+    """`name` if it is a file name the format writes, else a CheckpointCorruptError."""
+    if not isinstance(name, str) or not (name in SMALL_FILES or RANK_JSON.fullmatch(name)
+                                         or RANK_STATE.fullmatch(name)):
+        raise CheckpointCorruptError(
+            f"checkpoint {directory} names a file {name!r} that the format never writes: refusing to read it "
+            "(the index or a rank file was crafted or damaged)")
+    return name
+
+
+def open_dir(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {path}: it does not exist") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot open checkpoint directory {path}: {e.strerror}") from None
+
+
+def _open_regular(dir_fd: int, name: str, path: str) -> tuple[int, int]:
+    """Opens `name` under `dir_fd` for reading, never through a symlink, only if it is a regular
+    file (not a device such as /dev/zero, not a FIFO); returns (fd, size)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"checkpoint file {path} is missing; the checkpoint is incomplete") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointCorruptError(f"checkpoint file {path} is a symbolic link: refusing to follow it "
+                                         "(a checkpoint holds only regular files)") from None
+        raise CheckpointError(f"cannot open checkpoint file {path}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointCorruptError(f"checkpoint file {path} is not a regular file: refusing to read it "
+                                     "(a checkpoint holds only regular files)")
+    return fd, st.st_size
+
+
+def _read_exactly(fd: int, size: int, path: str) -> bytes:
+    """`size` bytes from the start of `fd`, never more."""
+    chunks, done = [], 0
+    while done < size:
+        chunk = os.pread(fd, min(size - done, 64 << 20), done)
+        if not chunk:
+            raise CheckpointCorruptError(f"checkpoint file {path} ends early (short read at byte {done}): truncated")
+        chunks.append(chunk)
+        done += len(chunk)
+    return b"".join(chunks)
+
+
+def read_small(dir_fd: int, directory: str, name: str, *, limit: int) -> bytes:
+    """A whole small file of at most `limit` bytes (for files without a declared size)."""
+    path = os.path.join(directory, name)
+    fd, size = _open_regular(dir_fd, name, path)
+    try:
+        if size > limit:
+            raise CheckpointCorruptError(f"checkpoint file {path} is {size} bytes, more than the {limit} such a file "
+                                         "can have: refusing to read it (crafted or damaged)")
+        return _read_exactly(fd, size, path)
+    finally:
+        os.close(fd)
+
+
+def _read_verified(dir_fd: int, directory: str, name: str, info) -> bytes:
+    """A file the index lists, checked against its declared size (read no further) and checksum."""
+    path = os.path.join(directory, _checked_name(name, directory))
+    if not (isinstance(info, dict) and _is_count(info.get("bytes")) and _is_count(info.get("crc32c"))):
+        raise CheckpointCorruptError(f"checkpoint {directory}: the index's entry for {name} is malformed")
+    fd, size = _open_regular(dir_fd, name, path)
+    try:
+        if size != info["bytes"]:
+            raise CheckpointCorruptError(f"checkpoint file {path} is {size} bytes, the index says {info['bytes']}: "
+                                         "it was truncated or replaced")
+        data = _read_exactly(fd, info["bytes"], path)
+    finally:
+        os.close(fd)
+    if crc32c(data) != info["crc32c"]:
+        raise CheckpointCorruptError(f"checkpoint file {path} fails its checksum: it was edited or damaged")
+    return data
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def json_with_checksum(body: dict) -> bytes:
+    canonical = json.dumps(body, sort_keys=True).encode()
+    return json.dumps({**body, "checksum": crc32c(canonical)}, sort_keys=True, indent=1).encode()
+
+
+def _parse_json_with_checksum(dir_fd: int, directory: str, name: str) -> dict:
+    path = os.path.join(directory, name)
+    raw = read_small(dir_fd, directory, name, limit=MAX_INDEX_BYTES)
+    try:
+        data = json.loads(raw)
+        checksum = data.pop("checksum")
+    except (ValueError, KeyError, AttributeError, TypeError):
+        raise CheckpointCorruptError(f"checkpoint file {path} is not a valid index (truncated or edited)") from None
+    if crc32c(json.dumps(data, sort_keys=True).encode()) != checksum:
+        raise CheckpointCorruptError(f"checkpoint file {path} fails its checksum: it was edited or damaged")
+    return data
+
+
+# ---- RNG -------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    state = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "python": _jsonable(random.getstate()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        for device, encoded in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.uint8), device)
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _jsonable(value):
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+# ---- the model's names -----------------------------------------------------------------------
+@dataclass
+class Slice:
+    key: str  # "<param>/<kind>"
+    param: str
+    kind: str
+    start: int
+    end: int
+    shard_pos: int
+    unit: int
+
+
+def lock_held(fd: int) -> None:
+    """Marks a save's temporary file or directory as in use: a shared-nothing flock that the
+    kernel drops when the saving process dies, wherever it ran (flock is coherent over NFSv4)."""
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def remove_stale(root: str) -> None:
+    """Removes `.tmp-*` / `.trash-*` entries no live save holds the lock of (a killed save)."""
+    root_fd = open_dir(root)
+    try:
+        for entry in os.listdir(root_fd):
+            if not entry.startswith((".tmp-", ".trash-")):
+                continue
+            try:
+                fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root_fd)
+            except OSError:
+                continue  # gone meanwhile, or a symlink: not ours to follow
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a save in progress (this or another process, on any host)
+                stale = os.path.join(root, entry)
+                logger.info("offload: removing %s left by an interrupted save", stale)
+                if stat.S_ISDIR(os.fstat(fd).st_mode):
+                    shutil.rmtree(entry, dir_fd=root_fd, ignore_errors=True)
+                else:
+                    os.unlink(entry, dir_fd=root_fd)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(root_fd)
+
+
+def save_error(error: BaseException, root: str) -> BaseException:
+    """An OSError of a save as an error that names the path and says what to do."""
+    if isinstance(error, OffloadError) or not isinstance(error, OSError):
+        return error
+    where = error.filename or root
+    if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return space_error(where, error)
+    if error.errno in (errno.ENOTDIR, errno.EEXIST) and os.path.exists(root) and not os.path.isdir(root):
+        return CheckpointError(f"cannot save a checkpoint to {root}: it is a file, not a directory; pass a directory "
+                               "path (it is created if missing)")
+    return CheckpointError(f"cannot save a checkpoint to {root}: {error.strerror} ({where}); choose a directory "
+                           "you can write to, or fix its permissions; the previous checkpoint is untouched")
+
+
+def list_checkpoints(root: str) -> dict[str, int]:
+    """Tag -> save time (ns) of every complete checkpoint directly under `root`."""
+    found = {}
+    for entry in os.listdir(root):
+        if entry.startswith("."):
+            continue
+        directory = os.path.join(root, entry)
+        index = os.path.join(directory, INDEX)
+        if os.path.isfile(index):
+            try:
+                dir_fd = open_dir(directory)
+                try:
+                    found[entry] = int(json.loads(read_small(dir_fd, directory, INDEX, limit=MAX_INDEX_BYTES))["saved_at_ns"])
+                finally:
+                    os.close(dir_fd)
+            except (ValueError, KeyError, TypeError, OSError, CheckpointError):
+                logger.warning("offload: %s is not a readable checkpoint index; left alone by rotation", index)
+    return found
+
+
+def rotate(root: str, keep_last: int, keep: str) -> None:
+    for tag in checkpoints_to_remove(list_checkpoints(root), keep_last, keep):
+        trash = os.path.join(root, f".trash-{tag}-{os.getpid()}")
+        os.rename(os.path.join(root, tag), trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        logger.info("offload: removed old checkpoint %s (keep_last=%d)", os.path.join(root, tag), keep_last)
+
+
+# ---- reading ---------------------------------------------------------------------------------
+def resolve(path, tag: str | None = None) -> str:
+    """The checkpoint directory: `path` itself when it holds index.json, else `path/<tag>`,
+    else the tag named by `path/latest`."""
+    root = os.path.abspath(os.fspath(path))
+    if tag is not None:
+        directory = os.path.join(root, check_tag(tag))
+    elif os.path.isfile(os.path.join(root, INDEX)):
+        return root
+    elif os.path.lexists(os.path.join(root, LATEST)):
+        root_fd = open_dir(root)
+        try:
+            raw = read_small(root_fd, root, LATEST, limit=MAX_LATEST_BYTES)
+        finally:
+            os.close(root_fd)
+        try:
+            named = raw.decode().strip()
+        except UnicodeDecodeError:
+            raise CheckpointCorruptError(f"{os.path.join(root, LATEST)} does not hold a checkpoint tag") from None
+        try:
+            directory = os.path.join(root, check_tag(named))
+        except CheckpointError:
+            raise CheckpointCorruptError(f"{os.path.join(root, LATEST)} names {named[:80]!r}, which is not a "
+                                         "checkpoint tag (a plain directory name)") from None
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"{os.path.join(root, LATEST)} names checkpoint {named!r}, but {directory} does not exist")
+    else:
+        raise CheckpointError(f"no checkpoint at {root}: it has neither {INDEX} nor a {LATEST} file")
+    if not os.path.isfile(os.path.join(directory, INDEX)):
+        raise CheckpointError(f"no checkpoint at {directory}: {INDEX} is missing (not a checkpoint, or an incomplete one)")
+    return directory
+
+
+@dataclass
+class _Stored:
+    start: int
+    end: int
+    path: str
+    fd: int
+    offset: int
+    crcs: list[int]
+    key: str
+
+
+def _malformed(where: str, what: str) -> CheckpointCorruptError:
+    return CheckpointCorruptError(f"{where}: {what} is malformed (the file was crafted or damaged); the checkpoint "
+                                  "cannot be loaded")
+
+
+class CheckpointReader:
+    """A verified view of a checkpoint: its index, and reads of any element range of any
+    parameter's state, checked chunk by chunk against the recorded checksums.
+
+    Every file is opened once, relative to the checkpoint directory (see the module docstring
+    on what is trusted); the rank files stay open until close()."""
+
+    def __init__(self, path, tag: str | None = None) -> None:
+        self.directory = resolve(path, tag)
+        self._dir_fd = open_dir(self.directory)
+        self._fds: dict[str, int] = {}
+        self._bounce: torch.Tensor | None = None
+        try:
+            self._load_index()
+        except BaseException:
+            self.close()
+            raise
+
+    def _load_index(self) -> None:
+        index_path = os.path.join(self.directory, INDEX)
+        self.index = _parse_json_with_checksum(self._dir_fd, self.directory, INDEX)
+        if not isinstance(self.index, dict) or self.index.get("format") != FORMAT:
+            raise CheckpointCorruptError(f"{index_path} is not an offload checkpoint index")
+        if self.index.get("version") != FORMAT_VERSION:
+            raise CheckpointError(f"checkpoint {self.directory} has format version {self.index.get('version')}; this "
+                                  f"offload reads version {FORMAT_VERSION}")
+        self.files = self.index.get("files")
+        ranks = self.index.get("ranks")
+        params = self.index.get("params")
+        if not isinstance(self.files, dict) or not isinstance(ranks, list) or not ranks or not isinstance(params, dict):
+            raise _malformed(index_path, "its list of files, ranks or parameters")
+        for name, info in params.items():
+            if not (isinstance(info, dict) and isinstance(info.get("shape"), list)
+                    and all(_is_count(d) for d in info["shape"]) and _is_count(info.get("numel"))
+                    and info["numel"] == math.prod(info["shape"])):
+                raise _malformed(index_path, f"the entry of parameter {name!r}")
+        self.parts = []
+        self.stored: dict[tuple[str, str], list[_Stored]] = {}
+        for name in ranks:
+            if not isinstance(name, str) or not RANK_JSON.fullmatch(name) or name not in self.files:
+                raise _malformed(index_path, f"its rank file entry {name!r}")
+            try:
+                part = json.loads(_read_verified(self._dir_fd, self.directory, name, self.files[name]))
+            except ValueError:
+                raise _malformed(os.path.join(self.directory, name), "its content") from None
+            self.parts.append(part)
+            self._add_rank_file(name, part)
+        for pieces in self.stored.values():
+            pieces.sort(key=lambda p: p.start)
+
+    def _add_rank_file(self, json_name: str, part) -> None:
+        where = os.path.join(self.directory, json_name)
+        if not isinstance(part, dict) or not isinstance(part.get("file"), str) or not RANK_STATE.fullmatch(part["file"]):
+            raise _malformed(where, "the name of its state file")
+        file_bytes, header_bytes = part.get("file_bytes"), part.get("header_bytes")
+        if not (_is_count(file_bytes) and _is_count(header_bytes) and 8 <= header_bytes <= file_bytes
+                and _is_count(part.get("header_crc32c")) and isinstance(part.get("slices"), list)):
+            raise _malformed(where, "the sizes of its state file")
+        path = os.path.join(self.directory, part["file"])
+        fd = self._open_rank_file(part["file"], path, file_bytes, header_bytes, part["header_crc32c"])
+        for record in part["slices"]:
+            try:
+                start, end, offset, crcs = record["start"], record["end"], record["offset"], record["crc32c"]
+                param, kind, key = record["param"], record["kind"], record["key"]
+                ok = (all(_is_count(v) for v in (start, end, offset)) and start <= end
+                      and offset >= header_bytes and offset + 4 * (end - start) <= file_bytes
+                      and isinstance(crcs, list) and len(crcs) == len(chunk_bounds(end - start))
+                      and all(_is_count(c) for c in crcs) and kind in KINDS and isinstance(key, str)
+                      and isinstance(param, str))
+            except (KeyError, TypeError):
+                ok = False
+            if not ok:
+                raise _malformed(where, f"slice record {str(record)[:120]}")
+            self.stored.setdefault((param, kind), []).append(_Stored(start, end, path, fd, offset, crcs, key))
+
+    def _open_rank_file(self, name: str, path: str, file_bytes: int, header_bytes: int, header_crc: int) -> int:
+        if name in self._fds:
+            raise CheckpointCorruptError(f"checkpoint {self.directory}: two rank files name the state file {path}")
+        fd, size = _open_regular(self._dir_fd, name, path)
+        self._fds[name] = fd
+        if size != file_bytes:
+            raise CheckpointCorruptError(f"checkpoint file {path} is {size} bytes, expected {file_bytes}: it was "
+                                         "truncated or replaced")
+        if crc32c(_read_exactly(fd, header_bytes, path)) != header_crc:
+            raise CheckpointCorruptError(f"checkpoint file {path}: its safetensors header fails its checksum (edited or damaged)")
+        return fd
+
+    @staticmethod
+    def _pread(piece: _Stored, target: torch.Tensor, offset: int) -> None:
+        view = tensor_bytes(target) if target.numel() else memoryview(b"")
+        done = 0
+        while done < len(view):
+            n = os.preadv(piece.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointCorruptError(f"checkpoint file {piece.path} ends early (short read at byte "
+                                             f"{offset + done}): truncated")
+            done += n
+
+    def read_range(self, param: str, kind: str, start: int, end: int, out: torch.Tensor) -> None:
+        """Fills `out` (fp32, end - start elements) with elements [start, end) of `param`'s `kind`."""
+        pieces = self.stored.get((param, kind))
+        if not pieces:
+            raise CheckpointCorruptError(f"checkpoint {self.directory} holds no {kind} for parameter {param!r}")
+        cursor = start
+        for piece in pieces:
+            if piece.end <= cursor or piece.start >= end:
+                continue
+            if piece.start > cursor:
+                break
+            high = min(piece.end, end)
+            for c0, c1 in chunk_bounds(piece.end - piece.start):
+                g0, g1 = piece.start + c0, piece.start + c1  # the chunk, in param elements
+                if g1 <= cursor or g0 >= high:
+                    continue
+                whole = cursor <= g0 and g1 <= high
+                if whole:
+                    target = out[g0 - start : g1 - start]
+                else:
+                    if self._bounce is None:
+                        self._bounce = torch.empty(CHUNK_ELEMENTS, dtype=torch.float32)
+                    target = self._bounce[: c1 - c0]
+                self._pread(piece, target, piece.offset + 4 * c0)
+                if crc32c(target) != piece.crcs[c0 // CHUNK_ELEMENTS]:
+                    raise CheckpointCorruptError(
+                        f"checkpoint file {piece.path}: tensor {piece.key!r} (bytes {piece.offset + 4 * c0}.."
+                        f"{piece.offset + 4 * c1}) fails its checksum: the file was edited or damaged")
+                if not whole:
+                    low, top = max(g0, cursor), min(g1, high)
+                    out[low - start : top - start].copy_(target[low - g0 : top - g0])
+            cursor = high
+            if cursor >= end:
+                break
+        if cursor < end:
+            raise CheckpointCorruptError(f"checkpoint {self.directory} lacks elements {cursor}..{end} of {param!r} {kind}")
+
+    def read_param(self, param: str, kind: str = "master") -> torch.Tensor:
+        info = self.index["params"][param]
+        stored = sum(p.end - p.start for p in self.stored.get((param, kind), []))
+        if stored < info["numel"]:  # before allocating what the index claims
+            raise CheckpointCorruptError(f"checkpoint {self.directory} holds {stored} elements of {param!r} {kind}, "
+                                         f"its index says {info['numel']}")
+        out = torch.empty(info["numel"], dtype=torch.float32)
+        self.read_range(param, kind, 0, info["numel"], out)
+        return out.view(info["shape"])
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load as safetensors_load
+
+        if BUFFERS not in self.files:
+            raise CheckpointCorruptError(f"checkpoint {self.directory}: its index lists no {BUFFERS}")
+        data = _read_verified(self._dir_fd, self.directory, BUFFERS, self.files[BUFFERS])
+        try:
+            return safetensors_load(data)
+        except Exception as e:  # noqa: BLE001  (safetensors' own parse errors: a crafted file that passes its checksum)
+            raise _malformed(os.path.join(self.directory, BUFFERS), f"its content ({e})") from None
+
+    def client_state(self) -> dict:
+        if CLIENT_STATE not in self.files:
+            return {}
+        import io
+
+        data = _read_verified(self._dir_fd, self.directory, CLIENT_STATE, self.files[CLIENT_STATE])
+        try:
+            return torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as e:  # noqa: BLE001  (weights_only refuses anything but plain data: report, never run it)
+            raise CheckpointCorruptError(f"checkpoint file {os.path.join(self.directory, CLIENT_STATE)} cannot be "
+                                         f"loaded as plain data ({type(e).__name__}: {str(e)[:200]}); it was crafted "
+                                         "or written by something else") from None
+
+    def hf_config(self) -> bytes | None:
+        if HF_CONFIG not in self.files:
+            return None
+        return _read_verified(self._dir_fd, self.directory, HF_CONFIG, self.files[HF_CONFIG])
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---- loading into an engine ------------------------------------------------------------------
+def export(checkpoint, out_dir, *, dtype: torch.dtype = torch.float32, tag: str | None = None) -> str:
+    """Writes `out_dir/model.safetensors`: the full weights (fp32 master, cast to `dtype`) and
+    buffers under the model's state_dict keys (tied weights under every key), streamed one
+    tensor at a time, plus `config.json` when the checkpoint recorded a Hugging Face config.
+    Each file is written to a new temporary file (O_EXCL), fsynced and renamed into place.
+    Returns the safetensors path."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"cannot export to {out_dir}: it is a file, not a directory; pass a directory path "
+                              "(it is created if missing; model.safetensors goes inside)")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the export directory {out_dir}: {e.strerror}; choose a directory you "
+                              "can write to") from None
+    with CheckpointReader(checkpoint, tag) as reader:
+        buffers = reader.buffers()
+        params = reader.index["params"]
+        entries, sources = [], []
+        for key, what in reader.index["state_dict_keys"]:
+            if what == "buffer":
+                tensor = buffers[key]
+                if tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                entries.append((key, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), tensor.numel() * tensor.element_size()))
+                sources.append(tensor)
+            else:
+                name = what.split(":", 1)[1]
+                info = params[name]
+                entries.append((key, SAFETENSORS_DTYPES[dtype], info["shape"], info["numel"] * torch.empty(0, dtype=dtype).element_size()))
+                sources.append(name)
+        prefix, _ = safetensors_header(entries, {"format": "pt"})
+
+        def tensors():
+            yield prefix
+            for source in sources:
+                tensor = source if isinstance(source, torch.Tensor) else reader.read_param(source).to(dtype)
+                yield tensor_bytes(tensor)
+
+        path = _write_replacing(os.path.join(out_dir, "model.safetensors"), tensors())
+        config = reader.hf_config()
+        if config is not None:
+            _write_replacing(os.path.join(out_dir, "config.json"), [config])
+        fsync_dir(out_dir)
+    logger.info("offload: exported %s (%s)", path, dtype)
+    return path
+
+
+def _write_replacing(path: str, pieces) -> str:
+    """Writes `pieces` (bytes-like) to a new temporary file next to `path` (O_EXCL, never through
+    a symlink), fsyncs it and renames it over `path`; on any failure the temporary file goes."""
+    directory, name = os.path.split(path)
+    temp = os.path.join(directory, f".tmp-{name}-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"cannot write {path}: {e.strerror} ({temp}); choose a directory you can write to") from None
+    try:
+        try:
+            for piece in pieces:
+                write_all(fd, piece, temp)
+            os.fsync(fd)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise space_error(temp, e) from None
+            raise CheckpointError(f"cannot write {path}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
