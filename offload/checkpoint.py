@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -59,7 +58,7 @@ from offload.checkpoint_format import (  # noqa: F401 (re-exported: the format's
     write_all,
     write_small,
 )
-from offload.errors import InsufficientSpaceError
+from offload.errors import InsufficientSpaceError, OffloadError
 
 logger = logging.getLogger(__name__)
 
@@ -289,8 +288,6 @@ def _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, kee
             params[name] = {"shape": list(param.shape), "numel": param.numel(), "aliases": aliases[name],
                             "step": unit.step_count, "requires_grad": bool(param.requires_grad)}
             trainable[name] = bool(param.requires_grad)
-    scaler = engine.scaler.state_dict()
-    norm = engine.last_grad_norm
     index = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -300,15 +297,7 @@ def _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, kee
         "placement": {"param": engine.config.offload.param, "optimizer": engine.config.offload.optimizer},
         "precision": engine.config.precision,
         "optimizer": engine.config.optimizer.type,
-        "engine": {
-            "global_steps": engine.global_steps,
-            "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.skipped_steps,
-            "stepped_at_micro": engine._stepped_at_micro,
-            "lr": engine.lr,
-            "loss_scaler": scaler,
-            "last_grad_norm": norm if norm is None or math.isfinite(norm) else None,
-        },
+        "engine": engine.training_state(),
         "params": params,
         "state_dict_keys": [[key, what] for key, what in keys],
         "ranks": [f"rank{r}.json" for r in range(world)],
@@ -365,26 +354,6 @@ def _unit_step_count(unit, saved_params, canonical) -> int:
     return counts.pop()
 
 
-def _quiesce_residency(engine) -> None:
-    """No offloaded unit may keep (or be fetching) old weights on the device."""
-    residency = engine.residency
-    if not residency.offloaded:
-        return
-    for unit in engine.units:
-        if unit.holders:
-            raise CheckpointError(f"load_checkpoint while unit {unit.spec.name} is in use (inside a forward or "
-                                  "backward); load between steps")
-        if unit.fetch_future is not None:
-            try:
-                residency._complete_fetch(unit)
-            except Exception as e:  # noqa: BLE001  (the weights it fetched are replaced below: recovery after an I/O error)
-                logger.warning("offload: load_checkpoint discards a failed fetch of unit %s: %s", unit.spec.name, e)
-                if unit.fetch_target is not None and unit.fetch_target is not unit.device_flat:
-                    residency.ledger.release("device", unit.shard_numel * residency.element_size, "param_shard")
-                unit.fetch_target = None
-        residency.free(unit)
-
-
 def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict:
     """Restores weights, optimizer states, counters, loss scale and (with `load_rng`) RNG
     states from a checkpoint saved by any world size and placement; returns its client_state."""
@@ -393,7 +362,10 @@ def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict
     canonical, _, keys = _model_names(engine.model)
     with CheckpointReader(path, tag) as reader:
         _check_compatible(reader, engine, canonical)
-        _quiesce_residency(engine)
+        try:
+            engine.residency.drop_device_copies()
+        except OffloadError as error:
+            raise CheckpointError(f"load_checkpoint: {error}") from None
         saved_params = reader.index["params"]
         store = engine.store
         if store.swap is not None:
@@ -401,46 +373,20 @@ def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict
             # must not fail the load that replaces it (every state it touched is rewritten below)
             for failure in store.swap.settle():
                 logger.warning("offload: load_checkpoint discards a failed swap operation: %s", failure)
-        slots = getattr(store, "slots", None)
-        for position, unit in enumerate(engine.units):
-            n = unit.shard_numel
-            if store.optimizer_tier == "cpu":
-                targets = {kind: unit.host[kind] for kind in KINDS}
-            else:
-                slot = slots[position % len(slots)]
-                slot.wait_writes()
-                targets = {kind: getattr(slot, kind)[:n] for kind in KINDS}
+        for unit, targets in store.overwrite_optimizer_states(engine.units):
             start, end = unit.layout.shard_range(rank)
             pieces = shard_pieces(unit.layout.offsets, unit.layout.numels, start, end)
             for kind, target in targets.items():
                 target.zero_()
                 for index, a, b, pos in pieces:
                     reader.read_range(canonical[id(unit.spec.params[index])], kind, a, b, target[pos : pos + b - a])
-            if store.optimizer_tier == "nvme":
-                for kind in KINDS:
-                    slot.pending_writes.append(store.swap.write_from(unit.swap_name(kind), targets[kind]))
             store.store_param16_values(unit, targets["master"])
-            if engine.residency.offloaded is False:
-                unit.device_flat[start:end].copy_(targets["master"])
-                unit.device_update_event = None
-                unit.needs_gather = world > 1
+            engine.residency.replace_weights(unit, targets["master"])
             unit.step_count = _unit_step_count(unit, saved_params, canonical)
-            unit.window_started = False
-            unit.grads_in_window.clear()
+            unit.end_window()
             unit.grads_pending.clear()
-            unit.grad_sq_norm = None
-        if slots is not None and store.optimizer_tier == "nvme":
-            for slot in slots:
-                slot.wait_writes()
         _load_buffers(engine, reader.buffers(), keys, reader.directory)
-        counters = reader.index["engine"]
-        engine.global_steps = counters["global_steps"]
-        engine.micro_steps = counters["micro_steps"]
-        engine.skipped_steps = counters["skipped_steps"]
-        engine._stepped_at_micro = counters["stepped_at_micro"]
-        engine.lr = counters["lr"]
-        engine.scaler.load_state_dict(counters["loss_scaler"])
-        engine.last_grad_norm = counters["last_grad_norm"]
+        engine.load_training_state(reader.index["engine"])
         if load_rng:
             parts = reader.parts
             if len(parts) != world:

@@ -456,6 +456,29 @@ class Engine:
         self._drain()
         return checkpoint.load(self, path, **kwargs)
 
+    def training_state(self) -> dict:
+        """The engine's counters and loss scale: what a checkpoint saves beside the tensors."""
+        norm = self.last_grad_norm
+        return {
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps,
+            "stepped_at_micro": self._stepped_at_micro,
+            "lr": self.lr,
+            "loss_scaler": self.scaler.state_dict(),
+            "last_grad_norm": norm if norm is None or math.isfinite(norm) else None,
+        }
+
+    def load_training_state(self, state: dict) -> None:
+        """Restores what `training_state()` gave."""
+        self.global_steps = state["global_steps"]
+        self.micro_steps = state["micro_steps"]
+        self.skipped_steps = state["skipped_steps"]
+        self._stepped_at_micro = state["stepped_at_micro"]
+        self.lr = state["lr"]
+        self.scaler.load_state_dict(state["loss_scaler"])
+        self.last_grad_norm = state["last_grad_norm"]
+
     def memory_report(self) -> dict:
         """Bytes the engine holds now and at peak, per tier (device / host / nvme), by category."""
         return self.ledger.report()

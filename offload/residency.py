@@ -23,6 +23,7 @@ from torch.profiler import record_function
 
 from offload.collectives import Collectives
 from offload.device import Device
+from offload.errors import OffloadError
 from offload.memory import TierLedger
 from offload.placement import ParamTier
 from offload.rank_order import Op
@@ -194,6 +195,37 @@ class Residency:
         unit.holders -= 1
         if unit.holders == 0 and self.offloaded:
             self.free(unit)
+
+    def drop_device_copies(self) -> None:
+        """Between steps (a checkpoint load replaces every weight): no offloaded unit keeps, or
+        is fetching, a device copy. A fetch that failed is discarded with a warning (its weights
+        are being replaced: recovery after an I/O error)."""
+        if not self.offloaded:
+            return
+        for unit in self.units:
+            if unit.holders:
+                raise OffloadError(
+                    f"unit {unit.spec.name} is in use (inside a forward or backward); load a checkpoint between steps"
+                )
+            if unit.fetch_future is not None:
+                try:
+                    self._abandon_fetch(unit)
+                except Exception as error:  # noqa: BLE001 (the failed fetch's weights are replaced anyway)
+                    logger.warning("offload: discarding a failed fetch of unit %s: %s", unit.spec.name, error)
+                    if unit.fetch_target is not None and unit.fetch_target is not unit.device_flat:
+                        self.ledger.release("device", unit.shard_numel * self.element_size, "param_shard")
+                    unit.fetch_target = None
+            self.free(unit)
+
+    def replace_weights(self, unit: UnitState, shard32: torch.Tensor) -> None:
+        """Param tier `none`: this rank's shard of the device weights takes `shard32` (cast); with
+        several ranks the whole unit is gathered at its next use."""
+        if self.offloaded:
+            return
+        start, end = unit.layout.shard_range(self.collectives.rank)
+        unit.device_flat[start:end].copy_(shard32)
+        unit.device_update_event = None
+        unit.needs_gather = self.collectives.is_distributed
 
     def reset_leaked_holds(self) -> None:
         """End of backward: no unit may stay held into the step. Holds still counted here were

@@ -231,6 +231,26 @@ class TierStore:
             for slot in slots:
                 slot.wait_writes()
 
+    def overwrite_optimizer_states(self, units: list[UnitState]):
+        """Yields (unit, {kind: fp32 shard view of master, exp_avg, exp_avg_sq}) for each unit, for
+        the caller to fill completely (a checkpoint load); what it wrote is stored on the unit's
+        tier before the next unit is yielded's slot is reused. Nothing is read first."""
+        if not self.optimizer_tier.streamed:
+            for unit in units:
+                yield unit, {kind: unit.host[kind] for kind in STATE_KINDS if kind != "grad32"}
+            return
+        with self.slots_lock:
+            try:
+                for position, unit in enumerate(units):
+                    slot = self.slots[position % len(self.slots)]
+                    slot.wait_writes()
+                    views = {kind: buffer[: unit.shard_numel] for kind, buffer in slot.tensors().items() if kind != "grad32"}
+                    yield unit, views
+                    self.store_optimizer_state(unit, slot)
+            finally:
+                for slot in self.slots:
+                    slot.wait_writes()
+
     def store_optimizer_state(self, unit: UnitState, slot: OptimizerSlot, include_grad: bool = False) -> None:
         n = unit.shard_numel
         for kind, buffer in slot.tensors().items():
