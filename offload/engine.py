@@ -453,8 +453,21 @@ class Engine:
         from offload import checkpoint
 
         self._check_open()
-        self._drain()
+        # the load replaces every weight and state: work in flight that failed (a swap I/O
+        # error in the last step, say) is waited for and discarded, so the load is the way back
+        for failure in self._settle():
+            logger.warning("offload: load_checkpoint discards failed work in flight: %s", failure)
         return checkpoint.load(self, path, **kwargs)
+
+    def _settle(self) -> list[BaseException]:
+        """Waits for every gradient transfer and optimizer step in flight; returns their errors."""
+        failures = []
+        for wait in (self.gradients.wait_all, self.stepping.wait):
+            try:
+                wait()
+            except Exception as error:  # noqa: BLE001 (returned to the caller, who decides)
+                failures.append(error)
+        return failures
 
     def training_state(self) -> dict:
         """The engine's counters and loss scale: what a checkpoint saves beside the tensors."""

@@ -163,18 +163,21 @@ class UnitSchedule:
         units = context.units
         started = time.perf_counter()
         waits_for_step = not self.unit.step_done.is_set()
-        taken = []
+        taken: list[UnitState] = []
         try:
             for borrowed in sorted(self.unit.spec.borrows):
                 context.residency.acquire(units[borrowed])
-                taken.append(borrowed)
+                taken.append(units[borrowed])
             context.residency.acquire(self.unit)
+            taken.append(self.unit)
+            # a step that failed (its units' step_done are set all the same) is raised here,
+            # before the unit runs on weights it did not finish
+            context.stepping.raise_if_failed()
         except BaseException:
-            for borrowed in reversed(taken):
-                context.residency.release(units[borrowed])
+            for unit in reversed(taken):
+                context.residency.release(unit)
             raise
         context.timings["wait_step" if waits_for_step else "wait_fetch"] += time.perf_counter() - started
-        context.stepping.raise_if_failed()
 
     def leave(self) -> None:
         self.context.residency.release(self.unit)

@@ -368,14 +368,10 @@ print("IDENTICAL" if all(torch.equal(got[k], expected[k]) for k in got) else "DI
 engine.close()
 """
 
-STEP_DRAIN = pytest.mark.xfail(strict=False, reason="engine.load_checkpoint's _drain re-raises the failed "
-                               "step's error once (engine.py, reported to the lead)")
-
-
 @pytest.mark.parametrize("op,phase,err", [
     ("write", "backward", "EIO"), ("read", "forward", "EIO"), ("read", "backward", "EIO"),
     ("write", "forward", "ENOSPC"),
-    pytest.param("write", "step", "EIO", marks=STEP_DRAIN), pytest.param("read", "step", "EIO", marks=STEP_DRAIN),
+    ("write", "step", "EIO"), ("read", "step", "EIO"),
 ])
 def test_swap_io_error_then_load_checkpoint_recovers_in_process(tmp_path, op, phase, err):
     swap = tmp_path / "swap"
