@@ -223,10 +223,13 @@ class Engine:
             self.residency.free(unit)
 
     def _move_buffers(self) -> None:
-        """Module buffers (not parameters) follow the model to the device."""
+        """Module buffers (not parameters) follow the model to the device; `close()` puts them
+        back where they were."""
+        self._buffer_homes: list[tuple[nn.Module, str, torch.device]] = []
         for module in self.model.modules():
             for name, buffer in list(module.named_buffers(recurse=False)):
                 if buffer is not None and buffer.device != self.device.torch_device:
+                    self._buffer_homes.append((module, name, buffer.device))
                     setattr(module, name, buffer.to(self.device.torch_device))
 
     # ---- forward and backward ----------------------------------------------------------
@@ -505,7 +508,8 @@ class Engine:
         """Finishes pending work, frees host buffers and removes swap files.
 
         With `restore_weights`, the model's parameters are left holding the final fp32 weights
-        on the CPU (a full fp32 copy of the model in RAM); without, they are left empty."""
+        on the CPU (a full fp32 copy of the model in RAM) and its buffers where they were before
+        `initialize`; without, the parameters are left empty."""
         if self._closed:
             return
         try:
@@ -523,6 +527,10 @@ class Engine:
                 for name, param in params.items():
                     if name in final:
                         param.data = final[name]
+                for module, name, home in self._buffer_homes:
+                    buffer = getattr(module, name)
+                    if buffer is not None:
+                        setattr(module, name, buffer.to(home))
         else:
             for unit in self.units:
                 self.residency.free(unit)
