@@ -1,0 +1,5 @@
+"""Integrations of the offload engine with training frameworks.
+
+`offload.integrations.hf`: the Hugging Face `Trainer` (`OffloadTrainer`). Each integration is
+imported on its own, so `import offload` never imports a framework.
+"""

@@ -1,0 +1,462 @@
+"""The Hugging Face `Trainer` on the offload engine: `OffloadTrainer`.
+
+One change turns a Trainer script into an offloaded one::
+
+    from offload.integrations.hf import OffloadTrainer
+    trainer = OffloadTrainer(model=model, args=training_args, train_dataset=ds,
+                             offload_config="examples/configs/7b_on_24gb.json")  # was: Trainer(...)
+
+Why a `Trainer` subclass (and not a `TrainingArguments` field): transformers' own DeepSpeed and
+FSDP integrations are branches inside `Trainer` keyed on `TrainingArguments(deepspeed=...,
+fsdp=...)` and on accelerate's plugins; a third party cannot add such a branch without patching
+transformers. What transformers documents for that is subclassing: `create_optimizer`,
+`training_step`, `save_model` and the checkpoint hooks are the methods its docs say to
+override, and they are exactly where its DeepSpeed branch differs from the plain path. So:
+
+- `create_optimizer` builds the engine (transformers' usual no-decay split as parameter groups;
+  lr, betas, eps, weight decay, clipping and precision from `TrainingArguments`) and returns
+  `engine.optimizer`; the Trainer's own `create_scheduler` attaches its schedule to it.
+- `_wrap_model` hands the Trainer a thin module whose forward is the engine's, so accelerate
+  neither moves the model nor wraps it in DDP (the engine shards and reduces across ranks).
+- `training_step` runs the Trainer's loss and the engine's backward; the Trainer keeps its
+  gradient accumulation (its loss normalisation, its window, a short last window) and calls
+  `optimizer.step()` once per window; clipping is the engine's, on the global norm.
+- `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler` write and read the engine's
+  checkpoint inside the Trainer's `checkpoint-N/` (`offload_engine/`), beside the scheduler,
+  RNG and trainer state the Trainer writes as usual; `save_model` writes the fp32 weights from
+  `engine.consolidated_state_dict()` with `save_pretrained`, so `from_pretrained` loads them.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    from transformers import Trainer, TrainerCallback
+except ImportError as error:  # pragma: no cover - transformers is in the test extras
+    raise ImportError(
+        "offload.integrations.hf needs transformers and accelerate: pip install transformers accelerate"
+    ) from error
+
+import offload
+from offload.config import Config, is_deepspeed_config, load_config
+from offload.errors import ConfigError, OffloadError
+
+logger = logging.getLogger(__name__)
+
+ENGINE_CHECKPOINT_DIR = "offload_engine"
+"""The engine's checkpoint, inside each of the Trainer's `checkpoint-N/` directories."""
+SCHEDULER_NAME = "scheduler.pt"
+
+# TrainingArguments.optim values that mean AdamW (what the engine's CPU Adam computes).
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+
+
+# ---- the config: TrainingArguments decide what the Trainer owns ------------------------------
+def _precision(args) -> str:
+    if getattr(args, "bf16", False):
+        return "bf16"
+    if getattr(args, "fp16", False):
+        return "fp16"
+    return "fp32"
+
+
+def _trainer_values(args) -> dict[str, tuple[Any, str]]:
+    """offload key -> (the value the Trainer's arguments give, where it comes from)."""
+    return {
+        "precision": (_precision(args), "TrainingArguments bf16 / fp16 (neither: fp32)"),
+        "optimizer.type": ("adamw", f"TrainingArguments.optim={_optim_name(args)!r}"),
+        "optimizer.lr": (float(args.learning_rate), "TrainingArguments.learning_rate"),
+        "optimizer.betas": ((float(args.adam_beta1), float(args.adam_beta2)), "TrainingArguments.adam_beta1 / adam_beta2"),
+        "optimizer.eps": (float(args.adam_epsilon), "TrainingArguments.adam_epsilon"),
+        "optimizer.weight_decay": (float(args.weight_decay), "TrainingArguments.weight_decay"),
+        "gradient_clipping": (float(args.max_grad_norm or 0.0), "TrainingArguments.max_grad_norm"),
+        "gradient_accumulation_steps": (int(args.gradient_accumulation_steps), "TrainingArguments.gradient_accumulation_steps"),
+    }
+
+
+def _optim_name(args) -> str:
+    optim = getattr(args, "optim", "adamw_torch")
+    return getattr(optim, "value", optim)
+
+
+def _get(mapping: dict, dotted: str) -> Any:
+    node: Any = mapping
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _set(mapping: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    node = mapping
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+_MISSING = object()
+
+
+def _fill_deepspeed_auto(ds: dict, args) -> dict:
+    """A DeepSpeed config with its `"auto"` values filled from TrainingArguments, as the Trainer's own
+    DeepSpeed integration fills them."""
+    ds = copy.deepcopy(ds)
+    world = max(1, int(getattr(args, "world_size", 1) or 1))
+    fills = {
+        "optimizer.params.lr": args.learning_rate,
+        "optimizer.params.betas": [args.adam_beta1, args.adam_beta2],
+        "optimizer.params.eps": args.adam_epsilon,
+        "optimizer.params.weight_decay": args.weight_decay,
+        "gradient_clipping": args.max_grad_norm,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
+        "bf16.enabled": bool(args.bf16),
+        "bfloat16.enabled": bool(args.bf16),
+        "fp16.enabled": bool(args.fp16),
+    }
+    for key, value in fills.items():
+        if _get(ds, key) == "auto":
+            _set(ds, key, value)
+    return ds
+
+
+def _user_mapping(offload_config, args) -> tuple[dict, dict[str, str]]:
+    """The user's config as an offload-format mapping of the keys they set, and for a translated
+    config, which of the user's keys each offload key came from."""
+    from offload import deepspeed_config
+
+    if offload_config is None:
+        return {}, {}
+    if isinstance(offload_config, Config):
+        return offload_config.to_dict(), {}
+    source = offload_config
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"offload_config {str(path)!r} does not exist; pass a dict, an offload.Config or the path of "
+                              "an offload or DeepSpeed JSON (or an accelerate YAML)")
+        if path.suffix.lower() in (".yaml", ".yml"):
+            translation = deepspeed_config.translate_accelerate(path)
+            deepspeed_config.report(translation)
+            return translation.config, dict(translation.sources)
+        try:
+            source = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"offload_config {str(path)!r} is not valid JSON: {error}") from error
+    if not isinstance(source, dict):
+        raise ConfigError(f"offload_config must be a dict, a JSON path or an offload.Config, got {type(source).__name__}")
+    if not is_deepspeed_config(source):
+        return copy.deepcopy(source), {}
+    filled = _fill_deepspeed_auto(source, args)
+    translation = deepspeed_config.translate_deepspeed(filled)
+    deepspeed_config.report(translation)
+    mapping = translation.config
+    # a translated key counts as the user's only if they wrote its DeepSpeed key (the translator
+    # also writes DeepSpeed's defaults for absent ones, and fp32 when no precision section exists)
+    sources = {}
+    for ours, theirs in translation.sources.items():
+        written = _get(filled, theirs) is not _MISSING
+        if ours == "precision":
+            written = any(key in filled for key in ("bf16", "bfloat16", "fp16"))
+        if written:
+            sources[ours] = theirs
+        elif ours in _trainer_values(args):
+            _drop(mapping, ours)
+    return mapping, sources
+
+
+def _drop(mapping: dict, dotted: str) -> None:
+    *parents, last = dotted.split(".")
+    node = mapping
+    for part in parents:
+        node = node.get(part, {})
+    if isinstance(node, dict):
+        node.pop(last, None)
+
+
+def trainer_config(args, offload_config=None) -> Config:
+    """The engine's config for a Trainer run: placement, prefetch, I/O, overlap and wrapping from
+    `offload_config` (offload's JSON / dict / Config, a DeepSpeed JSON or dict, an accelerate YAML);
+    precision, AdamW hyper-parameters, clipping and accumulation from `TrainingArguments`.
+
+    A value the user's config sets that contradicts TrainingArguments is a ConfigError naming both
+    (as the Trainer's DeepSpeed integration refuses mismatched values); DeepSpeed `"auto"` values
+    are filled from TrainingArguments. The engine's own window is 1: the Trainer accumulates, and
+    calls `optimizer.step()` at the end of each of its windows."""
+    optim = _optim_name(args)
+    if optim not in ADAMW_OPTIMS:
+        raise ConfigError(
+            f"TrainingArguments.optim={optim!r} cannot run on offload: its CPU optimizer is AdamW; "
+            f"use optim one of {', '.join(ADAMW_OPTIMS)} (the default adamw_torch)")
+    mapping, sources = _user_mapping(offload_config, args)
+    wanted = _trainer_values(args)
+    conflicts = []
+    for key, (value, origin) in wanted.items():
+        have = _get(mapping, key)
+        if have is _MISSING:
+            continue
+        same = (tuple(float(v) for v in have) == value) if key == "optimizer.betas" and isinstance(have, (list, tuple)) \
+            else (have == value)
+        if not same:
+            theirs = f" (from {sources[key]!r})" if key in sources else ""
+            conflicts.append(f"{key}={have!r}{theirs} but {origin} gives {value!r}")
+    if conflicts:
+        raise ConfigError(
+            "offload_config contradicts the TrainingArguments, which drive these under OffloadTrainer: "
+            + "; ".join(conflicts) + ". Remove the key from offload_config (or set it to \"auto\" in a DeepSpeed config), "
+            "or make the two equal")
+    schedule = _get(mapping, "scheduler.type")
+    if schedule not in (_MISSING, "none"):
+        theirs = sources.get("scheduler.type", "scheduler.type")
+        raise ConfigError(
+            f"offload_config has a learning-rate schedule ({theirs!r}: {schedule!r}); under OffloadTrainer the Trainer "
+            "drives the learning rate through engine.optimizer: remove the scheduler section and set "
+            "TrainingArguments lr_scheduler_type / warmup_steps instead", key=theirs)
+    mapping.pop("scheduler", None)
+    for key, (value, _origin) in wanted.items():
+        _set(mapping, key, list(value) if key == "optimizer.betas" else value)
+    # the Trainer owns the window (its loss normalisation, a short last window of an epoch): the
+    # engine accumulates every backward until the Trainer's optimizer.step()
+    mapping["gradient_accumulation_steps"] = 1
+    config = load_config(mapping)
+    if config.overlap == "backward" and args.gradient_accumulation_steps > 1:
+        raise ConfigError(
+            "overlap 'backward' steps each unit during the backward that ends the engine's window, but the Trainer "
+            f"accumulates {args.gradient_accumulation_steps} micro-batches per step: use overlap 'forward' (exact, the "
+            "default) or gradient_accumulation_steps 1", key="overlap")
+    return config
+
+
+# ---- what the Trainer sees as the model --------------------------------------------------------
+class OffloadedModel(nn.Module):
+    """The model as the Trainer drives it: `forward` is the engine's (`engine(**inputs)`), so
+    accelerate neither moves it nor wraps it in DDP. `module` is the Hugging Face model."""
+
+    def __init__(self, engine) -> None:
+        super().__init__()
+        self.module = engine.model
+        object.__setattr__(self, "engine", engine)  # not a submodule: the engine is no nn.Module
+
+    def forward(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def _get_name(self) -> str:
+        # the Trainer's label smoother picks causal-LM shifting by the model's class name
+        return self.module._get_name()
+
+
+class _GradNormAfterStep(TrainerCallback):
+    """Fills the Trainer's logged gradient norm once the engine has computed it: the engine
+    computes the global norm inside its step, after the Trainer asked for it."""
+
+    def __init__(self, trainer: OffloadTrainer) -> None:
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        engine = self.trainer.offload_engine
+        norm = None if engine is None else engine.last_grad_norm
+        self.trainer._grad_norm.fill_(float("nan") if norm is None else norm)
+
+
+# ---- the Trainer ---------------------------------------------------------------------------------
+class OffloadTrainer(Trainer):
+    """`transformers.Trainer` on the offload engine. Takes every argument `Trainer` takes, plus
+    `offload_config` (what `offload.initialize` takes: an offload config dict / JSON path /
+    `offload.Config`, a DeepSpeed JSON or dict, or an accelerate YAML). TrainingArguments drive
+    precision (bf16 / fp16 / neither: fp32), AdamW's lr, betas, eps and weight decay (no decay on
+    biases and norms), clipping (max_grad_norm), accumulation and the schedule.
+
+    The engine is built by the first `train()` (`trainer.offload_engine`) and stays open for
+    `evaluate`, `save_model` and more training; `trainer.end()` closes it (the model then holds
+    the final fp32 weights on the CPU)."""
+
+    def __init__(self, *args, offload_config=None, **kwargs) -> None:
+        self.offload_config = offload_config
+        self.offload_engine = None
+        self._offloaded_model: OffloadedModel | None = None
+        super().__init__(*args, **kwargs)
+        self._check_supported()
+        self._grad_norm = torch.zeros((), dtype=torch.float64)
+        self.add_callback(_GradNormAfterStep(self))
+
+    def _check_supported(self) -> None:
+        args = self.args
+        if self.is_deepspeed_enabled or getattr(args, "deepspeed", None):
+            raise ConfigError("OffloadTrainer replaces the DeepSpeed integration: remove TrainingArguments(deepspeed=...) "
+                              "and pass that DeepSpeed config as OffloadTrainer(offload_config=...), which translates it")
+        if self.is_fsdp_enabled or getattr(args, "fsdp", None):
+            raise ConfigError("OffloadTrainer shards and offloads the model itself: remove TrainingArguments(fsdp=...)")
+        if self.optimizer is not None or self.lr_scheduler is not None or self.optimizer_cls_and_kwargs is not None:
+            raise ConfigError("OffloadTrainer builds its own optimizer (engine.optimizer, AdamW on the CPU) and the "
+                              "Trainer's scheduler on it: don't pass optimizers= or optimizer_cls_and_kwargs=; set "
+                              "learning_rate, weight_decay, adam_* and lr_scheduler_type in TrainingArguments")
+        if args.n_gpu > 1:
+            raise ConfigError(f"OffloadTrainer runs one GPU per process ({args.n_gpu} visible, which the Trainer would "
+                              "drive with DataParallel): launch with torchrun --nproc-per-node N, or set CUDA_VISIBLE_DEVICES")
+        if getattr(args, "torch_compile", False):
+            raise ConfigError("OffloadTrainer does not torch.compile the model (offload's hooks run per unit): "
+                              "set TrainingArguments(torch_compile=False)")
+        # fails here rather than at train(): a contradiction between offload_config and the arguments
+        trainer_config(args, self.offload_config)
+
+    # -- construction: the engine is the optimizer, the offloaded model is the wrapped model --
+    def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
+        accelerator_args = super()._build_accelerator_args(**kwargs)
+        # the engine computes in the precision TrainingArguments ask for and scales the fp16 loss
+        # itself; accelerate's autocast or GradScaler on top would do it twice
+        accelerator_args["mixed_precision"] = "no"
+        return accelerator_args
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        # the engine places every unit itself: moving the whole model to the GPU first is what
+        # offloading exists to avoid
+        return None
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.offload_engine is None:
+            self.offload_engine = self._build_engine()
+            self._offloaded_model = OffloadedModel(self.offload_engine)
+        self.optimizer = self.offload_engine.optimizer
+        return self.optimizer
+
+    def _build_engine(self):
+        model = self.model
+        config = trainer_config(self.args, self.offload_config)
+        decay = set(self.get_decay_parameter_names(model))
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [name for name, _ in trainable if name in decay], "weight_decay": float(self.args.weight_decay)},
+            {"params": [name for name, _ in trainable if name not in decay], "weight_decay": 0.0},
+        ]
+        groups = [group for group in groups if group["params"]]
+        logger.info("offload: OffloadTrainer builds the engine: precision %s, %d parameter group(s) (%s with weight "
+                    "decay %g, %s without), clipping %g, the Trainer accumulating %d micro-batch(es) per step",
+                    config.precision, len(groups), len(groups[0]["params"]) if groups else 0, self.args.weight_decay,
+                    len(groups[-1]["params"]) if len(groups) > 1 else 0, config.gradient_clipping,
+                    self.args.gradient_accumulation_steps)
+        return offload.initialize(model, config, param_groups=groups, device=self.args.device)
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
+        if self._offloaded_model is None:
+            return super()._wrap_model(model, training=training, dataloader=dataloader)
+        return self._offloaded_model
+
+    # -- one micro-batch: the Trainer's loss, the engine's backward --------------------------
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        engine = self.offload_engine
+        if engine is None:
+            raise OffloadError("OffloadTrainer.training_step ran before the engine was built; call trainer.train()")
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        # as Trainer.training_step: a loss the model (or compute_loss_func) normalised over the
+        # whole accumulated batch is used as is, a per-batch mean is divided by the window
+        scaled_for_ga = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled_for_ga is None:
+            scaled_for_ga = (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) or (
+                getattr(self, "compute_loss_func", None) is not None)
+        if not scaled_for_ga:
+            loss = loss / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+        engine.backward(loss)  # the engine's window is 1: no further division
+        return loss.detach()
+
+    def _clip_grad_norm(self, model: nn.Module):
+        # the engine clips (gradient_clipping = max_grad_norm) on the global norm inside its step;
+        # the value logged is filled once it is known (_GradNormAfterStep)
+        return self._grad_norm
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm=None):
+        return self._grad_norm
+
+    # -- checkpoints: the engine's inside the Trainer's --------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.offload_engine is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        client_state = {"param_groups": [_group_hyper(group) for group in self.optimizer.param_groups]}
+        self.offload_engine.save_checkpoint(os.path.join(output_dir, ENGINE_CHECKPOINT_DIR), client_state=client_state)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # the weights come back with the engine's checkpoint (_load_optimizer_and_scheduler): the fp32
+        # master weights, exactly, not the model file written beside them
+        _engine_checkpoint(resume_from_checkpoint)
+        logger.info("offload: resuming from %s: weights, optimizer state and counters from its %s/",
+                    resume_from_checkpoint, ENGINE_CHECKPOINT_DIR)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        client_state = self.offload_engine.load_checkpoint(_engine_checkpoint(checkpoint)) or {}
+        saved = client_state.get("param_groups")
+        if saved is not None:
+            if len(saved) != len(self.optimizer.param_groups):
+                raise OffloadError(f"checkpoint {checkpoint!r} has {len(saved)} parameter groups, this run "
+                                   f"{len(self.optimizer.param_groups)}: was weight_decay changed from or to 0?")
+            for group, hyper in zip(self.optimizer.param_groups, saved):
+                group.update({key: tuple(value) if isinstance(value, list) else value for key, value in hyper.items()})
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        else:
+            logger.warning("offload: %s has no %s: the learning-rate schedule starts from the beginning", checkpoint,
+                           SCHEDULER_NAME)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        logger.info("offload: loading the best model from %s (score %s)", best, self.state.best_metric)
+        self._load_optimizer_and_scheduler(best)
+
+    # -- the trained model out -----------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Writes the fp32 weights (`engine.consolidated_state_dict()`) with `save_pretrained`, so
+        `from_pretrained(output_dir)` loads the trained model. Every rank must call it."""
+        if self.offload_engine is None or self.offload_engine._closed:
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = self.offload_engine.consolidated_state_dict()  # a collective: every rank
+        self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))
+
+    def end(self) -> None:
+        """Closes the engine (the model keeps the final fp32 weights, on the CPU), then what
+        `Trainer.end` does."""
+        if self.offload_engine is not None:
+            self.offload_engine.close()
+            self._offloaded_model = None
+            self.offload_engine = None
+            self.optimizer = None
+        super().end()
+
+
+def _group_hyper(group: dict) -> dict:
+    """A parameter group's hyper-parameters (what a scheduler may have changed), without its params."""
+    return {key: (list(value) if isinstance(value, tuple) else value) for key, value in group.items()
+            if key != "params" and isinstance(value, (int, float, bool, str, tuple, list, type(None)))}
+
+
+def _engine_checkpoint(checkpoint: str) -> str:
+    path = os.path.join(checkpoint, ENGINE_CHECKPOINT_DIR)
+    if not os.path.isdir(path):
+        raise OffloadError(
+            f"{checkpoint!r} has no offload engine checkpoint ({ENGINE_CHECKPOINT_DIR}/): it was not saved by "
+            "OffloadTrainer (or with save_only_model=True). To start from its weights, load the model with "
+            "from_pretrained on that directory and train without resume_from_checkpoint")
+    return path
+
+
+__all__ = ["ENGINE_CHECKPOINT_DIR", "OffloadTrainer", "OffloadedModel", "trainer_config"]
