@@ -82,6 +82,10 @@ def _trainer_values(args) -> dict[str, tuple[Any, str]]:
     }
 
 
+_TRAINER_KEYS = ("precision", "optimizer.type", "optimizer.lr", "optimizer.betas", "optimizer.eps", "optimizer.weight_decay",
+                 "gradient_clipping", "gradient_accumulation_steps")
+
+
 def _optim_name(args) -> str:
     optim = getattr(args, "optim", "adamw_torch")
     return getattr(optim, "value", optim)
@@ -131,21 +135,23 @@ def _fill_deepspeed_auto(ds: dict, args) -> dict:
     return ds
 
 
-def _user_mapping(offload_config, args) -> tuple[dict, dict[str, str]]:
-    """The user's config as an offload-format mapping of the keys they set, and for a translated
-    config, which of the user's keys each offload key came from."""
+def _user_mapping(offload_config, args=None) -> tuple[dict, dict[str, str]]:
+    """The keys the user's config sets, as an offload-format mapping, and for a translated config,
+    which of the user's keys each offload key came from. With `args`, DeepSpeed `"auto"` values are
+    filled from them; without, they count as not set. An `offload.Config` sets what differs from
+    `offload.Config()`."""
     from offload import deepspeed_config
 
     if offload_config is None:
         return {}, {}
     if isinstance(offload_config, Config):
-        return offload_config.to_dict(), {}
+        return _differences(offload_config.to_dict(), Config().to_dict()), {}
     source = offload_config
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
-            raise ConfigError(f"offload_config {str(path)!r} does not exist; pass a dict, an offload.Config or the path of "
-                              "an offload or DeepSpeed JSON (or an accelerate YAML)")
+            raise ConfigError(f"offload_config {str(path)!r} does not exist; pass a dict, an offload.Config or the "
+                              "path of an offload or DeepSpeed JSON (or an accelerate YAML)")
         if path.suffix.lower() in (".yaml", ".yml"):
             translation = deepspeed_config.translate_accelerate(path)
             deepspeed_config.report(translation)
@@ -158,22 +164,36 @@ def _user_mapping(offload_config, args) -> tuple[dict, dict[str, str]]:
         raise ConfigError(f"offload_config must be a dict, a JSON path or an offload.Config, got {type(source).__name__}")
     if not is_deepspeed_config(source):
         return copy.deepcopy(source), {}
-    filled = _fill_deepspeed_auto(source, args)
+    filled = _fill_deepspeed_auto(source, args) if args is not None else source
     translation = deepspeed_config.translate_deepspeed(filled)
-    deepspeed_config.report(translation)
+    if args is not None:
+        deepspeed_config.report(translation)
     mapping = translation.config
-    # a translated key counts as the user's only if they wrote its DeepSpeed key (the translator
-    # also writes DeepSpeed's defaults for absent ones, and fp32 when no precision section exists)
+    # a translated key counts as the user's only if they wrote its DeepSpeed key, not as "auto"
+    # (the translator also writes DeepSpeed's defaults for absent ones, and fp32 when no
+    # precision section exists)
     sources = {}
     for ours, theirs in translation.sources.items():
-        written = _get(filled, theirs) is not _MISSING
+        written = _get(filled, theirs) not in (_MISSING, "auto")
         if ours == "precision":
-            written = any(key in filled for key in ("bf16", "bfloat16", "fp16"))
+            written = any(_get(filled, f"{key}.enabled") not in (_MISSING, "auto") for key in ("bf16", "bfloat16", "fp16"))
         if written:
             sources[ours] = theirs
-        elif ours in _trainer_values(args):
+        elif ours in _TRAINER_KEYS:
             _drop(mapping, ours)
     return mapping, sources
+
+
+def _differences(values: dict, defaults: dict) -> dict:
+    result = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            nested = _differences(value, defaults[key])
+            if nested:
+                result[key] = nested
+        elif value != defaults.get(key, _MISSING):
+            result[key] = value
+    return result
 
 
 def _drop(mapping: dict, dotted: str) -> None:
@@ -183,6 +203,31 @@ def _drop(mapping: dict, dotted: str) -> None:
         node = node.get(part, {})
     if isinstance(node, dict):
         node.pop(last, None)
+
+
+def training_arguments_from(offload_config) -> dict[str, Any]:
+    """`TrainingArguments` keyword arguments for what `offload_config` sets that the Trainer drives
+    (precision, AdamW hyper-parameters, clipping, accumulation), so that a config written for the
+    engine alone runs under OffloadTrainer unchanged: `TrainingArguments(output_dir=...,
+    **training_arguments_from(path))`. DeepSpeed `"auto"` values are left to the arguments."""
+    mapping, _sources = _user_mapping(offload_config)
+    names = {"optimizer.lr": "learning_rate", "optimizer.eps": "adam_epsilon", "optimizer.weight_decay": "weight_decay",
+             "gradient_clipping": "max_grad_norm", "gradient_accumulation_steps": "gradient_accumulation_steps"}
+    result: dict[str, Any] = {}
+    for key, name in names.items():
+        value = _get(mapping, key)
+        if value is not _MISSING:
+            result[name] = value
+    betas = _get(mapping, "optimizer.betas")
+    if betas is not _MISSING:
+        result["adam_beta1"], result["adam_beta2"] = (float(b) for b in betas)
+    precision = _get(mapping, "precision")
+    if precision in ("bf16", "fp16"):
+        result[precision] = True
+    if _get(mapping, "optimizer.type") == "adam":
+        raise ConfigError("optimizer.type 'adam' (L2 weight decay) has no TrainingArguments counterpart: the Trainer's "
+                          "optimizer is AdamW; use type 'adamw'", key="optimizer.type")
+    return result
 
 
 def trainer_config(args, offload_config=None) -> Config:
@@ -386,7 +431,15 @@ class OffloadTrainer(Trainer):
         if self.offload_engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         client_state = {"param_groups": [_group_hyper(group) for group in self.optimizer.param_groups]}
-        self.offload_engine.save_checkpoint(os.path.join(output_dir, ENGINE_CHECKPOINT_DIR), client_state=client_state)
+        path = os.path.join(output_dir, ENGINE_CHECKPOINT_DIR)
+        # the Trainer writes checkpoint-N/ again when a run resumed before step N saves it anew;
+        # the engine never overwrites a checkpoint in place: a new tag, and the old one goes
+        # once the new one is complete
+        tag, count = f"global_step{self.offload_engine.global_steps}", 0
+        while os.path.exists(os.path.join(path, tag if count == 0 else f"{tag}-{count}")):
+            count += 1
+        tag = tag if count == 0 else f"{tag}-{count}"
+        self.offload_engine.save_checkpoint(path, client_state=client_state, tag=tag, keep_last=1)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
@@ -400,7 +453,8 @@ class OffloadTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        client_state = self.offload_engine.load_checkpoint(_engine_checkpoint(checkpoint)) or {}
+        # the Trainer restores the RNG states itself (after skipping the batches already seen)
+        client_state = self.offload_engine.load_checkpoint(_engine_checkpoint(checkpoint), load_rng=False) or {}
         saved = client_state.get("param_groups")
         if saved is not None:
             if len(saved) != len(self.optimizer.param_groups):
@@ -459,4 +513,4 @@ def _engine_checkpoint(checkpoint: str) -> str:
     return path
 
 
-__all__ = ["ENGINE_CHECKPOINT_DIR", "OffloadTrainer", "OffloadedModel", "trainer_config"]
+__all__ = ["ENGINE_CHECKPOINT_DIR", "OffloadTrainer", "OffloadedModel", "trainer_config", "training_arguments_from"]
