@@ -385,6 +385,10 @@ def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict
             unit.step_count = _unit_step_count(unit, saved_params, canonical)
             unit.end_window()
             unit.grads_pending.clear()
+            for param in unit.spec.params:
+                # a backward interrupted (Ctrl-C) or failed before these gradients left the device
+                # leaves them in .grad, where the next backward would add to them
+                param.grad = None
         _load_buffers(engine, reader.buffers(), keys, reader.directory)
         engine.load_training_state(reader.index["engine"])
         if load_rng:

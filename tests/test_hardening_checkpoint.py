@@ -4,6 +4,7 @@ stale saves judged by a lock, clear errors for bad destinations, and recovery in
 after a swap I/O error by loading a checkpoint."""
 from __future__ import annotations
 
+import copy
 import fcntl
 import json
 import os
@@ -413,3 +414,25 @@ def test_a_save_in_progress_holds_its_lock(engine, tmp_path):
 
     engine.save_checkpoint(str(root), tag="a", progress=progress)
     assert seen == ["locked"]
+
+
+@pytest.mark.parametrize("param,optimizer", [("nvme", "nvme"), ("none", "cpu")])
+def test_gradients_an_interrupted_backward_left_do_not_survive_a_load(tmp_path, swap_dir, param, optimizer):
+    """SIGINT in backward (seen in the soak) leaves some parameters' .grad on the device; the
+    load that recovers must drop them, or the next backward adds to them."""
+    data = batches(5)
+    torch.manual_seed(0)
+    model = TinyNet()
+    with offload.initialize(copy.deepcopy(model), config(swap_dir, param, optimizer)) as ref:
+        train(ref, data)
+        expected = ref.consolidated_state_dict()
+    engine = offload.initialize(copy.deepcopy(model), config(swap_dir, param, optimizer))
+    train(engine, data[:2])
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="a")
+    for p in engine.model.parameters():  # what the interrupted backward left behind
+        p.grad = torch.ones_like(p)
+    engine.load_checkpoint(str(tmp_path / "ckpt"))
+    train(engine, data[2:])
+    got = engine.consolidated_state_dict()
+    engine.close()
+    assert all(torch.equal(got[k], expected[k]) for k in got)
