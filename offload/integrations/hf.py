@@ -361,6 +361,10 @@ class OffloadTrainer(Trainer):
         # the engine computes in the precision TrainingArguments ask for and scales the fp16 loss
         # itself; accelerate's autocast or GradScaler on top would do it twice
         accelerator_args["mixed_precision"] = "no"
+        # nothing for accelerate to place: the engine places the model and its optimizer state (no
+        # state_dict round trip of engine.optimizer at prepare), and the Trainer moves each batch
+        # to args.device itself (_prepare_inputs)
+        accelerator_args["device_placement"] = False
         return accelerator_args
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
@@ -393,8 +397,10 @@ class OffloadTrainer(Trainer):
         return offload.initialize(model, config, param_groups=groups, device=self.args.device)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
+        # training and evaluation both run through the engine; an evaluate() before train()
+        # builds it (the model never sits on the device whole)
         if self._offloaded_model is None:
-            return super()._wrap_model(model, training=training, dataloader=dataloader)
+            self.create_optimizer()
         return self._offloaded_model
 
     # -- one micro-batch: the Trainer's loss, the engine's backward --------------------------
