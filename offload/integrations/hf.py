@@ -165,6 +165,16 @@ def _user_mapping(offload_config, args=None) -> tuple[dict, dict[str, str]]:
     if not is_deepspeed_config(source):
         return copy.deepcopy(source), {}
     filled = _fill_deepspeed_auto(source, args) if args is not None else source
+    if args is not None:
+        world = max(1, int(getattr(args, "world_size", 1) or 1))
+        batches = {"train_micro_batch_size_per_gpu": (args.per_device_train_batch_size,
+                                                      "TrainingArguments.per_device_train_batch_size"),
+                   "train_batch_size": (args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
+                                        "per_device_train_batch_size * gradient_accumulation_steps * world size")}
+        for key, (value, origin) in batches.items():
+            if filled.get(key, value) != value:
+                raise ConfigError(f"DeepSpeed {key}={filled[key]!r} but {origin} gives {value!r}: the Trainer's data "
+                                  "loader decides the batch; set it to \"auto\" or make the two equal", key=key)
     translation = deepspeed_config.translate_deepspeed(filled)
     if args is not None:
         deepspeed_config.report(translation)
@@ -269,6 +279,10 @@ def trainer_config(args, offload_config=None) -> Config:
             "drives the learning rate through engine.optimizer: remove the scheduler section and set "
             "TrainingArguments lr_scheduler_type / warmup_steps instead", key=theirs)
     mapping.pop("scheduler", None)
+    seed = mapping.pop("seed", None)
+    if seed is not None and seed != args.seed:
+        raise ConfigError(f"offload_config seed={seed!r} but TrainingArguments.seed is {args.seed!r}: the Trainer seeds the "
+                          "run (before the model is built); remove seed from offload_config", key="seed")
     for key, (value, _origin) in wanted.items():
         _set(mapping, key, list(value) if key == "optimizer.betas" else value)
     # the Trainer owns the window (its loss normalisation, a short last window of an epoch): the
