@@ -509,7 +509,8 @@ def markdown(report: dict, args) -> str:
         "| tier | peak | by category (peak) |",
         "| --- | --- | --- |",
     ]
-    for tier, values in report["memory_report"].items():
+    for tier in ("device", "host", "nvme"):
+        values = report["memory_report"][tier]
         cats = ", ".join(f"{k} {fmt_gb(v['peak'])}" for k, v in values["by_category"].items())
         lines.append(f"| {tier} | {fmt_gb(values['peak'])} | {cats} |")
     init = report["init"]

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any, Union
 
 from offload.errors import ConfigError
+from offload.plan import parse_size
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 PARAM_TIERS = ("none", "cpu", "nvme")
-OPTIMIZER_TIERS = ("cpu", "nvme")
+OPTIMIZER_TIERS = ("auto", "cpu", "nvme")
 OVERLAPS = ("none", "forward", "backward")
 OPTIMIZER_TYPES = ("adamw", "adam")
 SCHEDULER_TYPES = ("none", "warmup", "warmup_decay", "warmup_cosine", "one_cycle", "lr_range_test")
@@ -63,8 +64,10 @@ class OptimizerConfig:
 class OffloadConfig:
     param: str = "none"
     """Where 16-bit weights live between uses: `none` (on the accelerator), `cpu`, `nvme`."""
-    optimizer: str = "cpu"
-    """Where fp32 master weights, Adam states and fp32 gradients live: `cpu`, `nvme`."""
+    optimizer: str = "auto"
+    """Where fp32 master weights, Adam states and fp32 gradients live: `auto` (per unit: host RAM while it lasts, then NVMe; see `max_host_memory`), `cpu`, `nvme`."""
+    max_host_memory: int | str | None = None
+    """`auto`: RAM the optimizer state may take, bytes or a size like `"40GB"` / `"40GiB"`; default: the RAM available at start less 10% and the engine's other host buffers."""
     nvme_path: str | list[str] = "./offload-swap"
     """Directory for swap files (must exist and be writable); a list spreads ranks over disks."""
     pin_memory: bool = True
@@ -358,6 +361,14 @@ def validate(config: Config) -> Config:
     config.precision = _choice("precision", config.precision, PRECISIONS)
     config.offload.param = _choice("offload.param", config.offload.param, PARAM_TIERS)
     config.offload.optimizer = _choice("offload.optimizer", config.offload.optimizer, OPTIMIZER_TIERS)
+    for key in ("max_host_memory",):
+        value = getattr(config.offload, key)
+        try:
+            size = parse_size(value)
+        except ValueError as error:
+            raise _fail(f"offload.{key}", str(error)) from None
+        if size is not None and size < 0:
+            raise _fail(f"offload.{key}", f"must be >= 0 bytes, got {value!r}")
     config.overlap = _choice("overlap", config.overlap, OVERLAPS)
     config.optimizer.type = _choice("optimizer.type", config.optimizer.type, OPTIMIZER_TYPES)
     opt = config.optimizer

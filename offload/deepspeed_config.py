@@ -492,8 +492,8 @@ def _zero(b: _Builder, mapping: dict) -> None:
         raise b.fail("zero_optimization.offload_param",
                      f"parameter offload needs zero_optimization.stage 3 (it is {stage}); set stage 3 or device 'none'")
     b.set("offload.param", devices["offload_param"] if stage == 3 else "none", "zero_optimization.offload_param.device")
-    # offload always keeps the optimizer off the accelerator: device none means the host here
-    b.set("offload.optimizer", "nvme" if devices["offload_optimizer"] == "nvme" else "cpu",
+    # device none (DeepSpeed: on the accelerator) is `auto`, which fills the fastest tier with room
+    b.set("offload.optimizer", {"nvme": "nvme", "cpu": "cpu"}.get(devices["offload_optimizer"], "auto"),
           "zero_optimization.offload_optimizer.device")
 
     paths = {}

@@ -41,7 +41,7 @@ from offload.residency import Residency
 from offload.schedule import Schedule, ScheduleContext
 from offload.state import UnitState
 from offload.stepper import StepHyper, UnitStepper
-from offload.tiers import TierStore, default_run_name
+from offload.tiers import TierStore, default_run_name, plan_optimizer
 from offload.units import build_units, plan_flat_layout
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,9 @@ class Engine:
         )
 
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        self.optimizer_plan = plan_optimizer(
+            self.config, self.units, compute_dtype=self.compute_dtype, staged_device_copies=self.device.is_cuda, local_rank=local_rank
+        )
         self.store = TierStore(
             self.units,
             self.config,
@@ -119,6 +122,7 @@ class Engine:
             local_rank=local_rank,
             # one run directory for all ranks (rank 0's name), each rank in its rank<r>/ below it
             run_name=self.collectives.broadcast_object(run_name or default_run_name(), what="the swap run name"),
+            optimizer_tiers=self.optimizer_plan.tiers,
         )
         self.transfer = ThreadPoolExecutor(1, thread_name_prefix="offload-transfer")
         self.optimizer_worker = ThreadPoolExecutor(1, thread_name_prefix="offload-step")
@@ -398,7 +402,7 @@ class Engine:
     # ---- weights out -------------------------------------------------------------------
     def _master_shard(self, unit: UnitState) -> torch.Tensor:
         """A host copy of this rank's fp32 master shard of `unit`."""
-        if not self.store.optimizer_tier.streamed:
+        if not unit.optimizer_tier.streamed:
             return unit.host["master"].clone()
         shard = torch.empty(unit.shard_numel, dtype=torch.float32)
         with self.store.slots_lock:
@@ -496,8 +500,14 @@ class Engine:
         self.last_grad_norm = state["last_grad_norm"]
 
     def memory_report(self) -> dict:
-        """Bytes the engine holds now and at peak, per tier (device / host / nvme), by category."""
-        return self.ledger.report()
+        """Bytes the engine holds now and at peak, per tier (device / host / nvme), by category;
+        `optimizer_units`: the units whose optimizer state each tier holds, and why."""
+        report = self.ledger.report()
+        report["optimizer_units"] = {
+            unit.spec.name: {"tier": unit.optimizer_tier.value, "why": reason}
+            for unit, reason in zip(self.units, self.optimizer_plan.reasons)
+        }
+        return report
 
     # ---- end ---------------------------------------------------------------------------
     def _check_open(self) -> None:

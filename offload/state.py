@@ -32,7 +32,7 @@ from offload.units import FlatLayout, UnitSpec
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad32")
 
 
-@dataclass
+@dataclass(repr=False)
 class UnitState:
     """One unit at run time: its layout, its device buffer and where its shard's state lives."""
 
@@ -70,6 +70,8 @@ class UnitState:
     resident_version: int = -1
     # optimizer steps this unit has taken (Adam's bias correction counts them)
     step_count: int = 0
+    # where this unit's optimizer state lives (chosen per unit under `offload.optimizer: auto`)
+    optimizer_tier: OptimizerTier = OptimizerTier.HOST
     # param tier `none`: the copy-stream event after which `device_flat` holds the new weights,
     # and whether the shards of the other ranks still have to be gathered
     device_update_event: object | None = None
@@ -88,6 +90,10 @@ class UnitState:
         self.grads_in_window.clear()
         self.window_started = False
         self.grad_sq_norm = None
+
+    def __repr__(self) -> str:
+        # no tensors: a freed device buffer (0-byte storage) must never be printed
+        return f"UnitState({self.spec.name}, holders={self.holders}, resident={self.resident}, optimizer={self.optimizer_tier.value})"
 
     @property
     def index(self) -> int:
@@ -141,7 +147,7 @@ def host_budget_bytes(
     shard_numels: list[int],
     *,
     param_tier: ParamTier | str,
-    optimizer_tier: OptimizerTier | str,
+    optimizer_tier: OptimizerTier | str | list[OptimizerTier],
     compute_bytes: int,
     buffer_count: int,
     prefetch_depth: int,
@@ -149,19 +155,26 @@ def host_budget_bytes(
 ) -> dict[str, int]:
     """Bytes of host memory each use needs for this placement (plain arithmetic, tested directly).
 
-    shard_numels: this rank's shard length of every unit. compute_bytes: bytes per 16-bit (or
-    fp32) compute element. staged_device_copies: gradients pass through a host staging ring
-    (CUDA); on the CPU the device buffers are host memory already.
+    shard_numels: this rank's shard length of every unit. optimizer_tier: one tier for every
+    unit, or one per unit. compute_bytes: bytes per 16-bit (or fp32) compute element.
+    staged_device_copies: gradients pass through a host staging ring (CUDA); on the CPU the
+    device buffers are host memory already.
     """
-    param_tier, optimizer_tier = ParamTier(param_tier), OptimizerTier(optimizer_tier)
+    param_tier = ParamTier(param_tier)
+    if isinstance(optimizer_tier, list):
+        tiers = [OptimizerTier(tier) for tier in optimizer_tier]
+    else:
+        tiers = [OptimizerTier(optimizer_tier)] * len(shard_numels)
     largest = max(shard_numels, default=0)
     total = sum(shard_numels)
+    resident = sum(n for n, tier in zip(shard_numels, tiers) if tier is OptimizerTier.HOST)
+    largest_streamed = max((n for n, tier in zip(shard_numels, tiers) if tier.streamed), default=0)
     need = {}
-    if not optimizer_tier.streamed:
-        need["optimizer_state"] = 16 * total  # master, exp_avg, exp_avg_sq, grad32
-    else:
-        need["optimizer_slots"] = buffer_count * largest * (16 + compute_bytes)
-        need["grad_slot"] = 4 * largest
+    if resident:
+        need["optimizer_state"] = 16 * resident  # master, exp_avg, exp_avg_sq, grad32
+    if largest_streamed:
+        need["optimizer_slots"] = buffer_count * largest_streamed * (16 + compute_bytes)
+        need["grad_slot"] = 4 * largest_streamed
     if param_tier.host_copy or (param_tier is ParamTier.DEVICE and staged_device_copies):
         # the weights' home (cpu), or the pinned source of their copy to the device (none, CUDA);
         # with `none` on the CPU the step writes the device buffer, host memory, in place

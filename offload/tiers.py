@@ -10,17 +10,69 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
+
+import psutil
 
 import torch
 
 from offload.config import Config
 from offload.memory import HostBufferPool, TierLedger
-from offload.placement import ParamTier, Placement
+from offload.errors import ConfigError
+from offload.placement import OptimizerTier, ParamTier
+from offload.plan import Capacity, OptimizerPlan, PlanError, parse_size, plan_optimizer_tiers
 from offload.state import STATE_KINDS, BufferRing, OptimizerSlot, UnitState, host_budget_bytes
 
 logger = logging.getLogger(__name__)
+
+
+# Of the RAM available at start, what `offload.optimizer: auto` leaves to everything else.
+HOST_MARGIN = 0.10
+
+
+def plan_optimizer(
+    config: Config, units: list[UnitState], *, compute_dtype: torch.dtype, staged_device_copies: bool, local_rank: int
+) -> OptimizerPlan:
+    """Each unit's optimizer tier: the config's `cpu` / `nvme` for every unit, or under `auto` the
+    plan of offload.plan from this machine's room: RAM (`max_host_memory`, or what is available
+    less HOST_MARGIN, shared by the ranks of this node) less the engine's other host buffers, and
+    the free disk under this rank's `nvme_path`. Units are planned in index order (the root, then
+    the blocks: the order an ordinary forward runs them, so the order they step)."""
+    choice = config.offload.optimizer
+    if choice != "auto":
+        tier = OptimizerTier(choice)
+        return OptimizerPlan(tiers=[tier] * len(units), reasons=[f"{tier.value}: offload.optimizer"] * len(units))
+    compute_bytes = torch.empty(0, dtype=compute_dtype).element_size()
+    shard_numels = [unit.shard_numel for unit in units]
+    others = host_budget_bytes(
+        shard_numels,
+        param_tier=config.offload.param,
+        optimizer_tier=[OptimizerTier.NVME] * len(units),
+        compute_bytes=compute_bytes,
+        buffer_count=config.offload.buffer_count,
+        prefetch_depth=config.prefetch.depth,
+        staged_device_copies=staged_device_copies,
+    )
+    others = sum(v for k, v in others.items() if k not in ("optimizer_slots", "grad_slot"))
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cap = parse_size(config.offload.max_host_memory)
+    if cap is None:
+        cap = int(psutil.virtual_memory().available * (1 - HOST_MARGIN)) // ranks_here
+    path = nvme_path_for_rank(config.offload.nvme_path, local_rank)
+    nvme_free = shutil.disk_usage(path).free // ranks_here if os.path.isdir(path) else 0
+    capacity = Capacity(device=0, host=max(0, cap - others), nvme=nvme_free)
+    try:
+        plan = plan_optimizer_tiers(
+            shard_numels, list(range(len(units))), capacity, buffer_count=config.offload.buffer_count, compute_bytes=compute_bytes
+        )
+    except PlanError as error:
+        raise ConfigError(f"offload.optimizer auto: {error}", key="offload.optimizer") from None
+    logger.info("offload: optimizer auto (RAM for it %.2f GiB, disk %.1f GiB): %s", capacity.host / 2**30, nvme_free / 2**30, plan.summary())
+    for unit, reason in zip(units, plan.reasons):
+        logger.debug("offload: optimizer state of unit %s on %s", unit.spec.name, reason)
+    return plan
 
 
 def nvme_path_for_rank(nvme_path: str | list[str], local_rank: int) -> str:
@@ -43,11 +95,17 @@ class TierStore:
         rank: int,
         local_rank: int,
         run_name: str,
+        optimizer_tiers: list[OptimizerTier] | None = None,
     ) -> None:
+        """`optimizer_tiers`: each unit's (the plan of `offload.optimizer: auto`); by default the
+        config's `offload.optimizer` for every unit."""
         self.units = units
-        self.placement = Placement.of(config.offload.param, config.offload.optimizer)
-        self.param_tier = self.placement.param
-        self.optimizer_tier = self.placement.optimizer
+        self.param_tier = ParamTier(config.offload.param)
+        if optimizer_tiers is None:
+            optimizer_tiers = [OptimizerTier(config.offload.optimizer)] * len(units)
+        for unit, tier in zip(units, optimizer_tiers):
+            unit.optimizer_tier = tier
+        self.streamed_units = [unit for unit in units if unit.optimizer_tier.streamed]
         self.compute_dtype = compute_dtype
         self.ledger = ledger
         self.buffer_count = config.offload.buffer_count
@@ -55,10 +113,11 @@ class TierStore:
         compute_bytes = torch.empty(0, dtype=compute_dtype).element_size()
         shard_numels = [unit.shard_numel for unit in units]
         self.largest_shard = max(shard_numels, default=0)
+        self.largest_streamed_shard = max((unit.shard_numel for unit in self.streamed_units), default=0)
         self.budget = host_budget_bytes(
             shard_numels,
             param_tier=self.param_tier,
-            optimizer_tier=self.optimizer_tier,
+            optimizer_tier=list(optimizer_tiers),
             compute_bytes=compute_bytes,
             buffer_count=config.offload.buffer_count,
             prefetch_depth=config.prefetch.depth,
@@ -74,7 +133,7 @@ class TierStore:
         self.slots_lock = threading.RLock()
         self._nvme_bytes_recorded = 0  # what this store put in the ledger's nvme tier
         try:
-            if self.placement.uses_nvme:
+            if self.streamed_units or self.param_tier is ParamTier.NVME:
                 from offload.swap import SwapStore
 
                 path = nvme_path_for_rank(config.offload.nvme_path, local_rank)
@@ -88,7 +147,7 @@ class TierStore:
                 )
                 specs = {}
                 for unit in units:
-                    if self.optimizer_tier.streamed:
+                    if unit.optimizer_tier.streamed:
                         for kind in STATE_KINDS:
                             specs[unit.swap_name(kind)] = (unit.shard_numel, torch.float32)
                     if self.param_tier is ParamTier.NVME:
@@ -103,19 +162,21 @@ class TierStore:
 
     def _allocate_host(self) -> None:
         largest = self.largest_shard
-        if not self.optimizer_tier.streamed:
-            for unit in self.units:
+        for unit in self.units:
+            if unit.optimizer_tier is OptimizerTier.HOST:
                 for kind in STATE_KINDS:
                     unit.host[kind] = self.pool.alloc(unit.shard_numel, torch.float32, category="optimizer_state")
-        else:
+        self.slots: list[OptimizerSlot] = []
+        if self.streamed_units:
+            streamed = self.largest_streamed_shard
             self.slots = [
                 OptimizerSlot(
-                    *(self.pool.alloc(largest, torch.float32, category="optimizer_slots") for _ in STATE_KINDS),
-                    param16=self.pool.alloc(largest, self.compute_dtype, category="optimizer_slots"),
+                    *(self.pool.alloc(streamed, torch.float32, category="optimizer_slots") for _ in STATE_KINDS),
+                    param16=self.pool.alloc(streamed, self.compute_dtype, category="optimizer_slots"),
                 )
                 for _ in range(self.buffer_count)
             ]
-            self.grad_slot = self.pool.alloc(largest, torch.float32, category="grad_slot")
+            self.grad_slot = self.pool.alloc(streamed, torch.float32, category="grad_slot")
         if "param16" in self.budget:
             for unit in self.units:
                 unit.param16 = self.pool.alloc(unit.shard_numel, self.compute_dtype, category="param16")
@@ -132,7 +193,7 @@ class TierStore:
     # ---- start --------------------------------------------------------------------------
     def initialise(self, unit: UnitState, master_values: torch.Tensor) -> None:
         """Stores the unit's initial state: master = values, moments = 0, 16-bit = values cast."""
-        if not self.optimizer_tier.streamed:
+        if not unit.optimizer_tier.streamed:
             unit.host["master"].copy_(master_values)
             for kind in ("exp_avg", "exp_avg_sq", "grad32"):
                 unit.host[kind].zero_()
@@ -184,16 +245,19 @@ class TierStore:
         the next unit is already being read into the following slot; a slot is refilled only after
         the writes queued on it (`store_optimizer_state`) completed. The consumer may modify the
         views and queue writes before asking for the next unit. `timings`, if given, accumulates
-        the seconds spent in `wait_read` and `wait_write`."""
-        if not self.optimizer_tier.streamed:
+        the seconds spent in `wait_read` and `wait_write`. Units with host-resident states are
+        yielded in their place in the order, between the streamed ones."""
+        if not any(unit.optimizer_tier.streamed for unit in units):
             for unit in units:
                 yield unit, unit.host, None
             return
         with self.slots_lock:
             yield from self._stream_through_slots(units, include_grad, timings)
 
-    def _stream_through_slots(self, units: list[UnitState], include_grad: bool, timings: dict | None):
+    def _stream_through_slots(self, all_units: list[UnitState], include_grad: bool, timings: dict | None):
         slots = self.slots
+        units = [unit for unit in all_units if unit.optimizer_tier.streamed]
+        position = {id(unit): i for i, unit in enumerate(units)}
         reads: dict[int, list] = {}
 
         def timed(key: str, started: float) -> None:
@@ -210,7 +274,11 @@ class TierStore:
         try:
             if units:
                 start_read(0)
-            for i, unit in enumerate(units):
+            for unit in all_units:
+                if not unit.optimizer_tier.streamed:
+                    yield unit, unit.host, None
+                    continue
+                i = position[id(unit)]
                 if i + 1 < len(units):
                     start_read(i + 1)
                 started = time.perf_counter()
@@ -235,14 +303,15 @@ class TierStore:
         """Yields (unit, {kind: fp32 shard view of master, exp_avg, exp_avg_sq}) for each unit, for
         the caller to fill completely (a checkpoint load); what it wrote is stored on the unit's
         tier before the next unit is yielded's slot is reused. Nothing is read first."""
-        if not self.optimizer_tier.streamed:
-            for unit in units:
-                yield unit, {kind: unit.host[kind] for kind in STATE_KINDS if kind != "grad32"}
-            return
         with self.slots_lock:
             try:
-                for position, unit in enumerate(units):
-                    slot = self.slots[position % len(self.slots)]
+                streamed = 0
+                for unit in units:
+                    if not unit.optimizer_tier.streamed:
+                        yield unit, {kind: unit.host[kind] for kind in STATE_KINDS if kind != "grad32"}
+                        continue
+                    slot = self.slots[streamed % len(self.slots)]
+                    streamed += 1
                     slot.wait_writes()
                     views = {kind: buffer[: unit.shard_numel] for kind, buffer in slot.tensors().items() if kind != "grad32"}
                     yield unit, views
@@ -260,7 +329,7 @@ class TierStore:
 
     def optimizer_views(self, unit: UnitState, slot: OptimizerSlot | None) -> dict[str, torch.Tensor]:
         """The unit's four fp32 state tensors, wherever they are now (host, or a loaded slot)."""
-        if not self.optimizer_tier.streamed:
+        if not unit.optimizer_tier.streamed:
             return unit.host
         n = unit.shard_numel
         return {kind: buffer[:n] for kind, buffer in slot.tensors().items()}
@@ -275,7 +344,7 @@ class TierStore:
         from offload.optim import kernels
 
         n = unit.shard_numel
-        if not self.optimizer_tier.streamed:
+        if not unit.optimizer_tier.streamed:
             target = unit.host["grad32"]
         else:
             target = self.grad_slot[:n]
@@ -292,7 +361,7 @@ class TierStore:
             for offset, grad in pieces:
                 target[offset : offset + grad.numel()].add_(grad)
         norm = kernels.sq_norm(target) if compute_norm else None
-        if self.optimizer_tier.streamed:
+        if unit.optimizer_tier.streamed:
             self.swap.write_from(unit.swap_name("grad32"), target).wait()
         return norm
 
@@ -300,7 +369,7 @@ class TierStore:
         """Squared norm of the stored fp32 gradient (for a unit whose window ended early)."""
         from offload.optim import kernels
 
-        if not self.optimizer_tier.streamed:
+        if not unit.optimizer_tier.streamed:
             return kernels.sq_norm(unit.host["grad32"])
         target = self.grad_slot[: unit.shard_numel]
         self.swap.read_into(unit.swap_name("grad32"), target).wait()

@@ -26,7 +26,7 @@ from offload.errors import ConfigError
 def test_defaults():
     assert load_config() == Config()
     assert load_config({}) == Config()
-    assert Config().precision == "bf16" and Config().offload.optimizer == "cpu"
+    assert Config().precision == "bf16" and Config().offload.optimizer == "auto"
 
 
 @pytest.mark.parametrize(
@@ -186,7 +186,7 @@ def test_json_path_errors(tmp_path):
 def test_deepspeed_json_path_is_translated(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "bf16": {"enabled": True}}))
-    assert load_config(path) == Config(precision="bf16", offload=OffloadConfig(param="cpu", optimizer="cpu"))
+    assert load_config(path) == Config(precision="bf16", offload=OffloadConfig(param="cpu", optimizer="auto"))
 
 
 def test_is_deepspeed_config():

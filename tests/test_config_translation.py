@@ -89,7 +89,7 @@ DOCS = {
     # accelerate DeepSpeed plugin, ZeRO-2
     "accelerate_docs_zero2_plugin.yaml": (
         Config(precision="fp16", gradient_accumulation_steps=1, gradient_clipping=1.0,
-               offload=OffloadConfig(param="none", optimizer="cpu")),
+               offload=OffloadConfig(param="none", optimizer="auto")),
         LAUNCHER | {"deepspeed_config.zero3_init_flag"},
     ),
     # accelerate DeepSpeed plugin, ZeRO-3 with CPU offload
@@ -110,7 +110,7 @@ DOCS = {
     "accelerate_docs_zero2_file.yaml": (
         Config(precision="fp16", optimizer=OptimizerConfig(type="adamw", lr=5e-5, weight_decay=0.0),
                gradient_accumulation_steps=1, gradient_clipping=1.0,
-               offload=OffloadConfig(param="none", optimizer="cpu"), scheduler=DECAY_AUTO),
+               offload=OffloadConfig(param="none", optimizer="auto"), scheduler=DECAY_AUTO),
         LAUNCHER | {"deepspeed_config.zero3_init_flag", "fp16.hysteresis", "steps_per_print", "wall_clock_breakdown",
                     "optimizer.params.torch_adam"}
         | {f"zero_optimization.{k}" for k in ("allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",

@@ -288,8 +288,9 @@ def test_optimizer_errors():
 
 
 def test_stage_rules():
-    assert load_config({"zero_optimization": {"stage": 3}}).offload == OffloadConfig(param="none", optimizer="cpu")
-    assert load_config({"zero_optimization": {"stage": 0}}).offload == OffloadConfig(param="none", optimizer="cpu")
+    # no offload_optimizer: DeepSpeed keeps the state on the accelerator; here `auto` picks the tier
+    assert load_config({"zero_optimization": {"stage": 3}}).offload == OffloadConfig(param="none", optimizer="auto")
+    assert load_config({"zero_optimization": {"stage": 0}}).offload == OffloadConfig(param="none", optimizer="auto")
     with pytest.raises(ConfigError, match="stage 0 cannot offload"):
         load_config({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, strict=False)
     with pytest.raises(ConfigError, match=r"offload_param.*needs zero_optimization.stage 3"):
@@ -305,7 +306,7 @@ def test_device_none_section_is_ignored_like_deepspeed(caplog):
                                  "offload_optimizer": {"device": "none"}}}
     with caplog.at_level(logging.INFO, logger="offload.deepspeed_config"):
         config = load_config(cfg)
-    assert config.offload == OffloadConfig(param="none", optimizer="cpu", pin_memory=True)
+    assert config.offload == OffloadConfig(param="none", optimizer="auto", pin_memory=True)
     assert ignored_keys(cfg) == {"zero_optimization.offload_param.pin_memory", "zero_optimization.offload_param.buffer_size"}
     assert "device is 'none'" in the_ignored_line(caplog)
 

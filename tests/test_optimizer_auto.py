@@ -1,0 +1,127 @@
+"""`offload.optimizer: auto`: the optimizer state split over host RAM and NVMe by a RAM cap,
+training exactly like torch AdamW (fp32), with memory_report() saying which unit went where."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import offload
+from distributed_worker import launch, local_half, make_config
+from offload.plan import slot_bytes_for
+from offload.state import host_budget_bytes
+from offload.units import plan_flat_layout
+from reference import TinyNet, batches, engine_run, max_weight_difference, mse, reference_run
+from offload.units import build_units
+
+HOST_UNITS = 2  # the cap below leaves room for the state of this many units beside the slots
+
+
+BUFFER_COUNT = 2
+
+
+def host_cap(model, param: str, world: int = 1, buffer_count: int = BUFFER_COUNT) -> int:
+    """RAM for the first HOST_UNITS units' state, the NVMe slots, and the engine's other host
+    buffers (fp32 compute on the CPU), plus less than one more unit."""
+    shards = [plan_flat_layout([p.numel() for p in spec.params], world).shard_numel for spec in build_units(model, [], 0)]
+    others = host_budget_bytes(shards, param_tier=param, optimizer_tier="nvme", compute_bytes=4, buffer_count=buffer_count,
+                               prefetch_depth=2, staged_device_copies=False)
+    others = sum(v for k, v in others.items() if k not in ("optimizer_slots", "grad_slot"))
+    return others + slot_bytes_for(max(shards), buffer_count, 4) + 16 * sum(shards[:HOST_UNITS]) + 8 * shards[HOST_UNITS]
+
+
+def split_config(swap_dir, param, overlap, cap):
+    return {
+        "precision": "fp32",
+        "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
+        "offload": {"param": param, "optimizer": "auto", "max_host_memory": cap, "nvme_path": swap_dir, "buffer_count": BUFFER_COUNT},
+        "overlap": overlap,
+    }
+
+
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+@pytest.mark.parametrize("param", ["none", "cpu", "nvme"])
+def test_a_host_cap_splits_the_state_and_training_is_exact(swap_dir, param, overlap):
+    torch.manual_seed(0)
+    model = TinyNet(depth=8)
+    data = batches(6)
+    reference, reference_losses = reference_run(model, data)
+    engine = offload.initialize(copy.deepcopy(model), split_config(swap_dir, param, overlap, host_cap(model, param)))
+    try:
+        units = engine.memory_report()["optimizer_units"]
+        tiers = [units[unit.spec.name]["tier"] for unit in engine.units]
+        assert tiers == ["cpu"] * HOST_UNITS + ["nvme"] * (len(tiers) - HOST_UNITS)  # RAM first, in step order
+        assert "RAM full" in units[engine.units[-1].spec.name]["why"]
+        losses = engine_run(engine, data)
+        report = engine.memory_report()
+        assert report["host"]["by_category"]["optimizer_state"]["current"] == 16 * sum(u.shard_numel for u in engine.units[:HOST_UNITS])
+        assert report["nvme"]["current"] > 0
+        assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
+        assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+    finally:
+        engine.close()
+
+
+def test_auto_keeps_everything_in_ram_when_it_fits(swap_dir):
+    engine = offload.initialize(TinyNet(), {"precision": "fp32", "offload": {"nvme_path": swap_dir}})
+    try:
+        assert {entry["tier"] for entry in engine.memory_report()["optimizer_units"].values()} == {"cpu"}
+        assert engine.memory_report()["nvme"]["current"] == 0
+    finally:
+        engine.close()
+
+
+def test_a_cap_too_small_even_for_the_slots_is_a_clear_error(swap_dir):
+    with pytest.raises(offload.errors.ConfigError, match="offload.optimizer auto.*max_host_memory"):
+        offload.initialize(TinyNet(), {"offload": {"optimizer": "auto", "max_host_memory": "1KiB", "nvme_path": swap_dir}})
+
+
+def test_a_checkpoint_saved_split_loads_into_cpu_and_back(tmp_path, swap_dir):
+    torch.manual_seed(0)
+    model = TinyNet(depth=8)
+    data = batches(8)
+    straight = offload.initialize(copy.deepcopy(model), split_config(swap_dir, "cpu", "forward", None) | {"offload": {"optimizer": "cpu", "nvme_path": swap_dir}})
+    engine_run(straight, data)
+    expected = straight.consolidated_state_dict()
+    straight.close()
+    split = offload.initialize(copy.deepcopy(model), split_config(swap_dir, "cpu", "forward", host_cap(model, "cpu")))
+    engine_run(split, data[:4])
+    split.save_checkpoint(tmp_path / "ckpt")
+    split.close()
+    resumed = offload.initialize(copy.deepcopy(model), split_config(swap_dir, "cpu", "forward", None) | {"offload": {"optimizer": "cpu", "nvme_path": swap_dir}})
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    engine_run(resumed, data[4:])
+    got = resumed.consolidated_state_dict()
+    resumed.close()
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def _train_split(rank, world, config):
+    torch.manual_seed(0)
+    model = TinyNet(depth=8)
+    with offload.initialize(copy.deepcopy(model), config, device="cpu") as engine:
+        for batch in batches(6):
+            x, y = local_half(batch, rank, world)
+            engine.backward(mse(engine, x, y))
+            engine.step()
+        tiers = [entry["tier"] for entry in engine.memory_report()["optimizer_units"].values()]
+        return {"weights": engine.consolidated_state_dict(), "tiers": tiers}
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward"])
+def test_two_ranks_with_a_split_state_train_like_one_process(tmp_path, overlap):
+    torch.manual_seed(0)
+    model = TinyNet(depth=8)
+    swaps = []
+    for rank in range(2):
+        (tmp_path / f"swap{rank}").mkdir()
+        swaps.append(str(tmp_path / f"swap{rank}"))
+    config = make_config(swaps, "cpu", "auto", overlap)
+    config["offload"].update(max_host_memory=host_cap(model, "cpu", world=2), buffer_count=BUFFER_COUNT)
+    results = launch(_train_split, 2, config, timeout_s=30, deadline_s=150)
+    for result in results:
+        assert result["ok"], result.get("traceback") or result
+        assert "cpu" in result["value"]["tiers"] and "nvme" in result["value"]["tiers"]
+    reference, _ = reference_run(model, batches(6))
+    assert max_weight_difference(results[0]["value"]["weights"], reference) <= 1e-5
