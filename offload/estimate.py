@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offload.errors import ConfigError
+from offload.plan import Capacity, PlanError, plan_optimizer_tiers
 from offload.state import host_budget_bytes
+from offload.tiers import HOST_MARGIN
 from offload.units import plan_flat_layout, round_up
 
 PAGE = 4096
@@ -44,7 +46,14 @@ DEVICE_KINDS = ("cuda", "cpu")
 # 2 B/param of weights up over PCIe; weights on cpu add 2 x 2 B/param (forward and backward
 # fetches); weights on nvme read 2 x 2 B/param from disk; the optimizer on nvme reads and writes
 # about 32 B/param from disk every step, the most expensive traffic of all.
-PLACEMENTS = (("none", "cpu"), ("cpu", "cpu"), ("nvme", "cpu"), ("none", "nvme"), ("cpu", "nvme"), ("nvme", "nvme"))
+# `auto` (the optimizer state in RAM while it lasts, then on NVMe, planned for the machine as the
+# engine plans it) sits between all in RAM and all on NVMe.
+PLACEMENTS = (
+    ("none", "cpu"), ("cpu", "cpu"), ("nvme", "cpu"),
+    ("none", "auto"), ("cpu", "auto"), ("nvme", "auto"),
+    ("none", "nvme"), ("cpu", "nvme"), ("nvme", "nvme"),
+)
+FIXED_PLACEMENTS = tuple(placement for placement in PLACEMENTS if placement[1] != "auto")
 # 16-bit gradient buffers the engine holds on the device at once while the transfer worker moves
 # them to the host: the unit whose backward just finished. (Measured on the CPU stand-in with the
 # optimizer on cpu; with the optimizer on nvme each transfer writes a swap file and the backlog
@@ -336,6 +345,8 @@ class TierEstimate:
     device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
     nvme: dict[str, int] = field(default_factory=dict)
+    # optimizer `auto`: the split the engine would make on the machine (OptimizerPlan.summary)
+    plan: str | None = None
 
     def total(self, tier: str) -> int:
         return sum(getattr(self, tier).values())
@@ -344,6 +355,7 @@ class TierEstimate:
         return {
             "param": self.param,
             "optimizer": self.optimizer,
+            "plan": self.plan,
             **{tier: {"total": self.total(tier), "by_category": dict(getattr(self, tier))} for tier in ("device", "host", "nvme")},
         }
 
@@ -362,13 +374,15 @@ def estimate_tiers(
     prefetch_depth: int = 2,
     buffer_count: int = 3,
     device: str = "cuda",
+    optimizer_tiers: list[str] | None = None,
 ) -> TierEstimate:
     """Peak bytes of one rank on each tier for this placement (see the module docstring).
 
     device: the kind the engine runs on, `cuda` or `cpu`. On CUDA the engine stages copies
     through host buffers (the gradient staging ring; for `param: none` the pinned 16-bit source
     of the weights); on the CPU stand-in the device buffers are host memory already. The same
-    switch as the engine's: `host_budget_bytes(..., staged_device_copies=device == "cuda")`."""
+    switch as the engine's: `host_budget_bytes(..., staged_device_copies=device == "cuda")`.
+    optimizer_tiers: each unit's optimizer tier (`cpu` / `nvme`), for `auto` (see `plan_auto`)."""
     if device not in DEVICE_KINDS:
         raise ConfigError(f"device {device!r} is not one of {', '.join(DEVICE_KINDS)}", key="device")
     staged_device_copies = device == "cuda"
@@ -381,6 +395,12 @@ def estimate_tiers(
     shards = shape.shard_numels(world_size)
     largest_shard = max(shards)
     result = TierEstimate(param, optimizer)
+    if optimizer == "auto" and optimizer_tiers is None:
+        raise ConfigError("optimizer 'auto' is planned per machine: pass optimizer_tiers (see plan_auto)", key="offload.optimizer")
+    tiers = optimizer_tiers or [optimizer] * len(shards)
+    host_shards = [n for n, tier in zip(shards, tiers) if tier == "cpu"]
+    nvme_shards = [n for n, tier in zip(shards, tiers) if tier == "nvme"]
+    largest_streamed = max(nvme_shards, default=0)
 
     # device
     # a gradient on its way off the device: the full unit at world 1, this rank's shard after the
@@ -406,14 +426,14 @@ def estimate_tiers(
 
     # host: the engine's budget (state.host_budget_bytes), every buffer rounded up to a page as
     # the host pool allocates it (one buffer per state kind and unit, per slot, per staging buffer)
-    budget = host_budget_bytes(shards, param_tier=param, optimizer_tier=optimizer, compute_bytes=cb,
+    budget = host_budget_bytes(shards, param_tier=param, optimizer_tier=list(tiers), compute_bytes=cb,
                                buffer_count=buffer_count, prefetch_depth=prefetch_depth,
                                staged_device_copies=staged_device_copies)
     if "optimizer_state" in budget:
-        result.host["optimizer_state"] = 4 * sum(_page(4 * n) for n in shards)
+        result.host["optimizer_state"] = 4 * sum(_page(4 * n) for n in host_shards)
     if "optimizer_slots" in budget:
-        result.host["optimizer_slots"] = buffer_count * (4 * _page(4 * largest_shard) + _page(cb * largest_shard))
-        result.host["grad_slot"] = _page(4 * largest_shard)
+        result.host["optimizer_slots"] = buffer_count * (4 * _page(4 * largest_streamed) + _page(cb * largest_streamed))
+        result.host["grad_slot"] = _page(4 * largest_streamed)
     if "param16" in budget:
         result.host["param16"] = sum(_page(cb * n) for n in shards)
     if "param_staging" in budget:
@@ -423,13 +443,32 @@ def estimate_tiers(
 
     # nvme: swap files
     swap = 0
-    if optimizer == "nvme":
-        swap += sum(4 * (SWAP_HEADER + round_up(4 * n, PAGE)) for n in shards)
+    if nvme_shards:
+        swap += sum(4 * (SWAP_HEADER + round_up(4 * n, PAGE)) for n in nvme_shards)
     if param == "nvme":
         swap += sum(SWAP_HEADER + round_up(cb * n, PAGE) for n in shards)
     if swap:
         result.nvme["swap"] = swap
     return result
+
+
+def plan_auto(shape: ModelShape, param: str, machine: Machine, *, precision: str, world_size: int, prefetch_depth: int,
+              buffer_count: int) -> tuple[list[str] | None, str]:
+    """`offload.optimizer: auto` on `machine`, as the engine plans it (tiers.plan_optimizer): per
+    unit `cpu` or `nvme`, and the plan in words; (None, why) when nothing fits."""
+    cb = COMPUTE_BYTES[precision]
+    shards = shape.shard_numels(world_size)
+    others = host_budget_bytes(shards, param_tier=param, optimizer_tier="nvme", compute_bytes=cb, buffer_count=buffer_count,
+                               prefetch_depth=prefetch_depth, staged_device_copies=machine.device == "cuda")
+    others = sum(v for k, v in others.items() if k not in ("optimizer_slots", "grad_slot"))
+    ranks = machine.ranks_per_node
+    capacity = Capacity(device=0, host=max(0, int(machine.ram_bytes * (1 - HOST_MARGIN)) // ranks - others),
+                        nvme=machine.disk_bytes // ranks)
+    try:
+        plan = plan_optimizer_tiers(shards, list(range(len(shards))), capacity, buffer_count=buffer_count, compute_bytes=cb)
+    except PlanError as error:
+        return None, str(error)
+    return [tier.value for tier in plan.tiers], plan.summary()
 
 
 def activation_bytes(shape: ModelShape, *, micro_batch: int = 1, seq_len: int = 2048, precision: str = "bf16",
@@ -529,7 +568,7 @@ def recommended_config(placement: tuple[str, str], *, precision: str = "bf16", n
     """An offload config (every key valid for `offload.load_config`) for this placement."""
     param, optimizer = placement
     offload = {"param": param, "optimizer": optimizer}
-    if "nvme" in placement:
+    if "nvme" in placement or optimizer == "auto":
         offload["nvme_path"] = nvme_path
         offload["buffer_count"] = buffer_count
     config = {"precision": precision, "offload": offload, "overlap": "forward"}
@@ -548,8 +587,18 @@ def estimate_report(shape: ModelShape, machine: Machine, *, precision: str = "bf
     rows = []
     fits = {}
     for placement in PLACEMENTS:
+        tiers, plan = None, None
+        if placement[1] == "auto":
+            tiers, plan = plan_auto(shape, placement[0], machine, precision=precision, world_size=world_size,
+                                    prefetch_depth=prefetch_depth, buffer_count=buffer_count)
+            if tiers is None:
+                rows.append({"param": placement[0], "optimizer": "auto", "plan": None, "fits": False, "problems": [plan],
+                             **{tier: {"total": None, "by_category": {}} for tier in ("device", "host", "nvme")}})
+                fits[placement] = False
+                continue
         estimate = estimate_tiers(shape, *placement, precision=precision, world_size=world_size, prefetch_depth=prefetch_depth,
-                                  buffer_count=buffer_count, device=machine.device)
+                                  buffer_count=buffer_count, device=machine.device, optimizer_tiers=tiers)
+        estimate.plan = plan
         problems = fit_problems(estimate, machine, activations or 0)
         fits[placement] = not problems
         rows.append({**estimate.as_dict(), "fits": not problems, "problems": problems})

@@ -91,24 +91,31 @@ def plan_optimizer_tiers(
             tiers[unit] = OptimizerTier.HOST
             reasons[unit] = "host: fits in RAM" if not on_device else "host: the device is full"
         return _finish(tiers, reasons, need, 0)
-    # some units go to NVMe: their slots take RAM first
-    largest_rest = max((shard_numels[u] for u in rest), default=0)
-    slots = slot_bytes_for(largest_rest, buffer_count, compute_bytes)
-    host_left = capacity.host - slots
-    if host_left < 0:
-        raise PlanError(
-            f"the optimizer state does not fit in RAM ({capacity.host / 2**30:.2f} GiB for it) and streaming "
-            f"it from NVMe needs {slots / 2**30:.2f} GiB of RAM for its slots; raise offload.max_host_memory, "
-            "lower offload.buffer_count, or use more ranks"
-        )
-    host_units = []
-    for unit in rest:
-        if need[unit] <= host_left:
-            host_left -= need[unit]
-            host_units.append(unit)
-        else:
+    # some units go to NVMe: their slots take RAM first, sized for the largest unit streamed;
+    # start from the largest of all and shrink while fewer, smaller units are left to stream
+    slots_for = max((shard_numels[u] for u in rest), default=0)
+    while True:
+        slots = slot_bytes_for(slots_for, buffer_count, compute_bytes)
+        host_left = capacity.host - slots
+        if host_left < 0:
+            raise PlanError(
+                f"the optimizer state does not fit in RAM ({capacity.host / 2**30:.2f} GiB for it) and streaming "
+                f"it from NVMe needs {slots / 2**30:.2f} GiB of RAM for its slots; raise offload.max_host_memory, "
+                "lower offload.buffer_count, or use more ranks"
+            )
+        host_units = []
+        for unit in rest:
+            if need[unit] <= host_left:
+                host_left -= need[unit]
+                host_units.append(unit)
+            else:
+                break
+        nvme_units = rest[len(host_units):]
+        streamed = max((shard_numels[u] for u in nvme_units), default=0)
+        if streamed >= slots_for:
             break
-    nvme_units = rest[len(host_units):]
+        slots_for = streamed
+    slots = slot_bytes_for(slots_for, buffer_count, compute_bytes)
     nvme_need = sum(need[u] for u in nvme_units)
     if nvme_need > capacity.nvme:
         total = sum(need)
@@ -116,7 +123,7 @@ def plan_optimizer_tiers(
             f"the optimizer state ({total / 2**30:.1f} GiB) does not fit: device {capacity.device / 2**30:.1f} GiB, "
             f"host {capacity.host / 2**30:.1f} GiB (less {slots / 2**30:.1f} GiB of NVMe slots), NVMe "
             f"{capacity.nvme / 2**30:.1f} GiB free for it; {nvme_need / 2**30:.1f} GiB would go to NVMe. Raise "
-            "offload.max_host_memory / max_device_memory, free disk under offload.nvme_path, or use more ranks"
+            "offload.max_host_memory, free disk under offload.nvme_path, or use more ranks"
         )
     for unit in host_units:
         tiers[unit] = OptimizerTier.HOST

@@ -72,3 +72,20 @@ def test_parse_size_reads_gpu_buyer_and_binary_units():
     assert parse_size(123) == 123
     with pytest.raises(ValueError, match="not a size"):
         parse_size("forty gigs")
+
+
+def test_offload_estimate_plans_the_split_the_engine_makes():
+    """`offload estimate` on a machine with too little RAM for the whole state: the auto rows
+    hold the slots and the first units in RAM, the rest on NVMe, and say so."""
+    from offload import estimate as est
+
+    shape = est.shape_from_param_count(3 * 10**9)
+    machine = est.Machine(gpu_bytes=24 * GiB, ram_bytes=24 * GiB, disk_bytes=200 * 10**9, device="cuda")
+    report = est.estimate_report(shape, machine)
+    rows = {(r["param"], r["optimizer"]): r for r in report["placements"]}
+    auto, cpu, nvme = rows[("none", "auto")], rows[("none", "cpu")], rows[("none", "nvme")]
+    assert not cpu["fits"] and auto["fits"]
+    assert nvme["nvme"]["total"] > auto["nvme"]["total"] > 0
+    assert auto["host"]["total"] <= 24 * GiB * 0.9
+    assert "cpu:" in auto["plan"] and "nvme:" in auto["plan"]
+    assert report["recommended"]["optimizer"] == "auto"

@@ -111,6 +111,8 @@ def format_report(report: dict) -> str:
         verdict = "yes" if row["fits"] else "no: " + "; ".join(row["problems"])
         lines.append(f"{row['param'] + ' / ' + row['optimizer']:<18} {f(row['device']['total']):>10} {f(row['host']['total']):>10} "
                      f"{f(row['nvme']['total']):>10}  {verdict}")
+        if row.get("plan"):
+            lines.append(f"{'':<18} optimizer state split: {row['plan']}")
     activations = report["activations_bytes"]
     lines.append("")
     lines.append(f"activations (micro-batch {settings['micro_batch']} x {settings['seq_len']} tokens"
