@@ -78,13 +78,20 @@ def _model_names(model) -> tuple[dict[int, str], dict[str, list[str]], list[tupl
 
 
 # ---- saving ----------------------------------------------------------------------------------
+def _frozen_piece(unit, shard_pos: int) -> bool:
+    """A piece of the shard past its optimizer state: a param that did not require grad at
+    initialize, which has its (16-bit) weights and no master or moments (units.FlatLayout)."""
+    return shard_pos >= unit.optimizer_numel
+
+
 def _rank_slices(engine, rank: int, canonical: dict[int, str]) -> list[Slice]:
     slices = []
     for unit in engine.units:
         start, end = unit.layout.shard_range(rank)
         for index, a, b, pos in shard_pieces(unit.layout.offsets, unit.layout.numels, start, end):
             name = canonical[id(unit.spec.params[index])]
-            for kind in KINDS:
+            # a frozen param's weights are saved as its "master" (from the 16-bit weights), no moments
+            for kind in ("master",) if _frozen_piece(unit, pos) else KINDS:
                 slices.append(Slice(f"{name}/{kind}", name, kind, a, b, pos, unit.index))
     return slices
 
@@ -113,8 +120,13 @@ def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> 
             write_all(fd, prefix, path)
             # the units' order matches the slices' order, so the file is written sequentially
             for unit, views, _ in engine.store.stream_optimizer_states(engine.units, include_grad=False):
-                for s, offset in by_unit.get(unit.index, []):
-                    data = views[s.kind][s.shard_pos : s.shard_pos + s.end - s.start]
+                unit_slices = by_unit.get(unit.index, [])
+                frozen = None
+                if any(_frozen_piece(unit, s.shard_pos) for s, _ in unit_slices):
+                    frozen = engine.param16_shard(unit).float()
+                for s, offset in unit_slices:
+                    source = frozen if _frozen_piece(unit, s.shard_pos) else views[s.kind]
+                    data = source[s.shard_pos : s.shard_pos + s.end - s.start]
                     crcs = []
                     for c0, c1 in chunk_bounds(s.end - s.start):
                         chunk = data[c0:c1]
@@ -376,12 +388,24 @@ def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict
         for unit, targets in store.overwrite_optimizer_states(engine.units):
             start, end = unit.layout.shard_range(rank)
             pieces = shard_pieces(unit.layout.offsets, unit.layout.numels, start, end)
-            for kind, target in targets.items():
+            # the shard's fp32 weights: the masters, then the frozen params' (no optimizer state)
+            frozen_part = unit.optimizer_numel < unit.shard_numel
+            weights = torch.zeros(unit.shard_numel, dtype=torch.float32) if frozen_part else targets["master"]
+            for target in targets.values():
                 target.zero_()
-                for index, a, b, pos in pieces:
-                    reader.read_range(canonical[id(unit.spec.params[index])], kind, a, b, target[pos : pos + b - a])
-            store.store_param16_values(unit, targets["master"])
-            engine.residency.replace_weights(unit, targets["master"])
+            for index, a, b, pos in pieces:
+                name = canonical[id(unit.spec.params[index])]
+                if _frozen_piece(unit, pos):
+                    reader.read_range(name, "master", a, b, weights[pos : pos + b - a])
+                    continue
+                for kind, target in targets.items():
+                    # a param saved frozen has no moments: they start at zero, as for a new one
+                    if kind == "master" or (name, kind) in reader.stored:
+                        reader.read_range(name, kind, a, b, target[pos : pos + b - a])
+            if frozen_part:
+                weights[: unit.optimizer_numel].copy_(targets["master"])
+            store.store_param16_values(unit, weights)
+            engine.residency.replace_weights(unit, weights)
             unit.step_count = _unit_step_count(unit, saved_params, canonical)
             unit.end_window()
             unit.grads_pending.clear()

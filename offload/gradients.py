@@ -65,7 +65,10 @@ class GradientOffload:
         params = unit.spec.params
         self._bound_in_flight()
         if self.device.is_cuda or self.collectives.is_distributed:
-            pieces = [(0, self._flat_shard(unit, pending))]
+            shard = self._flat_shard(unit, pending)
+            device_bytes = shard.numel() * shard.element_size()
+            # the shard's frozen tail has no fp32 gradient to land in (state.py)
+            pieces = [(0, shard[: unit.optimizer_numel])] if unit.optimizer_numel else []
         else:
             # CPU device, one rank: the gradients are host memory already; the transfer worker
             # adds them straight into the fp32 gradient, with no flat copy in between
@@ -76,11 +79,12 @@ class GradientOffload:
                     if grad is not None:
                         pieces.append((layout.offsets[index], grad.reshape(-1)))
                     params[index].grad = None
-            self.ledger.allocate("device", sum(g.numel() * g.element_size() for _, g in pieces), "grad")
+            device_bytes = sum(g.numel() * g.element_size() for _, g in pieces)
+            self.ledger.allocate("device", device_bytes, "grad")
         event = self.device.record_compute_event()
         for _, grad in pieces:
             self.device.device_to_host.keep_alive(grad)
-        future = self.transfer.submit(self._land, unit, pieces, event, first, boundary, final)
+        future = self.transfer.submit(self._land, unit, pieces, device_bytes, event, first, boundary, final)
         self.futures.append(future)
         self._in_flight.append(future)
 
@@ -125,21 +129,21 @@ class GradientOffload:
             raise OffloadError(f"offload: moving gradients off the device failed: {errors[0]}") from errors[0]
 
     # ---- transfer worker ------------------------------------------------------------------
-    def _land(self, unit: UnitState, pieces: list, event, first: bool, boundary: bool, final: bool) -> None:
+    def _land(self, unit: UnitState, pieces: list, device_bytes: int, event, first: bool, boundary: bool, final: bool) -> None:
         """Device gradients -> fp32 gradient on its tier (+ squared norm at the boundary).
 
-        `pieces` are (offset in the shard, gradient) pairs: the reduce-scattered flat shard on
-        CUDA or with several ranks, the params' own gradients on a CPU device."""
+        `pieces` are (offset in the shard, gradient) pairs: the reduce-scattered flat shard (its
+        trainable part) on CUDA or with several ranks, the params' own gradients on a CPU
+        device. `device_bytes`: what the hand-off put in the ledger's device tier."""
         with record_function(f"offload::grads_to_host[{unit.index}]"):
-            self._accumulate(unit, pieces, event, first, boundary)
+            self._accumulate(unit, pieces, device_bytes, event, first, boundary)
         if final:
             self.on_final(unit)
 
-    def _accumulate(self, unit: UnitState, pieces: list, event, first: bool, boundary: bool) -> None:
-        nbytes = sum(grad.numel() * grad.element_size() for _, grad in pieces)
+    def _accumulate(self, unit: UnitState, pieces: list, nbytes: int, event, first: bool, boundary: bool) -> None:
         staging = None
         try:
-            if self.device.is_cuda:
+            if self.device.is_cuda and pieces:
                 ((offset, flat),) = pieces
                 to_host = self.device.device_to_host
                 to_host.waits(event)

@@ -3,7 +3,9 @@
 Per unit, this rank holds one shard of: the fp32 master weights, `exp_avg`, `exp_avg_sq`, the
 fp32 gradient (on the optimizer tier: host buffers, or swap files streamed through slots) and
 the 16-bit weights between uses (on the param tier: the device itself for `none`, a host buffer
-for `cpu`, a swap file for `nvme`).
+for `cpu`, a swap file for `nvme`). The four fp32 states cover only the first
+`optimizer_numel` elements of the shard, where the parameters that require grad are
+(units.FlatLayout): frozen parameters have their 16-bit weights and nothing else.
 
 Buffers and who uses them:
 - resident host buffers (`optimizer: cpu`; `param: cpu`, or `none` on CUDA): allocated once from the pool.
@@ -38,6 +40,11 @@ class UnitState:
 
     spec: UnitSpec
     layout: FlatLayout
+    # elements at the start of this rank's shard that carry optimizer state (master, moments,
+    # fp32 gradient): the trainable params' part of the shard. -1: the whole shard
+    optimizer_numel: int = -1
+    # per param (as spec.params), the index of its parameter group (engine.optimizer.param_groups)
+    param_groups: tuple[int, ...] = ()
     # 16-bit (compute dtype) full flat buffer on the device; the params are views of it. Its
     # storage is freed (resized to 0) between uses unless the param tier is `none`.
     device_flat: torch.Tensor | None = None
@@ -79,6 +86,10 @@ class UnitState:
 
     def __post_init__(self) -> None:
         self.step_done.set()
+        if self.optimizer_numel < 0:
+            self.optimizer_numel = self.layout.shard_numel
+        if not self.param_groups:
+            self.param_groups = (0,) * len(self.spec.params)
 
     def begin_step(self) -> None:
         """A step of this unit is scheduled: its weights change, and readers wait for `step_done`."""
@@ -152,13 +163,15 @@ def host_budget_bytes(
     buffer_count: int,
     prefetch_depth: int,
     staged_device_copies: bool,
+    optimizer_numels: list[int] | None = None,
 ) -> dict[str, int]:
     """Bytes of host memory each use needs for this placement (plain arithmetic, tested directly).
 
     shard_numels: this rank's shard length of every unit. optimizer_tier: one tier for every
     unit, or one per unit. compute_bytes: bytes per 16-bit (or fp32) compute element.
     staged_device_copies: gradients pass through a host staging ring (CUDA); on the CPU the
-    device buffers are host memory already.
+    device buffers are host memory already. optimizer_numels: the part of each shard with
+    optimizer state (its trainable params; frozen ones have none); the whole shard by default.
     """
     param_tier = ParamTier(param_tier)
     if isinstance(optimizer_tier, list):
@@ -167,14 +180,18 @@ def host_budget_bytes(
         tiers = [OptimizerTier(optimizer_tier)] * len(shard_numels)
     largest = max(shard_numels, default=0)
     total = sum(shard_numels)
-    resident = sum(n for n, tier in zip(shard_numels, tiers) if tier is OptimizerTier.HOST)
-    largest_streamed = max((n for n, tier in zip(shard_numels, tiers) if tier.streamed), default=0)
+    states = shard_numels if optimizer_numels is None else optimizer_numels
+    resident = sum(n for n, tier in zip(states, tiers) if tier is OptimizerTier.HOST)
+    streamed = [(n, state) for n, state, tier in zip(shard_numels, states, tiers) if tier.streamed]
     need = {}
     if resident:
         need["optimizer_state"] = 16 * resident  # master, exp_avg, exp_avg_sq, grad32
-    if largest_streamed:
-        need["optimizer_slots"] = buffer_count * largest_streamed * (16 + compute_bytes)
-        need["grad_slot"] = 4 * largest_streamed
+    if streamed:
+        largest_streamed = max(n for n, _ in streamed)
+        largest_state = max(state for _, state in streamed)
+        # per slot: the four fp32 states of the largest state, the 16-bit buffer of the largest shard
+        need["optimizer_slots"] = buffer_count * (16 * largest_state + compute_bytes * largest_streamed)
+        need["grad_slot"] = 4 * largest_state
     if param_tier.host_copy or (param_tier is ParamTier.DEVICE and staged_device_copies):
         # the weights' home (cpu), or the pinned source of their copy to the device (none, CUDA);
         # with `none` on the CPU the step writes the device buffer, host memory, in place

@@ -15,15 +15,26 @@ import threading
 import time
 
 import psutil
-
 import torch
 
 from offload.config import Config
-from offload.memory import HostBufferPool, TierLedger
 from offload.errors import ConfigError
+from offload.memory import HostBufferPool, TierLedger
 from offload.placement import OptimizerTier, ParamTier
-from offload.plan import Capacity, OptimizerPlan, PlanError, parse_size, plan_optimizer_tiers
-from offload.state import STATE_KINDS, BufferRing, OptimizerSlot, UnitState, host_budget_bytes
+from offload.plan import (
+    Capacity,
+    OptimizerPlan,
+    PlanError,
+    parse_size,
+    plan_optimizer_tiers,
+)
+from offload.state import (
+    STATE_KINDS,
+    BufferRing,
+    OptimizerSlot,
+    UnitState,
+    host_budget_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +57,8 @@ def plan_optimizer(
         return OptimizerPlan(tiers=[tier] * len(units), reasons=[f"{tier.value}: offload.optimizer"] * len(units))
     compute_bytes = torch.empty(0, dtype=compute_dtype).element_size()
     shard_numels = [unit.shard_numel for unit in units]
+    # what each unit's optimizer state covers (its trainable params: frozen ones have none)
+    optimizer_numels = [unit.optimizer_numel for unit in units]
     others = host_budget_bytes(
         shard_numels,
         param_tier=config.offload.param,
@@ -54,6 +67,7 @@ def plan_optimizer(
         buffer_count=config.offload.buffer_count,
         prefetch_depth=config.prefetch.depth,
         staged_device_copies=staged_device_copies,
+        optimizer_numels=optimizer_numels,
     )
     others = sum(v for k, v in others.items() if k not in ("optimizer_slots", "grad_slot"))
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -65,7 +79,7 @@ def plan_optimizer(
     capacity = Capacity(device=0, host=max(0, cap - others), nvme=nvme_free)
     try:
         plan = plan_optimizer_tiers(
-            shard_numels, list(range(len(units))), capacity, buffer_count=config.offload.buffer_count, compute_bytes=compute_bytes
+            optimizer_numels, list(range(len(units))), capacity, buffer_count=config.offload.buffer_count, compute_bytes=compute_bytes
         )
     except PlanError as error:
         raise ConfigError(f"offload.optimizer auto: {error}", key="offload.optimizer") from None
@@ -114,6 +128,8 @@ class TierStore:
         shard_numels = [unit.shard_numel for unit in units]
         self.largest_shard = max(shard_numels, default=0)
         self.largest_streamed_shard = max((unit.shard_numel for unit in self.streamed_units), default=0)
+        # the fp32 states cover each shard's trainable part only (state.py)
+        self.largest_streamed_state = max((unit.optimizer_numel for unit in self.streamed_units), default=0)
         self.budget = host_budget_bytes(
             shard_numels,
             param_tier=self.param_tier,
@@ -122,6 +138,7 @@ class TierStore:
             buffer_count=config.offload.buffer_count,
             prefetch_depth=config.prefetch.depth,
             staged_device_copies=staged_device_copies,
+            optimizer_numels=[unit.optimizer_numel for unit in units],
         )
         total_budget = sum(self.budget.values())
         # Page-rounding per buffer: every buffer's capacity rounds up to 4 KiB.
@@ -149,7 +166,7 @@ class TierStore:
                 for unit in units:
                     if unit.optimizer_tier.streamed:
                         for kind in STATE_KINDS:
-                            specs[unit.swap_name(kind)] = (unit.shard_numel, torch.float32)
+                            specs[unit.swap_name(kind)] = (unit.optimizer_numel, torch.float32)
                     if self.param_tier is ParamTier.NVME:
                         specs[unit.swap_name("param16")] = (unit.shard_numel, compute_dtype)
                 self.swap.reserve(specs)
@@ -165,18 +182,21 @@ class TierStore:
         for unit in self.units:
             if unit.optimizer_tier is OptimizerTier.HOST:
                 for kind in STATE_KINDS:
-                    unit.host[kind] = self.pool.alloc(unit.shard_numel, torch.float32, category="optimizer_state")
+                    if unit.optimizer_numel:
+                        unit.host[kind] = self.pool.alloc(unit.optimizer_numel, torch.float32, category="optimizer_state")
+                    else:  # only frozen params in this shard: nothing to hold (not even a page)
+                        unit.host[kind] = torch.empty(0, dtype=torch.float32)
         self.slots: list[OptimizerSlot] = []
         if self.streamed_units:
-            streamed = self.largest_streamed_shard
+            state = self.largest_streamed_state
             self.slots = [
                 OptimizerSlot(
-                    *(self.pool.alloc(streamed, torch.float32, category="optimizer_slots") for _ in STATE_KINDS),
-                    param16=self.pool.alloc(streamed, self.compute_dtype, category="optimizer_slots"),
+                    *(self.pool.alloc(state, torch.float32, category="optimizer_slots") for _ in STATE_KINDS),
+                    param16=self.pool.alloc(self.largest_streamed_shard, self.compute_dtype, category="optimizer_slots"),
                 )
                 for _ in range(self.buffer_count)
             ]
-            self.grad_slot = self.pool.alloc(streamed, torch.float32, category="grad_slot")
+            self.grad_slot = self.pool.alloc(state, torch.float32, category="grad_slot")
         if "param16" in self.budget:
             for unit in self.units:
                 unit.param16 = self.pool.alloc(unit.shard_numel, self.compute_dtype, category="param16")
@@ -191,8 +211,10 @@ class TierStore:
         return torch.empty(0, dtype=self.compute_dtype).element_size()
 
     # ---- start --------------------------------------------------------------------------
-    def initialise(self, unit: UnitState, master_values: torch.Tensor) -> None:
-        """Stores the unit's initial state: master = values, moments = 0, 16-bit = values cast."""
+    def initialise(self, unit: UnitState, shard_values: torch.Tensor) -> None:
+        """Stores the unit's initial state from this rank's fp32 shard of its weights: master =
+        their trainable part, moments = 0, 16-bit = all of them cast."""
+        master_values = shard_values[: unit.optimizer_numel]
         if not unit.optimizer_tier.streamed:
             unit.host["master"].copy_(master_values)
             for kind in ("exp_avg", "exp_avg_sq", "grad32"):
@@ -202,7 +224,7 @@ class TierStore:
             # swap file never written reads as zeros without touching the disk (at 3B params:
             # 12 GB of start-up writes instead of 48 GB)
             slot = self.slots[0]
-            n = unit.shard_numel
+            n = unit.optimizer_numel
             slot.master[:n].copy_(master_values)
             for kind, buffer in slot.tensors().items():
                 name = unit.swap_name(kind)
@@ -212,10 +234,11 @@ class TierStore:
                     buffer[:n].zero_()
                 slot.pending_writes.append(self.swap.write_from(name, buffer[:n]))
             slot.wait_writes()
-        self.store_param16_values(unit, master_values)
+        self.store_param16_values(unit, shard_values)
 
     def store_param16_values(self, unit: UnitState, values32: torch.Tensor) -> None:
-        """The 16-bit home copy of `values32` (used at start and after loading a checkpoint)."""
+        """The 16-bit home copy of `values32`, this rank's whole shard (used at start and after
+        loading a checkpoint)."""
         if self.param_tier is not ParamTier.NVME:
             if unit.param16 is not None:  # `none` on the CPU has no host copy: the device buffer is it
                 unit.param16.copy_(values32)
@@ -229,7 +252,7 @@ class TierStore:
 
     # ---- optimizer slots (optimizer: nvme; optimizer worker only) --------------------------
     def load_optimizer_state(self, unit: UnitState, slot: OptimizerSlot, include_grad: bool = True) -> list:
-        n = unit.shard_numel
+        n = unit.optimizer_numel
         handles = []
         for kind, buffer in slot.tensors().items():
             if kind == "grad32" and not include_grad:
@@ -313,7 +336,7 @@ class TierStore:
                     slot = self.slots[streamed % len(self.slots)]
                     streamed += 1
                     slot.wait_writes()
-                    views = {kind: buffer[: unit.shard_numel] for kind, buffer in slot.tensors().items() if kind != "grad32"}
+                    views = {kind: buffer[: unit.optimizer_numel] for kind, buffer in slot.tensors().items() if kind != "grad32"}
                     yield unit, views
                     self.store_optimizer_state(unit, slot)
             finally:
@@ -321,7 +344,7 @@ class TierStore:
                     slot.wait_writes()
 
     def store_optimizer_state(self, unit: UnitState, slot: OptimizerSlot, include_grad: bool = False) -> None:
-        n = unit.shard_numel
+        n = unit.optimizer_numel
         for kind, buffer in slot.tensors().items():
             if kind == "grad32" and not include_grad:
                 continue
@@ -331,7 +354,7 @@ class TierStore:
         """The unit's four fp32 state tensors, wherever they are now (host, or a loaded slot)."""
         if not unit.optimizer_tier.streamed:
             return unit.host
-        n = unit.shard_numel
+        n = unit.optimizer_numel
         return {kind: buffer[:n] for kind, buffer in slot.tensors().items()}
 
     # ---- gradients (transfer worker only) --------------------------------------------------
@@ -339,11 +362,13 @@ class TierStore:
         """Adds this micro-batch's gradient into the fp32 gradient; returns the squared norm of the
         accumulated gradient when `compute_norm`, else None.
 
-        `pieces` are (offset in the shard, 1-D gradient) pairs, sorted by offset; the shard's
-        elements they do not cover had no gradient in this micro-batch (zero)."""
+        `pieces` are (offset in the shard, 1-D gradient) pairs, all within the shard's trainable
+        part (`optimizer_numel`); the elements they do not cover had no gradient in this
+        micro-batch (zero)."""
         from offload.optim import kernels
 
-        n = unit.shard_numel
+        n = unit.optimizer_numel
+        pieces = sorted(pieces, key=lambda piece: piece[0])
         if not unit.optimizer_tier.streamed:
             target = unit.host["grad32"]
         else:
@@ -371,7 +396,7 @@ class TierStore:
 
         if not unit.optimizer_tier.streamed:
             return kernels.sq_norm(unit.host["grad32"])
-        target = self.grad_slot[: unit.shard_numel]
+        target = self.grad_slot[: unit.optimizer_numel]
         self.swap.read_into(unit.swap_name("grad32"), target).wait()
         return kernels.sq_norm(target)
 

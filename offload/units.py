@@ -2,7 +2,11 @@
 
 A unit is a module whose parameters move together: one flat buffer holds them (each param a
 view at an aligned offset), padded so that every rank's shard has the same, aligned length.
-Decision logic here is plain Python over names and counts; `build_units` applies it to a model.
+The parameters that require grad come first; the frozen ones after them, from an aligned
+offset on (`FlatLayout.optimizer_end`): the optimizer state (fp32 master, moments, fp32
+gradient) of shard `rank` covers only the part of the shard below that offset, so a frozen
+parameter has none. Decision logic here is plain Python over names and counts; `build_units`
+applies it to a model.
 """
 from __future__ import annotations
 
@@ -30,6 +34,13 @@ class FlatLayout:
     numels: tuple[int, ...]
     shard_numel: int
     world_size: int
+    # the trainable params lie below this offset of the flat buffer, the frozen ones above it
+    # (a multiple of SHARD_ALIGN_ELEMENTS; the whole buffer when nothing is frozen)
+    optimizer_end: int = -1
+
+    def __post_init__(self) -> None:
+        if self.optimizer_end < 0:
+            object.__setattr__(self, "optimizer_end", self.padded_numel)
 
     @property
     def padded_numel(self) -> int:
@@ -38,39 +49,77 @@ class FlatLayout:
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
+    def optimizer_numel(self, rank: int) -> int:
+        """How many elements at the start of shard `rank` carry optimizer state (the trainable
+        params of the shard are all among them; 0 when the shard holds only frozen ones)."""
+        return min(max(self.optimizer_end - rank * self.shard_numel, 0), self.shard_numel)
+
+    def params_in_shard(self, rank: int) -> list[int]:
+        """Indices of the params with at least one element in shard `rank`."""
+        shard_start, shard_end = self.shard_range(rank)
+        return [
+            index
+            for index, (offset, numel) in enumerate(zip(self.offsets, self.numels))
+            if max(offset, shard_start) < min(offset + numel, shard_end)
+        ]
+
     def param_ranges_in_shard(self, rank: int, which: list[int] | None = None) -> list[tuple[int, int]]:
         """[start, end) ranges, relative to shard `rank`, of the params `which` (all by default),
         merged where adjacent; padding between merged params is included only when both sides are."""
         shard_start, shard_end = self.shard_range(rank)
-        indices = range(len(self.offsets)) if which is None else sorted(which)
+        chosen = set(range(len(self.offsets)) if which is None else which)
+        # in memory order: two params merge when they are neighbours there (only alignment
+        # padding between them) and both are chosen
+        in_memory = sorted(range(len(self.offsets)), key=lambda i: self.offsets[i])
         ranges: list[tuple[int, int]] = []
-        previous_index = None
-        for index in indices:
+        previous_chosen = False
+        for index in in_memory:
+            if index not in chosen:
+                previous_chosen = False
+                continue
             start = max(self.offsets[index], shard_start)
             end = min(self.offsets[index] + self.numels[index], shard_end)
             if start >= end:
+                previous_chosen = False
                 continue
             start, end = start - shard_start, end - shard_start
-            if ranges and previous_index == index - 1 and ranges[-1][1] >= start - PARAM_ALIGN_ELEMENTS:
+            if ranges and previous_chosen and ranges[-1][1] >= start - PARAM_ALIGN_ELEMENTS:
                 ranges[-1] = (ranges[-1][0], end)
             else:
                 ranges.append((start, end))
-            previous_index = index
+            previous_chosen = True
         return ranges
 
 
-def plan_flat_layout(numels: list[int], world_size: int = 1) -> FlatLayout:
-    """Aligned offsets for `numels` and the per-rank shard length (equal for every rank)."""
+def plan_flat_layout(numels: list[int], world_size: int = 1, trainable: list[bool] | None = None) -> FlatLayout:
+    """Aligned offsets for `numels` and the per-rank shard length (equal for every rank).
+
+    `trainable` (all True by default) says which params require grad: those are placed first,
+    in order, and the frozen ones after `optimizer_end` (aligned), also in order."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    offsets = []
+    trainable = [True] * len(numels) if trainable is None else list(trainable)
+    if len(trainable) != len(numels):
+        raise ValueError(f"{len(numels)} numels but {len(trainable)} trainable flags")
+    offsets = [0] * len(numels)
     cursor = 0
-    for numel in numels:
-        cursor = round_up(cursor, PARAM_ALIGN_ELEMENTS)
-        offsets.append(cursor)
-        cursor += numel
+    for index, numel in enumerate(numels):
+        if trainable[index]:
+            cursor = round_up(cursor, PARAM_ALIGN_ELEMENTS)
+            offsets[index] = cursor
+            cursor += numel
+    frozen = [index for index in range(len(numels)) if not trainable[index]]
+    optimizer_end = None
+    if frozen:
+        cursor = optimizer_end = round_up(cursor, SHARD_ALIGN_ELEMENTS)
+        for index in frozen:
+            cursor = round_up(cursor, PARAM_ALIGN_ELEMENTS)
+            offsets[index] = cursor
+            cursor += numels[index]
     shard_numel = round_up(max(1, -(-cursor // world_size)), SHARD_ALIGN_ELEMENTS)
-    return FlatLayout(tuple(offsets), tuple(numels), shard_numel, world_size)
+    if optimizer_end is None:
+        optimizer_end = shard_numel * world_size
+    return FlatLayout(tuple(offsets), tuple(numels), shard_numel, world_size, optimizer_end)
 
 
 @dataclass
@@ -90,7 +139,26 @@ class UnitSpec:
         return sum(p.numel() for p in self.params)
 
 
-def _largest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+def _largest_container(model: nn.Module, kind: type) -> tuple[str, nn.Module] | None:
+    """The `kind` container (ModuleList, Sequential) holding the most parameters, among those
+    with at least two children that hold parameters (a list of one is no cut)."""
+    best = None
+    best_count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, kind):
+            continue
+        if sum(1 for child in module.children() if any(True for _ in child.parameters())) < 2:
+            continue
+        count = sum(p.numel() for p in module.parameters())
+        if count > best_count:
+            best, best_count = (name, module), count
+    return best
+
+
+def _automatic_container(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """Automatic cut: each child of the largest nn.ModuleList (the blocks of a transformer);
+    a model without one (an nn.Sequential stack) is cut into the children of its largest
+    nn.Sequential."""
     best = None
     best_count = 0
     for name, module in model.named_modules():
@@ -98,7 +166,7 @@ def _largest_module_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
             count = sum(p.numel() for p in module.parameters())
             if count > best_count:
                 best, best_count = (name, module), count
-    return best
+    return best if best is not None else _largest_container(model, nn.Sequential)
 
 
 def choose_unit_modules(model: nn.Module, module_classes: list[str], min_params: int) -> list[tuple[str, nn.Module]]:
@@ -124,7 +192,7 @@ def choose_unit_modules(model: nn.Module, module_classes: list[str], min_params:
         return chosen
     if min_params > 0:
         return _size_based_units(model, min_params)
-    found = _largest_module_list(model)
+    found = _automatic_container(model)
     if found is None:
         return []
     list_name, module_list = found
@@ -149,6 +217,20 @@ def _size_based_units(model: nn.Module, min_params: int) -> list[tuple[str, nn.M
     visit("", model)
     order = {id(m): i for i, m in enumerate(model.modules())}
     return sorted(chosen, key=lambda item: order[id(item[1])])
+
+
+def single_unit_warning(units: list[UnitSpec], param_offloaded: bool) -> str | None:
+    """A warning when offloading the weights cannot save device memory: every parameter is in
+    one unit, which is on the device whenever any of it runs."""
+    holding = [unit for unit in units if unit.params]
+    if not param_offloaded or len(holding) != 1:
+        return None
+    unit = holding[0]
+    return (
+        f"offload: the whole model is one unit ({unit.name}, {unit.numel / 1e6:.2f}M params): with offload.param "
+        "offloaded it is fetched whole for every forward and backward, so the device holds all of it and nothing is "
+        "saved; set wrap.module_classes (the block class) or wrap.min_params (parameters per unit) to cut it"
+    )
 
 
 def build_units(model: nn.Module, module_classes: list[str] | None = None, min_params: int = 0) -> list[UnitSpec]:
