@@ -1,6 +1,7 @@
 """offload: a heterogeneous offload engine for PyTorch training.
 
-Public surface (the project's DESIGN page; the inside in docs/design.md): `initialize`, `Config`, `CPUAdamW`, `Engine`.
+Public surface (the project's DESIGN page; the inside in docs/design.md): `initialize`, `Config`, `CPUAdamW`, `Engine`,
+`param_groups_no_decay`.
 """
 from offload.errors import (  # noqa: F401
     ConfigError,
@@ -39,4 +40,8 @@ def __getattr__(name):
         from offload import engine
 
         return getattr(engine, name)
+    if name == "param_groups_no_decay":
+        from offload.param_groups import param_groups_no_decay
+
+        return param_groups_no_decay
     raise AttributeError(f"module 'offload' has no attribute {name!r}")

@@ -42,8 +42,40 @@ VALUE_ALIASES = {
 }
 
 
+class ReadOnlyOnceFrozen:
+    """A config section that `freeze` makes read-only: the engine reads its config once, at
+    `offload.initialize`, so a later assignment (`engine.config.optimizer.lr = 0`) would change
+    nothing; it is an error instead. A copy (`copy.deepcopy`, `dataclasses.replace`) is not frozen."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        path = self.__dict__.get("_frozen_as")
+        if path is not None:
+            raise ConfigError(
+                f"{path}.{name} is read-only: the engine read its config at offload.initialize and would not see the "
+                "change. Set learning rates through engine.optimizer.param_groups (or engine.lr, or an LR scheduler on "
+                "engine.optimizer); for anything else, close the engine and initialize a new one with the changed config",
+                key=name,
+            )
+        object.__setattr__(self, name, value)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_frozen_as", None)
+        return state
+
+
+def freeze(config: ReadOnlyOnceFrozen, path: str = "config") -> None:
+    """Makes `config` and every section in it read-only (see ReadOnlyOnceFrozen); `path` names
+    it in the error (e.g. "engine.config")."""
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        if isinstance(value, ReadOnlyOnceFrozen):
+            freeze(value, f"{path}.{item.name}")
+    object.__setattr__(config, "_frozen_as", path)
+
+
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(ReadOnlyOnceFrozen):
     type: str = "adamw"
     """`adamw` (decoupled weight decay) or `adam` (L2 penalty added to the gradient)."""
     lr: float = 1e-4
@@ -61,7 +93,7 @@ class OptimizerConfig:
 
 
 @dataclass
-class OffloadConfig:
+class OffloadConfig(ReadOnlyOnceFrozen):
     param: str = "none"
     """Where 16-bit weights live between uses: `none` (on the accelerator), `cpu`, `nvme`."""
     optimizer: str = "auto"
@@ -77,13 +109,13 @@ class OffloadConfig:
 
 
 @dataclass
-class PrefetchConfig:
+class PrefetchConfig(ReadOnlyOnceFrozen):
     depth: int = 2
     """How many units ahead of use are fetched (0 fetches on demand)."""
 
 
 @dataclass
-class IOConfig:
+class IOConfig(ReadOnlyOnceFrozen):
     block_size: int = 1 << 20
     """Bytes per swap I/O request (a multiple of 4096)."""
     queue_depth: int = 8
@@ -93,7 +125,7 @@ class IOConfig:
 
 
 @dataclass
-class WrapConfig:
+class WrapConfig(ReadOnlyOnceFrozen):
     module_classes: list[str] = field(default_factory=list)
     """Module class names whose instances become units (outermost match wins)."""
     min_params: int = 0
@@ -101,7 +133,7 @@ class WrapConfig:
 
 
 @dataclass
-class LossScaleConfig:
+class LossScaleConfig(ReadOnlyOnceFrozen):
     initial: float = 2.0**16
     """Initial loss scale (fp16 only)."""
     growth_interval: int = 1000
@@ -115,7 +147,7 @@ class LossScaleConfig:
 
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(ReadOnlyOnceFrozen):
     """A learning-rate schedule, DeepSpeed's schedules with DeepSpeed's parameter names.
 
     `lr_at(step, scheduler, base_lr)` gives the learning rate of each optimizer step."""
@@ -171,7 +203,7 @@ class SchedulerConfig:
 
 
 @dataclass
-class Config:
+class Config(ReadOnlyOnceFrozen):
     precision: str = "bf16"
     """Compute precision: `bf16`, `fp16` (dynamic loss scaling, an overflow skips the step) or `fp32`."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

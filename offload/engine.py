@@ -27,22 +27,26 @@ import torch
 from torch import nn
 
 from offload.collectives import Collectives
-from offload.config import Config, load_config
+from offload.config import Config, freeze, load_config
 from offload.device import Device
 from offload.errors import ConfigError, NonFiniteError, OffloadError
 from offload.gradients import GradientOffload
 from offload.materialize import has_meta_state, mapped_zeros, materialize_unit_params
 from offload.memory import TierLedger
+from offload.model_state import OPEN_ENGINES, RELEASED, StateDictHooks
 from offload.optim import kernels
+from offload.optim.engine_optimizer import ConfigSchedule, EngineOptimizer
 from offload.overlap import Stepping, overlap_policy
+from offload.param_groups import GROUP_KEYS, resolve_param_groups
+from offload.placement import ParamTier
 from offload.precision import DynamicLossScaler, gradient_multiplier
 from offload.prefetch import step_order
 from offload.residency import Residency
-from offload.schedule import Schedule, ScheduleContext
+from offload.schedule import Phase, Schedule, ScheduleContext
 from offload.state import UnitState
 from offload.stepper import StepHyper, UnitStepper
 from offload.tiers import TierStore, default_run_name, plan_optimizer
-from offload.units import build_units, plan_flat_layout
+from offload.units import build_units, plan_flat_layout, single_unit_warning
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +54,11 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.f
 TIMING_KEYS = ("forward", "backward", "step", "wait_fetch", "wait_step")
 
 
-def initialize(model: nn.Module, config: Config | dict | str | os.PathLike | None = None, **kwargs) -> "Engine":
+def initialize(
+    model: nn.Module, config: Config | dict | str | os.PathLike | None = None, param_groups: list[dict] | None = None, **kwargs
+) -> Engine:
     """Wraps `model` for offloaded training; see `Engine`."""
-    return Engine(model, config, **kwargs)
+    return Engine(model, config, param_groups=param_groups, **kwargs)
 
 
 class Engine:
@@ -63,6 +69,14 @@ class Engine:
     (the loss is divided by gradient_accumulation_steps, and multiplied by the loss scale in
     fp16); `engine.step()` updates the weights at the end of each accumulation window and
     returns True when it did.
+
+    A plain `loss.backward()` works too, except in fp16 (whose loss scaling needs
+    `engine.backward`): the engine sees it reach the model's outputs and does what
+    `engine.backward` does around it, except dividing the loss: as with torch, a plain
+    backward under gradient accumulation backpropagates `loss / gradient_accumulation_steps`.
+
+    `param_groups`: torch-style groups (see offload.param_groups); `engine.optimizer` is a
+    torch.optim.Optimizer over them that LR schedulers drive. `engine.config` is read-only.
     """
 
     def __init__(
@@ -74,27 +88,50 @@ class Engine:
         device: torch.device | str | None = None,
         run_name: str | None = None,
         strict: bool = True,
+        param_groups: list[dict] | None = None,
     ) -> None:
         # strict=False: a DeepSpeed / accelerate key whose meaning cannot be honoured is dropped
         # with a warning instead of refused
         self.config = load_config(config, strict=strict)
-        if self.config.seed is not None:
-            torch.manual_seed(self.config.seed)
         if not isinstance(model, nn.Module):
             raise ConfigError(f"offload.initialize needs an nn.Module, got {type(model).__name__}")
+        # before anything touches the model: it is not another open engine's, nor left empty by one
+        OPEN_ENGINES.check(model)
+        RELEASED.check(model)
+        opt = self.config.optimizer
+        groups = resolve_param_groups(
+            model, param_groups, {"lr": opt.lr, "weight_decay": opt.weight_decay, "betas": tuple(opt.betas), "eps": opt.eps}
+        )
+        if self.config.seed is not None:
+            torch.manual_seed(self.config.seed)
         self.model = model
+        self._closed = False
         # the process group first: started from torchrun's environment if needed (which also
         # picks this rank's CUDA device before Device reads the current one)
         self.collectives = Collectives(process_group, device=device)
         self.device = Device(device)
         self.compute_dtype = COMPUTE_DTYPES[self.config.precision]
         self.ledger = TierLedger()
-        self._closed = False
         kernels.set_num_threads(self.config.optimizer.threads or len(os.sched_getaffinity(0)))
 
         world, rank = self.collectives.world_size, self.collectives.rank
         specs = build_units(model, self.config.wrap.module_classes, self.config.wrap.min_params)
-        self.units = [UnitState(spec, plan_flat_layout([p.numel() for p in spec.params], world)) for spec in specs]
+        group_of = {id(param): index for index, group in enumerate(groups) for param in group["params"]}
+        self.units = []
+        for spec in specs:
+            # trainable params first: the frozen ones carry no optimizer state (units.FlatLayout)
+            layout = plan_flat_layout([p.numel() for p in spec.params], world, [p.requires_grad for p in spec.params])
+            self.units.append(
+                UnitState(
+                    spec,
+                    layout,
+                    optimizer_numel=layout.optimizer_numel(rank),
+                    param_groups=tuple(group_of[id(p)] for p in spec.params),
+                )
+            )
+        warning = single_unit_warning(specs, ParamTier(self.config.offload.param).offloaded)
+        if warning:
+            logger.warning(warning)
         logger.info(
             "offload: %d units (largest %.1fM params), precision %s, param on %s, optimizer on %s, overlap %s, rank %d/%d",
             len(self.units),
@@ -171,7 +208,6 @@ class Engine:
             growth_factor=self.config.loss_scale.growth_factor,
             min_scale=self.config.loss_scale.min_scale,
         )
-        self.lr = self.config.optimizer.lr
         self.micro_steps = 0  # backward calls so far
         self.global_steps = 0  # optimizer steps taken
         self.skipped_steps = 0  # fp16 overflows
@@ -179,6 +215,19 @@ class Engine:
         self._stepped_at_micro = -1  # micro_steps at the last step() that ended a window
         # overlap 'backward': units whose gradients were not finite (not stepped); transfer worker
         self._nonfinite_units: list[str] = []
+        # overlap 'backward': each group's hyperparameters for the window's steps, read on the main
+        # thread when its last backward begins (the transfer worker submits the steps)
+        self._window_hypers: list[StepHyper] | None = None
+        self._outside_backward_began_at = 0.0
+        self.optimizer = EngineOptimizer(
+            self, groups, defaults={"lr": opt.lr, "weight_decay": opt.weight_decay, "betas": tuple(opt.betas), "eps": opt.eps}
+        )
+        # the config's scheduler section, when it has one, drives every group's lr (and betas)
+        self._config_schedule = ConfigSchedule(self.config.scheduler, self.optimizer.param_groups)
+        self._config_schedule.apply(self.optimizer.param_groups, 0)
+        # one unit's fp32 weights, kept while the model's state_dict walks its params
+        self._weights_cache: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._param_home = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.spec.params)}
         context = ScheduleContext(
             units=self.units,
             residency=self.residency,
@@ -188,6 +237,7 @@ class Engine:
             policy=self.policy,
             prefetch_depth=self.config.prefetch.depth,
             timings=self.timings,
+            on_outside_backward=self._outside_backward_began,
         )
         self.schedule = Schedule(
             model,
@@ -198,6 +248,17 @@ class Engine:
         )
         self.stepper.events = context.events
         self.schedule.install()
+        self._state_dict_hooks = StateDictHooks(model, set(self._param_home), self._fp32_weight, self._drop_weights_cache)
+        # what the engine read at start is what it uses: changing it later would silently do nothing
+        freeze(self.config, "engine.config")
+        OPEN_ENGINES.add(self)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<offload Engine over {type(self.model).__name__}, {len(self.units)} units, param {self.config.offload.param}, "
+            f"optimizer {self.config.offload.optimizer}, {state}>"
+        )
 
     # ---- construction ------------------------------------------------------------------
     def _adopt(self, unit: UnitState) -> None:
@@ -208,6 +269,8 @@ class Engine:
             # a model built on the meta device gets real values one unit at a time, so the
             # whole fp32 model never exists in RAM at once
             materialize_unit_params(self.model, unit.spec)
+        for name, param in zip(unit.spec.param_names, unit.spec.params):
+            check_has_storage(name, param)
         # its own mapping, unmapped on return (a heap block per unit would stay in the process)
         flat32 = mapped_zeros(layout.padded_numel, torch.float32)
         with torch.no_grad():
@@ -239,6 +302,12 @@ class Engine:
     # ---- forward and backward ----------------------------------------------------------
     def __call__(self, *args, **kwargs):
         self._check_open()
+        self._finish_abandoned_backward()
+        if self.policy.steps_in_backward and self._window_ended_without_step():
+            # overlap 'backward', a forward before step(): the window's steps are being scheduled
+            # by the transfer worker as gradients land; let them be, so that the forward's fetches
+            # ask for the weights they will get
+            self.gradients.wait_all()
         args, kwargs = _prepare_inputs((args, kwargs), self.device.torch_device, self.compute_dtype)
         started = time.perf_counter()
         try:
@@ -257,26 +326,15 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` / gradient_accumulation_steps (times the loss scale in fp16)."""
         self._check_open()
+        self._finish_abandoned_backward()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise OffloadError("engine.backward needs the scalar loss tensor (e.g. out.loss)")
         if not loss.requires_grad:
             raise OffloadError("engine.backward: the loss does not require grad (was the forward run under torch.no_grad?)")
+        boundary = self._before_backward()
         # agreed over ranks: a rank skipping backward alone would leave the others in its collectives
         nonfinite = self.config.precision != "fp16" and not math.isfinite(float(loss.detach()))
-        if self.schedule.agree_on_backward(nonfinite):
-            bad_ranks = self.collectives.ranks_with(nonfinite, what="the non-finite loss check")
-            self.schedule.context.reduce_order = None
-            self.schedule.end_backward()
-            where = ""
-            if self.collectives.is_distributed:
-                where = f" (not finite on rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))})"
-            raise NonFiniteError(
-                f"the loss is {float(loss.detach())}{where} at micro-step {self.micro_steps}: backward "
-                "was not run and no state changed; check the data and the learning rate, or use precision 'fp16' "
-                "whose overflow skips the step"
-            )
-        self.stepping.wait()
-        boundary = (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        self._agree_on_backward(nonfinite, float(loss.detach()) if nonfinite else None)
         scaled = loss.float() / self.config.gradient_accumulation_steps
         if self.config.precision == "fp16":
             scaled = scaled * self.scaler.scale
@@ -287,28 +345,130 @@ class Engine:
             self.timings["backward"] += time.perf_counter() - started
         self.micro_steps += 1
 
+    def _before_backward(self) -> bool:
+        """Checks that need no other rank, before a backward changes anything; returns whether
+        it ends a gradient window. Deterministic on every rank (same counters and config)."""
+        accumulation = self.config.gradient_accumulation_steps
+        if self.policy.steps_in_backward and self._window_ended_without_step():
+            raise OffloadError(
+                f"overlap 'backward': the last backward ended a gradient window (gradient_accumulation_steps "
+                f"{accumulation}) and its units were stepped as their gradients landed, but engine.step() was not "
+                "called after it. Call engine.step() after the backward that ends each window; another backward first "
+                "would step the weights a second time (overlap 'none' / 'forward' accumulate it into the window instead)"
+            )
+        boundary = (self.micro_steps + 1) % accumulation == 0
+        if boundary and self.policy.steps_in_backward:
+            self._config_schedule.check_untouched(self.optimizer.param_groups)
+            self._window_hypers = self._hypers(1.0 / self.collectives.world_size)
+        return boundary
+
+    def _agree_on_backward(self, nonfinite: bool, loss_value: float | None) -> None:
+        """Several ranks: one exchange (non-finite losses, units used; schedule.py); then the
+        steps still in flight finish (they read the fp32 gradients this backward writes)."""
+        if self.schedule.agree_on_backward(nonfinite):
+            bad_ranks = self.collectives.ranks_with(nonfinite, what="the non-finite loss check")
+            self.schedule.context.reduce_order = None
+            self.schedule.end_backward()
+            where = ""
+            if self.collectives.is_distributed:
+                where = f" (not finite on rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))})"
+            shown = "not finite" if loss_value is None else f"{loss_value}"
+            raise NonFiniteError(
+                f"the loss is {shown}{where} at micro-step {self.micro_steps}: backward "
+                "was not run and no state changed; check the data and the learning rate, or use precision 'fp16' "
+                "whose overflow skips the step"
+            )
+        self.stepping.wait()
+
+    def _window_ended_without_step(self) -> bool:
+        """The last backward ended a gradient window and step() has not taken it yet."""
+        steps = self.micro_steps
+        return bool(steps) and steps % self.config.gradient_accumulation_steps == 0 and steps != self._stepped_at_micro
+
+    def _outside_backward_began(self) -> None:
+        """Inside autograd, as a backward the engine did not start (a plain `loss.backward()`)
+        reaches the model's outputs: what `engine.backward` does before autograd, except the
+        division by gradient_accumulation_steps (the user's, as with torch); the rest runs when
+        autograd finishes (`_outside_backward_ended`, queued on its engine)."""
+        self._check_open()
+        try:
+            if self.config.precision == "fp16":
+                raise OffloadError(
+                    "precision 'fp16' needs engine.backward(loss) instead of loss.backward(): the engine multiplies the "
+                    "loss by the dynamic loss scale before backward (unscaled fp16 gradients underflow) and divides the "
+                    "gradients by it in the step. No gradient was kept; call engine.backward(loss)"
+                )
+            boundary = self._before_backward()
+            self._agree_on_backward(False, None)
+            self.schedule.begin_backward(boundary=boundary)
+        except BaseException:
+            self.schedule.context.reduce_order = None
+            self.schedule.end_backward()
+            raise
+        self._outside_backward_began_at = time.perf_counter()
+        torch.autograd.Variable._execution_engine.queue_callback(self._outside_backward_ended)
+
+    def _outside_backward_ended(self) -> None:
+        try:
+            self.schedule.end_backward()
+        finally:
+            self.timings["backward"] += time.perf_counter() - self._outside_backward_began_at
+        self.micro_steps += 1
+
+    def _finish_abandoned_backward(self) -> None:
+        """A plain backward that failed inside autograd never reached its end (`queue_callback`
+        runs only on success): its holds are given back here, as engine.backward's would be."""
+        if self.schedule.context.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1:
+            logger.warning("offload: a loss.backward() failed before it finished; its unit holds are released")
+            self.schedule.end_backward()
+
     def _step_during_backward(self, unit: UnitState) -> None:
         """overlap 'backward' (transfer worker): the unit's gradients are final, step it now."""
         if unit.grad_sq_norm is None or not math.isfinite(unit.grad_sq_norm):
             self._nonfinite_units.append(unit.spec.name)
             return
         unit.begin_step()
+        self._weights_changed()
         self.schedule.context.events.record("step_begin", unit.index)
-        self.stepping.submit([unit], self._hyper(1.0 / self.collectives.world_size))
+        self.stepping.submit([unit], self._window_hypers)
 
     # ---- step --------------------------------------------------------------------------
-    def _hyper(self, grad_multiplier: float) -> StepHyper:
+    def _hypers(self, grad_multiplier: float) -> list[StepHyper]:
+        """Each parameter group's hyperparameters as engine.optimizer holds them now (an LR
+        scheduler may have changed them since the last step)."""
+        groups = self.optimizer.param_groups
         opt = self.config.optimizer
-        return StepHyper(
-            lr=self.lr,
-            beta1=opt.betas[0],
-            beta2=opt.betas[1],
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
-            adamw_mode=opt.type == "adamw",
-            bias_correction=opt.bias_correction,
-            grad_multiplier=grad_multiplier,
-        )
+        return [
+            StepHyper(
+                lr=float(group["lr"]),
+                beta1=float(group["betas"][0]),
+                beta2=float(group["betas"][1]),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                adamw_mode=opt.type == "adamw",
+                bias_correction=opt.bias_correction,
+                grad_multiplier=grad_multiplier,
+            )
+            for group in groups
+        ]
+
+    @property
+    def lr(self) -> float:
+        """The learning rate (of every parameter group; an error when the groups differ: read
+        engine.optimizer.param_groups then). Setting it sets every group's."""
+        rates = {float(group["lr"]) for group in self.optimizer.param_groups}
+        if len(rates) > 1:
+            raise OffloadError(
+                f"the parameter groups have different learning rates {sorted(rates)}: read or set each in "
+                "engine.optimizer.param_groups[i]['lr']"
+            )
+        return rates.pop()
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._config_schedule.refuse_manual()
+        for group in self.optimizer.param_groups:
+            group["lr"] = value
 
     def _drain(self) -> None:
         """Waits for every gradient transfer and optimizer step in flight; re-raises their errors."""
@@ -328,10 +488,13 @@ class Engine:
 
     def _step(self) -> bool:
         self._check_open()
+        self._finish_abandoned_backward()
+        self._refuse_stray_grads()
         if self.micro_steps == 0 or self.micro_steps % self.config.gradient_accumulation_steps != 0:
             return False
         if self.micro_steps == self._stepped_at_micro:
             return False
+        self._config_schedule.check_untouched(self.optimizer.param_groups)
         self._drain()
         # the window is decided from here on (stepped, skipped or refused); an interrupt in the
         # wait above leaves it open, and the next step() takes it again
@@ -362,11 +525,12 @@ class Engine:
                 f"non-finite gradients (norm {norm}) in {', '.join(bad) or 'other ranks'} at step {self.global_steps}: "
                 "the step was skipped and the weights are unchanged; lower the learning rate, check the data, or enable clipping"
             )
+        hypers = self._hypers(multiplier)
         if self.config.precision == "fp16":
             self.scaler.update(overflow=False)
         self.global_steps += 1
         order = step_order(self.forward_order.recorded, len(self.units))
-        self._submit_steps([self.units[i] for i in order if self.units[i].window_started], multiplier)
+        self._submit_steps([self.units[i] for i in order if self.units[i].window_started], hypers)
         return True
 
     def _finish_window_stepped_in_backward(self, window: list[UnitState]) -> bool:
@@ -379,21 +543,37 @@ class Engine:
                 f"non-finite gradients in {', '.join(nonfinite)} at step {self.global_steps}: those units were not "
                 "stepped (with overlap 'backward' the other units already were); lower the learning rate or check the data"
             )
+        hypers = self._window_hypers or self._hypers(1.0 / self.collectives.world_size)
+        self._window_hypers = None
         self.global_steps += 1
-        self._submit_steps([unit for unit in window if unit.window_started], 1.0 / self.collectives.world_size)
+        self._submit_steps([unit for unit in window if unit.window_started], hypers)
         return True
 
-    def _submit_steps(self, units: list[UnitState], multiplier: float) -> None:
+    def _submit_steps(self, units: list[UnitState], hypers: list[StepHyper]) -> None:
         """The window's units step on the optimizer worker; the overlap policy says whether
-        step() waits for them."""
+        step() waits for them. The config's schedule (if any) moves on to the next step."""
         context = self.schedule.context
+        self._weights_changed()
         for unit in units:
             unit.begin_step()
             context.events.record("step_begin", unit.index)
             if context.gathers_after_step:
                 unit.needs_gather = True
-        self.stepping.submit(units, self._hyper(multiplier))
+        self.stepping.submit(units, hypers)
+        self._config_schedule.apply(self.optimizer.param_groups, self.global_steps)
         self.policy.on_window_end(self.stepping)
+
+    def _refuse_stray_grads(self) -> None:
+        stray = self.schedule.context.stray_grads
+        if stray:
+            names = sorted(set(stray))
+            stray.clear()
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise OffloadError(
+                f"gradients of {shown} came from a backward that never reached the model's outputs (torch.autograd.grad, "
+                "or a loss of parameters read outside engine(...)), which the engine cannot follow; they were dropped. "
+                "Compute the loss from what engine(...) returns and call loss.backward() or engine.backward(loss)"
+            )
 
     def _discard_window(self) -> None:
         for unit in self.units:
@@ -401,23 +581,70 @@ class Engine:
 
     # ---- weights out -------------------------------------------------------------------
     def _master_shard(self, unit: UnitState) -> torch.Tensor:
-        """A host copy of this rank's fp32 master shard of `unit`."""
+        """A host copy of this rank's fp32 master shard of `unit` (its `optimizer_numel` elements)."""
         if not unit.optimizer_tier.streamed:
             return unit.host["master"].clone()
-        shard = torch.empty(unit.shard_numel, dtype=torch.float32)
-        with self.store.slots_lock:
-            slot = self.store.slots[0]
-            self.store.swap.read_into(unit.swap_name("master"), slot.master[: unit.shard_numel]).wait()
-            shard.copy_(slot.master[: unit.shard_numel])
+        n = unit.optimizer_numel
+        shard = torch.empty(n, dtype=torch.float32)
+        if n:
+            with self.store.slots_lock:
+                slot = self.store.slots[0]
+                self.store.swap.read_into(unit.swap_name("master"), slot.master[:n]).wait()
+                shard.copy_(slot.master[:n])
         return shard
 
-    def _full_master(self, unit: UnitState) -> torch.Tensor:
-        shard = self._master_shard(unit)
+    def param16_shard(self, unit: UnitState) -> torch.Tensor:
+        """A host copy of this rank's 16-bit shard of `unit`, wherever its home is."""
+        if self.store.param_tier is ParamTier.DEVICE and unit.param16 is None:
+            # `none` on the CPU: the device buffer is host memory, and the home
+            start, end = unit.layout.shard_range(self.collectives.rank)
+            return unit.device_flat[start:end].clone()
+        source, staged = self.store.read_param16(unit)
+        try:
+            return source.clone()
+        finally:
+            if staged:
+                self.store.give_back_staging(source)
+
+    def _weights_shard(self, unit: UnitState) -> torch.Tensor:
+        """This rank's shard of `unit`'s weights in fp32: the master where the shard has one, the
+        16-bit weights of the frozen params (which have no master) elsewhere."""
+        n = unit.optimizer_numel
+        if n == unit.shard_numel:
+            return self._master_shard(unit)
+        shard = self.param16_shard(unit).float()
+        shard[:n].copy_(self._master_shard(unit))
+        return shard
+
+    def _full_weights(self, unit: UnitState) -> torch.Tensor:
+        """`unit`'s whole flat buffer of fp32 weights (gathered from every rank)."""
+        shard = self._weights_shard(unit)
         if not self.collectives.is_distributed:
             return shard
         full = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
-        self.collectives.all_gather_host(full, shard, what=f"fp32 master weights of unit {unit.spec.name}")
+        self.collectives.all_gather_host(full, shard, what=f"fp32 weights of unit {unit.spec.name}")
         return full
+
+    def _weights_changed(self) -> None:
+        """A step was scheduled or weights were replaced: a cached copy is stale."""
+        self._weights_cache = None
+
+    def _drop_weights_cache(self) -> None:
+        self._weights_cache = None
+
+    def _fp32_weight(self, param: nn.Parameter) -> torch.Tensor:
+        """The fp32 weights of one parameter, a CPU tensor of its own (the model's state_dict
+        hooks). Its unit's weights are read once and kept while the walk stays in that unit."""
+        self._check_open()
+        unit, index = self._param_home[id(param)]
+        key = (unit.index, unit.weights_version)
+        if self._weights_cache is None or self._weights_cache[0] != key:
+            self._weights_cache = None
+            self._drain()
+            self._weights_cache = (key, self._full_weights(unit))
+        full = self._weights_cache[1]
+        offset = unit.layout.offsets[index]
+        return full[offset : offset + param.numel()].view(param.shape).clone()
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (and the model's buffers) under model.state_dict()'s keys, on the CPU."""
@@ -425,7 +652,7 @@ class Engine:
         self._drain()
         values: dict[int, torch.Tensor] = {}
         for unit in self.units:
-            full = self._full_master(unit)
+            full = self._full_weights(unit)
             for param, offset in zip(unit.spec.params, unit.layout.offsets):
                 values[id(param)] = full[offset : offset + param.numel()].view(param.shape).clone()
         result = {}
@@ -484,7 +711,13 @@ class Engine:
             "micro_steps": self.micro_steps,
             "skipped_steps": self.skipped_steps,
             "stepped_at_micro": self._stepped_at_micro,
-            "lr": self.lr,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            # each group's hyperparameters as a scheduler left them (the first group's lr above
+            # is what checkpoints before parameter groups had)
+            "param_groups": [
+                {key: (list(group[key]) if key == "betas" else float(group[key])) for key in GROUP_KEYS}
+                for group in self.optimizer.param_groups
+            ],
             "loss_scaler": self.scaler.state_dict(),
             "last_grad_norm": norm if norm is None or math.isfinite(norm) else None,
         }
@@ -495,9 +728,24 @@ class Engine:
         self.micro_steps = state["micro_steps"]
         self.skipped_steps = state["skipped_steps"]
         self._stepped_at_micro = state["stepped_at_micro"]
-        self.lr = state["lr"]
+        groups = self.optimizer.param_groups
+        saved = state.get("param_groups")
+        if saved is not None and len(saved) == len(groups):
+            for group, values in zip(groups, saved):
+                group.update({key: (tuple(values[key]) if key == "betas" else values[key]) for key in GROUP_KEYS if key in values})
+        else:
+            if saved is not None:
+                logger.warning(
+                    "offload: the checkpoint has %d parameter groups, this engine %d: only the learning rate (%g) is "
+                    "restored, into every group", len(saved), len(groups), state["lr"],
+                )
+            for group in groups:
+                group["lr"] = state["lr"]
+        # the config's schedule, if any, is a function of the step: its values for this one
+        self._config_schedule.apply(groups, self.global_steps)
         self.scaler.load_state_dict(state["loss_scaler"])
         self.last_grad_norm = state["last_grad_norm"]
+        self._weights_changed()
 
     def memory_report(self) -> dict:
         """Bytes the engine holds now and at peak, per tier (device / host / nvme), by category;
@@ -527,7 +775,10 @@ class Engine:
             final = self.consolidated_state_dict() if restore_weights else None
         finally:
             self._closed = True
+            OPEN_ENGINES.discard(self)
+            self._weights_cache = None
             self.schedule.remove()
+            self._state_dict_hooks.remove()
             self.transfer.shutdown(wait=True)
             self.optimizer_worker.shutdown(wait=True)
             self.store.close()
@@ -544,6 +795,8 @@ class Engine:
         else:
             for unit in self.units:
                 self.residency.free(unit)
+            # no parameter keeps a view of freed storage: the model is marked, and says why if used
+            RELEASED.mark(self.model)
 
     def __enter__(self):
         return self
@@ -574,3 +827,16 @@ def _prepare_inputs(value, device: torch.device, compute_dtype: torch.dtype):
     if isinstance(value, dict):
         return {k: _prepare_inputs(v, device, compute_dtype) for k, v in value.items()}
     return value
+
+
+def check_has_storage(name: str, param: torch.Tensor) -> None:
+    """A parameter whose storage is smaller than its view (freed by an engine, resized by
+    hand) would be read out of bounds: an error instead."""
+    if param.is_meta:
+        return
+    needed = (param.storage_offset() + param.numel()) * param.element_size() if param.numel() else 0
+    if param.untyped_storage().nbytes() < needed:
+        raise OffloadError(
+            f"parameter {name!r} has {param.untyped_storage().nbytes()} bytes of storage for a view of {needed}: its "
+            "memory was freed (by an offload engine that owned it, or its storage resized); rebuild or reload the model"
+        )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 
 from offload.errors import OffloadError
@@ -33,10 +34,11 @@ class Stepping:
         self._futures: list[Future] = []
         self._lock = threading.Lock()
 
-    def submit(self, units: list[UnitState], hyper: StepHyper) -> None:
-        """Steps `units` in this order; each unit's `step_done` is set as it finishes. The
-        caller has called `begin_step()` on each (their weights now change)."""
-        future = self.worker.submit(self.stepper.run, units, hyper)
+    def submit(self, units: list[UnitState], hypers: Sequence[StepHyper]) -> None:
+        """Steps `units` in this order (each param with its group's `hypers[g]`); each unit's
+        `step_done` is set as it finishes. The caller has called `begin_step()` on each (their
+        weights now change)."""
+        future = self.worker.submit(self.stepper.run, units, tuple(hypers))
         with self._lock:
             self._futures.append(future)
 

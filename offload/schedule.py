@@ -11,12 +11,19 @@ A unit goes through these transitions (module hooks call them; `UnitSchedule` im
   grads_final    every trainable param's gradient has accumulated: give the backward holds
                  back and hand the gradients off (gradients.py), in the agreed order with
                  several ranks (rank_order.py); the overlap policy may step the unit right
-                 after they land (overlap.py)
+                 after they land (overlap.py). A unit with frozen params keeps its weights
+                 until the gradients of its inputs are computed (`inputs_done`): a frozen
+                 param may still be needed after the last trainable one's gradient (a frozen
+                 norm before trainable layers, a LoRA layer's frozen base weight)
   (step)         `Engine.step()` decides the window; the optimizer worker steps the unit and
                  publishes its new 16-bit weights (stepper.py), then sets `step_done`
 
 The root unit (parameters outside every block: embeddings, head) opens and closes the model's
-forward. A forward seen during backward is a recompute (activation checkpointing): its hold is a
+forward. Its post-forward also hooks the model's outputs: a backward that reaches them while
+the engine did not start one (a plain `loss.backward()`) calls `ScheduleContext.on_outside_backward`,
+which runs what `engine.backward` runs around autograd (the engine queues the end of it on
+autograd's engine). A parameter gradient that arrives outside any backward the engine saw is
+not handed off: it is recorded in `stray_grads` and `engine.step()` refuses with its name. A forward seen during backward is a recompute (activation checkpointing): its hold is a
 backward hold, so a recompute that stops early cannot keep a unit resident. Each transition is
 a `torch.profiler.record_function` range (`offload::pre_forward[3]`), so a profile shows the
 pipeline. Everything here runs on the main thread, except what the transfer worker runs for
@@ -30,6 +37,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -85,12 +93,22 @@ class EntryKind(enum.Enum):
     RECOMPUTE = "recompute"
 
 
+class CallHolds:
+    """The backward holds one forward call of a unit with frozen params took (its recompute's,
+    its backward's): given back when the gradients of that call's inputs are computed."""
+
+    def __init__(self) -> None:
+        self.held = 0
+
+
 @dataclass(frozen=True)
 class Entry:
     """A unit whose forward is running (the root is unit 0)."""
 
     unit: int
     kind: EntryKind
+    # a unit with frozen params: the holds this call takes for backward (UnitSchedule.inputs_done)
+    holds: CallHolds | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -126,6 +144,11 @@ class ScheduleContext:
     # every unit's schedule, by unit index (set by Schedule)
     schedules: list = field(default_factory=list)
     events: EventLog = field(default_factory=EventLog)
+    # called (inside autograd) when a backward reaches the model's outputs while the engine
+    # did not start one: a plain loss.backward() (set by the engine)
+    on_outside_backward: Callable[[], None] | None = None
+    # names of params whose gradient arrived outside any backward the engine saw (not handed off)
+    stray_grads: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.agreement_width = max(1 + 2 * len(self.units), max(len(unit.spec.params) for unit in self.units))
@@ -155,6 +178,8 @@ class UnitSchedule:
         self.unit = unit
         self.context = context
         self.index = unit.index
+        # some params do not require grad: the last trainable gradient does not end the unit's backward
+        self.has_frozen = len(context.trainable[unit.index]) < len(unit.spec.params)
 
     # ---- holds --------------------------------------------------------------------------
     def enter(self) -> None:
@@ -189,6 +214,31 @@ class UnitSchedule:
             self.unit.backward_holds -= 1
             self.leave()
 
+    def release_after_grads(self) -> None:
+        """The unit's trainable gradients are final: its weights are no longer needed, unless it
+        has frozen params (then `inputs_done` or the end of backward gives the holds back)."""
+        if not self.has_frozen:
+            self.release_backward_holds()
+
+    def watch_inputs(self, inputs) -> None:
+        """Forward of a unit with frozen params (after `pre_forward`): when the gradients of its
+        inputs are computed, this call's backward is over and the holds it took go back."""
+        entered = self.context.entered
+        if not entered or entered[-1].unit != self.index or entered[-1].holds is None:
+            return
+        tensors = [t for t in tensors_in(inputs) if t.requires_grad] if torch.is_grad_enabled() else []
+        if tensors:
+            holds = entered[-1].holds
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: self.inputs_done(holds), mode="all")
+
+    def inputs_done(self, holds: CallHolds) -> None:
+        self.context.events.record("inputs_done", self.index)
+        while holds.held:
+            holds.held -= 1
+            if self.unit.backward_holds:  # not given back already (the end of a backward)
+                self.unit.backward_holds -= 1
+                self.leave()
+
     # ---- forward ------------------------------------------------------------------------
     def pre_forward(self) -> Entry:
         """Takes the unit's hold and records who owns it: the forward's, given back at
@@ -202,11 +252,14 @@ class UnitSchedule:
             self.enter()
             # recorded once the weights are on the device and current
             context.events.record("pre_recompute" if kind is EntryKind.RECOMPUTE else "pre_forward", self.index)
+            holds = CallHolds() if self.has_frozen else None
             if kind is EntryKind.RECOMPUTE:
                 self.unit.backward_holds += 1
+                if holds is not None:
+                    holds.held += 1
             elif torch.is_grad_enabled():
                 context.uses.update([self.index, *self.unit.spec.borrows])
-            entry = Entry(self.index, kind)
+            entry = Entry(self.index, kind, holds)
             context.entered.append(entry)
             return entry
 
@@ -243,13 +296,13 @@ class UnitSchedule:
                 def before_backward(grad):
                     if not fired[0]:
                         fired[0] = True
-                        self.pre_backward()
+                        self.pre_backward(entry.holds)
 
                 for tensor in tensors:
                     tensor.register_hook(before_backward)
 
     # ---- backward -----------------------------------------------------------------------
-    def pre_backward(self) -> None:
+    def pre_backward(self, holds: CallHolds | None = None) -> None:
         context = self.context
         with record_function(f"offload::pre_backward[{self.index}]"):
             if context.phase is Phase.BACKWARD:
@@ -258,10 +311,18 @@ class UnitSchedule:
             self.enter()
             context.events.record("pre_backward", self.index)
             self.unit.backward_holds += 1
+            if holds is not None:
+                holds.held += 1
 
     def on_param_grad(self, param_index: int) -> None:
         """A param's gradient has accumulated; at the last one the unit's gradients are final."""
         context = self.context
+        if context.phase is not Phase.BACKWARD:
+            # a backward that never reached the model's outputs (torch.autograd.grad, or a loss
+            # of parameters read outside the forward): not counted; step() says so
+            context.stray_grads.append(self.unit.spec.param_names[param_index])
+            self.unit.spec.params[param_index].grad = None  # never added into a later backward's
+            return
         self.unit.grads_pending.add(param_index)
         if self.unit.grads_pending < context.trainable[self.index]:
             return
@@ -269,7 +330,7 @@ class UnitSchedule:
             self.grads_final()
         else:
             # several ranks: the weights are no longer needed, the reduction waits its turn
-            self.release_backward_holds()
+            self.release_after_grads()
             for index in context.reduce_order.grads_final(self.index):
                 context.schedules[index].grads_final()
 
@@ -289,7 +350,7 @@ class UnitSchedule:
                 union = context.agree(Op.REDUCE, self.index, [1 if i in pending else 0 for i in range(len(params))])
                 with_grad = {i for i in range(len(params)) if union[i]}
                 if not with_grad:
-                    self.release_backward_holds()
+                    self.release_after_grads()
                     return
             else:
                 with_grad = pending
@@ -304,7 +365,7 @@ class UnitSchedule:
             if final and context.gathers_after_step:
                 unit.needs_gather = True
             context.gradients.hand_off(unit, pending, first=first, boundary=context.boundary_backward, final=final)
-            self.release_backward_holds()
+            self.release_after_grads()
 
     def _reduced_once_per_backward(self) -> bool:
         """Whether this hand-off is the unit's last in this backward: always with several ranks
@@ -343,13 +404,32 @@ class RootSchedule(UnitSchedule):
                 context.phase = Phase.IDLE
             if context.gathers_after_step:
                 context.residency.gather_stepped()
-            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(output)):
+            needs_grad = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+            if needs_grad:
                 # the forward's hold on the root (embeddings, head) passes to its backward
                 context.root_holds_for_backward += 1
+                watch_outputs(context, needs_grad)
                 return
             self.leave()
             if not context.entered and not context.root_holds_for_backward:
                 drop_external_holds(context)
+
+
+def watch_outputs(context: ScheduleContext, tensors: list[torch.Tensor]) -> None:
+    """Hooks the model's outputs: the first gradient to reach any of them, in a backward the
+    engine did not start, announces that backward (`on_outside_backward`)."""
+    if context.on_outside_backward is None:
+        return
+    fired = [False]
+
+    def on_output_grad(grad):
+        if not fired[0]:
+            fired[0] = True
+            if context.phase is not Phase.BACKWARD:
+                context.on_outside_backward()
+
+    for tensor in tensors:
+        tensor.register_hook(on_output_grad)
 
 
 def prefetch_ahead(context: ScheduleContext, order: ExecutionOrder) -> None:
@@ -408,6 +488,8 @@ class Schedule:
         for schedule in self.schedules:
             module = self.model if schedule.index == 0 else schedule.unit.spec.module
             hooks.append(module.register_forward_pre_hook(_call(schedule.pre_forward)))
+            if schedule.has_frozen and schedule.index != 0:  # the root is held for all of backward
+                hooks.append(module.register_forward_pre_hook(_inputs(schedule.watch_inputs), with_kwargs=True))
             hooks.append(module.register_forward_hook(_post(schedule.post_forward), always_call=True))
             for index, param in enumerate(schedule.unit.spec.params):
                 if param.requires_grad:
@@ -468,16 +550,22 @@ class Schedule:
         return bool(union[0])
 
     def backward(self, scaled_loss: torch.Tensor, *, boundary: bool) -> None:
+        """`engine.backward`: autograd between `begin_backward` and `end_backward`."""
+        try:
+            self.begin_backward(boundary=boundary)
+            scaled_loss.backward()
+        finally:
+            self.end_backward()
+
+    def begin_backward(self, *, boundary: bool) -> None:
+        """Before autograd (or, for a plain loss.backward(), as it reaches the model's outputs):
+        the backward's phase and order; with several ranks, the reductions agreed to come first."""
         context = self.context
         context.boundary_backward = boundary
         context.phase = Phase.BACKWARD
         context.backward_order.begin()
-        try:
-            if context.reduce_order is not None:
-                self._grads_final(context.reduce_order.start())
-            scaled_loss.backward()
-        finally:
-            self.end_backward()
+        if context.reduce_order is not None:
+            self._grads_final(context.reduce_order.start())
 
     def end_backward(self) -> None:
         """Hands off what is left, gives every backward hold back; no unit stays held."""
@@ -522,6 +610,15 @@ def _call(transition):
 
     def hook(module, args) -> None:
         transition()
+
+    return hook
+
+
+def _inputs(watch):
+    """A forward pre-hook (with kwargs) that passes the inputs on, leaving them as they are."""
+
+    def hook(module, args, kwargs) -> None:
+        watch((args, kwargs))
 
     return hook
 

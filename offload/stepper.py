@@ -9,6 +9,7 @@ its `step_done` event is set: the next forward's fetch of that unit waits on exa
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,11 +20,13 @@ from offload.optim import kernels
 from offload.placement import ParamTier
 from offload.state import UnitState
 from offload.tiers import TierStore
+from offload.units import FlatLayout
 
 
 @dataclass(frozen=True)
 class StepHyper:
-    """Everything one optimizer step needs besides the tensors."""
+    """Everything one optimizer step of one parameter group needs besides the tensors (a step
+    takes one per group: `hypers[g]` for the params of group g, `UnitState.param_groups`)."""
 
     lr: float
     beta1: float
@@ -34,6 +37,19 @@ class StepHyper:
     bias_correction: bool
     # the stored gradients are multiplied by this (1/loss scale times the clipping factor)
     grad_multiplier: float
+
+
+def group_ranges(layout: FlatLayout, rank: int, stepped: list[int], groups: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(group, start, end) ranges of shard `rank` to step: the params `stepped`, each range
+    within one parameter group (`groups[i]` is param i's), merged where adjacent."""
+    by_group: dict[int, list[int]] = {}
+    for index in stepped:
+        by_group.setdefault(groups[index], []).append(index)
+    return [
+        (group, start, end)
+        for group, indices in sorted(by_group.items())
+        for start, end in layout.param_ranges_in_shard(rank, indices)
+    ]
 
 
 STEP_TIMING_KEYS = ("wait_read", "wait_write", "adam", "publish")
@@ -54,11 +70,12 @@ class UnitStepper:
         timings, self.timings = self.timings, dict.fromkeys(STEP_TIMING_KEYS, 0.0)
         return timings
 
-    def run(self, units: list[UnitState], hyper: StepHyper) -> None:
-        """Steps `units` in this order; each unit's `step_done` is set as soon as it is done."""
+    def run(self, units: list[UnitState], hypers: Sequence[StepHyper]) -> None:
+        """Steps `units` in this order, each param with its group's `hypers[g]`; each unit's
+        `step_done` is set as soon as it is done."""
         try:
             for unit, views, slot in self.store.stream_optimizer_states(units, include_grad=True, timings=self.timings):
-                self._step(unit, views, hyper, slot=slot)
+                self._step(unit, views, hypers, slot=slot)
                 if slot is not None:
                     self.store.store_optimizer_state(unit, slot)
                 # only now: until the step is done, the unit's window is still open (a save that
@@ -71,30 +88,31 @@ class UnitStepper:
             for unit in units:
                 unit.step_done.set()
 
-    def _step(self, unit: UnitState, views: dict[str, torch.Tensor], hyper: StepHyper, slot) -> None:
+    def _step(self, unit: UnitState, views: dict[str, torch.Tensor], hypers: Sequence[StepHyper], slot) -> None:
         with record_function(f"offload::step[{unit.index}]"):
-            self._step_unit(unit, views, hyper, slot)
+            self._step_unit(unit, views, hypers, slot)
 
-    def _step_unit(self, unit: UnitState, views: dict[str, torch.Tensor], hyper: StepHyper, slot) -> None:
+    def _step_unit(self, unit: UnitState, views: dict[str, torch.Tensor], hypers: Sequence[StepHyper], slot) -> None:
         stepped = sorted(unit.grads_in_window)
-        ranges = unit.layout.param_ranges_in_shard(self.rank, stepped)
         if not stepped:
             return
         # every rank counts the unit's step, whether or not its shard holds any of the params
         unit.step_count += 1
-        if not ranges:
+        work = group_ranges(unit.layout, self.rank, stepped, unit.param_groups)
+        if not work:
             # this rank's shard is only padding (with `param: none` every rank still joins the
             # gather of the other ranks' new shards: the engine marked the unit before the step)
             return
         out, staging = self._param16_target(unit, slot)
-        if self.store.param_tier is ParamTier.NVME and ranges != unit.layout.param_ranges_in_shard(self.rank):
+        if self.store.param_tier is ParamTier.NVME and not set(unit.layout.params_in_shard(self.rank)) <= set(stepped):
             # some params are not stepped (frozen, or no gradient this window): the buffer is shared
             # by all units, so it must start from this unit's 16-bit values, which are written back whole
             self.store.swap.read_into(unit.swap_name("param16"), out).wait()
         sixteen_bit = out.dtype != torch.float32
         started = time.perf_counter()
         try:
-            for start, end in ranges:
+            for group, start, end in work:
+                hyper = hypers[group]
                 kernels.adam_step(
                     views["master"][start:end],
                     views["grad32"][start:end],

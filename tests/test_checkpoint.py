@@ -15,12 +15,12 @@ import time
 
 import pytest
 import torch
+from reference import TinyNet, batches, engine_run, mse
 
 import offload
 from offload import checkpoint
 from offload.checkpoint import CheckpointCorruptError, CheckpointError
 from offload.errors import InsufficientSpaceError
-from reference import TinyNet, batches, engine_run, mse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -212,8 +212,10 @@ def test_latest_pointer_tags_rotation_and_refusals(tmp_path, swap_dir):
     assert checkpoint.resolve(tmp_path).endswith("named")
     assert checkpoint.resolve(tmp_path, "global_step3").endswith("global_step3")
     assert checkpoint.resolve(tmp_path / "global_step3").endswith("global_step3")
-    # the middle of an accumulation window holds gradients a checkpoint does not keep
-    engine.config.gradient_accumulation_steps = 2
+    engine.close()
+    # the middle of an accumulation window holds gradients a checkpoint does not keep (the
+    # config is read-only once the engine is built: a new engine accumulates two micro-batches)
+    engine = offload.initialize(TinyNet(), {**make_config(swap_dir), "gradient_accumulation_steps": 2})
     engine.backward(mse(engine, *data[0]))
     assert engine.step() is False
     with pytest.raises(CheckpointError, match="accumulation window"):

@@ -1,0 +1,154 @@
+"""The model as its user sees it while an engine owns it, and after.
+
+While an engine is open, the model's parameters are views into 16-bit device buffers that are
+freed between uses (`param: cpu|nvme`) and never hold the fp32 weights. So that the model's own
+`state_dict()` (and `torch.save(model.state_dict())`, Hugging Face `save_pretrained`) gives what
+the user trains, `StateDictHooks` puts a post-hook on every module that owns parameters: each
+of its parameters' entries is replaced by the fp32 weights from the engine (a CPU tensor of its
+own). A `state_dict(keep_vars=True)` (the engine's and the checkpoint's own walks over the
+model) is left alone: its entries are the parameters themselves.
+
+`close(restore_weights=False)` leaves the parameters without storage; `ReleasedModels` marks
+such a model: its forward and state_dict raise an error that says why, and `offload.initialize`
+refuses it (instead of reading freed memory) until its parameters hold real values again.
+
+`OpenEngines` knows which models open engines own: initializing a model (or a module of it)
+that an open engine already wraps is an error naming that engine.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from offload.errors import OffloadError
+
+
+class StateDictHooks:
+    """Post-hooks on `model`'s modules that fill its state_dict with `fp32_of(param)` for every
+    parameter `fp32_of` knows; `done()` is called at the end of the model's own state_dict."""
+
+    def __init__(self, model: nn.Module, owned: set[int], fp32_of: Callable[[nn.Parameter], torch.Tensor],
+                 done: Callable[[], None]) -> None:
+        self.handles = []
+        for module in model.modules():
+            names = [name for name, param in module._parameters.items() if param is not None and id(param) in owned]
+            if names:
+                self.handles.append(module.register_state_dict_post_hook(_fill(names, fp32_of)))
+        self.handles.append(model.register_state_dict_post_hook(_at_end(done)))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def _fill(names: list[str], fp32_of):
+    def hook(module, state_dict, prefix, local_metadata) -> None:
+        for name in names:
+            key = prefix + name
+            value = state_dict.get(key)
+            # keep_vars=True: the entry is the parameter itself, and the caller wants exactly that
+            if value is None or isinstance(value, nn.Parameter):
+                continue
+            state_dict[key] = fp32_of(module._parameters[name])
+
+    return hook
+
+
+def _at_end(done):
+    def hook(module, state_dict, prefix, local_metadata) -> None:
+        done()
+
+    return hook
+
+
+class ReleasedModels:
+    """Models whose engine was closed with restore_weights=False (their parameters are on the
+    meta device: shapes, no values)."""
+
+    MESSAGE = (
+        "{what}: the engine that trained this model was closed with close(restore_weights=False), which leaves its "
+        "parameters without values (to save a full fp32 copy in RAM). Save the weights before closing "
+        "(engine.consolidated_state_dict(), or model.state_dict() while the engine is open), close with "
+        "restore_weights=True to keep them in the model, or load weights into it again "
+        "(model.to_empty(device='cpu'); model.load_state_dict(...))"
+    )
+
+    def __init__(self) -> None:
+        self._hooks: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+
+    def mark(self, model: nn.Module) -> None:
+        # new parameters on the meta device replace the old ones (views of freed storage, which
+        # any read would take out of bounds), tied ones staying tied, as Module.to("meta") does
+        replaced: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                if id(param) not in replaced:
+                    replaced[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+                module._parameters[name] = replaced[id(param)]
+        self._hooks[model] = [
+            model.register_forward_pre_hook(self._refuse_forward),
+            model.register_state_dict_post_hook(functools.partial(ReleasedModels._refuse_state_dict, self)),
+        ]
+
+    @staticmethod
+    def _still_empty(model: nn.Module) -> bool:
+        return any(param.is_meta for param in model.parameters())
+
+    def _refuse_forward(self, module, args) -> None:
+        if self._still_empty(module):
+            raise OffloadError(self.MESSAGE.format(what=f"{type(module).__name__}.forward"))
+        self._forget(module)
+
+    def _refuse_state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        if self._still_empty(module):
+            raise OffloadError(self.MESSAGE.format(what=f"{type(module).__name__}.state_dict"))
+
+    def _forget(self, model: nn.Module) -> None:
+        for handle in self._hooks.pop(model, []):
+            handle.remove()
+
+    def check(self, model: nn.Module) -> None:
+        """Before initialize: a released model (or one containing one) whose parameters are still
+        empty is refused; one that holds values again is forgotten."""
+        for module in model.modules():
+            if module in self._hooks:
+                if self._still_empty(module):
+                    raise OffloadError(self.MESSAGE.format(what=f"offload.initialize({type(module).__name__})"))
+                self._forget(module)
+
+
+class OpenEngines:
+    """The engines not closed yet, to refuse a second engine over the same parameters."""
+
+    def __init__(self) -> None:
+        self._engines: weakref.WeakSet = weakref.WeakSet()
+
+    def add(self, engine) -> None:
+        self._engines.add(engine)
+
+    def discard(self, engine) -> None:
+        self._engines.discard(engine)
+
+    def check(self, model: nn.Module) -> None:
+        mine = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        for engine in list(self._engines):
+            if engine._closed:
+                continue
+            shared = [mine[id(p)] for p in engine.model.parameters() if id(p) in mine]
+            if shared:
+                raise OffloadError(
+                    f"offload.initialize: this {type(model).__name__} (its parameter {shared[0]!r}) is already wrapped "
+                    f"by an open engine ({engine!r}); keep using that engine, or call its close() first "
+                    "(close() puts the trained fp32 weights back into the model)"
+                )
+
+
+RELEASED = ReleasedModels()
+OPEN_ENGINES = OpenEngines()
