@@ -22,6 +22,7 @@ target uses O_DIRECT when all three are aligned and the filesystem accepts it
 """
 from __future__ import annotations
 
+import ctypes
 import errno as _errno
 import logging
 import mmap
@@ -226,6 +227,7 @@ class AioEngine:
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 4):
         self._closed = True  # until the C++ engine exists (a refused setting leaves nothing to close)
+        self._owner_pid = os.getpid()  # its worker threads exist only in this process, not in a fork
         self._flights_lock = threading.Lock()
         self._flights: dict[int, _Flight] = {}  # id(flight) -> flight, until the request is done
         try:
@@ -333,7 +335,13 @@ class AioEngine:
         can be waited afterwards (their requests are complete)."""
         if not self._closed:
             self._closed = True
-            self._engine.close()
+            if os.getpid() == self._owner_pid:
+                self._engine.close()
+            else:
+                # a forked child has the engine's memory but none of its threads, and its mutex and
+                # condition variable as they were at the fork: destroying them can hang, so the
+                # child never does (a leaked reference; the child's memory goes when it exits)
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._engine))
         self._reap(everything=True)
 
     def __del__(self):

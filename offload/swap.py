@@ -259,6 +259,7 @@ class SwapStore:
     def __init__(self, nvme_path: str | os.PathLike, *, run_name: str | None = None, rank: int = 0,
                  block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 4, ledger=None):
         self._closed = True  # until fully made: close() and __del__ then only release descriptors
+        self._owner_pid = os.getpid()  # a forked child (a data loader worker) must not close it
         self._root_fd = self._run_fd = self._rank_fd = None
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
@@ -652,7 +653,13 @@ class SwapStore:
     def close(self) -> None:
         """Complete pending I/O, free the swap files and remove the run's directories (idempotent).
 
-        An interrupt while waiting for pending I/O leaves the store open: call close() again."""
+        An interrupt while waiting for pending I/O leaves the store open: call close() again.
+        In a forked child it does nothing: the store, its I/O threads and directories are the
+        parent's (the child's copies of the descriptors close when it exits)."""
+        if os.getpid() != self._owner_pid:
+            self._closed = True
+            _live_stores.discard(self)
+            return
         if self._closed:
             self._release_directories()  # a store whose construction failed half way
             return

@@ -505,3 +505,31 @@ def test_close_waits_for_a_write_whose_owner_was_interrupted_elsewhere(store, po
     store.close()
     assert store._entries == {}
     assert stat.S_ISDIR(os.stat(store.root).st_mode)
+
+
+def test_a_forked_child_exiting_leaves_the_parents_store_alone(swap_dir, pool):
+    s = SwapStore(swap_dir)
+    s.create("x", 1000, torch.float32)
+    src = fill(pool.alloc(1000, torch.float32), 9)
+    s.write_from("x", src).wait()
+    pid = os.fork()
+    if pid == 0:  # a data loader worker, say, that exits normally: atexit and gc run there
+        code = 1
+        try:
+            from offload import swap
+
+            swap._close_live_stores()  # what atexit does
+            s.close()
+            del s
+            gc.collect()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert os.path.isdir(s.path)  # the child removed nothing
+    dst = pool.alloc(1000, torch.float32)
+    s.read_into("x", dst).wait()
+    assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
+    s.close()
+    assert tree(swap_dir) == []

@@ -83,7 +83,7 @@ void Request::finish_piece(size_t index, uint32_t crc, const IoError* error) {
 }
 
 Engine::Engine(size_t block_size, size_t queue_depth, size_t threads)
-    : block_size_(block_size), queue_depth_(queue_depth) {
+    : block_size_(block_size), queue_depth_(queue_depth), owner_pid_(getpid()) {
   if (block_size == 0 || block_size % 4096 != 0)
     throw std::invalid_argument("block_size must be a positive multiple of 4096, got " +
                                 std::to_string(block_size));
@@ -96,6 +96,14 @@ Engine::Engine(size_t block_size, size_t queue_depth, size_t threads)
 Engine::~Engine() { close(); }
 
 void Engine::close() {
+  if (getpid() != owner_pid_) {
+    // A forked child has this object's memory but none of its threads (and mu_ may have been
+    // copied locked): never lock, never join. The thread handles are leaked on purpose, since
+    // destroying a joinable std::thread terminates the process.
+    new std::vector<std::thread>(std::move(workers_));
+    workers_.clear();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_ && workers_.empty()) return;

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <sys/types.h>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -110,6 +111,7 @@ class Engine {
   const size_t block_size_;
   const size_t queue_depth_;
   std::vector<std::thread> workers_;
+  const pid_t owner_pid_;  // workers exist only in this process; a fork child must not join them
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Piece> queue_;
