@@ -14,7 +14,7 @@
 The one line that differs from a plain Trainer script is `OffloadTrainer(..., offload_config=...)`.
 The config may be offload's JSON, a DeepSpeed JSON or an accelerate YAML; what it sets that the
 Trainer drives (precision, lr, weight decay, betas, eps, clipping, accumulation) becomes this
-script's TrainingArguments defaults (`training_arguments_from`), and the command line overrides
+script's TrainingArguments defaults (`split_offload_config`), and the command line overrides
 them. Text is tokenized as bytes (ids 0-255): no tokenizer to download. The output directory
 gets `checkpoint-N/` (the Trainer's files plus the engine's `offload_engine/`) and, at the end,
 the fp32 model that `LlamaForCausalLM.from_pretrained(output_dir)` loads.
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from offload.integrations.hf import OffloadTrainer, training_arguments_from
+from offload.integrations.hf import OffloadTrainer, split_offload_config
 
 logger = logging.getLogger("finetune_trainer")
 
@@ -128,7 +128,8 @@ def main(argv=None) -> dict:
 
     # what the offload config sets that the Trainer drives, then the command line over it
     values = {"learning_rate": 1e-3 if args.tiny else 1e-4, "gradient_accumulation_steps": 1}
-    values.update(training_arguments_from(offload_config))
+    from_config, offload_config = split_offload_config(offload_config)
+    values.update(from_config)
     if args.lr is not None:
         values["learning_rate"] = args.lr
     if args.grad_accum is not None:
@@ -154,6 +155,8 @@ def main(argv=None) -> dict:
         trainer.save_model(args.output_dir)  # fp32 weights + config.json: from_pretrained(output_dir)
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         result = {"losses": losses, "global_step": trainer.state.global_step, "output_dir": args.output_dir,
+                  "arguments": {key: getattr(training_args, key) for key in
+                                ("learning_rate", "weight_decay", "gradient_accumulation_steps", "bf16", "fp16")},
                   "memory": trainer.offload_engine.memory_report()}
     finally:
         trainer.end()

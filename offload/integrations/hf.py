@@ -135,7 +135,7 @@ def _fill_deepspeed_auto(ds: dict, args) -> dict:
     return ds
 
 
-def _user_mapping(offload_config, args=None) -> tuple[dict, dict[str, str]]:
+def _user_mapping(offload_config, args=None, report: bool = True) -> tuple[dict, dict[str, str]]:
     """The keys the user's config sets, as an offload-format mapping, and for a translated config,
     which of the user's keys each offload key came from. With `args`, DeepSpeed `"auto"` values are
     filled from them; without, they count as not set. An `offload.Config` sets what differs from
@@ -154,7 +154,8 @@ def _user_mapping(offload_config, args=None) -> tuple[dict, dict[str, str]]:
                               "path of an offload or DeepSpeed JSON (or an accelerate YAML)")
         if path.suffix.lower() in (".yaml", ".yml"):
             translation = deepspeed_config.translate_accelerate(path)
-            deepspeed_config.report(translation)
+            if report:
+                deepspeed_config.report(translation)
             return translation.config, dict(translation.sources)
         try:
             source = json.loads(path.read_text())
@@ -176,7 +177,7 @@ def _user_mapping(offload_config, args=None) -> tuple[dict, dict[str, str]]:
                 raise ConfigError(f"DeepSpeed {key}={filled[key]!r} but {origin} gives {value!r}: the Trainer's data "
                                   "loader decides the batch; set it to \"auto\" or make the two equal", key=key)
     translation = deepspeed_config.translate_deepspeed(filled)
-    if args is not None:
+    if report:
         deepspeed_config.report(translation)
     mapping = translation.config
     # a translated key counts as the user's only if they wrote its DeepSpeed key, not as "auto"
@@ -215,29 +216,40 @@ def _drop(mapping: dict, dotted: str) -> None:
         node.pop(last, None)
 
 
-def training_arguments_from(offload_config) -> dict[str, Any]:
-    """`TrainingArguments` keyword arguments for what `offload_config` sets that the Trainer drives
-    (precision, AdamW hyper-parameters, clipping, accumulation), so that a config written for the
-    engine alone runs under OffloadTrainer unchanged: `TrainingArguments(output_dir=...,
-    **training_arguments_from(path))`. DeepSpeed `"auto"` values are left to the arguments."""
+def split_offload_config(offload_config) -> tuple[dict[str, Any], dict]:
+    """Splits a config written for the engine alone (offload's, DeepSpeed's or accelerate's) into
+    `TrainingArguments` keyword arguments for what the Trainer drives under OffloadTrainer
+    (precision, AdamW's lr / betas / eps / weight decay, clipping, accumulation) and the rest, an
+    offload config mapping for `OffloadTrainer(offload_config=...)`::
+
+        arguments, engine_config = split_offload_config("examples/configs/7b_on_24gb.json")
+        args = TrainingArguments(output_dir="out", **arguments)
+        trainer = OffloadTrainer(model=model, args=args, train_dataset=ds, offload_config=engine_config)
+
+    DeepSpeed `"auto"` values are left to the arguments' own defaults."""
     mapping, _sources = _user_mapping(offload_config)
     names = {"optimizer.lr": "learning_rate", "optimizer.eps": "adam_epsilon", "optimizer.weight_decay": "weight_decay",
              "gradient_clipping": "max_grad_norm", "gradient_accumulation_steps": "gradient_accumulation_steps"}
-    result: dict[str, Any] = {}
+    arguments: dict[str, Any] = {}
     for key, name in names.items():
         value = _get(mapping, key)
         if value is not _MISSING:
-            result[name] = value
+            arguments[name] = value
     betas = _get(mapping, "optimizer.betas")
     if betas is not _MISSING:
-        result["adam_beta1"], result["adam_beta2"] = (float(b) for b in betas)
+        arguments["adam_beta1"], arguments["adam_beta2"] = (float(b) for b in betas)
     precision = _get(mapping, "precision")
     if precision in ("bf16", "fp16"):
-        result[precision] = True
-    if _get(mapping, "optimizer.type") == "adam":
-        raise ConfigError("optimizer.type 'adam' (L2 weight decay) has no TrainingArguments counterpart: the Trainer's "
-                          "optimizer is AdamW; use type 'adamw'", key="optimizer.type")
-    return result
+        arguments[precision] = True
+    if _get(mapping, "optimizer.type") not in (_MISSING, "adamw"):
+        raise ConfigError(f"optimizer.type {_get(mapping, 'optimizer.type')!r} has no TrainingArguments counterpart: "
+                          "the Trainer's optimizer is AdamW; use type 'adamw'", key="optimizer.type")
+    rest = copy.deepcopy(mapping)
+    for key in _TRAINER_KEYS:
+        _drop(rest, key)
+    if rest.get("optimizer") == {}:
+        del rest["optimizer"]
+    return arguments, rest
 
 
 def trainer_config(args, offload_config=None) -> Config:
@@ -367,7 +379,7 @@ class OffloadTrainer(Trainer):
             raise ConfigError("OffloadTrainer does not torch.compile the model (offload's hooks run per unit): "
                               "set TrainingArguments(torch_compile=False)")
         # fails here rather than at train(): a contradiction between offload_config and the arguments
-        trainer_config(args, self.offload_config)
+        self._engine_config = trainer_config(args, self.offload_config)
 
     # -- construction: the engine is the optimizer, the offloaded model is the wrapped model --
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
@@ -395,7 +407,7 @@ class OffloadTrainer(Trainer):
 
     def _build_engine(self):
         model = self.model
-        config = trainer_config(self.args, self.offload_config)
+        config = self._engine_config
         decay = set(self.get_decay_parameter_names(model))
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         groups = [
@@ -533,4 +545,4 @@ def _engine_checkpoint(checkpoint: str) -> str:
     return path
 
 
-__all__ = ["ENGINE_CHECKPOINT_DIR", "OffloadTrainer", "OffloadedModel", "trainer_config", "training_arguments_from"]
+__all__ = ["ENGINE_CHECKPOINT_DIR", "OffloadTrainer", "OffloadedModel", "split_offload_config", "trainer_config"]
