@@ -350,7 +350,8 @@ def run(args) -> dict:
     config = {
         "precision": "bf16",
         "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.0},
-        "offload": {"param": "nvme", "optimizer": "nvme", "nvme_path": args.path, "buffer_count": args.buffer_count},
+        "offload": {"param": "nvme", "optimizer": args.optimizer, "nvme_path": args.path, "buffer_count": args.buffer_count,
+                    "max_host_memory": args.max_host_memory},
         "prefetch": {"depth": args.prefetch},
         "overlap": "none",
         "io": io,
@@ -562,6 +563,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--buffer-count", type=int, default=3)
+    parser.add_argument("--optimizer", default="nvme", choices=["nvme", "auto", "cpu"],
+                        help="offload.optimizer (auto: RAM up to --max-host-memory, the rest on NVMe)")
+    parser.add_argument("--max-host-memory", default=None, help="offload.max_host_memory for --optimizer auto, e.g. 8GiB")
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--bench-size", type=int, default=2 << 30, help="bytes of the disk measurement's scratch file")
     parser.add_argument("--quick-bench", action="store_true", help="measure one io setting (8M blocks, depth 32, 8 threads)")
