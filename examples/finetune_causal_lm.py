@@ -9,6 +9,8 @@
     torchrun --nproc-per-node 2 examples/finetune_causal_lm.py --tiny --device cpu
     # the same at a size that runs anywhere in seconds:
     python examples/finetune_causal_lm.py --tiny --offload-config examples/configs/13b_on_80gb_nvme.json
+    # save the trained model where from_pretrained loads it (config.json, model.safetensors, tokenizer):
+    python examples/finetune_causal_lm.py --model ./my-llama --data corpus.txt --save ./my-llama-tuned
 
 Text is tokenized with the model's tokenizer when the directory has one, else as bytes (ids
 0-255, so the vocabulary must have at least 256 entries). `--tiny` shrinks the model's config
@@ -29,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-import offload  # noqa: E402
-from offload.progress import TrainingProgress  # noqa: E402
+import offload
+from offload.progress import TrainingProgress
 
 logger = logging.getLogger("finetune")
 
@@ -45,13 +47,16 @@ def parse_args(argv=None):
     source.add_argument("--model-config", help="a Hugging Face config.json: the model is built from it with random weights")
     parser.add_argument("--data", help="a UTF-8 text file to train on (default with --tiny: this script's own source)")
     parser.add_argument("--offload-config", help="offload, DeepSpeed JSON or accelerate YAML config (default: offload's defaults)")
+    parser.add_argument("--no-strict", action="store_true",
+                        help="drop (with a warning) DeepSpeed / accelerate keys offload cannot honour, instead of refusing the config")
     parser.add_argument("--nvme-path", help="override the config's offload.nvme_path")
     parser.add_argument("--steps", type=int, help="optimizer steps (default 100; 2 with --tiny)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 512; 32 with --tiny)")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch and rank (default 2)")
     parser.add_argument("--lr", type=float, help="override the config's optimizer.lr")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and run, for trying things out and for tests")
-    parser.add_argument("--save", help="write the consolidated fp32 weights (safetensors) to this file at the end")
+    parser.add_argument("--save", help="at the end, write the trained model (fp32) to this directory with save_pretrained: "
+                                       "config.json, model.safetensors and the tokenizer, loadable with from_pretrained")
     parser.add_argument("--result-json", help="write losses and the last step's breakdown to this JSON file (rank 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (the log still has every step)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu"],
@@ -111,6 +116,16 @@ def batches(ids: torch.Tensor, seq_len: int, batch_size: int, rank: int, world: 
         yield {"input_ids": chunk[:, :-1], "labels": chunk[:, :-1].clone()}
 
 
+def save(args, model) -> None:
+    """The trained model as a from_pretrained directory, with the tokenizer it was trained with."""
+    model.save_pretrained(args.save)
+    if args.model and any((Path(args.model) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        import transformers
+
+        transformers.AutoTokenizer.from_pretrained(args.model).save_pretrained(args.save)
+    logger.info("saved the trained model to %s (load it with from_pretrained)", args.save)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -119,7 +134,7 @@ def main(argv=None) -> dict:
     # None: offload picks the device; under torchrun it also starts the process group to match
     # (NCCL and GPU LOCAL_RANK on CUDA, a clear error when there are fewer GPUs than local ranks)
     device = "cpu" if args.device == "cpu" else None
-    config = offload.load_config(args.offload_config) if args.offload_config else offload.load_config()
+    config = offload.load_config(args.offload_config, strict=not args.no_strict) if args.offload_config else offload.load_config()
     config = copy.deepcopy(config)
     scratch = None
     if args.nvme_path:
@@ -155,12 +170,13 @@ def main(argv=None) -> dict:
     result = {"losses": losses, "last_step": progress.last, "memory": engine.memory_report(), "world_size": world,
               "params": sum(p.numel() for p in model.parameters())}
     if args.save:
-        state = engine.consolidated_state_dict()
+        # close() puts the final fp32 weights into the model (on every rank: it gathers them), which
+        # then saves as any Hugging Face model does, with its fp32 dtype in config.json
+        engine.close(restore_weights=True)
         if rank == 0:
-            from safetensors.torch import save_file
-
-            save_file({k: v.clone() for k, v in state.items()}, args.save)  # tied weights: one copy per name
-    engine.close(restore_weights=False)
+            save(args, model)
+    else:
+        engine.close(restore_weights=False)
     if scratch is not None:
         scratch.cleanup()
     if rank == 0 and args.result_json:

@@ -129,7 +129,7 @@ class WrapConfig(ReadOnlyOnceFrozen):
     module_classes: list[str] = field(default_factory=list)
     """Module class names whose instances become units (outermost match wins)."""
     min_params: int = 0
-    """When no classes are given: a module whose not-yet-wrapped parameters reach this count becomes a unit; 0 = automatic (each child of the largest nn.ModuleList)."""
+    """When no classes are given: a module whose not-yet-wrapped parameters reach this count becomes a unit; 0 = automatic (each child of the largest nn.ModuleList, or without one of the largest nn.Sequential)."""
 
 
 @dataclass

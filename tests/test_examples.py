@@ -52,16 +52,19 @@ def test_finetune_from_a_local_model_directory_learns(tmp_path):
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "model")
     data = tmp_path / "corpus.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    saved = tmp_path / "weights.safetensors"
+    saved = tmp_path / "trained"
     result = load_example().main(["--model", str(tmp_path / "model"), "--data", str(data), "--steps", "6", "--seq-len", "32",
                                   "--lr", "3e-3", "--no-progress", "--save", str(saved)])
     assert result["losses"][-1] < result["losses"][0]
+    # --save writes a from_pretrained directory (config.json + model.safetensors), in fp32
     from safetensors.torch import load_file
 
-    weights = load_file(saved)
-    reloaded = transformers.GPT2LMHeadModel(config)
-    reloaded.load_state_dict(weights, strict=False)
+    weights = load_file(saved / "model.safetensors")
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(saved)
+    assert reloaded.dtype == torch.float32
     assert torch.equal(reloaded.transformer.h[0].mlp.c_fc.weight, weights["transformer.h.0.mlp.c_fc.weight"])
+    original = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "model")
+    assert not torch.equal(reloaded.transformer.h[0].mlp.c_fc.weight, original.transformer.h[0].mlp.c_fc.weight)
 
 
 def torchrun_finetune(tmp_path, ranks: int, *extra: str, env_extra: dict | None = None):
