@@ -1,0 +1,235 @@
+"""The Hugging Face Trainer on offload (offload.integrations.hf.OffloadTrainer).
+
+One tiny Llama, 20 optimizer steps of a warmup-cosine schedule, accumulation 2, clipping 1.0,
+weight decay on all but biases and norms, fp32: the offloaded Trainer ends with the weights the
+plain Trainer (torch AdamW) ends with, to fp32 rounding; resuming from its step-10 checkpoint
+in a new Trainer ends with the same weights; its save_model output loads with from_pretrained.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (in the test extras)")
+
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from offload.errors import ConfigError
+from offload.integrations.hf import (
+    ENGINE_CHECKPOINT_DIR,
+    OffloadTrainer,
+    split_offload_config,
+    trainer_config,
+)
+
+STEPS = 20
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+OFFLOAD_CONFIG = {"offload": {"param": "cpu", "optimizer": "cpu"}, "overlap": "forward", "optimizer": {"threads": 1}}
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tensors this small gain nothing from a second thread, and on a shared 2-core machine two
+    # threads per op spin against other processes' (20 steps took 20 s instead of 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+                         attention_dropout=0.0)
+    return LlamaForCausalLM(config)
+
+
+def dataset() -> list[dict]:
+    # 80 sequences of 16 tokens: exactly one epoch of 20 steps x 2 micro-batches x 2 sequences
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (80, 16), generator=generator)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def training_args(output_dir, **overrides) -> TrainingArguments:
+    values = {
+        "output_dir": str(output_dir), "max_steps": STEPS, "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2, "learning_rate": 3e-3, "weight_decay": 0.1, "adam_beta2": 0.99,
+        "lr_scheduler_type": "cosine", "warmup_steps": 4, "max_grad_norm": 1.0, "seed": 0, "data_seed": 0,
+        "report_to": [], "use_cpu": True, "save_strategy": "no", "logging_steps": 5, "disable_tqdm": True,
+        "dataloader_num_workers": 0, "eval_strategy": "steps", "eval_steps": 10, "per_device_eval_batch_size": 4,
+    }
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def weights(state_dict: dict) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().float().cpu().clone() for name, tensor in state_dict.items()}
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+def grad_norms(trainer) -> list[float]:
+    return [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+
+
+def eval_losses(trainer) -> list[float]:
+    return [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    trainer = Trainer(model=tiny_llama(), args=training_args(tmp_path_factory.mktemp("plain")), train_dataset=dataset(),
+                      eval_dataset=dataset()[:8])
+    trainer.train()
+    return {"weights": weights(trainer.model.state_dict()), "grad_norms": grad_norms(trainer),
+            "eval_losses": eval_losses(trainer), "model": trainer.model}
+
+
+@pytest.fixture(scope="module")
+def offloaded(tmp_path_factory):
+    output = tmp_path_factory.mktemp("offloaded")
+    args = training_args(output, save_strategy="steps", save_steps=10)
+    trainer = OffloadTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), eval_dataset=dataset()[:8],
+                             offload_config=OFFLOAD_CONFIG)
+    trainer.train()
+    final = output / "final"
+    trainer.save_model(str(final))
+    result = {
+        "output": output,
+        "final": final,
+        "weights": weights(trainer.offload_engine.consolidated_state_dict()),
+        "grad_norms": grad_norms(trainer),
+        "eval_losses": eval_losses(trainer),
+        "trainer": trainer,
+    }
+    yield result
+    trainer.end()
+
+
+def test_offloaded_trainer_equals_plain_trainer(plain, offloaded, caplog):
+    difference = max_difference(offloaded["weights"], plain["weights"])
+    logging.getLogger(__name__).info("max |offload - torch| after %d steps: %.3g", STEPS, difference)
+    assert difference <= TOLERANCE, f"weights differ from the plain Trainer's by {difference:.3g}"
+    # the weights moved (a learning rate that reached them), and clipping was on: the logged
+    # pre-clip norms are the plain Trainer's, and above max_grad_norm
+    assert max_difference(offloaded["weights"], weights(tiny_llama().state_dict())) > 1e-2
+    assert offloaded["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-4)
+    assert min(plain["grad_norms"]) > 1.0
+    # evaluation during training ran through the engine (steps 10 and 20)
+    assert len(offloaded["eval_losses"]) == 2
+    assert offloaded["eval_losses"] == pytest.approx(plain["eval_losses"], abs=TOLERANCE)
+
+
+def test_resume_from_mid_run_checkpoint_ends_with_the_same_weights(offloaded, tmp_path):
+    checkpoint = offloaded["output"] / "checkpoint-10"
+    assert (checkpoint / ENGINE_CHECKPOINT_DIR).is_dir()
+    assert (checkpoint / "scheduler.pt").is_file() and (checkpoint / "trainer_state.json").is_file()
+    # a new process would build a new model: any weights, the checkpoint replaces them
+    torch.manual_seed(123)
+    model = LlamaForCausalLM(tiny_llama().config)
+    args = training_args(offloaded["output"], save_strategy="no", eval_strategy="no")
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=dataset(), offload_config=OFFLOAD_CONFIG)
+    try:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+        assert trainer.state.global_step == STEPS
+        difference = max_difference(weights(trainer.offload_engine.consolidated_state_dict()), offloaded["weights"])
+        assert difference == 0.0, f"resumed run differs from the uninterrupted one by {difference:.3g}"
+        # the schedule went on where it stopped: the last logged learning rates are the same
+        resumed = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e and "loss" in e]
+        uninterrupted = [e["learning_rate"] for e in offloaded["trainer"].state.log_history if "learning_rate" in e and "loss" in e]
+        assert resumed == uninterrupted[-len(resumed):]
+    finally:
+        trainer.end()
+
+
+def test_save_model_loads_with_from_pretrained(plain, offloaded):
+    loaded = LlamaForCausalLM.from_pretrained(str(offloaded["final"]))
+    assert loaded.dtype == torch.float32
+    assert max_difference(weights(loaded.state_dict()), offloaded["weights"]) == 0.0
+    ids = dataset()[0]["input_ids"][None]
+    with torch.no_grad():
+        logits = loaded(input_ids=ids).logits
+        expected = plain["model"].eval()(input_ids=ids).logits
+    assert (logits - expected).abs().max().item() <= 1e-4
+
+
+def test_training_arguments_drive_the_engine_config(tmp_path):
+    args = training_args(tmp_path)
+    config = trainer_config(args, {"offload": {"optimizer": "cpu"}, "prefetch": {"depth": 1}})
+    assert (config.precision, config.optimizer.lr, tuple(config.optimizer.betas)) == ("fp32", 3e-3, (0.9, 0.99))
+    assert (config.gradient_clipping, config.gradient_accumulation_steps, config.prefetch.depth) == (1.0, 1, 1)
+    # a DeepSpeed config as the Trainer's docs write it: "auto" takes the arguments' values
+    deepspeed = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                 "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                           "weight_decay": "auto"}},
+                 "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "gradient_accumulation_steps": "auto",
+                 "train_micro_batch_size_per_gpu": "auto"}
+    config = trainer_config(args, deepspeed)
+    assert (config.precision, config.optimizer.lr, config.optimizer.weight_decay) == ("fp32", 3e-3, 0.1)
+    # what contradicts the arguments is refused, naming both
+    with pytest.raises(ConfigError, match=r"optimizer.lr=0.1 .*TrainingArguments.learning_rate"):
+        trainer_config(args, {"optimizer": {"lr": 0.1}})
+    with pytest.raises(ConfigError, match=r"precision='bf16'.*bf16 / fp16"):
+        trainer_config(args, {"precision": "bf16"})
+    with pytest.raises(ConfigError, match=r"optimizer.params.lr"):
+        trainer_config(args, {**deepspeed, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+    with pytest.raises(ConfigError, match="lr_scheduler_type"):
+        trainer_config(args, {"scheduler": {"type": "warmup_cosine", "total_num_steps": 10}})
+    with pytest.raises(ConfigError, match="overlap 'forward'"):
+        trainer_config(training_args(tmp_path, max_grad_norm=0.0), {"overlap": "backward"})
+    with pytest.raises(ConfigError, match="optim"):
+        trainer_config(training_args(tmp_path, optim="sgd"), None)
+    # a config written for the engine alone: what the Trainer drives, and the rest
+    arguments, rest = split_offload_config(str(EXAMPLES / "configs" / "7b_on_24gb.json"))
+    assert arguments == {"learning_rate": 2e-5, "weight_decay": 0.0, "max_grad_norm": 1.0,
+                         "gradient_accumulation_steps": 8, "bf16": True}
+    assert rest == {"offload": {"param": "cpu", "optimizer": "cpu"}, "prefetch": {"depth": 2}, "overlap": "forward"}
+
+
+def test_prebuilt_optimizer_is_refused(tmp_path):
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ConfigError, match="optimizers="):
+        OffloadTrainer(model=model, args=training_args(tmp_path, eval_strategy="no"), train_dataset=dataset(),
+                       optimizers=(optimizer, None))
+
+
+def test_example_trains_resumes_and_saves(tmp_path):
+    script = EXAMPLES / "finetune_trainer.py"
+    output = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(*extra):
+        result = tmp_path / f"result{len(extra)}.json"
+        command = [sys.executable, str(script), "--tiny", "--steps", "4", "--save-steps", "2", "--output-dir", str(output),
+                   "--offload-config", str(EXAMPLES / "configs" / "7b_on_24gb.json"), "--precision", "fp32",
+                   "--grad-accum", "2", "--result-json", str(result), *extra]
+        done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(result.read_text())
+
+    first = run()
+    resumed = run("--resume", str(output / "checkpoint-2"))
+    assert first["global_step"] == resumed["global_step"] == 4
+    # the config's lr and weight decay came through split_offload_config; the command line
+    # overrode its accumulation (8) and precision (bf16)
+    assert first["arguments"] == {"learning_rate": 2e-5, "weight_decay": 0.0, "gradient_accumulation_steps": 2,
+                                  "bf16": False, "fp16": False}
+    # the resumed run logs the steps after 2 exactly as the first run did
+    assert resumed["losses"] == first["losses"][-len(resumed["losses"]):]
+    model = LlamaForCausalLM.from_pretrained(str(output))
+    assert model.config.num_hidden_layers == 2
