@@ -221,6 +221,22 @@ def test_config_scheduler_drives_the_lr_and_a_torch_scheduler_on_top_is_refused(
     engine.close()
 
 
+def test_a_skipped_fp16_step_does_not_advance_the_config_schedule(swap_dir):
+    schedule = {"type": "warmup", "warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10, "warmup_type": "linear"}
+    config = make_config(swap_dir, precision="fp16", scheduler=schedule, loss_scale={"initial": 1024.0})
+    engine = offload.initialize(TinyNet(), config)
+    seen, stepped = [], []
+    for i, (x, y) in enumerate(batches(5)):
+        seen.append(engine.optimizer.param_groups[0]["lr"])
+        loss = mse(engine, x, y)
+        engine.backward(loss * 1e30 if i == 2 else loss)  # the third overflows: skipped
+        stepped.append(engine.step())
+    assert stepped == [True, True, False, True, True]
+    expected = [lr_at(k, engine.config.scheduler, 1e-2) for k in (0, 1, 2, 2, 3)]
+    assert seen == expected
+    engine.close()
+
+
 def test_config_is_read_only_after_initialize(swap_dir):
     engine = offload.initialize(TinyNet(), make_config(swap_dir))
     with pytest.raises(ConfigError, match=r"engine\.config\.optimizer\.lr is read-only.*param_groups"):
@@ -372,6 +388,27 @@ def test_save_pretrained_while_open_loads_with_from_pretrained(swap_dir, tmp_pat
     assert all(torch.equal(loaded.state_dict()[k], expected[k]) for k in expected if k in loaded.state_dict())
     assert torch.equal(loaded.lm_head.weight, expected["transformer.wte.weight"])
     engine.close()
+
+
+@pytest.mark.parametrize("param", ["none", "cpu"])
+def test_hugging_face_model_plain_backward_equals_engine_backward(swap_dir, param):
+    """GPT-2 (tied embedding and head, borrowed across units) with out.loss.backward()."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    data = [torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    states = []
+    for plain in (True, False):
+        engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, param))
+        for ids in data:
+            loss = engine(input_ids=ids, labels=ids).loss
+            loss.backward() if plain else engine.backward(loss)
+            assert engine.step()
+        states.append(engine.consolidated_state_dict())
+        engine.close()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[1])
 
 
 def test_closed_without_weights_the_model_says_why(swap_dir):
