@@ -22,6 +22,7 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
+from offload.config import lr_at
 from offload.errors import ConfigError
 from offload.integrations.hf import (
     ENGINE_CHECKPOINT_DIR,
@@ -187,8 +188,6 @@ def test_training_arguments_drive_the_engine_config(tmp_path):
         trainer_config(args, {"precision": "bf16"})
     with pytest.raises(ConfigError, match=r"optimizer.params.lr"):
         trainer_config(args, {**deepspeed, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
-    with pytest.raises(ConfigError, match="lr_scheduler_type"):
-        trainer_config(args, {"scheduler": {"type": "warmup_cosine", "total_num_steps": 10}})
     with pytest.raises(ConfigError, match="overlap 'forward'"):
         trainer_config(training_args(tmp_path, max_grad_norm=0.0), {"overlap": "backward"})
     with pytest.raises(ConfigError, match="optim"):
@@ -198,6 +197,33 @@ def test_training_arguments_drive_the_engine_config(tmp_path):
     assert arguments == {"learning_rate": 2e-5, "weight_decay": 0.0, "max_grad_norm": 1.0,
                          "gradient_accumulation_steps": 8, "bf16": True}
     assert rest == {"offload": {"param": "cpu", "optimizer": "cpu"}, "prefetch": {"depth": 2}, "overlap": "forward"}
+
+
+def test_deepspeed_config_from_the_hf_docs_runs_unchanged(tmp_path):
+    """transformers' own ZeRO-3 example config (all "auto", CPU offload, a WarmupLR section): its
+    schedule drives the lr, as under the Trainer's DeepSpeed integration, also across a resume."""
+    source = Path(__file__).resolve().parent / "data" / "deepspeed" / "hf_ds_config_zero3.json"
+
+    def trainer(**overrides):
+        args = training_args(tmp_path, max_steps=6, warmup_steps=3, logging_steps=1, eval_strategy="no", **overrides)
+        return OffloadTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), offload_config=str(source))
+
+    first = trainer(save_strategy="steps", save_steps=3)
+    first.train()
+    config = first.offload_engine.config
+    assert (config.offload.param, config.offload.optimizer, config.precision) == ("cpu", "cpu", "fp32")
+    assert (config.scheduler.type, config.scheduler.warmup_num_steps, config.scheduler.warmup_max_lr) == ("warmup", 3, 3e-3)
+    logged = [entry["learning_rate"] for entry in first.state.log_history if "loss" in entry]
+    assert logged == pytest.approx([lr_at(step, config.scheduler, 3e-3) for step in range(6)], rel=1e-12)
+    assert logged[0] < logged[2] < logged[3] == logged[5] == 3e-3
+    final = weights(first.offload_engine.consolidated_state_dict())
+    first.end()
+    resumed = trainer(save_strategy="no")
+    try:
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+        assert max_difference(weights(resumed.offload_engine.consolidated_state_dict()), final) == 0.0
+    finally:
+        resumed.end()
 
 
 def test_prebuilt_optimizer_is_refused(tmp_path):

@@ -86,6 +86,11 @@ _TRAINER_KEYS = ("precision", "optimizer.type", "optimizer.lr", "optimizer.betas
                  "gradient_clipping", "gradient_accumulation_steps")
 
 
+def _scheduler_name(args) -> str:
+    kind = getattr(args, "lr_scheduler_type", "linear")
+    return getattr(kind, "value", kind)
+
+
 def _optim_name(args) -> str:
     optim = getattr(args, "optim", "adamw_torch")
     return getattr(optim, "value", optim)
@@ -111,9 +116,9 @@ def _set(mapping: dict, dotted: str, value: Any) -> None:
 _MISSING = object()
 
 
-def _fill_deepspeed_auto(ds: dict, args) -> dict:
+def _fill_deepspeed_auto(ds: dict, args, max_steps: int | None = None) -> dict:
     """A DeepSpeed config with its `"auto"` values filled from TrainingArguments, as the Trainer's own
-    DeepSpeed integration fills them."""
+    DeepSpeed integration fills them (the schedule's step counts once `max_steps` is known)."""
     ds = copy.deepcopy(ds)
     world = max(1, int(getattr(args, "world_size", 1) or 1))
     fills = {
@@ -128,14 +133,19 @@ def _fill_deepspeed_auto(ds: dict, args) -> dict:
         "bf16.enabled": bool(args.bf16),
         "bfloat16.enabled": bool(args.bf16),
         "fp16.enabled": bool(args.fp16),
+        "scheduler.params.warmup_min_lr": 0.0,
+        "scheduler.params.warmup_max_lr": args.learning_rate,
     }
+    if max_steps:
+        fills["scheduler.params.warmup_num_steps"] = int(args.get_warmup_steps(max_steps))
+        fills["scheduler.params.total_num_steps"] = int(max_steps)
     for key, value in fills.items():
         if _get(ds, key) == "auto":
             _set(ds, key, value)
     return ds
 
 
-def _user_mapping(offload_config, args=None, report: bool = True) -> tuple[dict, dict[str, str]]:
+def _user_mapping(offload_config, args=None, report: bool = True, max_steps: int | None = None) -> tuple[dict, dict[str, str]]:
     """The keys the user's config sets, as an offload-format mapping, and for a translated config,
     which of the user's keys each offload key came from. With `args`, DeepSpeed `"auto"` values are
     filled from them; without, they count as not set. An `offload.Config` sets what differs from
@@ -165,7 +175,7 @@ def _user_mapping(offload_config, args=None, report: bool = True) -> tuple[dict,
         raise ConfigError(f"offload_config must be a dict, a JSON path or an offload.Config, got {type(source).__name__}")
     if not is_deepspeed_config(source):
         return copy.deepcopy(source), {}
-    filled = _fill_deepspeed_auto(source, args) if args is not None else source
+    filled = _fill_deepspeed_auto(source, args, max_steps) if args is not None else source
     if args is not None:
         world = max(1, int(getattr(args, "world_size", 1) or 1))
         batches = {"train_micro_batch_size_per_gpu": (args.per_device_train_batch_size,
@@ -252,7 +262,7 @@ def split_offload_config(offload_config) -> tuple[dict[str, Any], dict]:
     return arguments, rest
 
 
-def trainer_config(args, offload_config=None) -> Config:
+def trainer_config(args, offload_config=None, max_steps: int | None = None) -> Config:
     """The engine's config for a Trainer run: placement, prefetch, I/O, overlap and wrapping from
     `offload_config` (offload's JSON / dict / Config, a DeepSpeed JSON or dict, an accelerate YAML);
     precision, AdamW hyper-parameters, clipping and accumulation from `TrainingArguments`.
@@ -266,7 +276,7 @@ def trainer_config(args, offload_config=None) -> Config:
         raise ConfigError(
             f"TrainingArguments.optim={optim!r} cannot run on offload: its CPU optimizer is AdamW; "
             f"use optim one of {', '.join(ADAMW_OPTIMS)} (the default adamw_torch)")
-    mapping, sources = _user_mapping(offload_config, args)
+    mapping, sources = _user_mapping(offload_config, args, max_steps=max_steps)
     wanted = _trainer_values(args)
     conflicts = []
     for key, (value, origin) in wanted.items():
@@ -283,14 +293,12 @@ def trainer_config(args, offload_config=None) -> Config:
             "offload_config contradicts the TrainingArguments, which drive these under OffloadTrainer: "
             + "; ".join(conflicts) + ". Remove the key from offload_config (or set it to \"auto\" in a DeepSpeed config), "
             "or make the two equal")
+    # a schedule in the config drives the lr (as a DeepSpeed scheduler section does under the
+    # Trainer's DeepSpeed integration) and the Trainer's own scheduler is not built; the run's
+    # length is its total when the config leaves it open
     schedule = _get(mapping, "scheduler.type")
-    if schedule not in (_MISSING, "none"):
-        theirs = sources.get("scheduler.type", "scheduler.type")
-        raise ConfigError(
-            f"offload_config has a learning-rate schedule ({theirs!r}: {schedule!r}); under OffloadTrainer the Trainer "
-            "drives the learning rate through engine.optimizer: remove the scheduler section and set "
-            "TrainingArguments lr_scheduler_type / warmup_steps instead", key=theirs)
-    mapping.pop("scheduler", None)
+    if schedule not in (_MISSING, "none") and max_steps and _get(mapping, "scheduler.total_num_steps") in (_MISSING, None):
+        _set(mapping, "scheduler.total_num_steps", int(max_steps))
     seed = mapping.pop("seed", None)
     if seed is not None and seed != args.seed:
         raise ConfigError(f"offload_config seed={seed!r} but TrainingArguments.seed is {args.seed!r}: the Trainer seeds the "
@@ -327,12 +335,44 @@ class OffloadedModel(nn.Module):
         return self.module._get_name()
 
 
+class ConfigScheduleView:
+    """What the Trainer holds as its `lr_scheduler` when the config's `scheduler` section (offload's,
+    or a DeepSpeed WarmupLR / WarmupDecayLR / WarmupCosineLR / OneCycle) drives the learning rate:
+    the engine sets every group's lr from its step count, so `step()` has nothing to do, and a
+    checkpoint needs nothing beyond the engine's (its step count). `get_last_lr()` is the lr the
+    last step used, as a torch scheduler's is when the Trainer logs it."""
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer = optimizer
+        self.last_lr = [float(group["lr"]) for group in optimizer.param_groups]
+
+    def before_step(self) -> None:
+        self.last_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def step(self, *args, **kwargs) -> None:
+        return None
+
+    def get_last_lr(self) -> list[float]:
+        return list(self.last_lr)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        return None
+
+
 class _GradNormAfterStep(TrainerCallback):
     """Fills the Trainer's logged gradient norm once the engine has computed it: the engine
-    computes the global norm inside its step, after the Trainer asked for it."""
+    computes the global norm inside its step, after the Trainer asked for it. Also notes the lr a
+    step uses when the config's schedule drives it (ConfigScheduleView)."""
 
     def __init__(self, trainer: OffloadTrainer) -> None:
         self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if isinstance(self.trainer.lr_scheduler, ConfigScheduleView):
+            self.trainer.lr_scheduler.before_step()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         engine = self.trainer.offload_engine
@@ -379,7 +419,8 @@ class OffloadTrainer(Trainer):
             raise ConfigError("OffloadTrainer does not torch.compile the model (offload's hooks run per unit): "
                               "set TrainingArguments(torch_compile=False)")
         # fails here rather than at train(): a contradiction between offload_config and the arguments
-        self._engine_config = trainer_config(args, self.offload_config)
+        known_steps = args.max_steps if args.max_steps > 0 else None
+        self._engine_config = trainer_config(args, self.offload_config, max_steps=known_steps)
 
     # -- construction: the engine is the optimizer, the offloaded model is the wrapped model --
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
@@ -405,9 +446,29 @@ class OffloadTrainer(Trainer):
         self.optimizer = self.offload_engine.optimizer
         return self.optimizer
 
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's scheduler (lr_scheduler_type, warmup) on `engine.optimizer`; or, when the
+        config has a `scheduler` section, a view of the engine's own schedule."""
+        if self.lr_scheduler is None and self._schedule_in_config():
+            kind = _scheduler_name(self.args)
+            logger.log(logging.WARNING if kind != "linear" else logging.INFO,
+                       "offload: the config's scheduler section (type %r) drives the learning rate; "
+                       "TrainingArguments.lr_scheduler_type %r and warmup_steps are not used (except to fill its "
+                       "\"auto\" values)", self._engine_config.scheduler.type, kind)
+            self.lr_scheduler = ConfigScheduleView(optimizer if optimizer is not None else self.optimizer)
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer=optimizer)
+
+    def _schedule_in_config(self) -> bool:
+        return self._engine_config.scheduler.type != "none"
+
     def _build_engine(self):
         model = self.model
         config = self._engine_config
+        if self._schedule_in_config():
+            # its "auto" / missing step counts need the run's length, known now
+            config = self._engine_config = trainer_config(self.args, self.offload_config, max_steps=self.state.max_steps)
         decay = set(self.get_decay_parameter_names(model))
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         groups = [
@@ -488,7 +549,7 @@ class OffloadTrainer(Trainer):
         # the Trainer restores the RNG states itself (after skipping the batches already seen)
         client_state = self.offload_engine.load_checkpoint(_engine_checkpoint(checkpoint), load_rng=False) or {}
         saved = client_state.get("param_groups")
-        if saved is not None:
+        if saved is not None and not self._schedule_in_config():  # else the engine set them from its step
             if len(saved) != len(self.optimizer.param_groups):
                 raise OffloadError(f"checkpoint {checkpoint!r} has {len(saved)} parameter groups, this run "
                                    f"{len(self.optimizer.param_groups)}: was weight_decay changed from or to 0?")
@@ -545,4 +606,11 @@ def _engine_checkpoint(checkpoint: str) -> str:
     return path
 
 
-__all__ = ["ENGINE_CHECKPOINT_DIR", "OffloadTrainer", "OffloadedModel", "split_offload_config", "trainer_config"]
+__all__ = [
+    "ENGINE_CHECKPOINT_DIR",
+    "ConfigScheduleView",
+    "OffloadTrainer",
+    "OffloadedModel",
+    "split_offload_config",
+    "trainer_config",
+]
