@@ -226,6 +226,25 @@ def test_deepspeed_config_from_the_hf_docs_runs_unchanged(tmp_path):
         resumed.end()
 
 
+def test_fp16_overflow_skips_do_not_advance_the_schedule(tmp_path):
+    """As the plain Trainer under accelerate's GradScaler: a step the engine skipped (fp16
+    overflow) leaves the scheduler where it was."""
+    args = training_args(tmp_path, max_steps=6, warmup_steps=2, logging_steps=1, eval_strategy="no", fp16=True,
+                         lr_scheduler_type="linear")
+    # a loss scale that overflows twice before it fits (2^40 -> 2^28 -> 2^16)
+    config = {"loss_scale": {"initial": 2.0**40, "backoff_factor": 2.0**-12}}
+    trainer = OffloadTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), offload_config=config)
+    try:
+        trainer.train()
+        engine = trainer.offload_engine
+        assert (engine.skipped_steps, engine.global_steps, trainer.state.global_step) == (2, 4, 6)
+        logged = [entry["learning_rate"] for entry in trainer.state.log_history if "loss" in entry]
+        # linear warmup over 2 steps then decay to 0 at step 6, counted in updates: 0, 0, 0, 1.5e-3, 3e-3, 2.25e-3
+        assert logged == pytest.approx([0.0, 0.0, 0.0, 1.5e-3, 3e-3, 2.25e-3])
+    finally:
+        trainer.end()
+
+
 def test_prebuilt_optimizer_is_refused(tmp_path):
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters())

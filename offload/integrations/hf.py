@@ -362,6 +362,31 @@ class ConfigScheduleView:
         return None
 
 
+class _SkipAwareScheduler:
+    """The Trainer's scheduler, not stepped after an optimizer step the engine skipped (an fp16
+    overflow), as the Trainer itself does when accelerate's GradScaler skips one: the schedule
+    counts the steps that updated the weights. Everything else is the scheduler's own."""
+
+    def __init__(self, scheduler, trainer: OffloadTrainer) -> None:
+        self.scheduler = scheduler
+        self.trainer = trainer
+        self.seen_skipped = self._skipped()
+
+    def _skipped(self) -> int:
+        engine = self.trainer.offload_engine
+        return 0 if engine is None else engine.skipped_steps
+
+    def step(self, *args, **kwargs):
+        skipped = self._skipped()
+        if skipped != self.seen_skipped:
+            self.seen_skipped = skipped
+            return None
+        return self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.scheduler, name)
+
+
 class _GradNormAfterStep(TrainerCallback):
     """Fills the Trainer's logged gradient norm once the engine has computed it: the engine
     computes the global norm inside its step, after the Trainer asked for it. Also notes the lr a
@@ -458,7 +483,11 @@ class OffloadTrainer(Trainer):
             self.lr_scheduler = ConfigScheduleView(optimizer if optimizer is not None else self.optimizer)
             self._created_lr_scheduler = True
             return self.lr_scheduler
-        return super().create_scheduler(num_training_steps, optimizer=optimizer)
+        scheduler = super().create_scheduler(num_training_steps, optimizer=optimizer)
+        if self._created_lr_scheduler and not isinstance(scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau,
+                                                                     _SkipAwareScheduler)):
+            scheduler = self.lr_scheduler = _SkipAwareScheduler(scheduler, self)
+        return scheduler
 
     def _schedule_in_config(self) -> bool:
         return self._engine_config.scheduler.type != "none"
