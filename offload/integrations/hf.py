@@ -384,6 +384,8 @@ class _SkipAwareScheduler:
         return self.scheduler.step(*args, **kwargs)
 
     def __getattr__(self, name: str):
+        if name in ("scheduler", "trainer", "seen_skipped"):  # not set yet (copy, unpickling)
+            raise AttributeError(name)
         return getattr(self.scheduler, name)
 
 
@@ -600,7 +602,7 @@ class OffloadTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Writes the fp32 weights (`engine.consolidated_state_dict()`) with `save_pretrained`, so
         `from_pretrained(output_dir)` loads the trained model. Every rank must call it."""
-        if self.offload_engine is None or self.offload_engine._closed:
+        if self.offload_engine is None:
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = self.offload_engine.consolidated_state_dict()  # a collective: every rank
