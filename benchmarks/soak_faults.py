@@ -85,6 +85,8 @@ def _arm(engine, fault, phase: str) -> None:
 
 
 def child_main(args) -> int:
+    # a parent started in the background (nohup, `&`) passes SIGINT down ignored: Ctrl-C must raise here
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from safetensors.torch import save_file
 
     import offload
@@ -274,6 +276,9 @@ def main(argv=None) -> int:
     parser.add_argument("--every", type=int, default=20, help="checkpoint every this many steps")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--p-io", type=float, default=0.06, help="chance per step of one injected EIO/ENOSPC")
+    parser.add_argument("--p-kill", type=float, default=0.3, help="chance per signal tick of a SIGKILL")
+    parser.add_argument("--p-int", type=float, default=0.35, help="chance per signal tick of a SIGINT")
+    parser.add_argument("--max-delay", type=float, default=4.0, help="signal ticks come every uniform(0.3, this) s")
     parser.add_argument("--workdir", default=None, help="default: a temporary directory, removed afterwards")
     parser.add_argument("--out", default=None, help="also write the counts as JSON here")
     # child mode (internal)
@@ -290,7 +295,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     workdir = args.workdir or tempfile.mkdtemp(prefix="offload-soak-")
     try:
-        counts = soak(args.steps, args.every, args.seed, workdir, p_io=args.p_io)
+        counts = soak(args.steps, args.every, args.seed, workdir, p_io=args.p_io, p_kill=args.p_kill, p_int=args.p_int,
+                      max_delay=args.max_delay)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
