@@ -130,6 +130,8 @@ def child_main(args) -> int:
             engine.backward(loss)
             _arm(engine, fault, "step")
             engine.step()
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
             if fault is not None:
                 engine.store.swap.engine.clear_fault()
                 emit("fault_missed", fault=fault)  # no such I/O in that phase: nothing failed
@@ -156,7 +158,7 @@ def child_main(args) -> int:
 def _child_command(args, swap: str, ckpt: str, result: str, fault_seed: int, reference: bool) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--steps", str(args.steps), "--every", str(args.every),
            "--swap", swap, "--ckpt", ckpt, "--result", result, "--fault-seed", str(fault_seed),
-           "--p-io", str(args.p_io)]
+           "--p-io", str(args.p_io), "--step-sleep", str(args.step_sleep)]
     return cmd + (["--reference"] if reference else [])
 
 
@@ -197,17 +199,21 @@ def _swap_leftovers(swap: str) -> list[str]:
     return found
 
 
-def soak(steps: int, every: int, seed: int, workdir: str, *, p_io: float = 0.06, p_kill: float = 0.15,
-         p_int: float = 0.35, max_delay: float = 6.0, child_timeout: float = 600.0) -> dict:
+def soak(steps: int, every: int, seed: int, workdir: str, *, p_io: float = 0.06, p_kill: float = 0.3,
+         p_int: float = 0.35, max_delay: float = 4.0, child_timeout: float = 600.0, step_sleep: float = 0.0,
+         plan: list | None = None) -> dict:
     """Runs the soak in `workdir`; returns the counts (see the module docstring).
 
     While a child lives, every uniform(0.3, max_delay) seconds the parent sends it SIGKILL
     (chance p_kill), SIGINT (p_int) or nothing; each step arms one injected I/O error with
-    chance p_io."""
+    chance p_io. `plan`: for the first children, the (seconds after the previous, signal)
+    to send instead of random ones (then none). `step_sleep`: seconds each step sleeps (so
+    that short runs are still training when the signals come)."""
     import torch
     from safetensors.torch import load_file
 
-    args = argparse.Namespace(steps=steps, every=every, p_io=p_io)
+    args = argparse.Namespace(steps=steps, every=every, p_io=p_io, step_sleep=step_sleep)
+    plan = [list(child) for child in plan] if plan is not None else None
     rng = random.Random(seed)
     swap, ckpt = os.path.join(workdir, "swap"), os.path.join(workdir, "ckpt")
     ref_swap, ref_ckpt = os.path.join(workdir, "ref-swap"), os.path.join(workdir, "ref-ckpt")
@@ -223,7 +229,11 @@ def soak(steps: int, every: int, seed: int, workdir: str, *, p_io: float = 0.06,
     while True:
         counts["children"] += 1
 
-        def signals():
+        scripted = plan.pop(0) if plan else [] if plan is not None else None
+
+        def signals(scripted=scripted):
+            if scripted is not None:
+                return scripted.pop(0) if scripted else (child_timeout, None)
             draw = rng.random()
             sig = signal.SIGKILL if draw < p_kill else signal.SIGINT if draw < p_kill + p_int else None
             return rng.uniform(0.3, max_delay), sig
@@ -288,6 +298,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ckpt", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--fault-seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--step-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         logging.basicConfig(level=logging.ERROR)
