@@ -54,6 +54,13 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.f
 TIMING_KEYS = ("forward", "backward", "step", "wait_fetch", "wait_step")
 
 
+def adam_threads(cpus: int, environ) -> int:
+    """Threads of the C++ Adam when `optimizer.threads` is 0: this process's CPUs, shared with the
+    other ranks of the node (torchrun's LOCAL_WORLD_SIZE), so ranks do not oversubscribe them."""
+    ranks_here = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, cpus // ranks_here)
+
+
 def initialize(
     model: nn.Module, config: Config | dict | str | os.PathLike | None = None, param_groups: list[dict] | None = None, **kwargs
 ) -> Engine:
@@ -112,7 +119,7 @@ class Engine:
         self.device = Device(device)
         self.compute_dtype = COMPUTE_DTYPES[self.config.precision]
         self.ledger = TierLedger()
-        kernels.set_num_threads(self.config.optimizer.threads or len(os.sched_getaffinity(0)))
+        kernels.set_num_threads(self.config.optimizer.threads or adam_threads(len(os.sched_getaffinity(0)), os.environ))
 
         world, rank = self.collectives.world_size, self.collectives.rank
         specs = build_units(model, self.config.wrap.module_classes, self.config.wrap.min_params)

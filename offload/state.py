@@ -149,9 +149,21 @@ class OptimizerSlot:
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad32": self.grad32}
 
     def wait_writes(self) -> None:
-        for handle in self.pending_writes:
-            handle.wait()
-        self.pending_writes.clear()
+        """Waits for every write queued on the slot, even after one failed (the slot is reused
+        only when none is in flight); raises the first failure."""
+        pending, self.pending_writes = self.pending_writes, []
+        first: BaseException | None = None
+        for position, handle in enumerate(pending):
+            try:
+                handle.wait()
+            except Exception as error:  # noqa: BLE001 (the first is raised once all are done)
+                first = first or error
+            except BaseException:
+                # an interrupt: the writes not yet waited for stay queued, to be waited again
+                self.pending_writes = pending[position:] + self.pending_writes
+                raise
+        if first is not None:
+            raise first
 
 
 def host_budget_bytes(

@@ -148,3 +148,11 @@ def test_nvme_host_budget_depends_on_the_largest_unit_not_the_model(shards, dept
 def test_cpu_host_budget_counts_every_state():
     need = host_budget_bytes([100, 200], param_tier="cpu", optimizer_tier="cpu", compute_bytes=2, buffer_count=3, prefetch_depth=2, staged_device_copies=False)
     assert need == {"optimizer_state": 16 * 300, "param16": 2 * 300}
+
+
+def test_adam_threads_are_shared_by_the_ranks_of_a_node():
+    from offload.engine import adam_threads
+
+    assert adam_threads(16, {}) == 16
+    assert adam_threads(16, {"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert adam_threads(2, {"LOCAL_WORLD_SIZE": "4"}) == 1
