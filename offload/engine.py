@@ -226,12 +226,14 @@ class Engine:
         # thread when its last backward begins (the transfer worker submits the steps)
         self._window_hypers: list[StepHyper] | None = None
         self._outside_backward_began_at = 0.0
-        self.optimizer = EngineOptimizer(
-            self, groups, defaults={"lr": opt.lr, "weight_decay": opt.weight_decay, "betas": tuple(opt.betas), "eps": opt.eps}
-        )
+        # engine.optimizer is built on first use: torch.optim.Optimizer imports torch._dynamo
+        # (~2 s and ~70 MB of host memory) the first time one is made; until then the engine
+        # reads the same group dicts from here
+        self._groups = groups
+        self._optimizer: EngineOptimizer | None = None
         # the config's scheduler section, when it has one, drives every group's lr (and betas)
-        self._config_schedule = ConfigSchedule(self.config.scheduler, self.optimizer.param_groups)
-        self._config_schedule.apply(self.optimizer.param_groups, 0)
+        self._config_schedule = ConfigSchedule(self.config.scheduler, self.param_groups)
+        self._config_schedule.apply(self.param_groups, 0)
         # one unit's fp32 weights, kept while the model's state_dict walks its params
         self._weights_cache: tuple[tuple[int, int], torch.Tensor] | None = None
         self._param_home = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.spec.params)}
@@ -365,7 +367,7 @@ class Engine:
             )
         boundary = (self.micro_steps + 1) % accumulation == 0
         if boundary and self.policy.steps_in_backward:
-            self._config_schedule.check_untouched(self.optimizer.param_groups)
+            self._config_schedule.check_untouched(self.param_groups)
             self._window_hypers = self._hypers(1.0 / self.collectives.world_size)
         return boundary
 
@@ -443,7 +445,7 @@ class Engine:
     def _hypers(self, grad_multiplier: float) -> list[StepHyper]:
         """Each parameter group's hyperparameters as engine.optimizer holds them now (an LR
         scheduler may have changed them since the last step)."""
-        groups = self.optimizer.param_groups
+        groups = self.param_groups
         opt = self.config.optimizer
         return [
             StepHyper(
@@ -460,10 +462,26 @@ class Engine:
         ]
 
     @property
+    def optimizer(self) -> EngineOptimizer:
+        """The engine as a torch.optim.Optimizer (for LR schedulers and trainers); see
+        offload.optim.engine_optimizer."""
+        if self._optimizer is None:
+            opt = self.config.optimizer
+            defaults = {"lr": opt.lr, "weight_decay": opt.weight_decay, "betas": tuple(opt.betas), "eps": opt.eps}
+            self._optimizer = EngineOptimizer(self, self._groups, defaults=defaults)
+        return self._optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The parameter groups' dicts (each with params, lr, betas, eps, weight_decay): engine.optimizer's
+        once it is built (its load_state_dict replaces them), the engine's own before."""
+        return self._optimizer.param_groups if self._optimizer is not None else self._groups
+
+    @property
     def lr(self) -> float:
         """The learning rate (of every parameter group; an error when the groups differ: read
         engine.optimizer.param_groups then). Setting it sets every group's."""
-        rates = {float(group["lr"]) for group in self.optimizer.param_groups}
+        rates = {float(group["lr"]) for group in self.param_groups}
         if len(rates) > 1:
             raise OffloadError(
                 f"the parameter groups have different learning rates {sorted(rates)}: read or set each in "
@@ -474,7 +492,7 @@ class Engine:
     @lr.setter
     def lr(self, value: float) -> None:
         self._config_schedule.refuse_manual()
-        for group in self.optimizer.param_groups:
+        for group in self.param_groups:
             group["lr"] = value
 
     def _drain(self) -> None:
@@ -501,7 +519,7 @@ class Engine:
             return False
         if self.micro_steps == self._stepped_at_micro:
             return False
-        self._config_schedule.check_untouched(self.optimizer.param_groups)
+        self._config_schedule.check_untouched(self.param_groups)
         self._drain()
         # the window is decided from here on (stepped, skipped or refused); an interrupt in the
         # wait above leaves it open, and the next step() takes it again
@@ -567,7 +585,7 @@ class Engine:
             if context.gathers_after_step:
                 unit.needs_gather = True
         self.stepping.submit(units, hypers)
-        self._config_schedule.apply(self.optimizer.param_groups, self.global_steps)
+        self._config_schedule.apply(self.param_groups, self.global_steps)
         self.policy.on_window_end(self.stepping)
 
     def _refuse_stray_grads(self) -> None:
@@ -718,12 +736,12 @@ class Engine:
             "micro_steps": self.micro_steps,
             "skipped_steps": self.skipped_steps,
             "stepped_at_micro": self._stepped_at_micro,
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "lr": float(self.param_groups[0]["lr"]),
             # each group's hyperparameters as a scheduler left them (the first group's lr above
             # is what checkpoints before parameter groups had)
             "param_groups": [
                 {key: (list(group[key]) if key == "betas" else float(group[key])) for key in GROUP_KEYS}
-                for group in self.optimizer.param_groups
+                for group in self.param_groups
             ],
             "loss_scaler": self.scaler.state_dict(),
             "last_grad_norm": norm if norm is None or math.isfinite(norm) else None,
@@ -735,7 +753,7 @@ class Engine:
         self.micro_steps = state["micro_steps"]
         self.skipped_steps = state["skipped_steps"]
         self._stepped_at_micro = state["stepped_at_micro"]
-        groups = self.optimizer.param_groups
+        groups = self.param_groups
         saved = state.get("param_groups")
         if saved is not None and len(saved) == len(groups):
             for group, values in zip(groups, saved):
