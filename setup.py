@@ -5,6 +5,7 @@ raw pointers and sizes. There is no -march=native: each instruction-set variant 
 lives in its own source file that selects its target with `#pragma GCC target`, and the
 code picks a variant at run time from what the CPU reports.
 """
+
 import glob
 import os
 

@@ -24,6 +24,7 @@ the 32 B/element it really moves (a's lines are read for ownership before being 
     python benchmarks/bench_adam.py [--sizes 10e6 100e6] [--repeats 15] [--threads N] [--foreach]
                                     [--streaming-threshold N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,19 @@ def offload_setup(n: int, bf16: bool):
 
     def run():
         step[0] += 1
-        kernels.adam_step(p, g, m, v, step=step[0], lr=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1],
-                          eps=HP["eps"], weight_decay=HP["weight_decay"], param_out16=out16)
+        kernels.adam_step(
+            p,
+            g,
+            m,
+            v,
+            step=step[0],
+            lr=HP["lr"],
+            beta1=HP["betas"][0],
+            beta2=HP["betas"][1],
+            eps=HP["eps"],
+            weight_decay=HP["weight_decay"],
+            param_out16=out16,
+        )
 
     return run
 
@@ -103,8 +115,7 @@ def deepspeed_setup(n: int):
 
     p = torch.nn.Parameter(torch.randn(n))
     p.grad = torch.randn(n)
-    opt = DeepSpeedCPUAdam([p], lr=HP["lr"], betas=HP["betas"], eps=HP["eps"], weight_decay=HP["weight_decay"],
-                           adamw_mode=True)
+    opt = DeepSpeedCPUAdam([p], lr=HP["lr"], betas=HP["betas"], eps=HP["eps"], weight_decay=HP["weight_decay"], adamw_mode=True)
     return opt.step
 
 
@@ -120,8 +131,9 @@ def traffic_setups(n: int, bf16: bool) -> list:
     keep = (p, m, v, g, out16)
 
     def mode(stream):
-        return lambda: keep and _adam_ext.adam_traffic(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), optr,
-                                                       n, gtype, otype, stream)
+        return lambda: (
+            keep and _adam_ext.adam_traffic(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), optr, n, gtype, otype, stream)
+        )
 
     return [mode(False), mode(True)]
 
@@ -138,32 +150,42 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="rounds of alternating timings (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="offload kernel threads (default: all CPUs)")
     parser.add_argument("--foreach", action="store_true", help="also time torch AdamW(foreach=True)")
-    parser.add_argument("--streaming-threshold", type=float, default=None,
-                        help="adam_step calls from this many elements use non-temporal stores (default: the "
-                             "kernel's; 1e18 turns them off, to compare)")
+    parser.add_argument(
+        "--streaming-threshold",
+        type=float,
+        default=None,
+        help="adam_step calls from this many elements use non-temporal stores (default: the "
+        "kernel's; 1e18 turns them off, to compare)",
+    )
     args = parser.parse_args()
     if args.threads:
         kernels.set_num_threads(args.threads)
     if args.streaming_threshold is not None:
         kernels.set_streaming_threshold(int(args.streaming_threshold))
-    print(f"offload kernel ISA: {kernels.active_isa()}, threads: {kernels.get_num_threads()}, streaming from "
-          f"{kernels.streaming_threshold() / 1e6:.1f}M elements; torch {torch.__version__}, "
-          f"torch threads: {torch.get_num_threads()}; {args.repeats} alternating rounds, median (best)")
+    print(
+        f"offload kernel ISA: {kernels.active_isa()}, threads: {kernels.get_num_threads()}, streaming from "
+        f"{kernels.streaming_threshold() / 1e6:.1f}M elements; torch {torch.__version__}, "
+        f"torch threads: {torch.get_num_threads()}; {args.repeats} alternating rounds, median (best)"
+    )
     try:
         import deepspeed.ops.adam  # noqa: F401
 
         have_deepspeed = True
-    except Exception as exc:  # ImportError, or its op builder failing
+    except Exception as exc:  # noqa: BLE001 - ImportError, or whatever its op builder raises: reported, then skipped
         have_deepspeed = False
         print(f"DeepSpeedCPUAdam: skipped (not importable: {type(exc).__name__}: {exc})")
     for size in args.sizes:
         n = int(size)
         triad = stream_triad_gbs(n, args.repeats)
         gc.collect()
-        print(f"\n== {n / 1e6:.0f}M parameters ==  STREAM triad (reference): {triad * 24 / 1e9:.1f} GB/s at STREAM's "
-              f"24 B/elem, {triad * 32 / 1e9:.1f} GB/s counting write-allocate (32 B/elem)")
-        print(f"{'workload':40s} {'ms med':>8s} {'(best)':>8s} {'Gparam/s':>9s} {'GB/s':>6s} "
-              f"{'vs peer: med (per-round)':>25s} {'of BW':>6s}")
+        print(
+            f"\n== {n / 1e6:.0f}M parameters ==  STREAM triad (reference): {triad * 24 / 1e9:.1f} GB/s at STREAM's "
+            f"24 B/elem, {triad * 32 / 1e9:.1f} GB/s counting write-allocate (32 B/elem)"
+        )
+        print(
+            f"{'workload':40s} {'ms med':>8s} {'(best)':>8s} {'Gparam/s':>9s} {'GB/s':>6s} "
+            f"{'vs peer: med (per-round)':>25s} {'of BW':>6s}"
+        )
         for bf16 in (False, True):
             label = "bf16 grad->bf16 out" if bf16 else "fp32"
             peer_name = "torch cast+fused+cast" if bf16 else "torch AdamW(fused=True)"
@@ -182,10 +204,12 @@ def main() -> None:
                 names.append(f"{label}  torch AdamW(foreach=True)")
                 gc.collect()
             limit = n / min(statistics.median(plain), statistics.median(streamed))
-            print(f"{label} bandwidth limit (kernel's access pattern, no arithmetic, median of rounds): ordinary "
-                  f"stores {n / statistics.median(plain) / 1e9:.2f}, streaming {n / statistics.median(streamed) / 1e9:.2f}"
-                  f" G params/s -> limit {limit / 1e9:.2f} G params/s = {limit * BYTES_PER_PARAM / 1e9:.1f} GB/s at "
-                  f"{BYTES_PER_PARAM} B/param")
+            print(
+                f"{label} bandwidth limit (kernel's access pattern, no arithmetic, median of rounds): ordinary "
+                f"stores {n / statistics.median(plain) / 1e9:.2f}, streaming {n / statistics.median(streamed) / 1e9:.2f}"
+                f" G params/s -> limit {limit / 1e9:.2f} G params/s = {limit * BYTES_PER_PARAM / 1e9:.1f} GB/s at "
+                f"{BYTES_PER_PARAM} B/param"
+            )
             peer = times[0]
             for i, (name, t) in enumerate(zip(names, times)):
                 med = statistics.median(t)
@@ -195,8 +219,11 @@ def main() -> None:
                 else:
                     per_round = statistics.median(p / x for p, x in zip(peer, t))
                     ratio = f"{statistics.median(peer) / med:.2f}x ({per_round:.2f}x)"
-                print(f"{name:40s} {med * 1e3:8.1f} {min(t) * 1e3:8.1f} {rate / 1e9:9.2f} "
-                      f"{rate * BYTES_PER_PARAM / 1e9:6.1f} {ratio:>25s} {rate / limit:6.0%}")
+                print(
+                    f"{name:40s} {med * 1e3:8.1f} {min(t) * 1e3:8.1f} {rate / 1e9:9.2f} "
+                    f"{rate * BYTES_PER_PARAM / 1e9:6.1f} {ratio:>25s} {rate / limit:6.0%}"
+                )
+
 
 if __name__ == "__main__":
     main()

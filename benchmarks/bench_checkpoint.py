@@ -10,6 +10,7 @@ save and a load (the state is streamed unit by unit, never gathered).
 
     PYTHONPATH=. python benchmarks/bench_checkpoint.py --path /mnt/nvme/tmp
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,6 @@ import torch
 from torch import nn
 
 import offload
-from offload import checkpoint
 
 
 class Units(nn.Module):
@@ -105,8 +105,12 @@ def disk_speed(work: str, nbytes: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--path", default=".", help="directory on the disk to measure (swap, checkpoint and dd files go in a temp dir there)")
-    parser.add_argument("--params", type=float, default=500e6 / 3, help="parameters whose fp32 state (master + 2 moments) is saved")
+    parser.add_argument(
+        "--path", default=".", help="directory on the disk to measure (swap, checkpoint and dd files go in a temp dir there)"
+    )
+    parser.add_argument(
+        "--params", type=float, default=500e6 / 3, help="parameters whose fp32 state (master + 2 moments) is saved"
+    )
     parser.add_argument("--unit-params", type=float, default=8e6, help="parameters per unit")
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = parser.parse_args()
@@ -152,26 +156,46 @@ def main() -> int:
     gb = 1e9
     rows = []
     for when, disk in (("before", disk_before), ("after", disk_after)):
-        rows += [(f"dd write, /dev/zero, fsync ({when})", disk["bytes"], disk["dd_write_s"]),
-                 (f"python write, random data, fsync ({when})", disk["bytes"], disk["write_s"]),
-                 (f"dd read, cold ({when})", disk["bytes"], disk["read_s"])]
+        rows += [
+            (f"dd write, /dev/zero, fsync ({when})", disk["bytes"], disk["dd_write_s"]),
+            (f"python write, random data, fsync ({when})", disk["bytes"], disk["write_s"]),
+            (f"dd read, cold ({when})", disk["bytes"], disk["read_s"]),
+        ]
     rows += [("save_checkpoint (swap -> ckpt)", nbytes, save_s), ("load_checkpoint (ckpt -> swap)", nbytes, load_s)]
-    print(f"state: {params / 1e6:.0f}M params x 3 fp32 tensors (master, exp_avg, exp_avg_sq) = {params * 3 / 1e6:.0f}M elements, "
-          f"checkpoint state file {nbytes / gb:.2f} GB; {count} units; placement param=nvme optimizer=nvme; path {os.path.abspath(args.path)}")
+    print(
+        f"state: {params / 1e6:.0f}M params x 3 fp32 tensors (master, exp_avg, exp_avg_sq) = {params * 3 / 1e6:.0f}M elements, "
+        f"checkpoint state file {nbytes / gb:.2f} GB; {count} units; placement param=nvme optimizer=nvme; path {os.path.abspath(args.path)}"
+    )
     print(f"engine start (reserve + write swap files): {init_s:.1f} s")
     print(f"{'operation':42s} {'GB':>6s} {'seconds':>8s} {'GB/s':>6s}")
     for name, size, seconds in rows:
         print(f"{name:42s} {size / gb:6.2f} {seconds:8.2f} {size / gb / seconds:6.2f}")
     write_rate = max(d["bytes"] / min(d["dd_write_s"], d["write_s"]) for d in (disk_before, disk_after)) / gb
     read_rate = max(d["bytes"] / d["read_s"] for d in (disk_before, disk_after)) / gb
-    print(f"save: {nbytes / gb / save_s / write_rate:.0%} of the disk's best sequential write ({write_rate:.2f} GB/s); "
-          f"load: {nbytes / gb / load_s / read_rate:.0%} of its best sequential read ({read_rate:.2f} GB/s) "
-          "(a save also reads the state from swap, a load also writes it to swap: same disk)")
-    print(f"resident memory growth: save {save_rss.growth / 2**20:.0f} MiB, load {load_rss.growth / 2**20:.0f} MiB "
-          f"(state {nbytes / 2**20:.0f} MiB; the engine's NVMe slot buffers are touched for the first time by the save)")
+    print(
+        f"save: {nbytes / gb / save_s / write_rate:.0%} of the disk's best sequential write ({write_rate:.2f} GB/s); "
+        f"load: {nbytes / gb / load_s / read_rate:.0%} of its best sequential read ({read_rate:.2f} GB/s) "
+        "(a save also reads the state from swap, a load also writes it to swap: same disk)"
+    )
+    print(
+        f"resident memory growth: save {save_rss.growth / 2**20:.0f} MiB, load {load_rss.growth / 2**20:.0f} MiB "
+        f"(state {nbytes / 2**20:.0f} MiB; the engine's NVMe slot buffers are touched for the first time by the save)"
+    )
     if args.json:
-        print(json.dumps({"params": params, "state_bytes": nbytes, "save_s": save_s, "load_s": load_s,
-                          "disk_before": disk_before, "disk_after": disk_after, "save_rss_growth": save_rss.growth, "load_rss_growth": load_rss.growth}))
+        print(
+            json.dumps(
+                {
+                    "params": params,
+                    "state_bytes": nbytes,
+                    "save_s": save_s,
+                    "load_s": load_s,
+                    "disk_before": disk_before,
+                    "disk_after": disk_after,
+                    "save_rss_growth": save_rss.growth,
+                    "load_rss_growth": load_rss.growth,
+                }
+            )
+        )
     return 0
 
 

@@ -18,6 +18,7 @@ optimizer on the CPU) need `import deepspeed` to work; they are skipped with the
 otherwise. Sizes "7b" and larger build the model on the meta device for offload (materialised
 one unit at a time) and are not run for plain PyTorch (it does not fit).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,15 @@ def llama_config(size: str, seq: int):
 
     hidden, intermediate, layers, heads, kv, vocab = SIZES[size]
     return transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max(seq, 128),
-        tie_word_embeddings=False, torch_dtype="float32",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=max(seq, 128),
+        tie_word_embeddings=False,
+        torch_dtype="float32",
     )
 
 
@@ -142,8 +149,12 @@ def run_offload(args, device, param: str, optimizer: str) -> dict:
         finally:
             engine.close(restore_weights=False)
     median = sorted(range(2, len(times)), key=lambda i: times[i])[(len(times) - 2) // 2]
-    return {"times": times[2:], "breakdown": breakdowns[median], "startup": startup,
-            "tiers": {tier: report[tier]["peak"] for tier in ("device", "host", "nvme")}}
+    return {
+        "times": times[2:],
+        "breakdown": breakdowns[median],
+        "startup": startup,
+        "tiers": {tier: report[tier]["peak"] for tier in ("device", "host", "nvme")},
+    }
 
 
 def run_deepspeed(args, device, stage: int) -> dict:
@@ -197,8 +208,22 @@ def measure_limits(device, params: int) -> dict:
     rates = []
     for step in range(1, 5):
         t0 = time.perf_counter()
-        kernels.adam_step(master, grad, exp_avg, exp_avg_sq, step=step, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
-                          weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0, param_out16=out16)
+        kernels.adam_step(
+            master,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            step=step,
+            lr=1e-4,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            adamw_mode=True,
+            bias_correction=True,
+            grad_scale=1.0,
+            param_out16=out16,
+        )
         rates.append(n / (time.perf_counter() - t0))
     limits = {"adam_params_per_s": statistics.median(rates[1:])}
     if device.type == "cuda":
@@ -238,8 +263,24 @@ def child(args) -> None:
 def spawn(args, run: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
-    command = [sys.executable, os.path.abspath(__file__), "--child", run, "--out", out, "--size", args.size,
-               "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--overlap", args.overlap]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        run,
+        "--out",
+        out,
+        "--size",
+        args.size,
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+        "--overlap",
+        args.overlap,
+    ]
     if args.checkpointing:
         command.append("--checkpointing")
     if args.nvme_path:
@@ -247,7 +288,9 @@ def spawn(args, run: str) -> dict:
     finished = subprocess.run(command, capture_output=True, text=True)
     try:
         if finished.returncode != 0:
-            return {"failed": finished.stderr.strip().splitlines()[-1] if finished.stderr.strip() else f"exit {finished.returncode}"}
+            return {
+                "failed": finished.stderr.strip().splitlines()[-1] if finished.stderr.strip() else f"exit {finished.returncode}"
+            }
         with open(out) as handle:
             return json.load(handle)
     finally:
@@ -299,8 +342,10 @@ def main(argv=None) -> int:
     for run in runs:
         if run.startswith("ds") and results[run].get("times"):
             peer[run] = statistics.median(results[run]["times"])
-    print(f"Llama-style {args.size} ({params / 1e9:.2f}B params), bf16, batch {args.batch}x{args.seq}, "
-          f"checkpointing {'on' if args.checkpointing else 'off'}, overlap {args.overlap}, device {limits.get('device')}")
+    print(
+        f"Llama-style {args.size} ({params / 1e9:.2f}B params), bf16, batch {args.batch}x{args.seq}, "
+        f"checkpointing {'on' if args.checkpointing else 'off'}, overlap {args.overlap}, device {limits.get('device')}"
+    )
     limit_text = f"CPU Adam {limits['adam_params_per_s'] / 1e9:.2f} G params/s"
     if "h2d_bytes_per_s" in limits:
         limit_text += f", PCIe host->device {limits['h2d_bytes_per_s'] / 1e9:.1f} GB/s, device->host {limits['d2h_bytes_per_s'] / 1e9:.1f} GB/s"
@@ -315,13 +360,17 @@ def main(argv=None) -> int:
             continue
         seconds = statistics.median(result["times"])
         floor = floor_seconds(run, params, plain.get("fwd_bwd"), limits)
-        line = (f"{run:<10}{seconds:>8.3f}{(seconds / plain_s if plain_s else float('nan')):>9.2f}"
-                f"{6 * params * tokens / seconds / 1e12:>8.1f}{result['gpu_peak'] / 2**30:>9.1f}"
-                f"{result['rss_peak'] / 2**30:>9.1f}{result['startup']:>8.1f}"
-                f"{(floor or float('nan')):>8.3f}{(seconds / floor if floor else float('nan')):>7.2f}")
+        line = (
+            f"{run:<10}{seconds:>8.3f}{(seconds / plain_s if plain_s else float('nan')):>9.2f}"
+            f"{6 * params * tokens / seconds / 1e12:>8.1f}{result['gpu_peak'] / 2**30:>9.1f}"
+            f"{result['rss_peak'] / 2**30:>9.1f}{result['startup']:>8.1f}"
+            f"{(floor or float('nan')):>8.3f}{(seconds / floor if floor else float('nan')):>7.2f}"
+        )
         if "breakdown" in result:
             b = result["breakdown"]
-            line += "  " + " ".join(f"{k}={b[k]:.3f}" for k in ("forward", "backward", "step", "wait_fetch", "wait_step", "cpu_adam") if k in b)
+            line += "  " + " ".join(
+                f"{k}={b[k]:.3f}" for k in ("forward", "backward", "step", "wait_fetch", "wait_step", "cpu_adam") if k in b
+            )
             line += "  " + " ".join(f"{peer_run} {peer_s / seconds:.2f}x" for peer_run, peer_s in peer.items())
         print(line)
     return 0

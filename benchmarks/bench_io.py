@@ -14,6 +14,7 @@ Columns (GB/s = 1e9 bytes/s, sequential, best of --repeat passes):
 - numpy tofile / fromfile: buffered, same page-cache rules.
 Ratios are offload's best over fio's best per op (target >= 0.9).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,13 +59,15 @@ def offload_engine(path: str, buf: torch.Tensor, size: int, bs: int, qd: int, re
     try:
         os.posix_fallocate(fd, 0, size)
         with AioEngine(bs, qd, qd) as eng:
+
             def one(op):
                 submit = eng.submit_read if op == "read" else eng.submit_write
                 t0 = time.perf_counter()
-                hs = [submit(fd, buf[off:off + CHUNK], off) for off in range(0, size, CHUNK)]
+                hs = [submit(fd, buf[off : off + CHUNK], off) for off in range(0, size, CHUNK)]
                 for h in hs:
                     h.wait()
                 return size / (time.perf_counter() - t0) / 1e9
+
             one("write")  # lay the file out (unwritten extents -> written)
             return {"write": best_of(repeat, lambda: one("write")), "read": best_of(repeat, lambda: one("read"))}
     finally:
@@ -77,7 +80,7 @@ def offload_swap(root: str, buf: torch.Tensor, size: int, bs: int, qd: int, repe
     store = SwapStore(root, block_size=bs, queue_depth=qd, threads=qd)
     try:
         store.reserve({n: (tensor_bytes, torch.uint8) for n in names})
-        views = {n: buf[i * tensor_bytes:(i + 1) * tensor_bytes] for i, n in enumerate(names)}
+        views = {n: buf[i * tensor_bytes : (i + 1) * tensor_bytes] for i, n in enumerate(names)}
 
         def one(op):
             t0 = time.perf_counter()
@@ -86,6 +89,7 @@ def offload_swap(root: str, buf: torch.Tensor, size: int, bs: int, qd: int, repe
             for h in hs:
                 h.wait()
             return len(names) * tensor_bytes / (time.perf_counter() - t0) / 1e9
+
         one("write")
         return {"write": best_of(repeat, lambda: one("write")), "read": best_of(repeat, lambda: one("read"))}
     finally:
@@ -101,12 +105,22 @@ def fio_run(path: str, size: int, bs: int, qd: int, repeat: int) -> dict | None:
         best = 0.0
         for _ in range(repeat):
             for engine in ("io_uring", "libaio"):
-                cmd = [fio, "--name=bench", f"--filename={path}", f"--size={size}", f"--rw={op}", f"--bs={bs}",
-                       f"--iodepth={qd}", f"--ioengine={engine}", "--direct=1", "--numjobs=1",
-                       "--output-format=json"]
+                cmd = [
+                    fio,
+                    "--name=bench",
+                    f"--filename={path}",
+                    f"--size={size}",
+                    f"--rw={op}",
+                    f"--bs={bs}",
+                    f"--iodepth={qd}",
+                    f"--ioengine={engine}",
+                    "--direct=1",
+                    "--numjobs=1",
+                    "--output-format=json",
+                ]
                 p = subprocess.run(cmd, capture_output=True, text=True)
                 if p.returncode == 0:
-                    job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]
+                    job = json.loads(p.stdout[p.stdout.index("{") :])["jobs"][0]
                     best = max(best, job[op]["bw_bytes"] / 1e9)
                     out.setdefault("engine", engine)
                     break
@@ -128,7 +142,7 @@ def aiofiles_run(path: str, buf: torch.Tensor, size: int, repeat: int) -> dict |
         t0 = time.perf_counter()
         async with aiofiles.open(path, "wb") as f:
             for off in range(0, size, chunk):
-                await f.write(mv[off:off + chunk])
+                await f.write(mv[off : off + chunk])
             await f.flush()
             os.fsync(f.fileno())
         return size / (time.perf_counter() - t0) / 1e9
@@ -145,8 +159,7 @@ def aiofiles_run(path: str, buf: torch.Tensor, size: int, repeat: int) -> dict |
                 n += len(data)
         return n / (time.perf_counter() - t0) / 1e9
 
-    return {"write": best_of(repeat, lambda: asyncio.run(write())),
-            "read": best_of(repeat, lambda: asyncio.run(read()))}
+    return {"write": best_of(repeat, lambda: asyncio.run(write())), "read": best_of(repeat, lambda: asyncio.run(read()))}
 
 
 def numpy_run(path: str, buf: torch.Tensor, size: int, repeat: int) -> dict:
@@ -180,8 +193,11 @@ def main() -> int:
     root = os.path.abspath(args.path)
     size = max(CHUNK, args.size // CHUNK * CHUNK)
     direct = probe_o_direct(root)
-    print(f"path {root} ({filesystem_type(root)}, O_DIRECT {'on' if direct else 'REFUSED'}), file {human(size)}, "
-          f"best of {args.repeat}; GB/s = 1e9 B/s", flush=True)
+    print(
+        f"path {root} ({filesystem_type(root)}, O_DIRECT {'on' if direct else 'REFUSED'}), file {human(size)}, "
+        f"best of {args.repeat}; GB/s = 1e9 B/s",
+        flush=True,
+    )
     scratch = os.path.join(root, f".offload-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     pool = HostBufferPool(None, pin=False)
     buf = pool.alloc(size, torch.uint8)
@@ -189,8 +205,10 @@ def main() -> int:
     rows = []
     have_fio = shutil.which("fio") is not None
     if not have_fio:
-        print("note: fio not found; its column is skipped. Install it: apt-get install fio (Debian/Ubuntu), "
-              "dnf install fio (Fedora/RHEL), brew install fio (macOS).")
+        print(
+            "note: fio not found; its column is skipped. Install it: apt-get install fio (Debian/Ubuntu), "
+            "dnf install fio (Fedora/RHEL), brew install fio (macOS)."
+        )
     try:
         for bs, qd in CONFIGS:
             ours = offload_engine(scratch, buf, size, bs, qd, args.repeat)
@@ -200,9 +218,12 @@ def main() -> int:
                 os.unlink(scratch)
             rows.append({"block_size": bs, "queue_depth": qd, "offload": ours, "fio": theirs})
             f = lambda d, op: f"{d[op]:6.2f}" if d else "     -"  # noqa: E731
-            print(f"block {human(bs):>3} depth {qd:>2} (threads {qd:>2}):  offload write {f(ours, 'write')} "
-                  f"read {f(ours, 'read')}   fio write {f(theirs, 'write')} read {f(theirs, 'read')}"
-                  f"{'  (' + theirs['engine'] + ')' if theirs else ''}", flush=True)
+            print(
+                f"block {human(bs):>3} depth {qd:>2} (threads {qd:>2}):  offload write {f(ours, 'write')} "
+                f"read {f(ours, 'read')}   fio write {f(theirs, 'write')} read {f(theirs, 'read')}"
+                f"{'  (' + theirs['engine'] + ')' if theirs else ''}",
+                flush=True,
+            )
         best_cfg = max(rows, key=lambda r: 2 / (1 / r["offload"]["read"] + 1 / r["offload"]["write"]))
         swap = offload_swap(root, buf, size, best_cfg["block_size"], best_cfg["queue_depth"], args.repeat)
         aio_py = aiofiles_run(scratch, buf, size, args.repeat)
@@ -218,23 +239,31 @@ def main() -> int:
 
     print()
     print(f"{'method':<44} {'write GB/s':>10} {'read GB/s':>10}")
-    table = [("offload engine, best (O_DIRECT)", best("offload", "write"), best("offload", "read")),
-             (f"offload swap store, CRC-32C ({human(best_cfg['block_size'])} x {best_cfg['queue_depth']})",
-              swap["write"], swap["read"]),
-             ("fio, best (O_DIRECT)", best("fio", "write"), best("fio", "read")),
-             ("aiofiles, 8M chunks (buffered, cache dropped)", *(aio_py[o] if aio_py else None for o in ("write", "read"))),
-             ("numpy tofile/fromfile (buffered, cache dropped)", npy["write"], npy["read"])]
+    table = [
+        ("offload engine, best (O_DIRECT)", best("offload", "write"), best("offload", "read")),
+        (
+            f"offload swap store, CRC-32C ({human(best_cfg['block_size'])} x {best_cfg['queue_depth']})",
+            swap["write"],
+            swap["read"],
+        ),
+        ("fio, best (O_DIRECT)", best("fio", "write"), best("fio", "read")),
+        ("aiofiles, 8M chunks (buffered, cache dropped)", *(aio_py[o] if aio_py else None for o in ("write", "read"))),
+        ("numpy tofile/fromfile (buffered, cache dropped)", npy["write"], npy["read"]),
+    ]
     for name, w, r in table:
         fmt = lambda v: f"{v:10.2f}" if v is not None else f"{'-':>10}"  # noqa: E731
         print(f"{name:<44} {fmt(w)} {fmt(r)}")
     if have_fio:
         for op in ("write", "read"):
-            print(f"ratio offload/fio {op}: engine {best('offload', op) / best('fio', op):.2f}x, "
-                  f"swap store {swap[op] / best('fio', op):.2f}x  (target >= 0.90)")
+            print(
+                f"ratio offload/fio {op}: engine {best('offload', op) / best('fio', op):.2f}x, "
+                f"swap store {swap[op] / best('fio', op):.2f}x  (target >= 0.90)"
+            )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"path": root, "size": size, "rows": rows, "swap_store": swap, "aiofiles": aio_py,
-                       "numpy": npy}, f, indent=2)
+            json.dump(
+                {"path": root, "size": size, "rows": rows, "swap_store": swap, "aiofiles": aio_py, "numpy": npy}, f, indent=2
+            )
     return 0
 
 

@@ -8,6 +8,7 @@ CPU otherwise (then "device" memory is host memory too).
 
     python benchmarks/bench_step.py [--layers 12 --width 768 --batch 4 --seq 256 --steps 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,14 @@ def build_model(layers: int, width: int, seq: int):
     import transformers
 
     config = transformers.GPT2Config(
-        vocab_size=50257, n_positions=max(seq, 128), n_embd=width, n_layer=layers, n_head=max(1, width // 64),
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=50257,
+        n_positions=max(seq, 128),
+        n_embd=width,
+        n_layer=layers,
+        n_head=max(1, width // 64),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
@@ -101,7 +108,9 @@ def main(argv=None) -> int:
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 50257, (args.batch, args.seq), generator=generator) for _ in range(args.steps + 2)]
     tokens = args.batch * args.seq
-    print(f"GPT-2 style, {count / 1e6:.0f}M params, batch {args.batch}x{args.seq}, {args.precision}, overlap {args.overlap}, device {device}, torch threads {torch.get_num_threads()}")
+    print(
+        f"GPT-2 style, {count / 1e6:.0f}M params, batch {args.batch}x{args.seq}, {args.precision}, overlap {args.overlap}, device {device}, torch threads {torch.get_num_threads()}"
+    )
 
     plain_first = statistics.median(time_plain(model, batches, device, args.precision)[2:])
     rows = []
@@ -109,7 +118,9 @@ def main(argv=None) -> int:
         for param, optimizer in PLACEMENTS:
             times, breakdowns, report = time_engine(model, batches, param, optimizer, args.overlap, swap, args.precision)
             median_index = sorted(range(2, len(times)), key=lambda i: times[i])[(len(times) - 2) // 2]
-            rows.append((f"offload param={param:<4} optimizer={optimizer:<4}", times[median_index], breakdowns[median_index], report))
+            rows.append(
+                (f"offload param={param:<4} optimizer={optimizer:<4}", times[median_index], breakdowns[median_index], report)
+            )
     # plain PyTorch again at the end: the ratios use the mean of both, and the two show the drift
     plain_last = statistics.median(time_plain(model, batches, device, args.precision)[2:])
     plain = (plain_first + plain_last) / 2
@@ -121,7 +132,10 @@ def main(argv=None) -> int:
     for name, seconds, breakdown, report in rows:
         line = f"{name:<58}{seconds:>8.3f}{seconds / plain:>7.2f}{tokens / seconds:>8.0f}"
         if breakdown:
-            line += "".join(f"{breakdown[k]:>7.3f}" if k in ("forward", "backward", "step") else f"{breakdown[k]:>8.3f}" for k in ("forward", "backward", "step", "wait_fetch", "wait_step"))
+            line += "".join(
+                f"{breakdown[k]:>7.3f}" if k in ("forward", "backward", "step") else f"{breakdown[k]:>8.3f}"
+                for k in ("forward", "backward", "step", "wait_fetch", "wait_step")
+            )
             line += "".join(f"{report[tier]['peak'] / 2**20:>8.0f}" for tier in ("device", "host", "nvme"))
         print(line)
     print("targets (2-core CPU as device): param none/optimizer cpu <= 1.15x plain; optimizer nvme <= 1.5x plain")

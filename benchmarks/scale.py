@@ -23,6 +23,7 @@ The swap files are removed on every exit path (Ctrl-C and SIGTERM included); a r
 with SIGKILL leaves `<path>/<run name>/`, which the next run reports (and removes with
 --clean-stale).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -234,7 +235,7 @@ def stale_runs(path: str) -> list[str]:
     with contextlib.suppress(OSError):
         for name in os.listdir(path):
             if name.startswith(RUN_PREFIX):
-                pid = name[len(RUN_PREFIX):].split("-")[0]
+                pid = name[len(RUN_PREFIX) :].split("-")[0]
                 if not (pid.isdigit() and psutil.pid_exists(int(pid))):
                     found.append(os.path.join(path, name))
     return found
@@ -331,27 +332,39 @@ def run(args) -> dict:
             print(f"WARNING: stale swap directory from a killed run: {directory} (remove it, or pass --clean-stale)")
     free = shutil.disk_usage(args.path).free
     ram = psutil.virtual_memory()
-    print(f"model: {numel / 1e9:.3f}B params (vocab {vocab}, width {width}, {depth} blocks, {heads} heads); "
-          f"fp32 weights {fmt_gb(4 * numel)}, fp32 master+Adam+grad {fmt_gb(16 * numel)}, RAM {fmt_gib(ram.total)}")
+    print(
+        f"model: {numel / 1e9:.3f}B params (vocab {vocab}, width {width}, {depth} blocks, {heads} heads); "
+        f"fp32 weights {fmt_gb(4 * numel)}, fp32 master+Adam+grad {fmt_gb(16 * numel)}, RAM {fmt_gib(ram.total)}"
+    )
     print(f"disk: swap needs {fmt_gb(needed)} at {args.path}, {fmt_gb(free)} free")
     if needed + args.bench_size + (1 << 30) > free:
-        raise SystemExit(f"not enough disk at {args.path}: need {fmt_gb(needed)} (+ {fmt_gb(args.bench_size)} for the "
-                         f"disk measurement), {fmt_gb(free)} free; free space, pick --path on a larger disk or lower --params")
+        raise SystemExit(
+            f"not enough disk at {args.path}: need {fmt_gb(needed)} (+ {fmt_gb(args.bench_size)} for the "
+            f"disk measurement), {fmt_gb(free)} free; free space, pick --path on a larger disk or lower --params"
+        )
 
     disk = None
     if not args.skip_bench:
         print(f"measuring the disk at {args.path} ({fmt_gb(args.bench_size)} scratch file) ...", flush=True)
         disk = measure_disk(args.path, args.bench_size, args.quick_bench)
-        print(f"disk: read {disk['read_gbps']:.2f} GB/s, write {disk['write_gbps']:.2f} GB/s, "
-              f"reads and writes together {disk['mixed_gbps']:.2f} GB/s "
-              f"({disk['filesystem']}, O_DIRECT {'on' if disk['o_direct'] else 'off'}), best io {disk['io']} "
-              f"[{disk['seconds']:.0f} s]", flush=True)
+        print(
+            f"disk: read {disk['read_gbps']:.2f} GB/s, write {disk['write_gbps']:.2f} GB/s, "
+            f"reads and writes together {disk['mixed_gbps']:.2f} GB/s "
+            f"({disk['filesystem']}, O_DIRECT {'on' if disk['o_direct'] else 'off'}), best io {disk['io']} "
+            f"[{disk['seconds']:.0f} s]",
+            flush=True,
+        )
     io = disk["io"] if disk else {"block_size": args.block_size, "queue_depth": args.queue_depth, "threads": args.io_threads}
     config = {
         "precision": "bf16",
         "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.0},
-        "offload": {"param": "nvme", "optimizer": args.optimizer, "nvme_path": args.path, "buffer_count": args.buffer_count,
-                    "max_host_memory": args.max_host_memory},
+        "offload": {
+            "param": "nvme",
+            "optimizer": args.optimizer,
+            "nvme_path": args.path,
+            "buffer_count": args.buffer_count,
+            "max_host_memory": args.max_host_memory,
+        },
         "prefetch": {"depth": args.prefetch},
         "overlap": "none",
         "io": io,
@@ -390,8 +403,11 @@ def run(args) -> dict:
             "proc_write_bytes": io_after.get("write_bytes", 0) - io_before.get("write_bytes", 0),
             "rss": peak_rss_bytes(),
         }
-        print(f"init: {init_seconds:.1f} s, wrote {fmt_gb(swap.bytes_written)} of swap, "
-              f"peak RSS so far {fmt_gib(report['init']['rss']['vm_hwm'])}", flush=True)
+        print(
+            f"init: {init_seconds:.1f} s, wrote {fmt_gb(swap.bytes_written)} of swap, "
+            f"peak RSS so far {fmt_gib(report['init']['rss']['vm_hwm'])}",
+            flush=True,
+        )
         generator = torch.Generator().manual_seed(1)
         steps = []
         for step in range(args.steps):
@@ -428,8 +444,7 @@ def run(args) -> dict:
         if engine is not None:
             engine.close(restore_weights=False)  # never gather the whole model
         shutil.rmtree(os.path.join(args.path, run_name), ignore_errors=True)  # a failed initialize leaves it
-    report["rss"] = {**peak_rss_bytes(), "psutil_sampled_peak": peak_sampled, "at_start": rss_start,
-                     "vm_hwm_reset": reset_ok}
+    report["rss"] = {**peak_rss_bytes(), "psutil_sampled_peak": peak_sampled, "at_start": rss_start, "vm_hwm_reset": reset_ok}
     report["swap_left"] = os.path.exists(os.path.join(args.path, run_name))
     return report
 
@@ -451,9 +466,11 @@ def step_line(record: dict, disk: dict | None) -> str:
     p = record["phases"]
     s = p["step"]
     gbps = (s["swap_read"] + s["swap_written"]) / s["seconds"] / GB
-    line = (f"step {record['step']}: loss {record['loss']:.4f}; forward {p['forward']['seconds']:.1f} s, "
-            f"backward {p['backward']['seconds']:.1f} s, step {s['seconds']:.1f} s "
-            f"(read {fmt_gb(s['swap_read'])}, wrote {fmt_gb(s['swap_written'])}, {gbps:.2f} GB/s")
+    line = (
+        f"step {record['step']}: loss {record['loss']:.4f}; forward {p['forward']['seconds']:.1f} s, "
+        f"backward {p['backward']['seconds']:.1f} s, step {s['seconds']:.1f} s "
+        f"(read {fmt_gb(s['swap_read'])}, wrote {fmt_gb(s['swap_written'])}, {gbps:.2f} GB/s"
+    )
     if disk:
         line += f", {100 * step_efficiency(s, disk):.0f}% of the disk"
     return line + f"); peak RSS {fmt_gib(record['rss']['vm_hwm'])}"
@@ -494,10 +511,12 @@ def markdown(report: dict, args) -> str:
         f"Disk: swap needed {fmt_gb(report['swap_needed'])}, free before the run {fmt_gb(report['disk_free'])}.",
     ]
     if disk:
-        lines.append(f"Measured on the same path (engine I/O, {fmt_gb(disk['size'])} scratch, {disk['filesystem']}, "
-                     f"O_DIRECT {'on' if disk['o_direct'] else 'off'}): read {disk['read_gbps']:.2f} GB/s, write "
-                     f"{disk['write_gbps']:.2f} GB/s, reads and writes in flight together {disk['mixed_gbps']:.2f} GB/s "
-                     "(aggregate).")
+        lines.append(
+            f"Measured on the same path (engine I/O, {fmt_gb(disk['size'])} scratch, {disk['filesystem']}, "
+            f"O_DIRECT {'on' if disk['o_direct'] else 'off'}): read {disk['read_gbps']:.2f} GB/s, write "
+            f"{disk['write_gbps']:.2f} GB/s, reads and writes in flight together {disk['mixed_gbps']:.2f} GB/s "
+            "(aggregate)."
+        )
     rss = report["rss"]
     lines += [
         "",
@@ -535,19 +554,28 @@ def markdown(report: dict, args) -> str:
             f"{(s['swap_read'] + s['swap_written']) / s['seconds'] / GB:.2f} | {eff} | "
             f"{fmt_gb(s['proc_read_bytes'])} / {fmt_gb(s['proc_write_bytes'])} |"
         )
-    lines += ["", "Step-time breakdown (engine.pop_timings and the optimizer worker's, seconds):", "",
-              "| step | forward | backward | step | wait_fetch | wait_step | step: wait_read | wait_write | adam | publish |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "Step-time breakdown (engine.pop_timings and the optimizer worker's, seconds):",
+        "",
+        "| step | forward | backward | step | wait_fetch | wait_step | step: wait_read | wait_write | adam | publish |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in steps:
         e, t = r["engine_timings"], r["step_timings"]
-        lines.append(f"| {r['step']} | {e['forward']:.1f} | {e['backward']:.1f} | {e['step']:.1f} | {e['wait_fetch']:.1f} | "
-                     f"{e['wait_step']:.1f} | {t['wait_read']:.1f} | {t['wait_write']:.1f} | {t['adam']:.1f} | {t['publish']:.1f} |")
+        lines.append(
+            f"| {r['step']} | {e['forward']:.1f} | {e['backward']:.1f} | {e['step']:.1f} | {e['wait_fetch']:.1f} | "
+            f"{e['wait_step']:.1f} | {t['wait_read']:.1f} | {t['wait_write']:.1f} | {t['adam']:.1f} | {t['publish']:.1f} |"
+        )
     if disk:
         mean = sum(step_efficiency(r["phases"]["step"], disk) for r in later) / len(later)
         serial = sum(serial_efficiency(r["phases"]["step"], disk) for r in later) / len(later)
-        lines += ["", f"Optimizer step NVMe traffic at {100 * mean:.0f}% of the measured disk bandwidth for reads and "
-                      f"writes together (mean of steps {later[0]['step']}..{later[-1]['step']}); by the serial model (its "
-                      f"read bytes at the read speed, then its written bytes at the write speed) {100 * serial:.0f}%."]
+        lines += [
+            "",
+            f"Optimizer step NVMe traffic at {100 * mean:.0f}% of the measured disk bandwidth for reads and "
+            f"writes together (mean of steps {later[0]['step']}..{later[-1]['step']}); by the serial model (its "
+            f"read bytes at the read speed, then its written bytes at the write speed) {100 * serial:.0f}%.",
+        ]
     lines.append("")
     return "\n".join(lines)
 
@@ -563,8 +591,12 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--buffer-count", type=int, default=3)
-    parser.add_argument("--optimizer", default="nvme", choices=["nvme", "auto", "cpu"],
-                        help="offload.optimizer (auto: RAM up to --max-host-memory, the rest on NVMe)")
+    parser.add_argument(
+        "--optimizer",
+        default="nvme",
+        choices=["nvme", "auto", "cpu"],
+        help="offload.optimizer (auto: RAM up to --max-host-memory, the rest on NVMe)",
+    )
     parser.add_argument("--max-host-memory", default=None, help="offload.max_host_memory for --optimizer auto, e.g. 8GiB")
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--bench-size", type=int, default=2 << 30, help="bytes of the disk measurement's scratch file")

@@ -19,6 +19,7 @@ directory must be empty. Counts are printed as JSON (and written to `--out`).
 
     .venv/bin/python benchmarks/soak_faults.py --steps 400 --every 20 --seed 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,8 @@ def build_model():
             torch.manual_seed(1234)
             self.inp = nn.Linear(INPUTS, WIDTH)
             self.blocks = nn.ModuleList(
-                nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH)) for _ in range(DEPTH))
+                nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH)) for _ in range(DEPTH)
+            )
             self.out = nn.Linear(WIDTH, 1)
 
         def forward(self, x):
@@ -92,9 +94,12 @@ def child_main(args) -> int:
     import offload
     from offload.checkpoint import LATEST
 
-    config = {"precision": "fp32", "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
-              "offload": {"param": "nvme", "optimizer": "nvme", "nvme_path": args.swap},
-              "io": {"block_size": 65536, "queue_depth": 4, "threads": 2}}
+    config = {
+        "precision": "fp32",
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
+        "offload": {"param": "nvme", "optimizer": "nvme", "nvme_path": args.swap},
+        "io": {"block_size": 65536, "queue_depth": 4, "threads": 2},
+    }
     rng = random.Random(args.fault_seed)
     engine = offload.initialize(build_model(), config)
     emit("started")
@@ -156,9 +161,27 @@ def child_main(args) -> int:
 
 # ---- the parent -------------------------------------------------------------------------------
 def _child_command(args, swap: str, ckpt: str, result: str, fault_seed: int, reference: bool) -> list[str]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--steps", str(args.steps), "--every", str(args.every),
-           "--swap", swap, "--ckpt", ckpt, "--result", result, "--fault-seed", str(fault_seed),
-           "--p-io", str(args.p_io), "--step-sleep", str(args.step_sleep)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        "--steps",
+        str(args.steps),
+        "--every",
+        str(args.every),
+        "--swap",
+        swap,
+        "--ckpt",
+        ckpt,
+        "--result",
+        result,
+        "--fault-seed",
+        str(fault_seed),
+        "--p-io",
+        str(args.p_io),
+        "--step-sleep",
+        str(args.step_sleep),
+    ]
     return cmd + (["--reference"] if reference else [])
 
 
@@ -199,9 +222,20 @@ def _swap_leftovers(swap: str) -> list[str]:
     return found
 
 
-def soak(steps: int, every: int, seed: int, workdir: str, *, p_io: float = 0.06, p_kill: float = 0.3,
-         p_int: float = 0.35, max_delay: float = 4.0, child_timeout: float = 600.0, step_sleep: float = 0.0,
-         plan: list | None = None) -> dict:
+def soak(
+    steps: int,
+    every: int,
+    seed: int,
+    workdir: str,
+    *,
+    p_io: float = 0.06,
+    p_kill: float = 0.3,
+    p_int: float = 0.35,
+    max_delay: float = 4.0,
+    child_timeout: float = 600.0,
+    step_sleep: float = 0.0,
+    plan: list | None = None,
+) -> dict:
     """Runs the soak in `workdir`; returns the counts (see the module docstring).
 
     While a child lives, every uniform(0.3, max_delay) seconds the parent sends it SIGKILL
@@ -219,10 +253,23 @@ def soak(steps: int, every: int, seed: int, workdir: str, *, p_io: float = 0.06,
     ref_swap, ref_ckpt = os.path.join(workdir, "ref-swap"), os.path.join(workdir, "ref-ckpt")
     for d in (swap, ref_swap):
         os.makedirs(d, exist_ok=True)
-    counts = {"steps": steps, "checkpoint_every": every, "seed": seed, "children": 0, "sigkill_sent": 0,
-              "sigint_sent": 0, "killed": 0, "interrupts_caught": 0, "eio_injected": 0, "enospc_injected": 0,
-              "faults_armed_but_unused": 0, "recovered_in_process": 0, "load_retries": 0, "restarts": 0,
-              "resumed_from_checkpoint": 0}
+    counts = {
+        "steps": steps,
+        "checkpoint_every": every,
+        "seed": seed,
+        "children": 0,
+        "sigkill_sent": 0,
+        "sigint_sent": 0,
+        "killed": 0,
+        "interrupts_caught": 0,
+        "eio_injected": 0,
+        "enospc_injected": 0,
+        "faults_armed_but_unused": 0,
+        "recovered_in_process": 0,
+        "load_retries": 0,
+        "restarts": 0,
+        "resumed_from_checkpoint": 0,
+    }
     started = time.monotonic()
     result = os.path.join(workdir, "result.safetensors")
     stillborn = 0  # children in a row that failed before training, unsignalled (a broken build fails fast)
@@ -268,8 +315,12 @@ def soak(steps: int, every: int, seed: int, workdir: str, *, p_io: float = 0.06,
     counts["soak_seconds"] = round(time.monotonic() - started, 1)
     counts["swap_left_after_soak"] = _swap_leftovers(swap)
     ref_result = os.path.join(workdir, "reference.safetensors")
-    rc, _, text = _run_child(_child_command(args, ref_swap, ref_ckpt, ref_result, 0, reference=True),
-                             lambda: (child_timeout, None), counts, child_timeout)
+    rc, _, text = _run_child(
+        _child_command(args, ref_swap, ref_ckpt, ref_result, 0, reference=True),
+        lambda: (child_timeout, None),
+        counts,
+        child_timeout,
+    )
     if rc != 0:
         raise RuntimeError(f"the undisturbed reference run failed:\n{text[-3000:]}")
     got, expected = load_file(result), load_file(ref_result)
@@ -306,8 +357,16 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     workdir = args.workdir or tempfile.mkdtemp(prefix="offload-soak-")
     try:
-        counts = soak(args.steps, args.every, args.seed, workdir, p_io=args.p_io, p_kill=args.p_kill, p_int=args.p_int,
-                      max_delay=args.max_delay)
+        counts = soak(
+            args.steps,
+            args.every,
+            args.seed,
+            workdir,
+            p_io=args.p_io,
+            p_kill=args.p_kill,
+            p_int=args.p_int,
+            max_delay=args.max_delay,
+        )
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -4,6 +4,7 @@ source, then print a sample of generated text.
 
     python examples/demo.py [--steps 300] [--nvme-path ./offload-swap]
 """
+
 from __future__ import annotations
 
 import argparse

@@ -17,6 +17,7 @@ Text is tokenized with the model's tokenizer when the directory has one, else as
 (2 blocks of width 64; a small llama without --model/--model-config), runs a few steps on short
 sequences and puts NVMe swap files in a temporary directory unless --nvme-path is given.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,18 @@ from offload.progress import TrainingProgress
 
 logger = logging.getLogger("finetune")
 
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 128, "head_dim": 16}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_inner": 128,
+    "head_dim": 16,
+}
 
 
 def parse_args(argv=None):
@@ -46,22 +57,34 @@ def parse_args(argv=None):
     source.add_argument("--model", help="a Hugging Face model directory (from_pretrained)")
     source.add_argument("--model-config", help="a Hugging Face config.json: the model is built from it with random weights")
     parser.add_argument("--data", help="a UTF-8 text file to train on (default with --tiny: this script's own source)")
-    parser.add_argument("--offload-config", help="offload, DeepSpeed JSON or accelerate YAML config (default: offload's defaults)")
-    parser.add_argument("--no-strict", action="store_true",
-                        help="drop (with a warning) DeepSpeed / accelerate keys offload cannot honour, instead of refusing the config")
+    parser.add_argument(
+        "--offload-config", help="offload, DeepSpeed JSON or accelerate YAML config (default: offload's defaults)"
+    )
+    parser.add_argument(
+        "--no-strict",
+        action="store_true",
+        help="drop (with a warning) DeepSpeed / accelerate keys offload cannot honour, instead of refusing the config",
+    )
     parser.add_argument("--nvme-path", help="override the config's offload.nvme_path")
     parser.add_argument("--steps", type=int, help="optimizer steps (default 100; 2 with --tiny)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 512; 32 with --tiny)")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch and rank (default 2)")
     parser.add_argument("--lr", type=float, help="override the config's optimizer.lr")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and run, for trying things out and for tests")
-    parser.add_argument("--save", help="at the end, write the trained model (fp32) to this directory with save_pretrained: "
-                                       "config.json, model.safetensors and the tokenizer, loadable with from_pretrained")
+    parser.add_argument(
+        "--save",
+        help="at the end, write the trained model (fp32) to this directory with save_pretrained: "
+        "config.json, model.safetensors and the tokenizer, loadable with from_pretrained",
+    )
     parser.add_argument("--result-json", help="write losses and the last step's breakdown to this JSON file (rank 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (the log still has every step)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu"],
-                        help="auto (default): CUDA when present, rank r on GPU LOCAL_RANK=r with NCCL between ranks, "
-                             "else the CPU; cpu: the CPU, gloo between ranks (e.g. more ranks than GPUs)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu"],
+        help="auto (default): CUDA when present, rank r on GPU LOCAL_RANK=r with NCCL between ranks, "
+        "else the CPU; cpu: the CPU, gloo between ranks (e.g. more ranks than GPUs)",
+    )
     return parser.parse_args(argv)
 
 
@@ -88,14 +111,18 @@ def build_model(args):
 
 
 def tokenize(args, text: str, vocab_size: int) -> torch.Tensor:
-    if args.model and any((Path(args.model) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if args.model and any(
+        (Path(args.model) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         import transformers
 
         tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
         ids = tokenizer(text, return_tensors="pt").input_ids[0]
         return ids.clamp_max(vocab_size - 1)
     if vocab_size < 256:
-        raise SystemExit(f"the model's vocabulary has {vocab_size} entries and there is no tokenizer: byte-level text needs at least 256")
+        raise SystemExit(
+            f"the model's vocabulary has {vocab_size} entries and there is no tokenizer: byte-level text needs at least 256"
+        )
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
@@ -119,7 +146,9 @@ def batches(ids: torch.Tensor, seq_len: int, batch_size: int, rank: int, world: 
 def save(args, model) -> None:
     """The trained model as a from_pretrained directory, with the tokenizer it was trained with."""
     model.save_pretrained(args.save)
-    if args.model and any((Path(args.model) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if args.model and any(
+        (Path(args.model) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         import transformers
 
         transformers.AutoTokenizer.from_pretrained(args.model).save_pretrained(args.save)
@@ -167,8 +196,13 @@ def main(argv=None) -> dict:
             losses.append(loss)
             progress.update(loss=loss, tokens=batch["input_ids"].numel() * accumulation * world)
     progress.close()
-    result = {"losses": losses, "last_step": progress.last, "memory": engine.memory_report(), "world_size": world,
-              "params": sum(p.numel() for p in model.parameters())}
+    result = {
+        "losses": losses,
+        "last_step": progress.last,
+        "memory": engine.memory_report(),
+        "world_size": world,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     if args.save:
         # close() puts the final fp32 weights into the model (on every rank: it gathers them), which
         # then saves as any Hugging Face model does, with its fp32 dtype in config.json

@@ -19,6 +19,7 @@ them. Text is tokenized as bytes (ids 0-255): no tokenizer to download. The outp
 gets `checkpoint-N/` (the Trainer's files plus the engine's `offload_engine/`) and, at the end,
 the fp32 model that `LlamaForCausalLM.from_pretrained(output_dir)` loads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,15 @@ from offload.integrations.hf import OffloadTrainer, split_offload_config
 
 logger = logging.getLogger("finetune_trainer")
 
-TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 256}
+TINY = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 
 def parse_args(argv=None):
@@ -46,8 +54,13 @@ def parse_args(argv=None):
     parser.add_argument("--data", help="a UTF-8 text file to train on (default: this script's own source)")
     parser.add_argument("--offload-config", help="offload or DeepSpeed JSON, or accelerate YAML (default: offload's defaults)")
     parser.add_argument("--output-dir", required=True, help="checkpoints and the final model go here")
-    parser.add_argument("--resume", nargs="?", const=True, default=None,
-                        help="resume: from the last checkpoint in --output-dir, or from the checkpoint directory given")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        help="resume: from the last checkpoint in --output-dir, or from the checkpoint directory given",
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model and a short run, for trying things out and tests")
     parser.add_argument("--steps", type=int, help="optimizer steps (default 200; 8 with --tiny)")
     parser.add_argument("--save-steps", type=int, help="checkpoint every N steps (default: steps / 2)")
@@ -55,10 +68,14 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch and rank (default 2)")
     parser.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default: the config's, else 1)")
     parser.add_argument("--lr", type=float, help="peak learning rate (default: the config's, else 1e-4; 1e-3 with --tiny)")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
-                        help="compute precision (default: the config's, else bf16 on CUDA and fp32 on the CPU)")
-    parser.add_argument("--nvme-path", help="where swap files go when the config puts state on NVMe (default with --tiny: a "
-                        "temporary directory)")
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        help="compute precision (default: the config's, else bf16 on CUDA and fp32 on the CPU)",
+    )
+    parser.add_argument(
+        "--nvme-path", help="where swap files go when the config puts state on NVMe (default with --tiny: a temporary directory)"
+    )
     parser.add_argument("--result-json", help="write the logged losses and the output paths to this JSON file (rank 0)")
     return parser.parse_args(argv)
 
@@ -69,9 +86,19 @@ def build_model(args):
     if args.model:
         return transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**TINY) if args.tiny else transformers.LlamaConfig(
-        vocab_size=256, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=8, max_position_embeddings=1024)
+    config = (
+        transformers.LlamaConfig(**TINY)
+        if args.tiny
+        else transformers.LlamaConfig(
+            vocab_size=256,
+            hidden_size=512,
+            intermediate_size=1376,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            max_position_embeddings=1024,
+        )
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -141,10 +168,20 @@ def main(argv=None) -> dict:
     elif "bf16" not in values and "fp16" not in values and torch.cuda.is_available():
         values["bf16"] = True
     training_args = TrainingArguments(
-        output_dir=args.output_dir, max_steps=steps, per_device_train_batch_size=args.batch_size,
-        lr_scheduler_type="cosine", warmup_steps=max(1, steps // 10), save_strategy="steps",
-        save_steps=args.save_steps or max(1, steps // 2), logging_steps=max(1, steps // 8), report_to=[], seed=0,
-        use_cpu=not torch.cuda.is_available(), disable_tqdm=args.tiny, **values)
+        output_dir=args.output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=args.batch_size,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, steps // 10),
+        save_strategy="steps",
+        save_steps=args.save_steps or max(1, steps // 2),
+        logging_steps=max(1, steps // 8),
+        report_to=[],
+        seed=0,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=args.tiny,
+        **values,
+    )
 
     model = build_model(args)
     text = Path(args.data).read_text(encoding="utf-8") if args.data else Path(__file__).read_text(encoding="utf-8")
@@ -154,17 +191,27 @@ def main(argv=None) -> dict:
         trainer.train(resume_from_checkpoint=args.resume)
         trainer.save_model(args.output_dir)  # fp32 weights + config.json: from_pretrained(output_dir)
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        result = {"losses": losses, "global_step": trainer.state.global_step, "output_dir": args.output_dir,
-                  "arguments": {key: getattr(training_args, key) for key in
-                                ("learning_rate", "weight_decay", "gradient_accumulation_steps", "bf16", "fp16")},
-                  "memory": trainer.offload_engine.memory_report()}
+        result = {
+            "losses": losses,
+            "global_step": trainer.state.global_step,
+            "output_dir": args.output_dir,
+            "arguments": {
+                key: getattr(training_args, key)
+                for key in ("learning_rate", "weight_decay", "gradient_accumulation_steps", "bf16", "fp16")
+            },
+            "memory": trainer.offload_engine.memory_report(),
+        }
     finally:
         trainer.end()
         if scratch is not None:
             scratch.cleanup()
     if trainer.is_world_process_zero():
-        logger.info("trained to step %d, last logged loss %s; model saved in %s", result["global_step"],
-                    result["losses"][-1] if result["losses"] else None, args.output_dir)
+        logger.info(
+            "trained to step %d, last logged loss %s; model saved in %s",
+            result["global_step"],
+            result["losses"][-1] if result["losses"] else None,
+            args.output_dir,
+        )
         if args.result_json:
             Path(args.result_json).write_text(json.dumps(result, indent=2))
     return result

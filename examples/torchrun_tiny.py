@@ -20,6 +20,7 @@ With several paths after --nvme, local rank r keeps its swap files on path[r % l
 disk per local rank), under <path>/<run>/rank<global rank>/. Plain `python
 examples/torchrun_tiny.py` runs the same thing as one process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,12 +33,17 @@ from torch import nn
 
 import offload
 
+log = logging.getLogger("torchrun_tiny")
+
 
 class TinyModel(nn.Module):
     def __init__(self, width: int = 64, depth: int = 4) -> None:
         super().__init__()
         self.embed = nn.Linear(16, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(depth)
+        )
         self.head = nn.Linear(width, 1)
 
     def forward(self, x):
@@ -54,8 +60,12 @@ def main() -> None:
     parser.add_argument("--param", default="cpu", choices=["none", "cpu", "nvme"])
     parser.add_argument("--optimizer", default="cpu", choices=["cpu", "nvme"])
     parser.add_argument("--nvme", nargs="*", default=None, help="swap directories (one per local rank, round robin)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu"],
-                        help="auto: GPU LOCAL_RANK when CUDA is present (NCCL), else the CPU (gloo); cpu: the CPU (gloo)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu"],
+        help="auto: GPU LOCAL_RANK when CUDA is present (NCCL), else the CPU (gloo); cpu: the CPU (gloo)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
@@ -86,11 +96,14 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
             if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-                logging.info("step %d loss(rank 0 slice) %.4f grad norm %.4f", step, loss.item(), engine.last_grad_norm or 0.0)
+                log.info("step %d loss(rank 0 slice) %.4f grad norm %.4f", step, loss.item(), engine.last_grad_norm or 0.0)
         report = engine.memory_report()
-        logging.info(
+        log.info(
             "rank %d/%d: host %.2f MB, nvme %.2f MB, device peak %.2f MB",
-            rank, world, report.get("host", {}).get("current", 0) / 1e6, report.get("nvme", {}).get("current", 0) / 1e6,
+            rank,
+            world,
+            report.get("host", {}).get("current", 0) / 1e6,
+            report.get("nvme", {}).get("current", 0) / 1e6,
             report.get("device", {}).get("peak", 0) / 1e6,
         )
     if os.environ.get("WORLD_SIZE", "1") != "1":

@@ -3,6 +3,7 @@
 Public surface (the project's DESIGN page; the inside in docs/design.md): `initialize`, `Config`, `CPUAdamW`, `Engine`,
 `param_groups_no_decay`.
 """
+
 from offload.errors import (  # noqa: F401
     ConfigError,
     InsufficientMemoryError,

@@ -20,6 +20,7 @@ O_DIRECT needs the buffer address, file offset and transfer length 4 KiB-aligned
 target uses O_DIRECT when all three are aligned and the filesystem accepts it
 (`probe_o_direct`), else buffered I/O; the first refusal on a filesystem is logged once.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -63,8 +64,12 @@ def _warn_buffered(path: str, dev: int, reason: str) -> None:
         if dev in _warned_devices:
             return
         _warned_devices.add(dev)
-    log.warning("%s does not accept O_DIRECT (%s): using buffered I/O there; throughput will depend on the "
-                "page cache. Put nvme_path on a local ext4/xfs filesystem for direct I/O.", path, reason)
+    log.warning(
+        "%s does not accept O_DIRECT (%s): using buffered I/O there; throughput will depend on the "
+        "page cache. Put nvme_path on a local ext4/xfs filesystem for direct I/O.",
+        path,
+        reason,
+    )
 
 
 def probe_o_direct(path: str | os.PathLike, *, dir_fd: int | None = None) -> bool:
@@ -112,8 +117,11 @@ def probe_o_direct(path: str | os.PathLike, *, dir_fd: int | None = None) -> boo
         if e.errno in (_errno.EINVAL, _errno.EOPNOTSUPP, _errno.ENOTSUP):
             ok, reason = False, os.strerror(e.errno)
         else:
-            raise SwapError(e.errno, f"cannot create a probe file in {directory}: {e.strerror}; "
-                                     "check the path exists and is writable", directory) from None
+            raise SwapError(
+                e.errno,
+                f"cannot create a probe file in {directory}: {e.strerror}; check the path exists and is writable",
+                directory,
+            ) from None
     finally:
         buf.close()
         if linked or dir_fd is None:
@@ -137,8 +145,12 @@ def storage_capacity(tensor: torch.Tensor) -> int:
 
 def direct_ok(tensor: torch.Tensor, offset: int, io_nbytes: int) -> bool:
     """Whether a transfer of io_nbytes at `offset` from/to this tensor satisfies O_DIRECT alignment."""
-    return (tensor.data_ptr() % ALIGN == 0 and offset % ALIGN == 0 and io_nbytes % ALIGN == 0
-            and storage_capacity(tensor) >= io_nbytes)
+    return (
+        tensor.data_ptr() % ALIGN == 0
+        and offset % ALIGN == 0
+        and io_nbytes % ALIGN == 0
+        and storage_capacity(tensor) >= io_nbytes
+    )
 
 
 class _Flight:
@@ -252,15 +264,26 @@ class AioEngine:
     def _reap(self, everything: bool = False) -> None:
         """Drops the table's hold on completed requests whose handle is gone (dropped mid-I/O)."""
         with self._flights_lock:
-            gone = [f for f in self._flights.values()
-                    if (everything or f.request.done()) and (f.handle is None or f.handle() is None)]
+            gone = [
+                f for f in self._flights.values() if (everything or f.request.done()) and (f.handle is None or f.handle() is None)
+            ]
             for f in gone:
                 del self._flights[id(f)]
         for f in gone:
             f.release()
 
-    def _submit(self, op, target, tensor: torch.Tensor, offset: int, nbytes: int | None, io_nbytes: int | None,
-                checksum: bool, piece_size: int, path: str | None) -> AioHandle:
+    def _submit(
+        self,
+        op,
+        target,
+        tensor: torch.Tensor,
+        offset: int,
+        nbytes: int | None,
+        io_nbytes: int | None,
+        checksum: bool,
+        piece_size: int,
+        path: str | None,
+    ) -> AioHandle:
         if self._closed:
             raise SwapError(_errno.EBADF, "the I/O engine is closed; create a new AioEngine", path or str(target))
         if not tensor.is_contiguous():
@@ -274,8 +297,9 @@ class AioEngine:
         if nbytes > size:
             raise ValueError(f"nbytes {nbytes} exceeds the tensor's {size} bytes")
         if io_nbytes < nbytes or io_nbytes > storage_capacity(tensor):
-            raise ValueError(f"io_nbytes {io_nbytes} must lie between nbytes {nbytes} and the buffer capacity "
-                             f"{storage_capacity(tensor)}")
+            raise ValueError(
+                f"io_nbytes {io_nbytes} must lie between nbytes {nbytes} and the buffer capacity {storage_capacity(tensor)}"
+            )
         owned = None
         if isinstance(target, int):
             fd, name = target, path or f"<fd {target}>"
@@ -288,12 +312,22 @@ class AioEngine:
             try:
                 fd = os.open(name, flags | (os.O_DIRECT if direct else 0), 0o600)
             except OSError as e:
-                raise SwapError(e.errno, f"cannot open {name} for {'reading' if op == _aio_ext.Op.READ else 'writing'}: "
-                                         f"{e.strerror}", name) from None
+                raise SwapError(
+                    e.errno, f"cannot open {name} for {'reading' if op == _aio_ext.Op.READ else 'writing'}: {e.strerror}", name
+                ) from None
             owned = fd
         try:
-            req = self._engine.submit(op, fd, tensor.data_ptr(), int(offset), io_nbytes, nbytes if checksum else 0,
-                                      bool(checksum), int(piece_size), name)
+            req = self._engine.submit(
+                op,
+                fd,
+                tensor.data_ptr(),
+                int(offset),
+                io_nbytes,
+                nbytes if checksum else 0,
+                bool(checksum),
+                int(piece_size),
+                name,
+            )
         except BaseException:
             if owned is not None:
                 os.close(owned)
@@ -306,15 +340,33 @@ class AioEngine:
             self._flights[id(flight)] = flight
         return handle
 
-    def submit_read(self, target, tensor: torch.Tensor, offset: int = 0, *, nbytes: int | None = None,
-                    io_nbytes: int | None = None, checksum: bool = False, piece_size: int = 0,
-                    path: str | None = None) -> AioHandle:
+    def submit_read(
+        self,
+        target,
+        tensor: torch.Tensor,
+        offset: int = 0,
+        *,
+        nbytes: int | None = None,
+        io_nbytes: int | None = None,
+        checksum: bool = False,
+        piece_size: int = 0,
+        path: str | None = None,
+    ) -> AioHandle:
         """Read `io_nbytes` (default: the tensor's size) at `offset` of fd or path into the tensor."""
         return self._submit(_aio_ext.Op.READ, target, tensor, offset, nbytes, io_nbytes, checksum, piece_size, path)
 
-    def submit_write(self, target, tensor: torch.Tensor, offset: int = 0, *, nbytes: int | None = None,
-                     io_nbytes: int | None = None, checksum: bool = False, piece_size: int = 0,
-                     path: str | None = None) -> AioHandle:
+    def submit_write(
+        self,
+        target,
+        tensor: torch.Tensor,
+        offset: int = 0,
+        *,
+        nbytes: int | None = None,
+        io_nbytes: int | None = None,
+        checksum: bool = False,
+        piece_size: int = 0,
+        path: str | None = None,
+    ) -> AioHandle:
         """Write the tensor's bytes (or `io_nbytes` of its buffer, padding included) at `offset`."""
         return self._submit(_aio_ext.Op.WRITE, target, tensor, offset, nbytes, io_nbytes, checksum, piece_size, path)
 

@@ -107,8 +107,11 @@ def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> 
     free = shutil.disk_usage(directory).free
     if total > free:
         raise InsufficientSpaceError(
-            errno.ENOSPC, f"checkpoint needs {total} bytes ({total / 2**30:.2f} GiB) for {path} but only {free} bytes are "
-                          "free; nothing was written and the previous checkpoint is untouched; free space or save elsewhere", path)
+            errno.ENOSPC,
+            f"checkpoint needs {total} bytes ({total / 2**30:.2f} GiB) for {path} but only {free} bytes are "
+            "free; nothing was written and the previous checkpoint is untouched; free space or save elsewhere",
+            path,
+        )
     by_unit: dict[int, list[tuple[Slice, int]]] = {}
     for s, offset in zip(slices, offsets):
         by_unit.setdefault(s.unit, []).append((s, offset))
@@ -135,8 +138,17 @@ def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> 
                         done += 4 * (c1 - c0)
                         if progress is not None:
                             progress(done, total)
-                    records.append({"key": s.key, "param": s.param, "kind": s.kind, "start": s.start, "end": s.end,
-                                    "offset": len(prefix) + offset, "crc32c": crcs})
+                    records.append(
+                        {
+                            "key": s.key,
+                            "param": s.param,
+                            "kind": s.kind,
+                            "start": s.start,
+                            "end": s.end,
+                            "offset": len(prefix) + offset,
+                            "crc32c": crcs,
+                        }
+                    )
             os.fsync(fd)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
@@ -184,8 +196,15 @@ def _hf_config(model) -> bytes | None:
     return None
 
 
-def save(engine, path, client_state: dict | None = None, *, tag: str | None = None, keep_last: int | None = None,
-         progress: Callable[[int, int], None] | None = None) -> str:
+def save(
+    engine,
+    path,
+    client_state: dict | None = None,
+    *,
+    tag: str | None = None,
+    keep_last: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> str:
     """Saves the engine's full training state as checkpoint `<path>/<tag>` and points
     `<path>/latest` at it; returns the checkpoint's directory.
 
@@ -196,8 +215,10 @@ def save(engine, path, client_state: dict | None = None, *, tag: str | None = No
     `load`); rank 0's is saved.
     """
     if any(unit.window_started for unit in engine.units):
-        raise CheckpointError("save_checkpoint in the middle of a gradient accumulation window: the accumulated "
-                              "gradients are not part of a checkpoint; save after engine.step() returned True")
+        raise CheckpointError(
+            "save_checkpoint in the middle of a gradient accumulation window: the accumulated "
+            "gradients are not part of a checkpoint; save after engine.step() returned True"
+        )
     rank = engine.collectives.rank
     root = os.path.abspath(os.fspath(path))
     tag = check_tag(tag or f"global_step{engine.global_steps}")
@@ -274,7 +295,8 @@ def _write_rank0_files(engine, temp: str, client_state, keys) -> dict:
         except Exception as e:  # noqa: BLE001  (pickling and weights_only refusals have many types)
             raise CheckpointError(
                 "client_state holds objects that cannot be loaded safely (torch.load weights_only): keep it to "
-                f"tensors, numbers, strings, lists, tuples and dicts ({e})") from None
+                f"tensors, numbers, strings, lists, tuples and dicts ({e})"
+            ) from None
         files[CLIENT_STATE] = write_small(os.path.join(temp, CLIENT_STATE), data)
     hf = _hf_config(engine.model)
     if hf is not None:
@@ -297,8 +319,13 @@ def _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, kee
     for unit in engine.units:
         for param in unit.spec.params:
             name = canonical[id(param)]
-            params[name] = {"shape": list(param.shape), "numel": param.numel(), "aliases": aliases[name],
-                            "step": unit.step_count, "requires_grad": bool(param.requires_grad)}
+            params[name] = {
+                "shape": list(param.shape),
+                "numel": param.numel(),
+                "aliases": aliases[name],
+                "step": unit.step_count,
+                "requires_grad": bool(param.requires_grad),
+            }
             trainable[name] = bool(param.requires_grad)
     index = {
         "format": FORMAT,
@@ -348,9 +375,13 @@ def _check_compatible(reader: CheckpointReader, engine, canonical) -> None:
         raise CheckpointError(
             f"checkpoint {reader.directory} does not fit this model: parameters missing from the checkpoint "
             f"{missing[:5]}{'...' if len(missing) > 5 else ''}, parameters the model lacks {extra[:5]}"
-            f"{'...' if len(extra) > 5 else ''}")
-    wrong = [f"{name}: checkpoint {saved[name]['shape']}, model {list(p.shape)}" for name, p in mine.items()
-             if saved[name]["shape"] != list(p.shape)]
+            f"{'...' if len(extra) > 5 else ''}"
+        )
+    wrong = [
+        f"{name}: checkpoint {saved[name]['shape']}, model {list(p.shape)}"
+        for name, p in mine.items()
+        if saved[name]["shape"] != list(p.shape)
+    ]
     if wrong:
         raise CheckpointError(f"checkpoint {reader.directory} has other shapes than this model: {'; '.join(wrong[:5])}")
 
@@ -360,7 +391,8 @@ def _unit_step_count(unit, saved_params, canonical) -> int:
     if len(counts) > 1:
         raise CheckpointError(
             f"unit {unit.spec.name} mixes parameters saved with different Adam step counts {sorted(counts)}: load "
-            "with the wrap settings the checkpoint was saved with")
+            "with the wrap settings the checkpoint was saved with"
+        )
     if not counts:
         counts = {max((saved_params[canonical[id(p)]]["step"] for p in unit.spec.params), default=0)}
     return counts.pop()
@@ -418,13 +450,23 @@ def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict
         if load_rng:
             parts = reader.parts
             if len(parts) != world:
-                logger.info("offload: checkpoint saved by %d ranks, loading on %d: rank %d takes the RNG state of saved rank %d",
-                            len(parts), world, rank, rank % len(parts))
+                logger.info(
+                    "offload: checkpoint saved by %d ranks, loading on %d: rank %d takes the RNG state of saved rank %d",
+                    len(parts),
+                    world,
+                    rank,
+                    rank % len(parts),
+                )
             set_rng_state(parts[rank % len(parts)]["rng"])
         client_state = reader.client_state()
-        logger.info("offload: loaded checkpoint %s (saved by %d ranks, %s/%s) in %.2f s", reader.directory,
-                    reader.index["world_size"], reader.index["placement"]["param"], reader.index["placement"]["optimizer"],
-                    time.perf_counter() - started)
+        logger.info(
+            "offload: loaded checkpoint %s (saved by %d ranks, %s/%s) in %.2f s",
+            reader.directory,
+            reader.index["world_size"],
+            reader.index["placement"]["param"],
+            reader.index["placement"]["optimizer"],
+            time.perf_counter() - started,
+        )
     return client_state
 
 

@@ -50,6 +50,7 @@ and the rank files is checked before it is used. `client_state` is loaded with
 `torch.load(weights_only=True)`, which needs torch >= 2.6 (pyproject's floor: earlier
 versions could execute code from a crafted file).
 """
+
 from __future__ import annotations
 
 import base64
@@ -132,7 +133,9 @@ def check_tag(tag: str) -> str:
     return tag
 
 
-def safetensors_header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, str], align: int = 8) -> tuple[bytes, list[int]]:
+def safetensors_header(
+    entries: list[tuple[str, str, list[int], int]], metadata: dict[str, str], align: int = 8
+) -> tuple[bytes, list[int]]:
     """The safetensors prefix (8-byte length + JSON header, space-padded so data starts at a
     multiple of `align`) for `entries` (key, dtype e.g. "F32", shape, nbytes) stored back to back;
     returns (prefix, data offset of each entry relative to the start of the data)."""
@@ -151,8 +154,16 @@ def safetensors_header(entries: list[tuple[str, str, list[int], int]], metadata:
 
 
 SAFETENSORS_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 
 
@@ -186,8 +197,11 @@ def space_error(path: str, err: OSError, needed: int | None = None) -> OffloadEr
     what = "the disk is full" if err.errno == errno.ENOSPC else f"the file size limit was reached ({err.strerror})"
     need = f" ({needed} bytes needed)" if needed is not None else ""
     return InsufficientSpaceError(
-        err.errno, f"checkpoint write failed: {what} while writing {path}{need}, {free} bytes free; the previous "
-                   "checkpoint is untouched; free space or save to another directory", path)
+        err.errno,
+        f"checkpoint write failed: {what} while writing {path}{need}, {free} bytes free; the previous "
+        "checkpoint is untouched; free space or save to another directory",
+        path,
+    )
 
 
 def write_small(path: str, data: bytes) -> dict:
@@ -207,11 +221,11 @@ def write_small(path: str, data: bytes) -> dict:
 
 def _checked_name(name, directory: str) -> str:
     """`name` if it is a file name the format writes, else a CheckpointCorruptError."""
-    if not isinstance(name, str) or not (name in SMALL_FILES or RANK_JSON.fullmatch(name)
-                                         or RANK_STATE.fullmatch(name)):
+    if not isinstance(name, str) or not (name in SMALL_FILES or RANK_JSON.fullmatch(name) or RANK_STATE.fullmatch(name)):
         raise CheckpointCorruptError(
             f"checkpoint {directory} names a file {name!r} that the format never writes: refusing to read it "
-            "(the index or a rank file was crafted or damaged)")
+            "(the index or a rank file was crafted or damaged)"
+        )
     return name
 
 
@@ -233,14 +247,16 @@ def _open_regular(dir_fd: int, name: str, path: str) -> tuple[int, int]:
         raise CheckpointCorruptError(f"checkpoint file {path} is missing; the checkpoint is incomplete") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise CheckpointCorruptError(f"checkpoint file {path} is a symbolic link: refusing to follow it "
-                                         "(a checkpoint holds only regular files)") from None
+            raise CheckpointCorruptError(
+                f"checkpoint file {path} is a symbolic link: refusing to follow it (a checkpoint holds only regular files)"
+            ) from None
         raise CheckpointError(f"cannot open checkpoint file {path}: {e.strerror}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise CheckpointCorruptError(f"checkpoint file {path} is not a regular file: refusing to read it "
-                                     "(a checkpoint holds only regular files)")
+        raise CheckpointCorruptError(
+            f"checkpoint file {path} is not a regular file: refusing to read it (a checkpoint holds only regular files)"
+        )
     return fd, st.st_size
 
 
@@ -262,8 +278,10 @@ def read_small(dir_fd: int, directory: str, name: str, *, limit: int) -> bytes:
     fd, size = _open_regular(dir_fd, name, path)
     try:
         if size > limit:
-            raise CheckpointCorruptError(f"checkpoint file {path} is {size} bytes, more than the {limit} such a file "
-                                         "can have: refusing to read it (crafted or damaged)")
+            raise CheckpointCorruptError(
+                f"checkpoint file {path} is {size} bytes, more than the {limit} such a file "
+                "can have: refusing to read it (crafted or damaged)"
+            )
         return _read_exactly(fd, size, path)
     finally:
         os.close(fd)
@@ -277,8 +295,9 @@ def _read_verified(dir_fd: int, directory: str, name: str, info) -> bytes:
     fd, size = _open_regular(dir_fd, name, path)
     try:
         if size != info["bytes"]:
-            raise CheckpointCorruptError(f"checkpoint file {path} is {size} bytes, the index says {info['bytes']}: "
-                                         "it was truncated or replaced")
+            raise CheckpointCorruptError(
+                f"checkpoint file {path} is {size} bytes, the index says {info['bytes']}: it was truncated or replaced"
+            )
         data = _read_exactly(fd, info["bytes"], path)
     finally:
         os.close(fd)
@@ -401,10 +420,13 @@ def save_error(error: BaseException, root: str) -> BaseException:
     if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         return space_error(where, error)
     if error.errno in (errno.ENOTDIR, errno.EEXIST) and os.path.exists(root) and not os.path.isdir(root):
-        return CheckpointError(f"cannot save a checkpoint to {root}: it is a file, not a directory; pass a directory "
-                               "path (it is created if missing)")
-    return CheckpointError(f"cannot save a checkpoint to {root}: {error.strerror} ({where}); choose a directory "
-                           "you can write to, or fix its permissions; the previous checkpoint is untouched")
+        return CheckpointError(
+            f"cannot save a checkpoint to {root}: it is a file, not a directory; pass a directory path (it is created if missing)"
+        )
+    return CheckpointError(
+        f"cannot save a checkpoint to {root}: {error.strerror} ({where}); choose a directory "
+        "you can write to, or fix its permissions; the previous checkpoint is untouched"
+    )
 
 
 def list_checkpoints(root: str) -> dict[str, int]:
@@ -457,8 +479,9 @@ def resolve(path, tag: str | None = None) -> str:
         try:
             directory = os.path.join(root, check_tag(named))
         except CheckpointError:
-            raise CheckpointCorruptError(f"{os.path.join(root, LATEST)} names {named[:80]!r}, which is not a "
-                                         "checkpoint tag (a plain directory name)") from None
+            raise CheckpointCorruptError(
+                f"{os.path.join(root, LATEST)} names {named[:80]!r}, which is not a checkpoint tag (a plain directory name)"
+            ) from None
         if not os.path.isdir(directory):
             raise CheckpointError(f"{os.path.join(root, LATEST)} names checkpoint {named!r}, but {directory} does not exist")
     else:
@@ -480,8 +503,9 @@ class _Stored:
 
 
 def _malformed(where: str, what: str) -> CheckpointCorruptError:
-    return CheckpointCorruptError(f"{where}: {what} is malformed (the file was crafted or damaged); the checkpoint "
-                                  "cannot be loaded")
+    return CheckpointCorruptError(
+        f"{where}: {what} is malformed (the file was crafted or damaged); the checkpoint cannot be loaded"
+    )
 
 
 class CheckpointReader:
@@ -508,17 +532,23 @@ class CheckpointReader:
         if not isinstance(self.index, dict) or self.index.get("format") != FORMAT:
             raise CheckpointCorruptError(f"{index_path} is not an offload checkpoint index")
         if self.index.get("version") != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint {self.directory} has format version {self.index.get('version')}; this "
-                                  f"offload reads version {FORMAT_VERSION}")
+            raise CheckpointError(
+                f"checkpoint {self.directory} has format version {self.index.get('version')}; this "
+                f"offload reads version {FORMAT_VERSION}"
+            )
         self.files = self.index.get("files")
         ranks = self.index.get("ranks")
         params = self.index.get("params")
         if not isinstance(self.files, dict) or not isinstance(ranks, list) or not ranks or not isinstance(params, dict):
             raise _malformed(index_path, "its list of files, ranks or parameters")
         for name, info in params.items():
-            if not (isinstance(info, dict) and isinstance(info.get("shape"), list)
-                    and all(_is_count(d) for d in info["shape"]) and _is_count(info.get("numel"))
-                    and info["numel"] == math.prod(info["shape"])):
+            if not (
+                isinstance(info, dict)
+                and isinstance(info.get("shape"), list)
+                and all(_is_count(d) for d in info["shape"])
+                and _is_count(info.get("numel"))
+                and info["numel"] == math.prod(info["shape"])
+            ):
                 raise _malformed(index_path, f"the entry of parameter {name!r}")
         self.parts = []
         self.stored: dict[tuple[str, str], list[_Stored]] = {}
@@ -539,8 +569,13 @@ class CheckpointReader:
         if not isinstance(part, dict) or not isinstance(part.get("file"), str) or not RANK_STATE.fullmatch(part["file"]):
             raise _malformed(where, "the name of its state file")
         file_bytes, header_bytes = part.get("file_bytes"), part.get("header_bytes")
-        if not (_is_count(file_bytes) and _is_count(header_bytes) and 8 <= header_bytes <= file_bytes
-                and _is_count(part.get("header_crc32c")) and isinstance(part.get("slices"), list)):
+        if not (
+            _is_count(file_bytes)
+            and _is_count(header_bytes)
+            and 8 <= header_bytes <= file_bytes
+            and _is_count(part.get("header_crc32c"))
+            and isinstance(part.get("slices"), list)
+        ):
             raise _malformed(where, "the sizes of its state file")
         path = os.path.join(self.directory, part["file"])
         fd = self._open_rank_file(part["file"], path, file_bytes, header_bytes, part["header_crc32c"])
@@ -548,11 +583,18 @@ class CheckpointReader:
             try:
                 start, end, offset, crcs = record["start"], record["end"], record["offset"], record["crc32c"]
                 param, kind, key = record["param"], record["kind"], record["key"]
-                ok = (all(_is_count(v) for v in (start, end, offset)) and start <= end
-                      and offset >= header_bytes and offset + 4 * (end - start) <= file_bytes
-                      and isinstance(crcs, list) and len(crcs) == len(chunk_bounds(end - start))
-                      and all(_is_count(c) for c in crcs) and kind in KINDS and isinstance(key, str)
-                      and isinstance(param, str))
+                ok = (
+                    all(_is_count(v) for v in (start, end, offset))
+                    and start <= end
+                    and offset >= header_bytes
+                    and offset + 4 * (end - start) <= file_bytes
+                    and isinstance(crcs, list)
+                    and len(crcs) == len(chunk_bounds(end - start))
+                    and all(_is_count(c) for c in crcs)
+                    and kind in KINDS
+                    and isinstance(key, str)
+                    and isinstance(param, str)
+                )
             except (KeyError, TypeError):
                 ok = False
             if not ok:
@@ -565,8 +607,9 @@ class CheckpointReader:
         fd, size = _open_regular(self._dir_fd, name, path)
         self._fds[name] = fd
         if size != file_bytes:
-            raise CheckpointCorruptError(f"checkpoint file {path} is {size} bytes, expected {file_bytes}: it was "
-                                         "truncated or replaced")
+            raise CheckpointCorruptError(
+                f"checkpoint file {path} is {size} bytes, expected {file_bytes}: it was truncated or replaced"
+            )
         if crc32c(_read_exactly(fd, header_bytes, path)) != header_crc:
             raise CheckpointCorruptError(f"checkpoint file {path}: its safetensors header fails its checksum (edited or damaged)")
         return fd
@@ -578,8 +621,9 @@ class CheckpointReader:
         while done < len(view):
             n = os.preadv(piece.fd, [view[done:]], offset + done)
             if n <= 0:
-                raise CheckpointCorruptError(f"checkpoint file {piece.path} ends early (short read at byte "
-                                             f"{offset + done}): truncated")
+                raise CheckpointCorruptError(
+                    f"checkpoint file {piece.path} ends early (short read at byte {offset + done}): truncated"
+                )
             done += n
 
     def read_range(self, param: str, kind: str, start: int, end: int, out: torch.Tensor) -> None:
@@ -609,7 +653,8 @@ class CheckpointReader:
                 if crc32c(target) != piece.crcs[c0 // CHUNK_ELEMENTS]:
                     raise CheckpointCorruptError(
                         f"checkpoint file {piece.path}: tensor {piece.key!r} (bytes {piece.offset + 4 * c0}.."
-                        f"{piece.offset + 4 * c1}) fails its checksum: the file was edited or damaged")
+                        f"{piece.offset + 4 * c1}) fails its checksum: the file was edited or damaged"
+                    )
                 if not whole:
                     low, top = max(g0, cursor), min(g1, high)
                     out[low - start : top - start].copy_(target[low - g0 : top - g0])
@@ -623,8 +668,9 @@ class CheckpointReader:
         info = self.index["params"][param]
         stored = sum(p.end - p.start for p in self.stored.get((param, kind), []))
         if stored < info["numel"]:  # before allocating what the index claims
-            raise CheckpointCorruptError(f"checkpoint {self.directory} holds {stored} elements of {param!r} {kind}, "
-                                         f"its index says {info['numel']}")
+            raise CheckpointCorruptError(
+                f"checkpoint {self.directory} holds {stored} elements of {param!r} {kind}, its index says {info['numel']}"
+            )
         out = torch.empty(info["numel"], dtype=torch.float32)
         self.read_range(param, kind, 0, info["numel"], out)
         return out.view(info["shape"])
@@ -649,9 +695,11 @@ class CheckpointReader:
         try:
             return torch.load(io.BytesIO(data), weights_only=True)
         except Exception as e:  # noqa: BLE001  (weights_only refuses anything but plain data: report, never run it)
-            raise CheckpointCorruptError(f"checkpoint file {os.path.join(self.directory, CLIENT_STATE)} cannot be "
-                                         f"loaded as plain data ({type(e).__name__}: {str(e)[:200]}); it was crafted "
-                                         "or written by something else") from None
+            raise CheckpointCorruptError(
+                f"checkpoint file {os.path.join(self.directory, CLIENT_STATE)} cannot be "
+                f"loaded as plain data ({type(e).__name__}: {str(e)[:200]}); it was crafted "
+                "or written by something else"
+            ) from None
 
     def hf_config(self) -> bytes | None:
         if HF_CONFIG not in self.files:
@@ -682,13 +730,16 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype = torch.float32, tag: str 
     Returns the safetensors path."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise CheckpointError(f"cannot export to {out_dir}: it is a file, not a directory; pass a directory path "
-                              "(it is created if missing; model.safetensors goes inside)")
+        raise CheckpointError(
+            f"cannot export to {out_dir}: it is a file, not a directory; pass a directory path "
+            "(it is created if missing; model.safetensors goes inside)"
+        )
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        raise CheckpointError(f"cannot create the export directory {out_dir}: {e.strerror}; choose a directory you "
-                              "can write to") from None
+        raise CheckpointError(
+            f"cannot create the export directory {out_dir}: {e.strerror}; choose a directory you can write to"
+        ) from None
     with CheckpointReader(checkpoint, tag) as reader:
         buffers = reader.buffers()
         params = reader.index["params"]
@@ -698,12 +749,16 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype = torch.float32, tag: str 
                 tensor = buffers[key]
                 if tensor.is_floating_point():
                     tensor = tensor.to(dtype)
-                entries.append((key, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), tensor.numel() * tensor.element_size()))
+                entries.append(
+                    (key, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), tensor.numel() * tensor.element_size())
+                )
                 sources.append(tensor)
             else:
                 name = what.split(":", 1)[1]
                 info = params[name]
-                entries.append((key, SAFETENSORS_DTYPES[dtype], info["shape"], info["numel"] * torch.empty(0, dtype=dtype).element_size()))
+                entries.append(
+                    (key, SAFETENSORS_DTYPES[dtype], info["shape"], info["numel"] * torch.empty(0, dtype=dtype).element_size())
+                )
                 sources.append(name)
         prefix, _ = safetensors_header(entries, {"format": "pt"})
 

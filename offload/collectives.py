@@ -25,6 +25,7 @@ an exception) is named with that error, a rank that wrote nothing is named as no
 After one failure every later collective of this engine raises at once, so a rank never waits
 out the timeout twice.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -116,13 +117,13 @@ def cuda_index_for_local_rank(environ, gpu_count: int) -> int:
             f"LOCAL_RANK={local_rank} needs CUDA device cuda:{local_rank}, but this machine has "
             f"{gpu_count} GPU{'' if gpu_count == 1 else 's'}: one rank per GPU, so launch at most "
             f"{gpu_count} rank{'' if gpu_count == 1 else 's'} per node (torchrun --nproc-per-node {gpu_count}), "
-            "or run every rank on the CPU (device=\"cpu\" in offload.initialize, `--device cpu` in the "
+            'or run every rank on the CPU (device="cpu" in offload.initialize, `--device cpu` in the '
             "examples), which uses gloo"
         )
     return local_rank
 
 
-def init_process_group_from_env(device: "torch.device | str | None" = None, environ=os.environ) -> None:
+def init_process_group_from_env(device: torch.device | str | None = None, environ=os.environ) -> None:
     """Initialises the default group from torchrun's environment (see the module docstring)."""
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
         if key not in environ:
@@ -142,21 +143,25 @@ def init_process_group_from_env(device: "torch.device | str | None" = None, envi
     dist.init_process_group(backend=backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
     logger.info(
         "offload: initialised the %s process group from the environment: rank %d of %d, timeout %gs",
-        backend, dist.get_rank(), dist.get_world_size(), timeout,
+        backend,
+        dist.get_rank(),
+        dist.get_world_size(),
+        timeout,
     )
 
 
 def describe_failed_ranks(others: list[int], answered: set[int], announced: dict[int, str], store_ok: bool) -> str:
     """Who failed, from what the other ranks wrote to the store (plain decision, tested directly)."""
     if not store_ok:
-        return ("the rendezvous store is unreachable, so rank 0 (or the launcher hosting the store) "
-                "has exited or been killed")
+        return "the rendezvous store is unreachable, so rank 0 (or the launcher hosting the store) has exited or been killed"
     parts = [f"rank {r} failed: {announced[r]}" for r in others if r in announced]
     silent = [r for r in others if r not in announced and r not in answered]
     if silent:
         which = ", ".join(str(r) for r in silent)
-        parts.append(f"rank{'s' if len(silent) > 1 else ''} {which} did not answer (exited, killed, "
-                     "or stuck outside the collective; see its log)")
+        parts.append(
+            f"rank{'s' if len(silent) > 1 else ''} {which} did not answer (exited, killed, "
+            "or stuck outside the collective; see its log)"
+        )
     if not parts:
         return "every rank is alive and saw the failure too (a network or timeout problem between them)"
     return "; ".join(parts)
@@ -167,10 +172,10 @@ class Collectives:
 
     def __init__(
         self,
-        group: "dist.ProcessGroup | None" = None,
+        group: dist.ProcessGroup | None = None,
         timeout_s: float | None = None,
         *,
-        device: "torch.device | str | None" = None,
+        device: torch.device | str | None = None,
         init_from_env: bool = True,
     ) -> None:
         available = dist.is_available()

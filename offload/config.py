@@ -7,6 +7,7 @@ is an error that names the key and the accepted values. Nothing is silently defa
 Each field carries a docstring (the string literal under it); `field_docs` reads them so
 that documentation is generated from this file.
 """
+
 from __future__ import annotations
 
 import ast
@@ -36,9 +37,20 @@ SCHEDULER_TYPES = ("none", "warmup", "warmup_decay", "warmup_cosine", "one_cycle
 WARMUP_TYPES = ("log", "linear")
 # Names users bring from DeepSpeed and transformers for our choices (suggested, not accepted).
 VALUE_ALIASES = {
-    "warmuplr": "warmup", "constant_with_warmup": "warmup", "warmupdecaylr": "warmup_decay", "linear": "warmup_decay",
-    "warmupcosinelr": "warmup_cosine", "cosine": "warmup_cosine", "onecycle": "one_cycle", "lrrangetest": "lr_range_test",
-    "constant": "none", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "gpu": "none",
+    "warmuplr": "warmup",
+    "constant_with_warmup": "warmup",
+    "warmupdecaylr": "warmup_decay",
+    "linear": "warmup_decay",
+    "warmupcosinelr": "warmup_cosine",
+    "cosine": "warmup_cosine",
+    "onecycle": "one_cycle",
+    "lrrangetest": "lr_range_test",
+    "constant": "none",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "gpu": "none",
 }
 
 
@@ -368,9 +380,21 @@ def _choice(path: str, value: str, allowed: tuple[str, ...]) -> str:
 def _validate_scheduler(s: SchedulerConfig) -> None:
     s.type = _choice("scheduler.type", s.type, SCHEDULER_TYPES)
     s.warmup_type = _choice("scheduler.warmup_type", s.warmup_type, WARMUP_TYPES)
-    for key in ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "lr_range_test_min_lr", "warmup_min_ratio",
-                "cos_min_ratio", "decay_lr_rate", "decay_mom_rate", "decay_step_size", "warmup_num_steps",
-                "cycle_first_stair_count", "cycle_second_stair_count"):
+    for key in (
+        "warmup_min_lr",
+        "warmup_max_lr",
+        "cycle_min_lr",
+        "cycle_max_lr",
+        "lr_range_test_min_lr",
+        "warmup_min_ratio",
+        "cos_min_ratio",
+        "decay_lr_rate",
+        "decay_mom_rate",
+        "decay_step_size",
+        "warmup_num_steps",
+        "cycle_first_stair_count",
+        "cycle_second_stair_count",
+    ):
         value = getattr(s, key)
         if value is not None and not value >= 0:
             raise _fail(f"scheduler.{key}", f"must be >= 0, got {value}")
@@ -459,14 +483,23 @@ def validate(config: Config) -> Config:
 def is_deepspeed_config(mapping: dict) -> bool:
     """A DeepSpeed config is recognised by keys only DeepSpeed uses."""
     markers = {
-        "zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "bf16", "bfloat16", "fp16", "aio",
-        "zero_allow_untested_optimizer", "steps_per_print",
+        "zero_optimization",
+        "train_micro_batch_size_per_gpu",
+        "train_batch_size",
+        "bf16",
+        "bfloat16",
+        "fp16",
+        "aio",
+        "zero_allow_untested_optimizer",
+        "steps_per_print",
     }
     if any(key in markers for key in mapping):
         return True
     # DeepSpeed's optimizer and scheduler sections are {"type": ..., "params": {...}}; offload's are flat
-    return any(isinstance(mapping.get(key), dict) and "params" in mapping[key] and "type" in mapping[key]
-               for key in ("optimizer", "scheduler"))
+    return any(
+        isinstance(mapping.get(key), dict) and "params" in mapping[key] and "type" in mapping[key]
+        for key in ("optimizer", "scheduler")
+    )
 
 
 def _build(mapping: dict, translation=None) -> Config:
@@ -478,8 +511,13 @@ def _build(mapping: dict, translation=None) -> Config:
         if translation is None or error.key is None:
             raise
         base = error.key.split("[")[0]
-        sources = sorted({src for ours, src in translation.sources.items()
-                          if ours == base or ours.startswith(base + ".") or base.startswith(ours + ".")})
+        sources = sorted(
+            {
+                src
+                for ours, src in translation.sources.items()
+                if ours == base or ours.startswith(base + ".") or base.startswith(ours + ".")
+            }
+        )
         if not sources:
             raise
         shown = ", ".join(repr(src) for src in sources)
@@ -503,7 +541,9 @@ def load_config(source: Config | dict | str | os.PathLike | None = None, *, stri
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass a dict, an offload.Config or the path of a JSON file")
+            raise ConfigError(
+                f"config file {str(path)!r} does not exist; pass a dict, an offload.Config or the path of a JSON file"
+            )
         if path.suffix.lower() in (".yaml", ".yml"):
             translation = deepspeed_config.translate_accelerate(path)
             deepspeed_config.report(translation, strict)
@@ -531,9 +571,11 @@ def _warmup_fraction(iteration: int, warmup_steps: int, warmup_type: str) -> flo
 
 def _needs_total(s: SchedulerConfig) -> int:
     if s.total_num_steps is None:
-        raise ConfigError(f"config key 'scheduler.total_num_steps': the {s.type} schedule needs the number of optimizer "
-                          "steps of the run; set it (a DeepSpeed 'auto' cannot be resolved without the Trainer)",
-                          key="scheduler.total_num_steps")
+        raise ConfigError(
+            f"config key 'scheduler.total_num_steps': the {s.type} schedule needs the number of optimizer "
+            "steps of the run; set it (a DeepSpeed 'auto' cannot be resolved without the Trainer)",
+            key="scheduler.total_num_steps",
+        )
     return s.total_num_steps
 
 
@@ -557,7 +599,9 @@ def _one_cycle_scale(s: SchedulerConfig, batch: int) -> float:
 
 
 def _one_cycle_total(s: SchedulerConfig) -> int:
-    return s.cycle_first_step_size + (s.cycle_second_step_size if s.cycle_second_step_size is not None else s.cycle_first_step_size)
+    return s.cycle_first_step_size + (
+        s.cycle_second_step_size if s.cycle_second_step_size is not None else s.cycle_first_step_size
+    )
 
 
 def lr_at(step: int, scheduler: SchedulerConfig, base_lr: float) -> float:

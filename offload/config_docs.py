@@ -2,6 +2,7 @@
 
 `python -m offload.config_docs` prints it; tests/test_readme.py checks the README holds exactly it.
 """
+
 from __future__ import annotations
 
 import dataclasses

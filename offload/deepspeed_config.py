@@ -68,6 +68,7 @@ accelerate
     `offload_optimizer_device`, `offload_param_device`, `offload_*_nvme_path`,
     `gradient_accumulation_steps`, `gradient_clipping`, with top-level `mixed_precision`.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -122,8 +123,12 @@ class Translation:
 
 
 # ---- why keys are ignored -----------------------------------------------------------------
-_WHY_TUNING = "bucket, persistence, prefetch and partition tuning (offload sizes each unit's buffers exactly and always overlaps transfers)"
-_WHY_OFFLOAD_TUNING = "buffer sizing and pipelining of the offload (offload sizes host buffers per unit and pipelines NVMe itself)"
+_WHY_TUNING = (
+    "bucket, persistence, prefetch and partition tuning (offload sizes each unit's buffers exactly and always overlaps transfers)"
+)
+_WHY_OFFLOAD_TUNING = (
+    "buffer sizing and pipelining of the offload (offload sizes host buffers per unit and pipelines NVMe itself)"
+)
 _WHY_MONITOR = "logging, profiling and monitoring (use your own logger or torch.profiler)"
 _WHY_SAVE = "saving options (use engine.consolidated_state_dict(), engine.save_checkpoint or `offload export`)"
 _WHY_CHECKS = "DeepSpeed's optimizer checks (offload always runs its own CPU Adam/AdamW)"
@@ -135,7 +140,9 @@ _WHY_ZERO3_INIT = "construction-time partitioning (offload partitions the model 
 _WHY_LAUNCHER = "read by `accelerate launch`, not by the training process"
 _WHY_NOT_TRAINING = "tools and services outside training (run them separately)"
 _WHY_SPEED = "speed switches that change no result (torch.compile the model yourself if you want it)"
-_WHY_CKPT_ACT = "activation checkpointing through DeepSpeed's own API (use torch.utils.checkpoint in the model; offload handles it)"
+_WHY_CKPT_ACT = (
+    "activation checkpointing through DeepSpeed's own API (use torch.utils.checkpoint in the model; offload handles it)"
+)
 _WHY_OFF = "switched off"
 _WHY_DEVICE_NONE = "its section's device is 'none' (DeepSpeed ignores the section too)"
 _WHY_DISABLED = "its section is disabled (DeepSpeed ignores the section too)"
@@ -190,43 +197,132 @@ def _rules(why_or_rule, *keys: str) -> dict[str, _Rule]:
 
 
 _TOP_RULES = {
-    **_rules(_WHY_MONITOR, "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "flops_profiler",
-             "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "monitor_config", "timers"),
+    **_rules(
+        _WHY_MONITOR,
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "memory_breakdown",
+        "dump_state",
+        "flops_profiler",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comet",
+        "comms_logger",
+        "monitor_config",
+        "timers",
+    ),
     **_rules(_WHY_CHECKS, "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"),
-    **_rules(_WHY_COMM, "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "disable_allgather",
-             "seq_parallel_communication_data_type"),
+    **_rules(
+        _WHY_COMM,
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "sparse_gradients",
+        "disable_allgather",
+        "seq_parallel_communication_data_type",
+    ),
     **_rules(_WHY_NOT_TRAINING, "autotuning", "nebula"),
     **_rules(_WHY_SPEED, "compile", "graph_harvesting"),
     "activation_checkpointing": _ignore(_WHY_CKPT_ACT),
     "checkpoint": _ignore(_WHY_SAVE),
     "amp": _when_disabled(_WHY_AMP),
-    "data_types": _Rule("fp32 gradient accumulation is what offload does", ok=lambda v: isinstance(v, dict) and v.get("grad_accum_dtype") in (None, "fp32", "float32"),
-                        why_not=_WHY_GRAD_DTYPE),
-    **_rules(_when_disabled(_WHY_FEATURE), "elasticity", "compression_training", "curriculum_learning", "data_efficiency",
-             "pipeline", "sparse_attention", "tensor_parallel", "hybrid_engine", "weight_quantization", "eigenvalue",
-             "progressive_layer_drop", "quantize_training", "use_data_before_expert_parallelism"),
+    "data_types": _Rule(
+        "fp32 gradient accumulation is what offload does",
+        ok=lambda v: isinstance(v, dict) and v.get("grad_accum_dtype") in (None, "fp32", "float32"),
+        why_not=_WHY_GRAD_DTYPE,
+    ),
+    **_rules(
+        _when_disabled(_WHY_FEATURE),
+        "elasticity",
+        "compression_training",
+        "curriculum_learning",
+        "data_efficiency",
+        "pipeline",
+        "sparse_attention",
+        "tensor_parallel",
+        "hybrid_engine",
+        "weight_quantization",
+        "eigenvalue",
+        "progressive_layer_drop",
+        "quantize_training",
+        "use_data_before_expert_parallelism",
+    ),
 }
-_TOP_HANDLED = ("zero_optimization", "aio", "bf16", "bfloat16", "fp16", "optimizer", "scheduler", "gradient_clipping",
-                "gradient_accumulation_steps", "train_batch_size", "train_micro_batch_size_per_gpu",
-                "communication_data_type")
+_TOP_HANDLED = (
+    "zero_optimization",
+    "aio",
+    "bf16",
+    "bfloat16",
+    "fp16",
+    "optimizer",
+    "scheduler",
+    "gradient_clipping",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "communication_data_type",
+)
 
 _ZERO_RULES = {
-    **_rules(_WHY_TUNING, "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
-             "allgather_partitions", "allgather_bucket_size", "round_robin_gradients", "sub_group_size",
-             "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-             "stage3_max_reuse_distance", "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters",
-             "max_reuse_distance", "model_persistence_threshold", "stage3_model_persistence_threshold",
-             "use_multi_rank_bucket_allreduce", "memory_efficient_linear", "ignore_unused_parameters", "legacy_stage1",
-             "cpu_offload_use_pin_memory_buffers", "log_trace_cache_warnings", "override_module_apply",
-             "module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params", "zero_hpz_partition_size",
-             "mics_shard_size", "mics_hierarchical_params_gather", "pipeline_loading_checkpoint"),
-    **_rules(_WHY_SAVE, "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-             "gather_16bit_weights_on_model_save", "elastic_checkpoint", "load_from_fp32_weights"),
-    **_rules(_when_off(_WHY_QUANTIZED), "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-             "zero_quantized_gradients", "zeropp_loco_param"),
+    **_rules(
+        _WHY_TUNING,
+        "contiguous_gradients",
+        "overlap_comm",
+        "reduce_scatter",
+        "reduce_bucket_size",
+        "allgather_partitions",
+        "allgather_bucket_size",
+        "round_robin_gradients",
+        "sub_group_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "prefetch_bucket_size",
+        "param_persistence_threshold",
+        "max_live_parameters",
+        "max_reuse_distance",
+        "model_persistence_threshold",
+        "stage3_model_persistence_threshold",
+        "use_multi_rank_bucket_allreduce",
+        "memory_efficient_linear",
+        "ignore_unused_parameters",
+        "legacy_stage1",
+        "cpu_offload_use_pin_memory_buffers",
+        "log_trace_cache_warnings",
+        "override_module_apply",
+        "module_granularity_threshold",
+        "stage3_use_all_reduce_for_fetch_params",
+        "zero_hpz_partition_size",
+        "mics_shard_size",
+        "mics_hierarchical_params_gather",
+        "pipeline_loading_checkpoint",
+    ),
+    **_rules(
+        _WHY_SAVE,
+        "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save",
+        "gather_16bit_weights_on_model_save",
+        "elastic_checkpoint",
+        "load_from_fp32_weights",
+    ),
+    **_rules(
+        _when_off(_WHY_QUANTIZED),
+        "zero_quantized_weights",
+        "zero_quantized_nontrainable_weights",
+        "zero_quantized_gradients",
+        "zeropp_loco_param",
+    ),
 }
-_ZERO_HANDLED = ("stage", "offload_param", "offload_optimizer", "cpu_offload", "cpu_offload_params",
-                 "cpu_offload_use_pin_memory", "aio")
+_ZERO_HANDLED = (
+    "stage",
+    "offload_param",
+    "offload_optimizer",
+    "cpu_offload",
+    "cpu_offload_params",
+    "cpu_offload_use_pin_memory",
+    "aio",
+)
 
 _OFFLOAD_HANDLED = ("device", "nvme_path", "pin_memory", "buffer_count")
 _OFFLOAD_RULES = {
@@ -254,8 +350,16 @@ _BF16_RULES = {
 _ADAM_TYPES = ("adam", "fusedadam", "cpuadam", "deepspeedcpuadam")
 _OPT_PARAMS_HANDLED = ("lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "amsgrad", "max_grad_norm")
 _OPT_PARAMS_RULES = {
-    **_rules(_WHY_TORCH_IMPL, "torch_adam", "foreach", "fused", "capturable", "differentiable", "set_grad_none",
-             "fp32_optimizer_states"),
+    **_rules(
+        _WHY_TORCH_IMPL,
+        "torch_adam",
+        "foreach",
+        "fused",
+        "capturable",
+        "differentiable",
+        "set_grad_none",
+        "fp32_optimizer_states",
+    ),
     "maximize": _when_off("maximizing the objective (offload's Adam minimises; negate the loss)"),
 }
 
@@ -263,16 +367,46 @@ _OPT_PARAMS_RULES = {
 # DeepSpeed's defaults (None: required, or "the optimizer's lr" for warmup_max_lr of WarmupLR).
 _SCHEDULERS = {
     "warmuplr": ("warmup", {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log"}),
-    "warmupdecaylr": ("warmup_decay", {"total_num_steps": None, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
-                                       "warmup_num_steps": 1000, "warmup_type": "log"}),
-    "warmupcosinelr": ("warmup_cosine", {"total_num_steps": None, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
-                                         "cos_min_ratio": 0.0001, "warmup_type": "log"}),
-    "onecycle": ("one_cycle", {"cycle_min_lr": None, "cycle_max_lr": None, "decay_lr_rate": 0.0, "cycle_first_step_size": 2000,
-                               "cycle_second_step_size": None, "cycle_first_stair_count": 0, "cycle_second_stair_count": None,
-                               "decay_step_size": 0, "cycle_momentum": True, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9,
-                               "decay_mom_rate": 0.0}),
-    "lrrangetest": ("lr_range_test", {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2000,
-                                      "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": False}),
+    "warmupdecaylr": (
+        "warmup_decay",
+        {"total_num_steps": None, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"},
+    ),
+    "warmupcosinelr": (
+        "warmup_cosine",
+        {
+            "total_num_steps": None,
+            "warmup_min_ratio": 0.0,
+            "warmup_num_steps": 1000,
+            "cos_min_ratio": 0.0001,
+            "warmup_type": "log",
+        },
+    ),
+    "onecycle": (
+        "one_cycle",
+        {
+            "cycle_min_lr": None,
+            "cycle_max_lr": None,
+            "decay_lr_rate": 0.0,
+            "cycle_first_step_size": 2000,
+            "cycle_second_step_size": None,
+            "cycle_first_stair_count": 0,
+            "cycle_second_stair_count": None,
+            "decay_step_size": 0,
+            "cycle_momentum": True,
+            "cycle_min_mom": 0.8,
+            "cycle_max_mom": 0.9,
+            "decay_mom_rate": 0.0,
+        },
+    ),
+    "lrrangetest": (
+        "lr_range_test",
+        {
+            "lr_range_test_min_lr": 1e-3,
+            "lr_range_test_step_size": 2000,
+            "lr_range_test_step_rate": 1.0,
+            "lr_range_test_staircase": False,
+        },
+    ),
 }
 _SCHEDULER_NAMES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 _SCHEDULER_REQUIRED = {"cycle_min_lr", "cycle_max_lr", "total_num_steps"}
@@ -290,8 +424,13 @@ _ACCEL_INLINE_RULES = {
     "zero3_init_flag": _ignore(_WHY_ZERO3_INIT),
     "zero3_save_16bit_model": _ignore(_WHY_SAVE),
     "deepspeed_moe_layer_cls_names": _ignore(_WHY_TUNING),
-    **_rules(_WHY_LAUNCHER, "deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_exclusion_filter",
-             "deepspeed_inclusion_filter"),
+    **_rules(
+        _WHY_LAUNCHER,
+        "deepspeed_multinode_launcher",
+        "deepspeed_hostfile",
+        "deepspeed_exclusion_filter",
+        "deepspeed_inclusion_filter",
+    ),
 }
 _MIXED_PRECISIONS = ("no", "fp16", "bf16")
 
@@ -415,8 +554,9 @@ class _Builder:
 
 
 # ---- DeepSpeed ------------------------------------------------------------------------------
-def translate_deepspeed(mapping: dict, *, mixed_precision: str | None = None, names: dict[str, str] | None = None,
-                        kind: str = "DeepSpeed") -> Translation:
+def translate_deepspeed(
+    mapping: dict, *, mixed_precision: str | None = None, names: dict[str, str] | None = None, kind: str = "DeepSpeed"
+) -> Translation:
     """A DeepSpeed config mapping as offload config data (see the module docstring).
 
     Raises ConfigError for values that cannot be honoured; collects everything else in the
@@ -429,7 +569,9 @@ def translate_deepspeed(mapping: dict, *, mixed_precision: str | None = None, na
         raise ConfigError(
             f"config keys {', '.join(repr(k) for k in mixed)} belong to offload's own schema but this is a DeepSpeed "
             "config (it has DeepSpeed keys such as zero_optimization / bf16 / fp16 / train_batch_size); "
-            "don't mix the two: write either an offload config or a DeepSpeed config", key=mixed[0])
+            "don't mix the two: write either an offload config or a DeepSpeed config",
+            key=mixed[0],
+        )
     b.sort_section("", mapping, _TOP_HANDLED, _TOP_RULES)
     _zero(b, mapping)
     _aio(b, mapping)
@@ -486,15 +628,23 @@ def _zero(b: _Builder, mapping: dict) -> None:
                     b.ignored(f"{path}.{key}", _WHY_DEVICE_NONE)
 
     if stage == 0 and active:
-        raise b.fail("zero_optimization.stage", f"stage 0 cannot offload ({', '.join(b.n('zero_optimization.' + a) for a in active)} "
-                     "is set; DeepSpeed refuses this too); set stage 2 or 3")
+        raise b.fail(
+            "zero_optimization.stage",
+            f"stage 0 cannot offload ({', '.join(b.n('zero_optimization.' + a) for a in active)} "
+            "is set; DeepSpeed refuses this too); set stage 2 or 3",
+        )
     if stage < 3 and "offload_param" in active:
-        raise b.fail("zero_optimization.offload_param",
-                     f"parameter offload needs zero_optimization.stage 3 (it is {stage}); set stage 3 or device 'none'")
+        raise b.fail(
+            "zero_optimization.offload_param",
+            f"parameter offload needs zero_optimization.stage 3 (it is {stage}); set stage 3 or device 'none'",
+        )
     b.set("offload.param", devices["offload_param"] if stage == 3 else "none", "zero_optimization.offload_param.device")
     # device none (DeepSpeed: on the accelerator) is `auto`, which fills the fastest tier with room
-    b.set("offload.optimizer", {"nvme": "nvme", "cpu": "cpu"}.get(devices["offload_optimizer"], "auto"),
-          "zero_optimization.offload_optimizer.device")
+    b.set(
+        "offload.optimizer",
+        {"nvme": "nvme", "cpu": "cpu"}.get(devices["offload_optimizer"], "auto"),
+        "zero_optimization.offload_optimizer.device",
+    )
 
     paths = {}
     for name, section in active.items():
@@ -508,8 +658,11 @@ def _zero(b: _Builder, mapping: dict) -> None:
             b.ignored(key, f"the section's device is {devices[name]!r}, not 'nvme'")
     if len({os.path.normpath(p) for p in paths.values()}) > 1:
         shown = " and ".join(f"'{b.n(k)}' = {v!r}" for k, v in paths.items())
-        raise ConfigError(f"{b.result.kind} config gives two different NVMe paths, {shown}; offload keeps parameters and "
-                          "optimizer state in one swap directory: give both the same path", key=b.n(next(iter(paths))))
+        raise ConfigError(
+            f"{b.result.kind} config gives two different NVMe paths, {shown}; offload keeps parameters and "
+            "optimizer state in one swap directory: give both the same path",
+            key=b.n(next(iter(paths))),
+        )
     if paths:
         key, value = next(iter(paths.items()))
         b.set("offload.nvme_path", value, key)
@@ -520,8 +673,11 @@ def _zero(b: _Builder, mapping: dict) -> None:
             pins[f"zero_optimization.{name}.pin_memory"] = b.flag(section["pin_memory"], f"zero_optimization.{name}.pin_memory")
     if len(set(pins.values())) > 1:
         shown = " and ".join(f"'{b.n(k)}' = {str(v).lower()}" for k, v in pins.items())
-        raise ConfigError(f"{b.result.kind} config gives {shown}; offload has one pin_memory switch for all host buffers: "
-                          "give both the same value", key=b.n(next(iter(pins))))
+        raise ConfigError(
+            f"{b.result.kind} config gives {shown}; offload has one pin_memory switch for all host buffers: "
+            "give both the same value",
+            key=b.n(next(iter(pins))),
+        )
     if pins:
         key, value = next(iter(pins.items()))
         b.set("offload.pin_memory", value, key)
@@ -535,8 +691,12 @@ def _zero(b: _Builder, mapping: dict) -> None:
         key = max(counts, key=counts.get)
         value = counts[key]
         if value < 2:
-            log.warning("%s %s = %d is below offload's minimum of 2 buffers (read next, step this, write last); using 2",
-                        b.result.kind, b.n(key), value)
+            log.warning(
+                "%s %s = %d is below offload's minimum of 2 buffers (read next, step this, write last); using 2",
+                b.result.kind,
+                b.n(key),
+                value,
+            )
             value = 2
         b.set("offload.buffer_count", value, key)
 
@@ -552,8 +712,10 @@ def _aio(b: _Builder, mapping: dict) -> None:
     if aio is None:
         return
     if aio.get("use_gds") not in (None, False):
-        raise b.fail(f"{prefix}.use_gds", "GPUDirect Storage cannot be honoured: offload reads swap files through host "
-                     "buffers; set it to false or remove it")
+        raise b.fail(
+            f"{prefix}.use_gds",
+            "GPUDirect Storage cannot be honoured: offload reads swap files through host buffers; set it to false or remove it",
+        )
     if "use_gds" in aio:
         b.ignored(f"{prefix}.use_gds", _WHY_OFF)
     b.sort_section(prefix, aio, _AIO_HANDLED, _AIO_RULES)
@@ -562,8 +724,10 @@ def _aio(b: _Builder, mapping: dict) -> None:
             b.set(ours, b.number(aio[key], f"{prefix}.{key}", integer=True), f"{prefix}.{key}")
     threads = {k: b.number(aio[k], f"{prefix}.{k}", integer=True) for k in ("thread_count", "intra_op_parallelism") if k in aio}
     if len(set(threads.values())) > 1:
-        raise b.fail(f"{prefix}.intra_op_parallelism", f"is the new spelling of {prefix}.thread_count but the two differ "
-                     f"({threads}); keep one of them")
+        raise b.fail(
+            f"{prefix}.intra_op_parallelism",
+            f"is the new spelling of {prefix}.thread_count but the two differ ({threads}); keep one of them",
+        )
     if threads:
         key = next(iter(threads))
         b.set("io.threads", threads[key], f"{prefix}.{key}")
@@ -590,8 +754,11 @@ def _precision(b: _Builder, mapping: dict, mixed_precision: str | None) -> None:
     if mixed_precision is not None:
         for explicit, name, wanted in ((bf, bf16_key, "bf16"), (fp, "fp16", "fp16")):
             if explicit is True and mixed_precision != wanted:
-                raise ConfigError(f"accelerate mixed_precision {mixed_precision!r} contradicts '{name}.enabled': true in the "
-                                  "DeepSpeed config; make them agree", key="mixed_precision")
+                raise ConfigError(
+                    f"accelerate mixed_precision {mixed_precision!r} contradicts '{name}.enabled': true in the "
+                    "DeepSpeed config; make them agree",
+                    key="mixed_precision",
+                )
         if bf == "auto":
             bf = mixed_precision == "bf16"
             b.auto(f"{bf16_key}.enabled", f"{_show(bf)} (accelerate mixed_precision {mixed_precision!r})")
@@ -624,14 +791,20 @@ def _precision(b: _Builder, mapping: dict, mixed_precision: str | None) -> None:
     b.sort_section("fp16", fp16, _FP16_HANDLED, _FP16_RULES)
     scale = fp16.get("loss_scale", 0)
     if scale != "auto" and b.number(scale, "fp16.loss_scale") > 0:
-        raise b.fail("fp16.loss_scale", f"{scale} asks for static loss scaling, which offload does not do (it scales "
-                     "dynamically and skips a step on overflow); set it to 0")
+        raise b.fail(
+            "fp16.loss_scale",
+            f"{scale} asks for static loss scaling, which offload does not do (it scales "
+            "dynamically and skips a step on overflow); set it to 0",
+        )
     if fp16.get("initial_scale_power", "auto") != "auto":
         power = b.number(fp16["initial_scale_power"], "fp16.initial_scale_power", integer=True)
         b.set("loss_scale.initial", float(2.0**power), "fp16.initial_scale_power")
     if fp16.get("loss_scale_window", "auto") != "auto":
-        b.set("loss_scale.growth_interval", b.number(fp16["loss_scale_window"], "fp16.loss_scale_window", integer=True),
-              "fp16.loss_scale_window")
+        b.set(
+            "loss_scale.growth_interval",
+            b.number(fp16["loss_scale_window"], "fp16.loss_scale_window", integer=True),
+            "fp16.loss_scale_window",
+        )
     if fp16.get("min_loss_scale", "auto") != "auto":
         b.set("loss_scale.min_scale", float(b.number(fp16["min_loss_scale"], "fp16.min_loss_scale")), "fp16.min_loss_scale")
 
@@ -667,17 +840,24 @@ def _optimizer(b: _Builder, mapping: dict) -> None:
     if lowered == "adamw":
         ours = "adamw"
         if not adam_w_mode:
-            log.warning("DeepSpeed optimizer.params.adam_w_mode false has no effect with type %r: DeepSpeed runs AdamW "
-                        "(decoupled weight decay) and so does offload; use type 'Adam' for L2 weight decay", kind)
+            log.warning(
+                "DeepSpeed optimizer.params.adam_w_mode false has no effect with type %r: DeepSpeed runs AdamW "
+                "(decoupled weight decay) and so does offload; use type 'Adam' for L2 weight decay",
+                kind,
+            )
     elif lowered in _ADAM_TYPES:
         ours = "adamw" if adam_w_mode else "adam"
     else:
-        raise b.fail("optimizer.type", f"{kind!r} cannot be honoured: offload's CPU optimizer is Adam/AdamW only; "
-                     "use type 'AdamW' (or 'Adam')")
+        raise b.fail(
+            "optimizer.type",
+            f"{kind!r} cannot be honoured: offload's CPU optimizer is Adam/AdamW only; use type 'AdamW' (or 'Adam')",
+        )
     b.set("optimizer.type", ours, "optimizer.type")
     if params.get("amsgrad") is not None and b.flag(params["amsgrad"], "optimizer.params.amsgrad"):
-        raise b.fail("optimizer.params.amsgrad", "AMSGrad cannot be honoured (offload's Adam keeps no max of the second "
-                     "moment); set it to false")
+        raise b.fail(
+            "optimizer.params.amsgrad",
+            "AMSGrad cannot be honoured (offload's Adam keeps no max of the second moment); set it to false",
+        )
     if "max_grad_norm" in params:
         raise b.fail("optimizer.params.max_grad_norm", "is not an optimizer parameter; use the top-level 'gradient_clipping'")
     for key in ("lr", "betas", "eps", "weight_decay"):
@@ -696,8 +876,11 @@ def _optimizer(b: _Builder, mapping: dict) -> None:
             value = b.number(value, path)
         b.set(f"optimizer.{key}", value, path)
     if "bias_correction" in params:
-        b.set("optimizer.bias_correction", b.flag(params["bias_correction"], "optimizer.params.bias_correction"),
-              "optimizer.params.bias_correction")
+        b.set(
+            "optimizer.bias_correction",
+            b.flag(params["bias_correction"], "optimizer.params.bias_correction"),
+            "optimizer.params.bias_correction",
+        )
 
 
 def _scheduler(b: _Builder, mapping: dict) -> None:
@@ -707,8 +890,11 @@ def _scheduler(b: _Builder, mapping: dict) -> None:
     b.sort_section("scheduler", sched, ("type", "params"), {})
     kind = sched.get("type")
     if not isinstance(kind, str) or kind.lower() not in _SCHEDULERS:
-        raise b.fail("scheduler.type", f"{kind!r} cannot be honoured: offload translates {', '.join(_SCHEDULER_NAMES)}; "
-                     "use one of them, or drive the learning rate from your training loop (engine.optimizer)")
+        raise b.fail(
+            "scheduler.type",
+            f"{kind!r} cannot be honoured: offload translates {', '.join(_SCHEDULER_NAMES)}; "
+            "use one of them, or drive the learning rate from your training loop (engine.optimizer)",
+        )
     ours, defaults = _SCHEDULERS[kind.lower()]
     b.set("scheduler.type", ours, "scheduler.type")
     params = b.section(sched, "params", "scheduler.params") or {}
@@ -723,8 +909,11 @@ def _scheduler(b: _Builder, mapping: dict) -> None:
                 b.auto(path, "the optimizer's lr")
             elif key == "total_num_steps":
                 value = None
-                b.auto(path, "unknown: set scheduler.total_num_steps to the number of optimizer steps before training "
-                       "(the Hugging Face Trainer computes it from the data)")
+                b.auto(
+                    path,
+                    "unknown: set scheduler.total_num_steps to the number of optimizer steps before training "
+                    "(the Hugging Face Trainer computes it from the data)",
+                )
             elif path in TRAINER_DEFAULTS:
                 value = TRAINER_DEFAULTS[path]
                 b.auto(path, _show(value))
@@ -772,17 +961,25 @@ def _steps(b: _Builder, mapping: dict) -> None:
         if batch != micro * accumulation * world:
             raise ConfigError(
                 f"DeepSpeed train_batch_size {batch} != train_micro_batch_size_per_gpu {micro} * gradient_accumulation_steps "
-                f"{accumulation} * world size {world}; fix one of them (or drop train_batch_size)", key="train_batch_size")
+                f"{accumulation} * world size {world}; fix one of them (or drop train_batch_size)",
+                key="train_batch_size",
+            )
     elif batch is not None and micro is not None:
         if batch % (micro * world):
-            raise ConfigError(f"DeepSpeed train_batch_size {batch} is not a multiple of train_micro_batch_size_per_gpu "
-                              f"{micro} * world size {world}; fix one of them", key="train_batch_size")
+            raise ConfigError(
+                f"DeepSpeed train_batch_size {batch} is not a multiple of train_micro_batch_size_per_gpu "
+                f"{micro} * world size {world}; fix one of them",
+                key="train_batch_size",
+            )
         accumulation = batch // (micro * world)
         log.info("DeepSpeed gradient_accumulation_steps derived from the batch sizes: %d", accumulation)
         b.set("gradient_accumulation_steps", accumulation, "train_batch_size")
     elif batch is not None and accumulation is not None and batch % (accumulation * world):
-        raise ConfigError(f"DeepSpeed train_batch_size {batch} is not a multiple of gradient_accumulation_steps "
-                          f"{accumulation} * world size {world}; fix one of them", key="train_batch_size")
+        raise ConfigError(
+            f"DeepSpeed train_batch_size {batch} is not a multiple of gradient_accumulation_steps "
+            f"{accumulation} * world size {world}; fix one of them",
+            key="train_batch_size",
+        )
     if accumulation is not None and not b.has("gradient_accumulation_steps"):
         b.set("gradient_accumulation_steps", accumulation, "gradient_accumulation_steps")
     elif mapping.get("gradient_accumulation_steps") == "auto" and not b.has("gradient_accumulation_steps"):
@@ -814,15 +1011,23 @@ def translate_accelerate(path: str | os.PathLike) -> Translation:
     ds = data.get("deepspeed_config")
     kind = data.get("distributed_type")
     if kind not in (None, "DEEPSPEED"):
-        raise ConfigError(f"accelerate config {str(path)!r} has distributed_type {kind!r}; offload reads DeepSpeed settings "
-                          "only (distributed_type DEEPSPEED with a deepspeed_config section)", key="distributed_type")
+        raise ConfigError(
+            f"accelerate config {str(path)!r} has distributed_type {kind!r}; offload reads DeepSpeed settings "
+            "only (distributed_type DEEPSPEED with a deepspeed_config section)",
+            key="distributed_type",
+        )
     if not isinstance(ds, dict):
-        raise ConfigError(f"accelerate config {str(path)!r} has no 'deepspeed_config' mapping; add one (inline keys such as "
-                          "zero_stage, or deepspeed_config_file pointing at a DeepSpeed JSON)", key="deepspeed_config")
+        raise ConfigError(
+            f"accelerate config {str(path)!r} has no 'deepspeed_config' mapping; add one (inline keys such as "
+            "zero_stage, or deepspeed_config_file pointing at a DeepSpeed JSON)",
+            key="deepspeed_config",
+        )
     mixed = data.get("mixed_precision")
     if mixed is not None and mixed not in _MIXED_PRECISIONS:
-        raise ConfigError(f"accelerate config key 'mixed_precision': {mixed!r} is not one of {', '.join(_MIXED_PRECISIONS)}",
-                          key="mixed_precision")
+        raise ConfigError(
+            f"accelerate config key 'mixed_precision': {mixed!r} is not one of {', '.join(_MIXED_PRECISIONS)}",
+            key="mixed_precision",
+        )
     ignored = [(k, _WHY_LAUNCHER) for k in data if k not in ("deepspeed_config", "mixed_precision")]
     unsupported = []
     file = ds.get("deepspeed_config_file")
@@ -832,20 +1037,28 @@ def translate_accelerate(path: str | os.PathLike) -> Translation:
             verdict, why = _ACCEL_INLINE_RULES[key].judge(value)
             (ignored if verdict == "ignored" else unsupported).append((f"deepspeed_config.{key}", why))
         elif key not in _ACCEL_INLINE and key != "deepspeed_config_file":
-            unsupported.append((f"deepspeed_config.{key}", f"not an accelerate DeepSpeed key offload knows; {_nearest(key, known)}"))
+            unsupported.append(
+                (f"deepspeed_config.{key}", f"not an accelerate DeepSpeed key offload knows; {_nearest(key, known)}")
+            )
 
     if file is not None:
         inline = sorted(k for k in ds if k in _ACCEL_INLINE)
         if inline:
-            raise ConfigError(f"accelerate config {str(path)!r}: with deepspeed_config_file, the inline keys "
-                              f"{', '.join('deepspeed_config.' + k for k in inline)} are not used; set them in the DeepSpeed "
-                              "JSON instead", key=f"deepspeed_config.{inline[0]}")
+            raise ConfigError(
+                f"accelerate config {str(path)!r}: with deepspeed_config_file, the inline keys "
+                f"{', '.join('deepspeed_config.' + k for k in inline)} are not used; set them in the DeepSpeed "
+                "JSON instead",
+                key=f"deepspeed_config.{inline[0]}",
+            )
         json_path = Path(file)
         candidates = [json_path] if json_path.is_absolute() else [Path.cwd() / json_path, path.parent / json_path]
         found = next((c for c in candidates if c.is_file()), None)
         if found is None:
-            raise ConfigError(f"accelerate config key 'deepspeed_config.deepspeed_config_file': {str(file)!r} not found "
-                              f"(tried {', '.join(str(c) for c in candidates)})", key="deepspeed_config.deepspeed_config_file")
+            raise ConfigError(
+                f"accelerate config key 'deepspeed_config.deepspeed_config_file': {str(file)!r} not found "
+                f"(tried {', '.join(str(c) for c in candidates)})",
+                key="deepspeed_config.deepspeed_config_file",
+            )
         try:
             mapping = json.loads(found.read_text())
         except json.JSONDecodeError as error:
@@ -890,16 +1103,22 @@ def report(translation: Translation, strict: bool = True) -> None:
         lines = [f"  - {', '.join(keys)}: {why}" for why, keys in _group(translation.unsupported).items()]
         head = f"{kind} config: {count} key{'s' if count != 1 else ''} offload cannot honour"
         if strict:
-            raise ConfigError(f"{head} (fix or remove them, or load with strict=False to drop them with a warning):\n"
-                              + "\n".join(lines), key=translation.unsupported[0][0])
+            raise ConfigError(
+                f"{head} (fix or remove them, or load with strict=False to drop them with a warning):\n" + "\n".join(lines),
+                key=translation.unsupported[0][0],
+            )
         log.warning("%s, dropped (strict=False):\n%s", head, "\n".join(lines))
     if translation.ignored:
         groups = "; ".join(f"{', '.join(keys)} ({why})" for why, keys in _group(translation.ignored).items())
         log.info("%s config: ignoring %d key(s) that cannot change training here: %s", kind, len(translation.ignored), groups)
     if translation.auto:
         chosen = "; ".join(f"{key} -> {value}" for key, value in translation.auto)
-        log.warning("%s config: 'auto' values resolved as the Hugging Face Trainer would with its default arguments "
-                    "(write values to choose others): %s", kind, chosen)
+        log.warning(
+            "%s config: 'auto' values resolved as the Hugging Face Trainer would with its default arguments "
+            "(write values to choose others): %s",
+            kind,
+            chosen,
+        )
 
 
 def translate(mapping: dict, strict: bool = True) -> dict:

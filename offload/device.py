@@ -16,6 +16,7 @@ Streams and events, who fills them and who waits:
   after waiting on the compute event recorded when the gradient was final, then waits on the
   copy's event on the host before adding the staged values into the fp32 gradient.
 """
+
 from __future__ import annotations
 
 import contextlib

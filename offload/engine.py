@@ -15,6 +15,7 @@ Threads, and what each owns:
   own pool of threads. Each unit's `step_done` event tells fetches and forwards when its new
   weights are ready.
 """
+
 from __future__ import annotations
 
 import logging
@@ -153,7 +154,11 @@ class Engine:
 
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         self.optimizer_plan = plan_optimizer(
-            self.config, self.units, compute_dtype=self.compute_dtype, staged_device_copies=self.device.is_cuda, local_rank=local_rank
+            self.config,
+            self.units,
+            compute_dtype=self.compute_dtype,
+            staged_device_copies=self.device.is_cuda,
+            local_rank=local_rank,
         )
         self.store = TierStore(
             self.units,
@@ -543,7 +548,9 @@ class Engine:
                 self.scaler.update(overflow=True)
                 self.skipped_steps += 1
                 logger.warning(
-                    "offload: fp16 gradient overflow at step %d; step skipped, loss scale now %g", self.global_steps, self.scaler.scale
+                    "offload: fp16 gradient overflow at step %d; step skipped, loss scale now %g",
+                    self.global_steps,
+                    self.scaler.scale,
                 )
                 return False
             raise NonFiniteError(
@@ -757,12 +764,17 @@ class Engine:
         saved = state.get("param_groups")
         if saved is not None and len(saved) == len(groups):
             for group, values in zip(groups, saved):
-                group.update({key: (tuple(values[key]) if key == "betas" else values[key]) for key in GROUP_KEYS if key in values})
+                group.update(
+                    {key: (tuple(values[key]) if key == "betas" else values[key]) for key in GROUP_KEYS if key in values}
+                )
         else:
             if saved is not None:
                 logger.warning(
                     "offload: the checkpoint has %d parameter groups, this engine %d: only the learning rate (%g) is "
-                    "restored, into every group", len(saved), len(groups), state["lr"],
+                    "restored, into every group",
+                    len(saved),
+                    len(groups),
+                    state["lr"],
                 )
             for group in groups:
                 group["lr"] = state["lr"]

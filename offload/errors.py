@@ -1,4 +1,5 @@
 """Exceptions offload raises. Each message names the thing that is wrong and what to do."""
+
 from __future__ import annotations
 
 

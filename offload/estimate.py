@@ -22,6 +22,7 @@ A model's shape comes from a Hugging Face `config.json` (`shape_from_hf_config`)
 parameter count (`shape_from_param_count`, an approximation of a llama-like model), or from a
 live module (`shape_from_module`, exact: the engine's own unit cut).
 """
+
 from __future__ import annotations
 
 import math
@@ -49,9 +50,15 @@ DEVICE_KINDS = ("cuda", "cpu")
 # `auto` (the optimizer state in RAM while it lasts, then on NVMe, planned for the machine as the
 # engine plans it) sits between all in RAM and all on NVMe.
 PLACEMENTS = (
-    ("none", "cpu"), ("cpu", "cpu"), ("nvme", "cpu"),
-    ("none", "auto"), ("cpu", "auto"), ("nvme", "auto"),
-    ("none", "nvme"), ("cpu", "nvme"), ("nvme", "nvme"),
+    ("none", "cpu"),
+    ("cpu", "cpu"),
+    ("nvme", "cpu"),
+    ("none", "auto"),
+    ("cpu", "auto"),
+    ("nvme", "auto"),
+    ("none", "nvme"),
+    ("cpu", "nvme"),
+    ("nvme", "nvme"),
 )
 FIXED_PLACEMENTS = tuple(placement for placement in PLACEMENTS if placement[1] != "auto")
 # 16-bit gradient buffers the engine holds on the device at once while the transfer worker moves
@@ -105,8 +112,11 @@ def _require(config: dict, *names: str):
     missing = [n for n in names if config.get(n) is None]
     if missing:
         model_type = config.get("model_type", "?")
-        raise ConfigError(f"Hugging Face config (model_type {model_type!r}) lacks {', '.join(missing)}; "
-                          "pass a complete config.json, or a parameter count instead", key=missing[0])
+        raise ConfigError(
+            f"Hugging Face config (model_type {model_type!r}) lacks {', '.join(missing)}; "
+            "pass a complete config.json, or a parameter count instead",
+            key=missing[0],
+        )
     return [int(config[n]) for n in names]
 
 
@@ -145,8 +155,14 @@ def _attention(config: dict, model_type: str, hidden: int) -> list[int]:
 
 def _gated_mlp(hidden: int, inter: int, bias: bool = False) -> list[int]:
     """gate, up and down projections of a SwiGLU / GeGLU MLP."""
-    return [hidden * inter] + ([inter] if bias else []) + [hidden * inter] + ([inter] if bias else []) + \
-        [inter * hidden] + ([hidden] if bias else [])
+    return (
+        [hidden * inter]
+        + ([inter] if bias else [])
+        + [hidden * inter]
+        + ([inter] if bias else [])
+        + [inter * hidden]
+        + ([hidden] if bias else [])
+    )
 
 
 def _experts(hidden: int, inter: int, count: int) -> list[int]:
@@ -162,27 +178,51 @@ def _norms(model_type: str, hidden: int) -> list[int]:
 def _llama_like(config: dict, model_type: str) -> ModelShape:
     hidden, inter, layers, vocab = _require(config, "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
     heads = int(config.get("num_attention_heads") or max(1, hidden // 128))
-    layer = tuple(_attention(config, model_type, hidden) + _gated_mlp(hidden, inter, bool(config.get("mlp_bias", False)))
-                  + _norms(model_type, hidden))
-    return ModelShape(model_type, _root(config, model_type, vocab, hidden), layer, layers, hidden, inter, heads, vocab,
-                      int(config.get("max_position_embeddings") or 0))
+    layer = tuple(
+        _attention(config, model_type, hidden)
+        + _gated_mlp(hidden, inter, bool(config.get("mlp_bias", False)))
+        + _norms(model_type, hidden)
+    )
+    return ModelShape(
+        model_type,
+        _root(config, model_type, vocab, hidden),
+        layer,
+        layers,
+        hidden,
+        inter,
+        heads,
+        vocab,
+        int(config.get("max_position_embeddings") or 0),
+    )
 
 
 def _mixtral(config: dict) -> ModelShape:
-    hidden, inter, layers, vocab, experts = _require(config, "hidden_size", "intermediate_size", "num_hidden_layers",
-                                                     "vocab_size", "num_local_experts")
+    hidden, inter, layers, vocab, experts = _require(
+        config, "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "num_local_experts"
+    )
     # attention, the router (one logit per expert), the experts, two norms
-    layer = tuple(_attention(config, "mixtral", hidden) + [experts * hidden] + _experts(hidden, inter, experts)
-                  + _norms("mixtral", hidden))
-    return ModelShape("mixtral", _root(config, "mixtral", vocab, hidden), layer, layers, hidden, inter,
-                      int(config.get("num_attention_heads") or 0), vocab, int(config.get("max_position_embeddings") or 0))
+    layer = tuple(
+        _attention(config, "mixtral", hidden) + [experts * hidden] + _experts(hidden, inter, experts) + _norms("mixtral", hidden)
+    )
+    return ModelShape(
+        "mixtral",
+        _root(config, "mixtral", vocab, hidden),
+        layer,
+        layers,
+        hidden,
+        inter,
+        int(config.get("num_attention_heads") or 0),
+        vocab,
+        int(config.get("max_position_embeddings") or 0),
+    )
 
 
 def _qwen_moe(config: dict, model_type: str) -> ModelShape:
     """Qwen2-MoE (routed experts plus one gated shared expert) and Qwen3-MoE (routed only); layers
     listed in `mlp_only_layers`, or off the `decoder_sparse_step`, have a dense MLP instead."""
     hidden, inter, layers, vocab, experts, moe_inter = _require(
-        config, "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "num_experts", "moe_intermediate_size")
+        config, "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "num_experts", "moe_intermediate_size"
+    )
     step = int(config.get("decoder_sparse_step") or 1)
     dense_layers = set(config.get("mlp_only_layers") or [])
     shared = int(config.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
@@ -200,8 +240,18 @@ def _qwen_moe(config: dict, model_type: str) -> ModelShape:
             mlp = _gated_mlp(hidden, inter)
         units.append(tuple(attn + mlp + _norms(model_type, hidden)))
     root = _root(config, model_type, vocab, hidden)
-    return ModelShape(model_type, root, (), layers, hidden, inter, int(config.get("num_attention_heads") or 0), vocab,
-                      int(config.get("max_position_embeddings") or 0), units=(root, *units))
+    return ModelShape(
+        model_type,
+        root,
+        (),
+        layers,
+        hidden,
+        inter,
+        int(config.get("num_attention_heads") or 0),
+        vocab,
+        int(config.get("max_position_embeddings") or 0),
+        units=(root, *units),
+    )
 
 
 def _deepseek(config: dict, model_type: str) -> ModelShape:
@@ -209,8 +259,9 @@ def _deepseek(config: dict, model_type: str) -> ModelShape:
     dense, the rest routed experts plus `n_shared_experts` shared ones (every `moe_layer_freq`-th).
     V3's multi-token-prediction layers (`num_nextn_predict_layers`) are not built by transformers
     for training and are not counted."""
-    hidden, inter, layers, vocab, heads = _require(config, "hidden_size", "intermediate_size", "num_hidden_layers",
-                                                   "vocab_size", "num_attention_heads")
+    hidden, inter, layers, vocab, heads = _require(
+        config, "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "num_attention_heads"
+    )
     kv_rank, rope, nope, v_dim = _require(config, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
     q_rank = config.get("q_lora_rank")
     bias = bool(config.get("attention_bias", False))
@@ -236,16 +287,38 @@ def _deepseek(config: dict, model_type: str) -> ModelShape:
             mlp = _gated_mlp(hidden, inter)
         units.append(tuple(attn + mlp + _norms(model_type, hidden)))
     root = _root(config, model_type, vocab, hidden)
-    return ModelShape(model_type, root, (), layers, hidden, inter, heads, vocab, int(config.get("max_position_embeddings") or 0),
-                      units=(root, *units))
+    return ModelShape(
+        model_type,
+        root,
+        (),
+        layers,
+        hidden,
+        inter,
+        heads,
+        vocab,
+        int(config.get("max_position_embeddings") or 0),
+        units=(root, *units),
+    )
 
 
 def _gpt2(config: dict) -> ModelShape:
     hidden, layers, vocab = _require(config, "n_embd", "n_layer", "vocab_size")
     positions = int(config.get("n_positions") or 1024)
     inter = int(config.get("n_inner") or 4 * hidden)
-    layer = (hidden, hidden, hidden * 3 * hidden, 3 * hidden, hidden * hidden, hidden, hidden, hidden,
-             hidden * inter, inter, inter * hidden, hidden)
+    layer = (
+        hidden,
+        hidden,
+        hidden * 3 * hidden,
+        3 * hidden,
+        hidden * hidden,
+        hidden,
+        hidden,
+        hidden,
+        hidden * inter,
+        inter,
+        inter * hidden,
+        hidden,
+    )
     root = (vocab * hidden, positions * hidden, hidden, hidden) + (() if _tied(config, "gpt2") else (vocab * hidden,))
     return ModelShape("gpt2", root, layer, layers, hidden, inter, int(config.get("n_head") or 0), vocab, positions)
 
@@ -256,8 +329,17 @@ def _gpt_neox(config: dict) -> ModelShape:
     layer = (hidden, hidden, hidden, hidden, hidden * 3 * hidden) + ((3 * hidden,) if bias else ())
     layer += (hidden * hidden,) + ((hidden,) if bias else ()) + (hidden * inter, inter, inter * hidden, hidden)
     root = (vocab * hidden, hidden, hidden) + (() if _tied(config, "gpt_neox") else (vocab * hidden,))
-    return ModelShape("gpt_neox", root, layer, layers, hidden, inter, int(config.get("num_attention_heads") or 0), vocab,
-                      int(config.get("max_position_embeddings") or 0))
+    return ModelShape(
+        "gpt_neox",
+        root,
+        layer,
+        layers,
+        hidden,
+        inter,
+        int(config.get("num_attention_heads") or 0),
+        vocab,
+        int(config.get("max_position_embeddings") or 0),
+    )
 
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
@@ -284,7 +366,9 @@ def shape_from_hf_config(config: dict | str | os.PathLike) -> ModelShape:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise ConfigError(f"{str(path)!r} does not exist; pass a Hugging Face config.json, a model directory, or a parameter count such as 7e9")
+            raise ConfigError(
+                f"{str(path)!r} does not exist; pass a Hugging Face config.json, a model directory, or a parameter count such as 7e9"
+            )
         import json
 
         try:
@@ -294,13 +378,17 @@ def shape_from_hf_config(config: dict | str | os.PathLike) -> ModelShape:
     model_type = str(config.get("model_type", ""))
     count = "pass the parameter count instead (offload estimate 7e9 --layers 32)"
     if model_type not in MODEL_TYPES:
-        raise ConfigError(f"model_type {model_type!r} is not one offload estimate can count (it knows "
-                          f"{', '.join(MODEL_TYPES)}); {count}", key="model_type")
+        raise ConfigError(
+            f"model_type {model_type!r} is not one offload estimate can count (it knows {', '.join(MODEL_TYPES)}); {count}",
+            key="model_type",
+        )
     experts = [k for k in EXPERT_FIELDS if config.get(k)] if model_type in DENSE_TYPES else []
     if experts:
-        raise ConfigError(f"the config says model_type {model_type!r} (a dense model) but has {', '.join(experts)}: a "
-                          f"mixture-of-experts model built by custom code, which offload estimate cannot count; {count}",
-                          key=experts[0])
+        raise ConfigError(
+            f"the config says model_type {model_type!r} (a dense model) but has {', '.join(experts)}: a "
+            f"mixture-of-experts model built by custom code, which offload estimate cannot count; {count}",
+            key=experts[0],
+        )
     return MODEL_TYPES[model_type](config)
 
 
@@ -319,8 +407,17 @@ def shape_from_param_count(num_params: int, *, layers: int | None = None, vocab_
     hidden = max(8, int((-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)))
     embed = min(vocab_size * hidden, num_params // 4)
     per_layer = max(1, (num_params - 2 * embed) // layers)
-    return ModelShape("llama-like (from a parameter count)", (embed, embed), (per_layer,), layers, hidden, int(hidden * 8 / 3),
-                      max(1, hidden // 128), vocab_size, 0)
+    return ModelShape(
+        "llama-like (from a parameter count)",
+        (embed, embed),
+        (per_layer,),
+        layers,
+        hidden,
+        int(hidden * 8 / 3),
+        max(1, hidden // 128),
+        vocab_size,
+        0,
+    )
 
 
 def shape_from_module(model, module_classes: list[str] | None = None, min_params: int = 0) -> ModelShape:
@@ -331,8 +428,18 @@ def shape_from_module(model, module_classes: list[str] | None = None, min_params
     units = tuple(tuple(p.numel() for p in spec.params) for spec in specs)
     config = getattr(model, "config", None)
     get = (lambda k: int(getattr(config, k, 0) or 0)) if config is not None else (lambda k: 0)
-    return ModelShape(type(model).__name__, units[0], (), len(units) - 1, get("hidden_size"), get("intermediate_size"),
-                      get("num_attention_heads"), get("vocab_size"), get("max_position_embeddings"), units=units)
+    return ModelShape(
+        type(model).__name__,
+        units[0],
+        (),
+        len(units) - 1,
+        get("hidden_size"),
+        get("intermediate_size"),
+        get("num_attention_heads"),
+        get("vocab_size"),
+        get("max_position_embeddings"),
+        units=units,
+    )
 
 
 # ---- bytes per tier ----------------------------------------------------------------------
@@ -356,7 +463,9 @@ class TierEstimate:
             "param": self.param,
             "optimizer": self.optimizer,
             "plan": self.plan,
-            **{tier: {"total": self.total(tier), "by_category": dict(getattr(self, tier))} for tier in ("device", "host", "nvme")},
+            **{
+                tier: {"total": self.total(tier), "by_category": dict(getattr(self, tier))} for tier in ("device", "host", "nvme")
+            },
         }
 
 
@@ -396,7 +505,9 @@ def estimate_tiers(
     largest_shard = max(shards)
     result = TierEstimate(param, optimizer)
     if optimizer == "auto" and optimizer_tiers is None:
-        raise ConfigError("optimizer 'auto' is planned per machine: pass optimizer_tiers (see plan_auto)", key="offload.optimizer")
+        raise ConfigError(
+            "optimizer 'auto' is planned per machine: pass optimizer_tiers (see plan_auto)", key="offload.optimizer"
+        )
     tiers = optimizer_tiers or [optimizer] * len(shards)
     host_shards = [n for n, tier in zip(shards, tiers) if tier == "cpu"]
     nvme_shards = [n for n, tier in zip(shards, tiers) if tier == "nvme"]
@@ -426,9 +537,15 @@ def estimate_tiers(
 
     # host: the engine's budget (state.host_budget_bytes), every buffer rounded up to a page as
     # the host pool allocates it (one buffer per state kind and unit, per slot, per staging buffer)
-    budget = host_budget_bytes(shards, param_tier=param, optimizer_tier=list(tiers), compute_bytes=cb,
-                               buffer_count=buffer_count, prefetch_depth=prefetch_depth,
-                               staged_device_copies=staged_device_copies)
+    budget = host_budget_bytes(
+        shards,
+        param_tier=param,
+        optimizer_tier=list(tiers),
+        compute_bytes=cb,
+        buffer_count=buffer_count,
+        prefetch_depth=prefetch_depth,
+        staged_device_copies=staged_device_copies,
+    )
     if "optimizer_state" in budget:
         result.host["optimizer_state"] = 4 * sum(_page(4 * n) for n in host_shards)
     if "optimizer_slots" in budget:
@@ -452,18 +569,27 @@ def estimate_tiers(
     return result
 
 
-def plan_auto(shape: ModelShape, param: str, machine: Machine, *, precision: str, world_size: int, prefetch_depth: int,
-              buffer_count: int) -> tuple[list[str] | None, str]:
+def plan_auto(
+    shape: ModelShape, param: str, machine: Machine, *, precision: str, world_size: int, prefetch_depth: int, buffer_count: int
+) -> tuple[list[str] | None, str]:
     """`offload.optimizer: auto` on `machine`, as the engine plans it (tiers.plan_optimizer): per
     unit `cpu` or `nvme`, and the plan in words; (None, why) when nothing fits."""
     cb = COMPUTE_BYTES[precision]
     shards = shape.shard_numels(world_size)
-    others = host_budget_bytes(shards, param_tier=param, optimizer_tier="nvme", compute_bytes=cb, buffer_count=buffer_count,
-                               prefetch_depth=prefetch_depth, staged_device_copies=machine.device == "cuda")
+    others = host_budget_bytes(
+        shards,
+        param_tier=param,
+        optimizer_tier="nvme",
+        compute_bytes=cb,
+        buffer_count=buffer_count,
+        prefetch_depth=prefetch_depth,
+        staged_device_copies=machine.device == "cuda",
+    )
     others = sum(v for k, v in others.items() if k not in ("optimizer_slots", "grad_slot"))
     ranks = machine.ranks_per_node
-    capacity = Capacity(device=0, host=max(0, int(machine.ram_bytes * (1 - HOST_MARGIN)) // ranks - others),
-                        nvme=machine.disk_bytes // ranks)
+    capacity = Capacity(
+        device=0, host=max(0, int(machine.ram_bytes * (1 - HOST_MARGIN)) // ranks - others), nvme=machine.disk_bytes // ranks
+    )
     try:
         plan = plan_optimizer_tiers(shards, list(range(len(shards))), capacity, buffer_count=buffer_count, compute_bytes=cb)
     except PlanError as error:
@@ -471,8 +597,9 @@ def plan_auto(shape: ModelShape, param: str, machine: Machine, *, precision: str
     return [tier.value for tier in plan.tiers], plan.summary()
 
 
-def activation_bytes(shape: ModelShape, *, micro_batch: int = 1, seq_len: int = 2048, precision: str = "bf16",
-                     checkpointing: bool = False) -> int | None:
+def activation_bytes(
+    shape: ModelShape, *, micro_batch: int = 1, seq_len: int = 2048, precision: str = "bf16", checkpointing: bool = False
+) -> int | None:
     """A rough figure for the activations of one micro-batch on the device (None when the
     architecture is unknown). Not in the engine's ledger; real use depends on the attention kernel
     and the model's code. Per layer and token: about 34 x hidden bytes kept for backward in 16-bit
@@ -522,8 +649,14 @@ def detect_machine(nvme_path: str = "./offload-swap", ranks_per_node: int = 1) -
 
     cuda = torch.cuda.is_available()
     gpu = torch.cuda.get_device_properties(0).total_memory if cuda else None
-    return Machine(gpu, int(psutil.virtual_memory().available), free_disk_bytes(nvme_path), ranks_per_node, nvme_path,
-                   "cuda" if cuda else "cpu")
+    return Machine(
+        gpu,
+        int(psutil.virtual_memory().available),
+        free_disk_bytes(nvme_path),
+        ranks_per_node,
+        nvme_path,
+        "cuda" if cuda else "cpu",
+    )
 
 
 def free_disk_bytes(path: str) -> int:
@@ -544,12 +677,16 @@ def fit_problems(estimate: TierEstimate, machine: Machine, activations: int = 0)
     if machine.gpu_bytes is not None:
         usable = int(machine.gpu_bytes * DEVICE_HEADROOM)
         if device > usable:
-            problems.append(f"device needs {format_bytes(device)} per GPU, {format_bytes(usable)} usable "
-                            f"({DEVICE_HEADROOM:.0%} of {format_bytes(machine.gpu_bytes)})")
+            problems.append(
+                f"device needs {format_bytes(device)} per GPU, {format_bytes(usable)} usable "
+                f"({DEVICE_HEADROOM:.0%} of {format_bytes(machine.gpu_bytes)})"
+            )
     else:
         host += device * ranks  # the CPU stands in for the accelerator: same RAM
     if host > machine.ram_bytes:
-        problems.append(f"host needs {format_bytes(host)} of RAM for {ranks} rank(s), {format_bytes(machine.ram_bytes)} available")
+        problems.append(
+            f"host needs {format_bytes(host)} of RAM for {ranks} rank(s), {format_bytes(machine.ram_bytes)} available"
+        )
     if nvme > machine.disk_bytes:
         problems.append(f"nvme needs {format_bytes(nvme)} at {machine.nvme_path}, {format_bytes(machine.disk_bytes)} free")
     return problems
@@ -563,8 +700,14 @@ def recommend(fits: dict[tuple[str, str], bool]) -> tuple[str, str] | None:
     return None
 
 
-def recommended_config(placement: tuple[str, str], *, precision: str = "bf16", nvme_path: str = "./offload-swap",
-                       prefetch_depth: int = 2, buffer_count: int = 3) -> dict:
+def recommended_config(
+    placement: tuple[str, str],
+    *,
+    precision: str = "bf16",
+    nvme_path: str = "./offload-swap",
+    prefetch_depth: int = 2,
+    buffer_count: int = 3,
+) -> dict:
     """An offload config (every key valid for `offload.load_config`) for this placement."""
     param, optimizer = placement
     offload = {"param": param, "optimizer": optimizer}
@@ -577,27 +720,61 @@ def recommended_config(placement: tuple[str, str], *, precision: str = "bf16", n
     return config
 
 
-def estimate_report(shape: ModelShape, machine: Machine, *, precision: str = "bf16", world_size: int = 1,
-                    prefetch_depth: int = 2, buffer_count: int = 3, micro_batch: int = 1, seq_len: int = 2048,
-                    checkpointing: bool = False) -> dict:
+def estimate_report(
+    shape: ModelShape,
+    machine: Machine,
+    *,
+    precision: str = "bf16",
+    world_size: int = 1,
+    prefetch_depth: int = 2,
+    buffer_count: int = 3,
+    micro_batch: int = 1,
+    seq_len: int = 2048,
+    checkpointing: bool = False,
+) -> dict:
     """Every placement's bytes per tier, whether it fits `machine`, and the recommended config
     (a JSON-able dict; the CLI prints it as a table or as JSON). The engine's device kind is
     `machine.device`."""
-    activations = activation_bytes(shape, micro_batch=micro_batch, seq_len=seq_len, precision=precision, checkpointing=checkpointing)
+    activations = activation_bytes(
+        shape, micro_batch=micro_batch, seq_len=seq_len, precision=precision, checkpointing=checkpointing
+    )
     rows = []
     fits = {}
     for placement in PLACEMENTS:
         tiers, plan = None, None
         if placement[1] == "auto":
-            tiers, plan = plan_auto(shape, placement[0], machine, precision=precision, world_size=world_size,
-                                    prefetch_depth=prefetch_depth, buffer_count=buffer_count)
+            tiers, plan = plan_auto(
+                shape,
+                placement[0],
+                machine,
+                precision=precision,
+                world_size=world_size,
+                prefetch_depth=prefetch_depth,
+                buffer_count=buffer_count,
+            )
             if tiers is None:
-                rows.append({"param": placement[0], "optimizer": "auto", "plan": None, "fits": False, "problems": [plan],
-                             **{tier: {"total": None, "by_category": {}} for tier in ("device", "host", "nvme")}})
+                rows.append(
+                    {
+                        "param": placement[0],
+                        "optimizer": "auto",
+                        "plan": None,
+                        "fits": False,
+                        "problems": [plan],
+                        **{tier: {"total": None, "by_category": {}} for tier in ("device", "host", "nvme")},
+                    }
+                )
                 fits[placement] = False
                 continue
-        estimate = estimate_tiers(shape, *placement, precision=precision, world_size=world_size, prefetch_depth=prefetch_depth,
-                                  buffer_count=buffer_count, device=machine.device, optimizer_tiers=tiers)
+        estimate = estimate_tiers(
+            shape,
+            *placement,
+            precision=precision,
+            world_size=world_size,
+            prefetch_depth=prefetch_depth,
+            buffer_count=buffer_count,
+            device=machine.device,
+            optimizer_tiers=tiers,
+        )
         estimate.plan = plan
         problems = fit_problems(estimate, machine, activations or 0)
         fits[placement] = not problems
@@ -612,26 +789,55 @@ def estimate_report(shape: ModelShape, machine: Machine, *, precision: str = "bf
             "largest_unit_params": max(sum(u) for u in shape.unit_tensors()),
             "root_unit_params": sum(shape.unit_tensors()[0]),
         },
-        "settings": {"precision": precision, "device": machine.device, "world_size": world_size, "ranks_per_node": machine.ranks_per_node,
-                     "prefetch_depth": prefetch_depth, "buffer_count": buffer_count, "micro_batch": micro_batch,
-                     "seq_len": seq_len, "checkpointing": checkpointing},
-        "machine": {"gpu_bytes": machine.gpu_bytes, "ram_bytes": machine.ram_bytes, "disk_bytes": machine.disk_bytes,
-                    "nvme_path": machine.nvme_path},
+        "settings": {
+            "precision": precision,
+            "device": machine.device,
+            "world_size": world_size,
+            "ranks_per_node": machine.ranks_per_node,
+            "prefetch_depth": prefetch_depth,
+            "buffer_count": buffer_count,
+            "micro_batch": micro_batch,
+            "seq_len": seq_len,
+            "checkpointing": checkpointing,
+        },
+        "machine": {
+            "gpu_bytes": machine.gpu_bytes,
+            "ram_bytes": machine.ram_bytes,
+            "disk_bytes": machine.disk_bytes,
+            "nvme_path": machine.nvme_path,
+        },
         "activations_bytes": activations,
         "activations_note": "rough; not counted by the engine's ledger, added to the device tier when checking fit",
         "placements": rows,
-        "recommended": None if choice is None else {
+        "recommended": None
+        if choice is None
+        else {
             "param": choice[0],
             "optimizer": choice[1],
-            "config": recommended_config(choice, precision=precision, nvme_path=machine.nvme_path,
-                                         prefetch_depth=prefetch_depth, buffer_count=buffer_count),
+            "config": recommended_config(
+                choice, precision=precision, nvme_path=machine.nvme_path, prefetch_depth=prefetch_depth, buffer_count=buffer_count
+            ),
         },
     }
 
 
 # ---- sizes as text -----------------------------------------------------------------------
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 10**3,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 _DECIMAL = {"kb": "kib", "mb": "mib", "gb": "gib", "tb": "tib"}
 
 

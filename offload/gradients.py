@@ -10,6 +10,7 @@ In flight: every hand-off of the window is kept in `futures` until `wait_all` (e
 there, at the window's end); at most MAX_GRADS_IN_FLIGHT units' gradients wait on the device,
 the main thread (and so backward) waits for the oldest beyond that.
 """
+
 from __future__ import annotations
 
 import collections

@@ -33,6 +33,7 @@ Every meta param and buffer a unit takes on must be written by one of those call
 with the tensor's version counter); one that was not raises `MaterializeError` naming it and
 what to do, instead of training from zeros.
 """
+
 from __future__ import annotations
 
 import copy
@@ -238,11 +239,15 @@ def materialize_unit_params(model: nn.Module, spec: UnitSpec) -> None:
             "model's _init_weights must cover them); add one, register such buffers with an explicit "
             "device='cpu', or build the model on the CPU"
         )
-    logger.debug("offload: materialised %d params and %d buffers of unit %s", len(pending_params),
-                 sum(len(v) for v in meta_buffers.values()), spec.name)
+    logger.debug(
+        "offload: materialised %d params and %d buffers of unit %s",
+        len(pending_params),
+        sum(len(v) for v in meta_buffers.values()),
+        spec.name,
+    )
 
 
-_MAPS: "weakref.WeakKeyDictionary[nn.Module, tuple[dict, dict]]" = weakref.WeakKeyDictionary()
+_MAPS: weakref.WeakKeyDictionary[nn.Module, tuple[dict, dict]] = weakref.WeakKeyDictionary()
 
 
 def _model_maps(model: nn.Module) -> tuple[dict[int, nn.Module], dict[int, str]]:

@@ -9,6 +9,7 @@ host allocator, which rounds sizes up to powers of two.
 The pool has a budget, checked against available RAM (psutil) when the pool is made, and
 every allocation is checked against it. Pool and ledger are thread-safe (one lock each).
 """
+
 from __future__ import annotations
 
 import logging
@@ -104,8 +105,9 @@ class HostBufferPool:
     the process really holds. `allocated_bytes`, `peak_bytes` and `budget_bytes` are bytes.
     """
 
-    def __init__(self, budget_bytes: int | None, *, pin: bool | None = None, ledger: TierLedger | None = None,
-                 name: str = "host pool"):
+    def __init__(
+        self, budget_bytes: int | None, *, pin: bool | None = None, ledger: TierLedger | None = None, name: str = "host pool"
+    ):
         self.name = name
         self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
@@ -125,7 +127,8 @@ class HostBufferPool:
                 raise InsufficientMemoryError(
                     f"{name}: budget of {_gib(self.budget_bytes)} exceeds the {_gib(free)} of RAM available on this "
                     "machine; lower the host budget (offload fewer tensors to host, e.g. offload.optimizer='nvme'), "
-                    "or free memory")
+                    "or free memory"
+                )
 
     def alloc(self, numel: int, dtype: torch.dtype, category: str = "other") -> torch.Tensor:
         """A 1-D zero-filled tensor of exactly `numel` elements; data_ptr 4096-aligned."""
@@ -142,13 +145,15 @@ class HostBufferPool:
                 raise InsufficientMemoryError(
                     f"{self.name}: allocating {_gib(capacity)} for {category} would exceed the budget of "
                     f"{_gib(self.budget_bytes)} ({_gib(self.allocated_bytes)} in use); raise the budget or "
-                    "free buffers first")
+                    "free buffers first"
+                )
             if self.budget_bytes is None:
                 free = available_ram()
                 if capacity > free:
                     raise InsufficientMemoryError(
                         f"{self.name}: allocating {_gib(capacity)} for {category} but only {_gib(free)} of RAM is "
-                        "available; offload less to host memory or free memory")
+                        "available; offload less to host memory or free memory"
+                    )
             self.allocated_bytes += capacity  # reserve before the (slow) mmap, under the lock
             self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
         try:
@@ -158,8 +163,9 @@ class HostBufferPool:
             if self.pin:
                 rc = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), capacity, 0)
                 if int(rc) != 0:
-                    raise InsufficientMemoryError(f"{self.name}: cudaHostRegister of {_gib(capacity)} failed "
-                                                  f"(error {int(rc)}); lower the pinned budget")
+                    raise InsufficientMemoryError(
+                        f"{self.name}: cudaHostRegister of {_gib(capacity)} failed (error {int(rc)}); lower the pinned budget"
+                    )
                 registered = True
         except BaseException:
             with self._lock:
@@ -185,8 +191,9 @@ class HostBufferPool:
         with self._lock:
             block = self._blocks.pop(_key(tensor), None)
             if block is None:
-                raise ValueError(f"{self.name}.free: tensor at {_key(tensor):#x} was not allocated by this pool "
-                                 "or was already freed")
+                raise ValueError(
+                    f"{self.name}.free: tensor at {_key(tensor):#x} was not allocated by this pool or was already freed"
+                )
             self.allocated_bytes -= block.capacity
         self._release(_key(tensor), block)
 

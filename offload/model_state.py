@@ -15,6 +15,7 @@ refuses it (instead of reading freed memory) until its parameters hold real valu
 `OpenEngines` knows which models open engines own: initializing a model (or a module of it)
 that an open engine already wraps is an error naming that engine.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,9 @@ class StateDictHooks:
     """Post-hooks on `model`'s modules that fill its state_dict with `fp32_of(param)` for every
     parameter `fp32_of` knows; `done()` is called at the end of the model's own state_dict."""
 
-    def __init__(self, model: nn.Module, owned: set[int], fp32_of: Callable[[nn.Parameter], torch.Tensor],
-                 done: Callable[[], None]) -> None:
+    def __init__(
+        self, model: nn.Module, owned: set[int], fp32_of: Callable[[nn.Parameter], torch.Tensor], done: Callable[[], None]
+    ) -> None:
         self.handles = []
         for module in model.modules():
             names = [name for name, param in module._parameters.items() if param is not None and id(param) in owned]

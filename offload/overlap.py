@@ -12,6 +12,7 @@ weights; the policies differ in how far they push it into the surrounding comput
   land, while backward computes the units below it; `step()` steps the rest and waits.
   Refused with clipping and fp16, whose factor needs every gradient first.
 """
+
 from __future__ import annotations
 
 import concurrent.futures

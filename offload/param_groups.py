@@ -11,6 +11,7 @@ parameters no group lists form one more group, last, with the config's values.
 `get_parameter_names(model, ALL_LAYERNORM_LAYERS)` / `Trainer.get_decay_parameter_names`):
 weight decay on the weight matrices, none on biases, norm weights and other 1-D parameters.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -37,12 +38,7 @@ def is_no_decay(name: str, param: torch.Tensor, module: nn.Module | None = None)
     (a norm module's, or a name with "norm" in it, as RMSNorm classes of every model family are
     named), or any other parameter with fewer than two dimensions."""
     lowered = name.lower()
-    return (
-        param.ndim < 2
-        or "bias" in lowered
-        or "norm" in lowered
-        or (module is not None and isinstance(module, NORM_CLASSES))
-    )
+    return param.ndim < 2 or "bias" in lowered or "norm" in lowered or (module is not None and isinstance(module, NORM_CLASSES))
 
 
 def param_groups_no_decay(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -86,8 +82,9 @@ def _group_params(where: str, params, by_name: dict[str, nn.Parameter], names_of
     if isinstance(params, (torch.Tensor, str)):
         params = [params]
     elif isinstance(params, dict) or not isinstance(params, Iterable):
-        raise ConfigError(f"{where}['params'] must be parameters or parameter names (a list of them), got "
-                          f"{type(params).__name__}")
+        raise ConfigError(
+            f"{where}['params'] must be parameters or parameter names (a list of them), got {type(params).__name__}"
+        )
     found: list[nn.Parameter] = []
     for item in params:
         if isinstance(item, str):
@@ -98,8 +95,10 @@ def _group_params(where: str, params, by_name: dict[str, nn.Parameter], names_of
             param = by_name[item]
         elif isinstance(item, torch.Tensor):
             if id(item) not in names_of:
-                raise ConfigError(f"{where}['params'] holds a tensor of shape {list(item.shape)} that is not a "
-                                  "parameter of the model given to offload.initialize")
+                raise ConfigError(
+                    f"{where}['params'] holds a tensor of shape {list(item.shape)} that is not a "
+                    "parameter of the model given to offload.initialize"
+                )
             param = item
         else:
             raise ConfigError(f"{where}['params'] holds {type(item).__name__} {item!r}: give parameters or their names")
@@ -121,30 +120,40 @@ def resolve_param_groups(model: nn.Module, param_groups, defaults: dict) -> list
     if param_groups is None:
         param_groups = []
     if isinstance(param_groups, dict) or not isinstance(param_groups, (list, tuple)):
-        raise ConfigError("param_groups must be a list of dicts, each with 'params' and any of "
-                          f"{', '.join(GROUP_KEYS)} (as torch.optim.AdamW takes them), got {type(param_groups).__name__}")
+        raise ConfigError(
+            "param_groups must be a list of dicts, each with 'params' and any of "
+            f"{', '.join(GROUP_KEYS)} (as torch.optim.AdamW takes them), got {type(param_groups).__name__}"
+        )
     resolved = []
     owner: dict[int, int] = {}
     for index, group in enumerate(param_groups):
         where = f"param_groups[{index}]"
         if not isinstance(group, dict):
-            raise ConfigError(f"{where} must be a dict with 'params' and any of {', '.join(GROUP_KEYS)}, got "
-                              f"{type(group).__name__} (a plain list of parameters is one group: wrap it as "
-                              "[{'params': [...]}])")
+            raise ConfigError(
+                f"{where} must be a dict with 'params' and any of {', '.join(GROUP_KEYS)}, got "
+                f"{type(group).__name__} (a plain list of parameters is one group: wrap it as "
+                "[{'params': [...]}])"
+            )
         for key in group:
             if key not in ALLOWED_KEYS:
                 alias = KEY_ALIASES.get(str(key).lower())
-                nearest = [alias] if alias in ALLOWED_KEYS else difflib.get_close_matches(str(key), list(ALLOWED_KEYS), n=1, cutoff=0.5)
+                nearest = (
+                    [alias] if alias in ALLOWED_KEYS else difflib.get_close_matches(str(key), list(ALLOWED_KEYS), n=1, cutoff=0.5)
+                )
                 hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
-                raise ConfigError(f"{where} has the key {key!r}, which the engine's AdamW does not read{hint}; "
-                                  f"a group takes {', '.join(ALLOWED_KEYS)}")
+                raise ConfigError(
+                    f"{where} has the key {key!r}, which the engine's AdamW does not read{hint}; "
+                    f"a group takes {', '.join(ALLOWED_KEYS)}"
+                )
         if "params" not in group:
             raise ConfigError(f"{where} has no 'params'")
         params = _group_params(where, group["params"], by_name, names_of)
         for param in params:
             if id(param) in owner:
-                raise ConfigError(f"parameter {names_of[id(param)]!r} is in param_groups[{owner[id(param)]}] and "
-                                  f"{where}: each parameter may be in one group only")
+                raise ConfigError(
+                    f"parameter {names_of[id(param)]!r} is in param_groups[{owner[id(param)]}] and "
+                    f"{where}: each parameter may be in one group only"
+                )
             owner[id(param)] = index
         entry = {"params": params}
         for key in GROUP_KEYS:

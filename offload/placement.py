@@ -4,6 +4,7 @@ The config names them by strings (`offload.param`: none / cpu / nvme; `offload.o
 cpu / nvme); the engine turns them into these enums once and asks them questions instead of
 comparing strings. They are `str` enums, so a member still equals its config string.
 """
+
 from __future__ import annotations
 
 import enum

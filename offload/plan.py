@@ -15,6 +15,7 @@ for, so they take the fast tiers, and the last ones (with the most forward time 
 to hide their disk traffic) take NVMe. The host slots that stream NVMe units are paid for only
 when some unit goes there.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,7 +49,10 @@ class OptimizerPlan:
 
     def summary(self) -> str:
         counts = {tier: self.tiers.count(tier) for tier in OptimizerTier if tier in self.tiers}
-        parts = [f"{tier.value}: {count} units, {self.bytes_by_tier.get(tier.value, 0) / 2**30:.2f} GiB" for tier, count in counts.items()]
+        parts = [
+            f"{tier.value}: {count} units, {self.bytes_by_tier.get(tier.value, 0) / 2**30:.2f} GiB"
+            for tier, count in counts.items()
+        ]
         if self.slot_bytes:
             parts.append(f"NVMe slots in RAM {self.slot_bytes / 2**30:.2f} GiB")
         return "; ".join(parts)
@@ -110,7 +114,7 @@ def plan_optimizer_tiers(
                 host_units.append(unit)
             else:
                 break
-        nvme_units = rest[len(host_units):]
+        nvme_units = rest[len(host_units) :]
         streamed = max((shard_numels[u] for u in nvme_units), default=0)
         if streamed >= slots_for:
             break
@@ -154,4 +158,4 @@ def parse_size(value: int | str | None) -> int | None:
                 return int(float(number) * factor)
             except ValueError:
                 break
-    raise ValueError(f"{value!r} is not a size: write bytes as an integer, or like \"40GB\" or \"40GiB\"")
+    raise ValueError(f'{value!r} is not a size: write bytes as an integer, or like "40GB" or "40GiB"')

@@ -1,4 +1,5 @@
 """Loss scaling, overflow handling and global-norm clipping: plain arithmetic, no torch state."""
+
 from __future__ import annotations
 
 import math

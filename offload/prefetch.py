@@ -6,6 +6,7 @@ the record. A pass that deviates (a branch taken differently, a unit called a di
 of times) stops predicting for the rest of that pass (the engine fetches on demand) and its
 order replaces the record at the end, so a valid model never gets a tracing error.
 """
+
 from __future__ import annotations
 
 

@@ -18,6 +18,7 @@ shown on the bar as `dev=... host=... nvme=...`.
 While the bar is open, console logging goes through `tqdm.write` (tqdm's logging redirect), so
 log lines print above the bar instead of onto it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -69,8 +70,16 @@ class TrainingProgress:
     log_every: log the breakdown at INFO every this many updates (0: never). disable: no bar
     (the breakdown is still computed and logged)."""
 
-    def __init__(self, engine, total: int | None = None, *, desc: str = "train", log_every: int = 1,
-                 disable: bool = False, clock=time.perf_counter) -> None:
+    def __init__(
+        self,
+        engine,
+        total: int | None = None,
+        *,
+        desc: str = "train",
+        log_every: int = 1,
+        disable: bool = False,
+        clock=time.perf_counter,
+    ) -> None:
         from tqdm.auto import tqdm
         from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -109,9 +118,19 @@ class TrainingProgress:
             logger.info(
                 "step %d: loss %s, %.0f tokens/s, %.3fs (forward %.3fs, backward %.3fs, step %.3fs, io wait %.3fs, "
                 "step wait %.3fs, other %.3fs), bytes device %d host %d nvme %d",
-                self.steps, "-" if loss is None else f"{loss:.4f}", breakdown["tokens_per_s"], wall, breakdown["forward"],
-                breakdown["backward"], breakdown["step"], breakdown["io_wait"], breakdown["wait_step"], breakdown["other"],
-                breakdown["device_bytes"], breakdown["host_bytes"], breakdown["nvme_bytes"],
+                self.steps,
+                "-" if loss is None else f"{loss:.4f}",
+                breakdown["tokens_per_s"],
+                wall,
+                breakdown["forward"],
+                breakdown["backward"],
+                breakdown["step"],
+                breakdown["io_wait"],
+                breakdown["wait_step"],
+                breakdown["other"],
+                breakdown["device_bytes"],
+                breakdown["host_bytes"],
+                breakdown["nvme_bytes"],
             )
         return breakdown
 

@@ -18,6 +18,7 @@ never lets the backward's order decide:
   before any tensor is mixed. The same exchange carries which parameters of the unit have a
   gradient on any rank, so every rank steps the same parameters.
 """
+
 from __future__ import annotations
 
 import enum

@@ -11,6 +11,7 @@ Residency is counted: `acquire` adds a holder (the unit's forward, its backward,
 borrows a tied weight, an external read), `release` removes one; at zero holders an offloaded
 unit's storage is freed. Holders and storage changes happen on the main thread only.
 """
+
 from __future__ import annotations
 
 import logging
@@ -181,7 +182,9 @@ class Residency:
                     # (a bookkeeping bug); it is refetched, never used
                     logger.warning(
                         "offload: unit %s was on the device with the weights of step version %d, now %d; fetching again",
-                        unit.spec.name, unit.resident_version, unit.weights_version,
+                        unit.spec.name,
+                        unit.resident_version,
+                        unit.weights_version,
                     )
                     unit.resident = False
                 if unit.fetch_future is None:
@@ -232,7 +235,9 @@ class Residency:
         leaked (a forward that never finished); they are dropped and an offloaded unit freed."""
         for unit in self.units:
             if unit.holders:
-                logger.warning("offload: unit %s still had %d holders at the end of backward; released", unit.spec.name, unit.holders)
+                logger.warning(
+                    "offload: unit %s still had %d holders at the end of backward; released", unit.spec.name, unit.holders
+                )
                 unit.holders = 0
                 if self.offloaded:
                     if unit.fetch_future is not None:

@@ -29,6 +29,7 @@ a `torch.profiler.record_function` range (`offload::pre_forward[3]`), so a profi
 pipeline. Everything here runs on the main thread, except what the transfer worker runs for
 `GradientOffload` and the overlap policy.
 """
+
 from __future__ import annotations
 
 import collections
@@ -357,11 +358,7 @@ class UnitSchedule:
             first = not unit.window_started
             unit.window_started = True
             unit.grads_in_window |= with_grad
-            final = (
-                context.boundary_backward
-                and self._reduced_once_per_backward()
-                and context.policy.on_grads_final(unit)
-            )
+            final = context.boundary_backward and self._reduced_once_per_backward() and context.policy.on_grads_final(unit)
             if final and context.gathers_after_step:
                 unit.needs_gather = True
             context.gradients.hand_off(unit, pending, first=first, boundary=context.boundary_backward, final=final)
@@ -465,9 +462,7 @@ class Schedule:
         self.model = model
         self.context = context
         context.trainable = [{i for i, p in enumerate(unit.spec.params) if p.requires_grad} for unit in context.units]
-        context.schedules = [
-            (RootSchedule if unit.index == 0 else UnitSchedule)(unit, context) for unit in context.units
-        ]
+        context.schedules = [(RootSchedule if unit.index == 0 else UnitSchedule)(unit, context) for unit in context.units]
         self.unit_of_param = {id(p): unit.index for unit in context.units for p in unit.spec.params}
         # Reads of a parameter outside its unit's forward are seen (and wait for the unit's
         # weights) when they could otherwise read freed storage (params offloaded), weights a
@@ -525,7 +520,9 @@ class Schedule:
     def _hold_external(self, unit_index: int) -> None:
         """A param read outside its unit's forward: hold its unit until the backward is over."""
         context = self.context
-        logger.debug("offload: unit %s read outside its forward; held until the end of backward", context.units[unit_index].spec.name)
+        logger.debug(
+            "offload: unit %s read outside its forward; held until the end of backward", context.units[unit_index].spec.name
+        )
         context.external_holds.add(unit_index)
         context.residency.acquire(context.units[unit_index])
         if torch.is_grad_enabled():

@@ -20,6 +20,7 @@ Buffers and who uses them:
 - `grad_slot` (`optimizer: nvme`): the transfer worker's buffer for read-add-write of the fp32
   gradient; used by one task at a time (the transfer worker is one thread).
 """
+
 from __future__ import annotations
 
 import queue

@@ -6,6 +6,7 @@ read into the next slot and unit i-1's written from the previous one; a slot is 
 after its writes completed. As each unit finishes, its 16-bit weights go to their home tier and
 its `step_done` event is set: the next forward's fetch of that unit waits on exactly that.
 """
+
 from __future__ import annotations
 
 import time

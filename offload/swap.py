@@ -52,6 +52,7 @@ owner learns of it once) and later waits return: a failed handle left in a wait 
 not re-raise forever, and the name stays failed until rewritten, so nothing can read what
 the failed write left. A created but never written tensor reads as zeros.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -70,6 +71,7 @@ from urllib.parse import quote
 
 import torch
 
+from offload import _aio_ext
 from offload.aio import ALIGN, AioEngine, AioHandle, direct_ok, probe_o_direct, round_up
 from offload.errors import InsufficientSpaceError, SwapCorruptError, SwapError
 
@@ -90,8 +92,6 @@ _SWAP_SUFFIX = ".swp"
 _RANK_DIR = re.compile(r"rank\d+")
 _LEGACY_RUN = re.compile(r"run-(\d+)")  # offload before unique run names: run-<pid>
 
-from offload import _aio_ext
-
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
@@ -102,11 +102,26 @@ def _dtype_from_name(name: str) -> torch.dtype | None:
     return d if isinstance(d, torch.dtype) else None
 
 
-def _pack_header(state: int, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, crc: int, generation: int,
-                 run_id: bytes, name: bytes) -> bytes:
+def _pack_header(
+    state: int, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, crc: int, generation: int, run_id: bytes, name: bytes
+) -> bytes:
     dims = list(shape) + [0] * (_MAX_DIMS - len(shape))
-    body = _HEADER.pack(_MAGIC, FORMAT_VERSION, state, _dtype_name(dtype).encode(), len(shape), *dims, nbytes, crc,
-                        generation, run_id, len(name)) + name
+    body = (
+        _HEADER.pack(
+            _MAGIC,
+            FORMAT_VERSION,
+            state,
+            _dtype_name(dtype).encode(),
+            len(shape),
+            *dims,
+            nbytes,
+            crc,
+            generation,
+            run_id,
+            len(name),
+        )
+        + name
+    )
     return body + struct.pack("<I", _aio_ext.crc32c_bytes(body))
 
 
@@ -158,8 +173,17 @@ class SwapHandle:
     next operation on the same name, or close()); completion writes a write's header. See the
     module docstring for interrupts and for errors being raised once."""
 
-    def __init__(self, store: SwapStore, entry: _Entry, op: str, tensor: torch.Tensor,
-                 aio: AioHandle | None, *, generation: int = 0, expected_crc: int | None = None):
+    def __init__(
+        self,
+        store: SwapStore,
+        entry: _Entry,
+        op: str,
+        tensor: torch.Tensor,
+        aio: AioHandle | None,
+        *,
+        generation: int = 0,
+        expected_crc: int | None = None,
+    ):
         self._store, self._entry, self.op, self._tensor = store, entry, op, tensor
         self._aio = aio
         self._generation = generation
@@ -220,9 +244,13 @@ class SwapHandle:
         except SwapError as e:
             if self.op == "write":
                 store._record_write(entry, _STATE_FAILED, 0, self._generation, best_effort=True)
-                return SwapError(e.errno, f"swap write of {entry.name!r} failed: {e.strerror}; other swap files are "
-                                          "unaffected; free disk space or fix the device, then write it again or "
-                                          "load a checkpoint", e.filename)
+                return SwapError(
+                    e.errno,
+                    f"swap write of {entry.name!r} failed: {e.strerror}; other swap files are "
+                    "unaffected; free disk space or fix the device, then write it again or "
+                    "load a checkpoint",
+                    e.filename,
+                )
             return SwapError(e.errno, f"swap read of {entry.name!r} failed: {e.strerror}", e.filename)
         crc = self._aio.checksum
         if self.op == "write":
@@ -233,9 +261,12 @@ class SwapHandle:
             return None
         if crc != self._expected_crc:
             return SwapCorruptError(
-                _errno.EIO, f"swap file for {entry.name!r} is corrupt: data checksum {crc:#010x} does not match "
-                            f"the header's {self._expected_crc:#010x} (torn write or damaged disk); the tensor "
-                            "must be restored from a checkpoint", entry.path)
+                _errno.EIO,
+                f"swap file for {entry.name!r} is corrupt: data checksum {crc:#010x} does not match "
+                f"the header's {self._expected_crc:#010x} (torn write or damaged disk); the tensor "
+                "must be restored from a checkpoint",
+                entry.path,
+            )
         return None
 
 
@@ -256,8 +287,17 @@ def _close_live_stores() -> None:
 class SwapStore:
     """Named tensors in swap files; see the module docstring for layout and ordering rules."""
 
-    def __init__(self, nvme_path: str | os.PathLike, *, run_name: str | None = None, rank: int = 0,
-                 block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 4, ledger=None):
+    def __init__(
+        self,
+        nvme_path: str | os.PathLike,
+        *,
+        run_name: str | None = None,
+        rank: int = 0,
+        block_size: int = 1 << 20,
+        queue_depth: int = 8,
+        threads: int = 4,
+        ledger=None,
+    ):
         self._closed = True  # until fully made: close() and __del__ then only release descriptors
         self._owner_pid = os.getpid()  # a forked child (a data loader worker) must not close it
         self._root_fd = self._run_fd = self._rank_fd = None
@@ -266,8 +306,13 @@ class SwapStore:
         self._unreported: weakref.WeakSet[SwapHandle] = weakref.WeakSet()  # failed, not yet raised to anyone
         root = os.path.abspath(os.fspath(nvme_path))
         self.run_name = run_name or f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        if (not isinstance(self.run_name, str) or self.run_name in ("", ".", "..") or self.run_name.startswith(".")
-                or os.sep in self.run_name or "\0" in self.run_name):
+        if (
+            not isinstance(self.run_name, str)
+            or self.run_name in ("", ".", "..")
+            or self.run_name.startswith(".")
+            or os.sep in self.run_name
+            or "\0" in self.run_name
+        ):
             raise ValueError(f"run_name {self.run_name!r} must be a plain directory name, not starting with '.'")
         self.rank = int(rank)
         self.root = root
@@ -320,18 +365,23 @@ class SwapStore:
                     os.close(run_fd)
                     continue
                 except FileExistsError:
-                    raise SwapError(_errno.EEXIST, f"swap directory {self.path} already exists: another run with the "
-                                                   "same run name and rank is using it; choose another run name",
-                                    self.path) from None
+                    raise SwapError(
+                        _errno.EEXIST,
+                        f"swap directory {self.path} already exists: another run with the "
+                        "same run name and rank is using it; choose another run name",
+                        self.path,
+                    ) from None
                 except OSError as e:
-                    raise SwapError(e.errno, f"cannot create swap directory {self.path}: {e.strerror}",
-                                    self.path) from None
+                    raise SwapError(e.errno, f"cannot create swap directory {self.path}: {e.strerror}", self.path) from None
                 return run_fd, _open_private_dir(rank_name, run_fd, self.path, fresh=True)
             except BaseException:
                 os.close(run_fd)
                 raise
-        raise SwapError(_errno.EAGAIN, f"cannot create swap directory {self.path}: it keeps being removed "
-                                       "(another process sweeping this nvme_path?)", self.path)
+        raise SwapError(
+            _errno.EAGAIN,
+            f"cannot create swap directory {self.path}: it keeps being removed (another process sweeping this nvme_path?)",
+            self.path,
+        )
 
     def _release_directories(self) -> None:
         """Removes this rank's directory and, when no other rank's is left, the run's; closes the
@@ -371,10 +421,12 @@ class SwapStore:
         free = self._free_bytes()
         if needed > free:
             raise InsufficientSpaceError(
-                _errno.ENOSPC, f"swap needs {needed} bytes ({needed / 2**30:.2f} GiB) for {len(new)} tensors but "
-                               f"only {free} bytes ({free / 2**30:.2f} GiB) are free in {self.root}"
-                               f"{self._other_runs_note()}; free space or set offload.nvme_path to a larger disk",
-                self.path)
+                _errno.ENOSPC,
+                f"swap needs {needed} bytes ({needed / 2**30:.2f} GiB) for {len(new)} tensors but "
+                f"only {free} bytes ({free / 2**30:.2f} GiB) are free in {self.root}"
+                f"{self._other_runs_note()}; free space or set offload.nvme_path to a larger disk",
+                self.path,
+            )
         made = []
         try:
             for name, (numel, dtype) in new.items():
@@ -413,8 +465,7 @@ class SwapStore:
                 if e.errno not in (_errno.EOPNOTSUPP, _errno.EISDIR, _errno.EINVAL):
                     raise
                 self._tmpfile = False
-                log.debug("%s has no O_TMPFILE (%s): swap files are unlinked right after creation", self.path,
-                          e.strerror)
+                log.debug("%s has no O_TMPFILE (%s): swap files are unlinked right after creation", self.path, e.strerror)
         fname = os.path.basename(path)
         fd = os.open(fname, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=self._rank_fd)
         try:
@@ -437,14 +488,16 @@ class SwapStore:
                 os.posix_fallocate(fd, 0, entry.file_size)
             except OSError as e:
                 if e.errno in (_errno.EOPNOTSUPP, _errno.EINVAL):
-                    log.warning("%s cannot preallocate (%s): a full disk may only show up mid-run", self.path,
-                                e.strerror)
+                    log.warning("%s cannot preallocate (%s): a full disk may only show up mid-run", self.path, e.strerror)
                     os.ftruncate(fd, entry.file_size)
                 elif e.errno == _errno.ENOSPC:
                     raise InsufficientSpaceError(
-                        _errno.ENOSPC, f"no space to reserve {entry.file_size} bytes for swap tensor {name!r} "
-                                       f"({self._free_bytes()} bytes free){self._other_runs_note()}; free space or "
-                                       "set offload.nvme_path to a larger disk", path) from None
+                        _errno.ENOSPC,
+                        f"no space to reserve {entry.file_size} bytes for swap tensor {name!r} "
+                        f"({self._free_bytes()} bytes free){self._other_runs_note()}; free space or "
+                        "set offload.nvme_path to a larger disk",
+                        path,
+                    ) from None
                 else:
                     raise
             self._write_header(entry, _STATE_EMPTY, 0, 0)
@@ -460,8 +513,7 @@ class SwapStore:
 
     # ---------------------------------------------------------------- headers
     def _write_header(self, entry: _Entry, state: int, crc: int, generation: int) -> None:
-        header = _pack_header(state, entry.dtype, (entry.numel,), entry.nbytes, crc, generation, self.run_id,
-                              entry.name.encode())
+        header = _pack_header(state, entry.dtype, (entry.numel,), entry.nbytes, crc, generation, self.run_id, entry.name.encode())
         try:
             with self._lock:
                 self._header_buf[:] = header.ljust(HEADER_SIZE, b"\0")
@@ -469,8 +521,9 @@ class SwapStore:
             if n != HEADER_SIZE:
                 raise OSError(_errno.EIO, f"short header write ({n} of {HEADER_SIZE} bytes)")
         except OSError as e:
-            raise SwapError(e.errno, f"cannot write the header of swap file for {entry.name!r}: {e.strerror}",
-                            entry.path) from None
+            raise SwapError(
+                e.errno, f"cannot write the header of swap file for {entry.name!r}: {e.strerror}", entry.path
+            ) from None
 
     def _record_write(self, entry: _Entry, state: int, crc: int, generation: int, *, best_effort: bool = False) -> None:
         """A write of generation `generation` completed (state VALID) or failed (FAILED): the
@@ -489,53 +542,66 @@ class SwapStore:
     def _check_header(self, entry: _Entry) -> None:
         """The on-disk header must be the one this store last wrote for `entry`."""
         if entry.state == _STATE_FAILED:
-            raise SwapCorruptError(_errno.EIO, f"swap file for {entry.name!r}: its last write failed, the data is "
-                                               "not valid; write it again or restore from a checkpoint", entry.path)
+            raise SwapCorruptError(
+                _errno.EIO,
+                f"swap file for {entry.name!r}: its last write failed, the data is "
+                "not valid; write it again or restore from a checkpoint",
+                entry.path,
+            )
         size = os.fstat(entry.fd).st_size
         if size < entry.file_size:
-            raise SwapCorruptError(_errno.EIO, f"swap file for {entry.name!r} is truncated: {size} bytes, expected "
-                                               f"{entry.file_size}", entry.path)
+            raise SwapCorruptError(
+                _errno.EIO, f"swap file for {entry.name!r} is truncated: {size} bytes, expected {entry.file_size}", entry.path
+            )
         with self._lock:
             n = os.preadv(entry.fd, [self._header_buf], 0)
             raw = bytes(self._header_buf)
         if n != HEADER_SIZE:
-            raise SwapCorruptError(_errno.EIO, f"swap file for {entry.name!r}: short header read ({n} bytes)",
-                                   entry.path)
+            raise SwapCorruptError(_errno.EIO, f"swap file for {entry.name!r}: short header read ({n} bytes)", entry.path)
 
         def bad(what: str) -> SwapCorruptError:
-            return SwapCorruptError(_errno.EIO, f"swap file for {entry.name!r} has a wrong header: {what}; the file "
-                                                "was damaged or replaced; restore the tensor from a checkpoint",
-                                    entry.path)
+            return SwapCorruptError(
+                _errno.EIO,
+                f"swap file for {entry.name!r} has a wrong header: {what}; the file "
+                "was damaged or replaced; restore the tensor from a checkpoint",
+                entry.path,
+            )
 
         fields = _HEADER.unpack(raw[: _HEADER.size])
         magic, version, state, dname, ndim = fields[:5]
         if magic != _MAGIC:
             raise bad(f"magic {magic!r} is not {_MAGIC!r}")
-        nbytes, crc, generation, run_id, name_len = fields[5 + _MAX_DIMS:]
+        nbytes, crc, generation, run_id, name_len = fields[5 + _MAX_DIMS :]
         if version != FORMAT_VERSION:
             raise bad(f"format version {version}, this offload reads version {FORMAT_VERSION}")
         if name_len > _MAX_NAME:
             raise bad(f"name length {name_len}")
         end = _HEADER.size + name_len
-        (hcrc,) = struct.unpack("<I", raw[end:end + 4])
+        (hcrc,) = struct.unpack("<I", raw[end : end + 4])
         if _aio_ext.crc32c_bytes(raw[:end]) != hcrc:
             raise bad("header checksum mismatch")
-        shape = tuple(fields[5:5 + ndim]) if ndim <= _MAX_DIMS else ()
+        shape = tuple(fields[5 : 5 + ndim]) if ndim <= _MAX_DIMS else ()
         dtype_name = dname.rstrip(b"\0").decode(errors="replace")
         if _dtype_from_name(dtype_name) != entry.dtype or shape != (entry.numel,) or nbytes != entry.nbytes:
-            raise bad(f"holds {dtype_name} {list(shape)} ({nbytes} bytes), "
-                      f"expected {_dtype_name(entry.dtype)} [{entry.numel}] ({entry.nbytes} bytes)")
-        name = raw[_HEADER.size:end].decode(errors="replace")
+            raise bad(
+                f"holds {dtype_name} {list(shape)} ({nbytes} bytes), "
+                f"expected {_dtype_name(entry.dtype)} [{entry.numel}] ({entry.nbytes} bytes)"
+            )
+        name = raw[_HEADER.size : end].decode(errors="replace")
         if name != entry.name:
             raise bad(f"it is the file of {name!r} (another tensor's file was copied over it)")
         if run_id != self.run_id:
             raise bad(f"it was written by another run (run id {run_id.hex()}, this store is {self.run_id.hex()})")
         if generation != entry.generation:
-            raise bad(f"generation {generation}, but this store last wrote generation {entry.generation} "
-                      "(an older or newer copy of the file)")
+            raise bad(
+                f"generation {generation}, but this store last wrote generation {entry.generation} "
+                "(an older or newer copy of the file)"
+            )
         if state != entry.state or crc != entry.crc:
-            raise bad(f"state {_STATE_NAMES.get(state, state)} with data checksum {crc:#010x}, but this store last "
-                      f"wrote {_STATE_NAMES[entry.state]} with {entry.crc:#010x}")
+            raise bad(
+                f"state {_STATE_NAMES.get(state, state)} with data checksum {crc:#010x}, but this store last "
+                f"wrote {_STATE_NAMES[entry.state]} with {entry.crc:#010x}"
+            )
 
     # ---------------------------------------------------------------- I/O
     def _entry_for(self, name: str, tensor: torch.Tensor) -> _Entry:
@@ -544,8 +610,10 @@ class SwapStore:
         if entry is None:
             raise KeyError(f"no swap tensor named {name!r} in {self.path}; create() or reserve() it first")
         if tensor.dtype != entry.dtype or tensor.numel() != entry.numel:
-            raise ValueError(f"swap tensor {name!r} is {_dtype_name(entry.dtype)}[{entry.numel}], the buffer is "
-                             f"{_dtype_name(tensor.dtype)}[{tensor.numel()}]")
+            raise ValueError(
+                f"swap tensor {name!r} is {_dtype_name(entry.dtype)}[{entry.numel}], the buffer is "
+                f"{_dtype_name(tensor.dtype)}[{tensor.numel()}]"
+            )
         if not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError(f"swap I/O of {name!r} needs a contiguous host tensor (use HostBufferPool.alloc)")
         pending = entry.pending
@@ -566,17 +634,22 @@ class SwapStore:
             try:
                 entry.buffered_fd = os.open(f"/proc/self/fd/{entry.fd}", os.O_RDWR | os.O_CLOEXEC)
             except OSError as e:
-                raise SwapError(e.errno, f"cannot reopen swap file for {entry.name!r} for buffered I/O through "
-                                         f"/proc/self/fd ({e.strerror}); pass buffers from HostBufferPool.alloc "
-                                         "(4 KiB-aligned)", entry.path) from None
+                raise SwapError(
+                    e.errno,
+                    f"cannot reopen swap file for {entry.name!r} for buffered I/O through "
+                    f"/proc/self/fd ({e.strerror}); pass buffers from HostBufferPool.alloc "
+                    "(4 KiB-aligned)",
+                    entry.path,
+                ) from None
         return entry.buffered_fd, entry.nbytes
 
     def write_from(self, name: str, tensor: torch.Tensor) -> SwapHandle:
         """Start writing `tensor` (a HostBufferPool buffer for O_DIRECT) to swap tensor `name`."""
         entry = self._entry_for(name, tensor)
         fd, io_len = self._fd_and_length(entry, tensor)
-        aio = self.engine.submit_write(fd, tensor, HEADER_SIZE, nbytes=entry.nbytes, io_nbytes=io_len,
-                                       checksum=True, path=entry.path)
+        aio = self.engine.submit_write(
+            fd, tensor, HEADER_SIZE, nbytes=entry.nbytes, io_nbytes=io_len, checksum=True, path=entry.path
+        )
         handle = SwapHandle(self, entry, "write", tensor, aio, generation=entry.generation + 1)
         with self._lock:
             self.bytes_written += io_len
@@ -592,8 +665,9 @@ class SwapStore:
             tensor.zero_()
             return SwapHandle(self, entry, "read", tensor, None)
         fd, io_len = self._fd_and_length(entry, tensor)
-        aio = self.engine.submit_read(fd, tensor, HEADER_SIZE, nbytes=entry.nbytes, io_nbytes=io_len,
-                                      checksum=True, path=entry.path)
+        aio = self.engine.submit_read(
+            fd, tensor, HEADER_SIZE, nbytes=entry.nbytes, io_nbytes=io_len, checksum=True, path=entry.path
+        )
         handle = SwapHandle(self, entry, "read", tensor, aio, expected_crc=entry.crc)
         with self._lock:
             self.bytes_read += io_len
@@ -699,8 +773,12 @@ class SwapStore:
 # ---------------------------------------------------------------- directories (plain functions)
 def _not_writable(root: str, e: OSError) -> SwapError:
     if e.errno in (_errno.EACCES, _errno.EPERM, _errno.EROFS, _errno.ENOENT):
-        return SwapError(e.errno, f"nvme_path {root} is not writable ({e.strerror}); fix its permissions or set "
-                                  "offload.nvme_path to a writable directory", root)
+        return SwapError(
+            e.errno,
+            f"nvme_path {root} is not writable ({e.strerror}); fix its permissions or set "
+            "offload.nvme_path to a writable directory",
+            root,
+        )
     return SwapError(e.errno, f"cannot create a run directory in nvme_path {root}: {e.strerror}", root)
 
 
@@ -709,18 +787,26 @@ def _open_root(root: str) -> int:
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise SwapError(_errno.ENOENT, f"nvme_path {root} does not exist; create it (mkdir -p {root}) or set "
-                                       "offload.nvme_path to an existing directory on a fast local disk", root) from None
+        raise SwapError(
+            _errno.ENOENT,
+            f"nvme_path {root} does not exist; create it (mkdir -p {root}) or set "
+            "offload.nvme_path to an existing directory on a fast local disk",
+            root,
+        ) from None
     except NotADirectoryError:
-        raise SwapError(_errno.ENOTDIR, f"nvme_path {root} is not a directory; set offload.nvme_path to a directory",
-                        root) from None
+        raise SwapError(
+            _errno.ENOTDIR, f"nvme_path {root} is not a directory; set offload.nvme_path to a directory", root
+        ) from None
     except OSError as e:
         raise SwapError(e.errno, f"cannot open nvme_path {root}: {e.strerror}", root) from None
     st = os.fstat(fd)
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        log.warning("nvme_path %s is writable by every user and has no sticky bit: others can rename or replace "
-                    "entries in it. offload only works through descriptors of its own run directory, so it never "
-                    "writes or deletes outside it, but use a private directory (chmod 700, or +t)", root)
+        log.warning(
+            "nvme_path %s is writable by every user and has no sticky bit: others can rename or replace "
+            "entries in it. offload only works through descriptors of its own run directory, so it never "
+            "writes or deletes outside it, but use a private directory (chmod 700, or +t)",
+            root,
+        )
     return fd
 
 
@@ -731,9 +817,13 @@ def _open_private_dir(name: str, parent_fd: int, path: str, *, fresh: bool) -> i
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as e:
         if e.errno in (_errno.ELOOP, _errno.ENOTDIR):
-            raise SwapError(e.errno, f"{path} is not a directory this run created (a symbolic link or a file, "
-                                     "perhaps planted by someone else): refusing to use it; remove it or choose "
-                                     "another run name", path) from None
+            raise SwapError(
+                e.errno,
+                f"{path} is not a directory this run created (a symbolic link or a file, "
+                "perhaps planted by someone else): refusing to use it; remove it or choose "
+                "another run name",
+                path,
+            ) from None
         raise SwapError(e.errno, f"cannot open swap directory {path}: {e.strerror}", path) from None
     try:
         if fresh:
@@ -747,8 +837,9 @@ def _open_private_dir(name: str, parent_fd: int, path: str, *, fresh: bool) -> i
         elif stat.S_IMODE(st.st_mode) != 0o700:
             problem = f"has mode {stat.S_IMODE(st.st_mode):o}, not 700 (others could read or replace swap files)"
         if problem:
-            raise SwapError(_errno.EPERM, f"swap directory {path} {problem}: refusing to use it; remove it or "
-                                          "choose another run name", path)
+            raise SwapError(
+                _errno.EPERM, f"swap directory {path} {problem}: refusing to use it; remove it or choose another run name", path
+            )
     except BaseException:
         os.close(fd)
         raise
@@ -842,8 +933,11 @@ def sweep_dead_runs(root: str, *, dir_fd: int, keep: str | None = None) -> list[
                     os.close(rank_fd)
                 os.rmdir(rank_name, dir_fd=run_fd)
             _rmdir_if_same(name, dir_fd, run_fd, os.path.join(root, name))
-            log.info("removed swap directory %s left by a run that is gone%s", os.path.join(root, name),
-                     f" ({freed} bytes of swap files)" if freed else "")
+            log.info(
+                "removed swap directory %s left by a run that is gone%s",
+                os.path.join(root, name),
+                f" ({freed} bytes of swap files)" if freed else "",
+            )
         except OSError as e:
             log.warning("could not remove the dead run's swap directory %s: %s", os.path.join(root, name), e)
         finally:

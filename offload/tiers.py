@@ -6,6 +6,7 @@ before allocating anything (`state.host_budget_bytes`), reserves every swap file
 unit's state, load/store an optimizer slot, fetch/store the 16-bit weights, accumulate a
 gradient. Which thread calls what is documented in `state.py`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -79,11 +80,20 @@ def plan_optimizer(
     capacity = Capacity(device=0, host=max(0, cap - others), nvme=nvme_free)
     try:
         plan = plan_optimizer_tiers(
-            optimizer_numels, list(range(len(units))), capacity, buffer_count=config.offload.buffer_count, compute_bytes=compute_bytes
+            optimizer_numels,
+            list(range(len(units))),
+            capacity,
+            buffer_count=config.offload.buffer_count,
+            compute_bytes=compute_bytes,
         )
     except PlanError as error:
         raise ConfigError(f"offload.optimizer auto: {error}", key="offload.optimizer") from None
-    logger.info("offload: optimizer auto (RAM for it %.2f GiB, disk %.1f GiB): %s", capacity.host / 2**30, nvme_free / 2**30, plan.summary())
+    logger.info(
+        "offload: optimizer auto (RAM for it %.2f GiB, disk %.1f GiB): %s",
+        capacity.host / 2**30,
+        nvme_free / 2**30,
+        plan.summary(),
+    )
     for unit, reason in zip(units, plan.reasons):
         logger.debug("offload: optimizer state of unit %s on %s", unit.spec.name, reason)
     return plan
@@ -143,7 +153,12 @@ class TierStore:
         total_budget = sum(self.budget.values())
         # Page-rounding per buffer: every buffer's capacity rounds up to 4 KiB.
         buffer_count_estimate = 8 * len(units) + 4 * config.offload.buffer_count + config.prefetch.depth + 8
-        self.pool = HostBufferPool(total_budget + 4096 * buffer_count_estimate, pin=pin and config.offload.pin_memory, ledger=ledger, name="offload host pool")
+        self.pool = HostBufferPool(
+            total_budget + 4096 * buffer_count_estimate,
+            pin=pin and config.offload.pin_memory,
+            ledger=ledger,
+            name="offload host pool",
+        )
         self.swap = None
         # held by whoever uses the optimizer slots (the optimizer worker's step, a checkpoint's
         # save or load, a read of the masters): one user at a time, whichever thread it is on
@@ -202,9 +217,13 @@ class TierStore:
                 unit.param16 = self.pool.alloc(unit.shard_numel, self.compute_dtype, category="param16")
         elif self.param_tier is ParamTier.NVME:
             count = self.prefetch_depth + 2
-            self.param_staging = BufferRing([self.pool.alloc(largest, self.compute_dtype, category="param_staging") for _ in range(count)])
+            self.param_staging = BufferRing(
+                [self.pool.alloc(largest, self.compute_dtype, category="param_staging") for _ in range(count)]
+            )
         if "grad_staging" in self.budget:
-            self.grad_staging = BufferRing([self.pool.alloc(largest, self.compute_dtype, category="grad_staging") for _ in range(2)])
+            self.grad_staging = BufferRing(
+                [self.pool.alloc(largest, self.compute_dtype, category="grad_staging") for _ in range(2)]
+            )
 
     @property
     def compute_bytes(self) -> int:

@@ -8,6 +8,7 @@ gradient) of shard `rank` covers only the part of the shard below that offset, s
 parameter has none. Decision logic here is plain Python over names and counts; `build_units`
 applies it to a model.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -196,7 +197,9 @@ def choose_unit_modules(model: nn.Module, module_classes: list[str], min_params:
     if found is None:
         return []
     list_name, module_list = found
-    return [(f"{list_name}.{child_name}" if list_name else child_name, child) for child_name, child in module_list.named_children()]
+    return [
+        (f"{list_name}.{child_name}" if list_name else child_name, child) for child_name, child in module_list.named_children()
+    ]
 
 
 def _size_based_units(model: nn.Module, min_params: int) -> list[tuple[str, nn.Module]]:

@@ -3,16 +3,17 @@
 Each rank runs BranchNet on its half of every batch and skips the block that SKIPS says for
 its rank and step (None: runs every block). Run under distributed_worker.launch (gloo, CPU).
 """
+
 from __future__ import annotations
 
 import copy
 
 import torch
+from distributed_worker import RANK_DEVICE, local_half
+from reference import TinyNet, batches
 from torch import nn
 
 import offload
-from distributed_worker import RANK_DEVICE, local_half
-from reference import TinyNet, batches
 
 # per step, the block each rank skips; at step 2 both skip block 2 (no gradient on any rank:
 # it must not step), at step 5 both skip block 1

@@ -10,6 +10,7 @@ the group is gloo, several ranks may share one GPU (NCCL refuses two ranks on on
 gloo has no reduce-scatter for CUDA tensors. Multi-GPU training is what torchrun runs
 (tests/test_examples.py, one rank per GPU).
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,7 +41,9 @@ def free_port() -> int:
 def _entry(rank: int, fn, world_size: int, port: int, result_dir: str, timeout_s: float, threads: int, args: tuple) -> None:
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(threads)
     outcome: dict
     try:
@@ -60,7 +63,11 @@ def launch(fn, world_size: int, *args, timeout_s: float = 30.0, deadline_s: floa
     port = free_port()
     started = time.monotonic()
     context = mp.start_processes(
-        _entry, args=(fn, world_size, port, result_dir, timeout_s, threads, args), nprocs=world_size, join=False, start_method="spawn"
+        _entry,
+        args=(fn, world_size, port, result_dir, timeout_s, threads, args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
     )
     try:
         for process in context.processes:
@@ -122,8 +129,9 @@ def train_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
 
     A case: {"config", "steps", "batch", "micro" (accumulation: micro-batches per step),
     "width", "freeze" (a module whose params are frozen), "report_only" (build, report memory, close)}."""
-    import offload
     from reference import TinyNet, batches, mse
+
+    import offload
 
     results = []
     for case in cases:
@@ -177,8 +185,9 @@ def fail_mid_step(rank: int, world_size: int, swap: str, mode: str, release_path
     backward, leaving the `with engine:` block), "exit" (os._exit(7) from inside its backward,
     after the loss check: no cleanup at all) or "hang" (stays alive before backward, outside
     any collective, until rank 0 has given up, then exits)."""
-    import offload
     from reference import TinyNet, batches
+
+    import offload
 
     torch.manual_seed(0)
     with offload.initialize(TinyNet(), make_config(swap, "cpu", "cpu"), device=RANK_DEVICE) as engine:
@@ -215,8 +224,9 @@ def fail_mid_step(rank: int, world_size: int, swap: str, mode: str, release_path
 # ---- the benchmark ---------------------------------------------------------------------------
 def bench_rank(rank: int, world_size: int, config: dict, width: int, depth: int, batch: int, warmup: int, steps: int) -> dict:
     """Step time (forward + backward + step) and memory per tier on this rank."""
-    import offload
     from reference import TinyNet, batches, mse
+
+    import offload
 
     torch.manual_seed(0)
     engine = offload.initialize(TinyNet(width=width, depth=depth, inputs=width), config, device=RANK_DEVICE)
@@ -234,4 +244,8 @@ def bench_rank(rank: int, world_size: int, config: dict, width: int, depth: int,
     report = engine.memory_report()
     engine.close(restore_weights=False)
     times.sort()
-    return {"median_s": times[len(times) // 2], "memory": report, "params": sum(p.numel() for p in TinyNet(width=width, depth=depth, inputs=width).parameters())}
+    return {
+        "median_s": times[len(times) // 2],
+        "memory": report,
+        "params": sum(p.numel() for p in TinyNet(width=width, depth=depth, inputs=width).parameters()),
+    }

@@ -9,6 +9,7 @@ python interrupt_run.py MODE SWAP_DIR CHECKPOINT OUT
 The CPU step is slowed (30 ms per Adam call) so that the signal lands while it runs; optimizer
 and params on NVMe, one block frozen.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from reference import TinyNet, batches, mse  # noqa: E402
+
 import offload  # noqa: E402
 from offload import stepper  # noqa: E402
-from reference import TinyNet, batches, mse  # noqa: E402
 
 STEPS = 6
 INTERRUPT_AT = 3
@@ -70,7 +72,7 @@ def main() -> None:
         train_step(engine, data[step])
         if mode == "interrupt" and step == INTERRUPT_AT:
             main_thread = threading.main_thread().ident
-            threading.Timer(0.05, lambda: signal.pthread_kill(main_thread, signal.SIGINT)).start()
+            threading.Timer(0.05, lambda thread=main_thread: signal.pthread_kill(thread, signal.SIGINT)).start()
             try:
                 engine.step()
             except KeyboardInterrupt:

@@ -3,6 +3,7 @@
 References run in fp32 on the CPU; the engine runs on the device it picks (CUDA when present,
 as offload.device.Device decides), so targets go to the engine's output device and the
 comparisons happen on the CPU."""
+
 from __future__ import annotations
 
 import copy
@@ -68,7 +69,9 @@ def mse(model, x, y):
     return ((prediction - y.to(prediction.device)) ** 2).mean()
 
 
-def reference_run(model: nn.Module, data, *, lr=1e-2, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8, clip=0.0, accumulation=1, adam=False):
+def reference_run(
+    model: nn.Module, data, *, lr=1e-2, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8, clip=0.0, accumulation=1, adam=False
+):
     """Trains a deep copy of `model` with torch.optim.AdamW (or Adam); returns (model, losses)."""
     model = copy.deepcopy(model)
     optimizer_class = torch.optim.Adam if adam else torch.optim.AdamW
@@ -98,4 +101,7 @@ def engine_run(engine, data):
 
 def max_weight_difference(state_dict: dict, reference: nn.Module) -> float:
     """Compared on the CPU: the engine's consolidated state dict is there already, the reference too."""
-    return max((state_dict[name].cpu().float() - value.cpu().float()).abs().max().item() for name, value in reference.state_dict().items())
+    return max(
+        (state_dict[name].cpu().float() - value.cpu().float()).abs().max().item()
+        for name, value in reference.state_dict().items()
+    )

@@ -6,6 +6,7 @@ reference here is torch's own single-tensor AdamW formula, op for op with torch'
 with only the sqrt taken in double (correctly rounded). The comparison with
 torch.optim.AdamW itself, to a few ulps, is in test_cpu_adam.py.
 """
+
 import threading
 
 import pytest
@@ -40,8 +41,10 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -
     bad = ~(same | both_nan)
     if bad.any():
         i = int(bad.nonzero()[0])
-        raise AssertionError(f"{what}: {int(bad.sum())} of {actual.numel()} elements differ; first at {i}: "
-                             f"{actual[i].item()!r} vs {expected[i].item()!r}")
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {actual.numel()} elements differ; first at {i}: "
+            f"{actual[i].item()!r} vs {expected[i].item()!r}"
+        )
 
 
 def reference_step(p, g, m, v, *, step, lr, wd, adamw, beta1=BETA1, beta2=BETA2, eps=EPS):
@@ -60,8 +63,7 @@ def reference_step(p, g, m, v, *, step, lr, wd, adamw, beta1=BETA1, beta2=BETA2,
 
 
 def kernel_step(p, g, m, v, *, step, lr, wd, adamw, **kw):
-    kernels.adam_step(p, g, m, v, step=step, lr=lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=wd,
-                      adamw_mode=adamw, **kw)
+    kernels.adam_step(p, g, m, v, step=step, lr=lr, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=wd, adamw_mode=adamw, **kw)
 
 
 def make_state(n, seed):
@@ -101,8 +103,7 @@ def test_small_beta1_and_no_bias_correction(isa):
     p1, m1, v1 = p0.clone(), torch.zeros(n), torch.zeros(n)
     p2, m2, v2 = p0.clone(), torch.zeros(n), torch.zeros(n)
     g = torch.randn(n, generator=gen)
-    kernels.adam_step(p1, g, m1, v1, step=7, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0,
-                      bias_correction=False)
+    kernels.adam_step(p1, g, m1, v1, step=7, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0, bias_correction=False)
     reference_step(p2, g, m2, v2, step=10**9, lr=LR, wd=0.0, adamw=True)  # beta**huge == 0: no correction
     assert_bits_equal(p1, p2, "param without bias correction")
 
@@ -155,10 +156,35 @@ def test_every_16bit_gradient_pattern_is_read_exactly(isa, grad_dtype):
 def special_fp32_values() -> torch.Tensor:
     gen = torch.Generator().manual_seed(3)
     random_patterns = torch.randint(-(2**31), 2**31 - 1, (1_000_003,), generator=gen, dtype=torch.int64)
-    edges = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -float("nan"), 65504.0, 65519.0,
-                          65520.0, -65520.0, 6.1e-5, 6.0e-5, 2.0**-24, 2.0**-25, 2.0**-25 * 1.0001, 2.0**-26,
-                          3.0 * 2.0**-25, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8,
-                          3.4e38, -3.4e38, 1e-45, 1.17e-38])
+    edges = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            -float("nan"),
+            65504.0,
+            65519.0,
+            65520.0,
+            -65520.0,
+            6.1e-5,
+            6.0e-5,
+            2.0**-24,
+            2.0**-25,
+            2.0**-25 * 1.0001,
+            2.0**-26,
+            3.0 * 2.0**-25,
+            1.0 + 2.0**-11,
+            1.0 + 3 * 2.0**-11,
+            1.0 + 2.0**-8,
+            1.0 + 3 * 2.0**-8,
+            3.4e38,
+            -3.4e38,
+            1e-45,
+            1.17e-38,
+        ]
+    )
     # tie cases of bf16 rounding: low 16 bits exactly 0x8000 with even and odd kept bit
     ties = torch.tensor([0x3F808000, 0x3F818000, 0x7F7F8000, 0x00018000], dtype=torch.int64)
     patterns = torch.cat([random_patterns, ties]).to(torch.int32).view(torch.float32)
@@ -173,8 +199,19 @@ def test_16bit_copy_out_equals_to_dtype_bit_for_bit(isa, out_dtype, store_mode):
     n = values.numel()
     p = values.clone()
     out = torch.empty(n, dtype=out_dtype)
-    kernels.adam_step(p, torch.zeros(n), torch.zeros(n), torch.zeros(n), step=1, lr=0.0, beta1=BETA1, beta2=BETA2,
-                      eps=EPS, weight_decay=0.0, param_out16=out)
+    kernels.adam_step(
+        p,
+        torch.zeros(n),
+        torch.zeros(n),
+        torch.zeros(n),
+        step=1,
+        lr=0.0,
+        beta1=BETA1,
+        beta2=BETA2,
+        eps=EPS,
+        weight_decay=0.0,
+        param_out16=out,
+    )
     assert_bits_equal(p, values, "param (unchanged at lr 0)")
     assert_bits_equal(out, values.to(out_dtype), f"param_out16 ({out_dtype})")
     # and after real updates
@@ -182,8 +219,17 @@ def test_16bit_copy_out_equals_to_dtype_bit_for_bit(isa, out_dtype, store_mode):
     p, m, v = p0 * 100, torch.zeros(100_003), torch.zeros(100_003)
     out = torch.empty(100_003, dtype=out_dtype)
     for step in range(1, 4):
-        kernel_step(p, torch.randn(100_003, generator=gen).to(torch.bfloat16), m, v, step=step, lr=LR, wd=0.01,
-                    adamw=True, param_out16=out)
+        kernel_step(
+            p,
+            torch.randn(100_003, generator=gen).to(torch.bfloat16),
+            m,
+            v,
+            step=step,
+            lr=LR,
+            wd=0.01,
+            adamw=True,
+            param_out16=out,
+        )
         assert_bits_equal(out, p.to(out_dtype), "param_out16 after a step")
 
 
@@ -212,8 +258,10 @@ def _steps(n, grad_dtype, out, *, seed, steps=3):
     return p, m, v
 
 
-@pytest.mark.parametrize("grad_dtype,out_dtype", [(torch.float32, None), (torch.bfloat16, torch.bfloat16),
-                                                  (torch.float16, torch.float16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "grad_dtype,out_dtype",
+    [(torch.float32, None), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16)],
+)
 @pytest.mark.parametrize("n", [17, 45, 200_003])
 @pytest.mark.parametrize("offset", [0, 13])
 def test_streaming_mode_gives_identical_results(isa, grad_dtype, out_dtype, n, offset):
@@ -264,8 +312,9 @@ def test_traffic_kernel_touches_every_element(isa, stream):
     g = torch.randn(n, generator=gen).to(torch.bfloat16)
     p, m, v = p0.clone(), torch.ones(n), torch.full((n,), 2.0)
     out = torch.zeros(n + 3, dtype=torch.bfloat16)[3:]
-    _adam_ext.adam_traffic(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), out.data_ptr(), n, _adam_ext.BF16,
-                           _adam_ext.BF16, stream)
+    _adam_ext.adam_traffic(
+        p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), out.data_ptr(), n, _adam_ext.BF16, _adam_ext.BF16, stream
+    )
     g32 = g.float()
     assert_bits_equal(p, p0 + g32, "param")
     assert_bits_equal(m, 1.0 + g32, "exp_avg")
@@ -432,8 +481,12 @@ def test_adam_step_rejects_bad_input(name, replacement, error, match):
 
 
 def test_adam_step_rejects_bad_hyperparameters():
-    for kwargs, match in [({"step": 0}, "step must be >= 1"), ({"lr": -1.0}, "lr must be >= 0"),
-                          ({"beta2": 1.0}, "beta2 must be in"), ({"eps": float("nan")}, "eps must be >= 0")]:
+    for kwargs, match in [
+        ({"step": 0}, "step must be >= 1"),
+        ({"lr": -1.0}, "lr must be >= 0"),
+        ({"beta2": 1.0}, "beta2 must be in"),
+        ({"eps": float("nan")}, "eps must be >= 0"),
+    ]:
         full = dict(step=1, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=0.0)
         full.update(kwargs)
         with pytest.raises(ValueError, match=match):

@@ -187,8 +187,13 @@ def test_dropped_handle_mid_read_never_writes_into_freed_memory(tmp_path):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-c", DROPPED_HANDLE, str(tmp_path / "big.bin")], capture_output=True,
-                            text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", DROPPED_HANDLE, str(tmp_path / "big.bin")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "overwritten 0 held 0" in result.stdout, result.stdout
 

@@ -1,5 +1,6 @@
 """benchmarks/bench_gpu.py runs end to end (tiny model, the CPU as the device): every line of its
 table is filled, the floor and the ratio to it are printed. Timings are not checked here."""
+
 from __future__ import annotations
 
 import os
@@ -11,13 +12,31 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 def test_bench_gpu_smoke(tmp_path):
     result = subprocess.run(
-        [sys.executable, SCRIPT, "--size", "tiny", "--runs", "plain,none/cpu,nvme/nvme", "--batch", "2", "--seq", "32",
-         "--steps", "1", "--nvme-path", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            SCRIPT,
+            "--size",
+            "tiny",
+            "--runs",
+            "plain,none/cpu,nvme/nvme",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--steps",
+            "1",
+            "--nvme-path",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert any(line.startswith("plain ") for line in lines), result.stdout
     offload_lines = [line for line in lines if line.startswith(("none/cpu", "nvme/nvme"))]
-    assert len(offload_lines) == 2 and all("forward=" in line and "nan" not in line.split("forward=")[0] for line in offload_lines), result.stdout
+    assert len(offload_lines) == 2 and all(
+        "forward=" in line and "nan" not in line.split("forward=")[0] for line in offload_lines
+    ), result.stdout
     assert "CPU Adam" in result.stdout

@@ -36,11 +36,23 @@ def test_json_result_shape_and_cleanup(tmp_path, capsys):
 
 
 def test_table_and_pasteable_io_section(tmp_path, capsys):
-    rc, out, _ = run_cli(capsys, "--path", str(tmp_path), "--quiet", "--size", "256K", "--block-sizes", "64K",
-                         "--queue-depths", "2", "--threads", "2")
+    rc, out, _ = run_cli(
+        capsys,
+        "--path",
+        str(tmp_path),
+        "--quiet",
+        "--size",
+        "256K",
+        "--block-sizes",
+        "64K",
+        "--queue-depths",
+        "2",
+        "--threads",
+        "2",
+    )
     assert rc == 0
     assert "GB/s" in out and "write" in out and "read" in out
-    section = json.loads(out[out.index("{"):])
+    section = json.loads(out[out.index("{") :])
     assert section == {"io": {"block_size": 65536, "queue_depth": 2, "threads": 2}}
     assert os.listdir(tmp_path) == []
 

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume across placements and world sizes, atomicity under SIGKILL and a
 full disk, detection of damaged files, and export to safetensors / Hugging Face."""
+
 from __future__ import annotations
 
 import copy
@@ -289,7 +290,11 @@ def flip(position):
     "name,damage,message",
     [
         ("rank0.safetensors", lambda d: d[:-100], r"rank0\.safetensors is \d+ bytes, expected \d+: it was truncated"),
-        ("rank0.safetensors", flip(-4), r"rank0\.safetensors: tensor '[\w.]+/exp_avg_sq' \(bytes \d+\.\.\d+\) fails its checksum"),
+        (
+            "rank0.safetensors",
+            flip(-4),
+            r"rank0\.safetensors: tensor '[\w.]+/exp_avg_sq' \(bytes \d+\.\.\d+\) fails its checksum",
+        ),
         ("rank0.safetensors", flip(20), r"rank0\.safetensors: its safetensors header fails its checksum"),
         ("index.json", lambda d: d.replace(b'"global_steps": 2', b'"global_steps": 3'), r"index\.json fails its checksum"),
         ("index.json", lambda d: d[: len(d) // 2], r"index\.json is not a valid index"),
@@ -414,7 +419,10 @@ def test_enospc_on_a_full_disk_is_a_clear_error_and_previous_stays(small_tmpfs, 
     state_bytes = os.path.getsize(root / "good" / "rank0.safetensors")
     page = 4096
     filler = small_tmpfs / "filler"
-    for room, message in [(state_bytes // 2, "only .* bytes are free"), (-(-state_bytes // page) * page + page, "the disk is full")]:
+    for room, message in [
+        (state_bytes // 2, "only .* bytes are free"),
+        (-(-state_bytes // page) * page + page, "the disk is full"),
+    ]:
         free = os.statvfs(small_tmpfs).f_bavail * os.statvfs(small_tmpfs).f_frsize
         with open(filler, "wb") as f:
             f.write(b"\0" * (free - room))
@@ -452,8 +460,9 @@ def test_export_loads_with_load_state_dict_fp32_and_bf16(tmp_path, swap_dir):
 
 def test_exported_gpt2_loads_with_from_pretrained_and_gives_the_engines_logits(tmp_path, swap_dir):
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     torch.manual_seed(0)
     engine = offload.initialize(transformers.GPT2LMHeadModel(config), make_config(swap_dir, "cpu", "cpu"))
     generator = torch.Generator().manual_seed(3)

@@ -1,4 +1,5 @@
 """`offload --version`; the progress bar labels its bytes per tier and keeps log lines off the bar."""
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,9 @@ def test_version_flag(capsys):
 
 
 def test_version_from_the_console_module():
-    result = subprocess.run([sys.executable, "-m", "offload.cli", "--version"], capture_output=True, text=True, timeout=60,
-                            check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "offload.cli", "--version"], capture_output=True, text=True, timeout=60, check=False
+    )
     assert result.returncode == 0 and result.stdout.startswith("offload ")
 
 

@@ -1,4 +1,5 @@
 """offload.config: loading, validation and documentation of offload's own config schema."""
+
 import dataclasses
 import json
 
@@ -76,8 +77,15 @@ def test_wrong_types_name_the_key(mapping, key, expected):
 
 
 def test_accepted_conversions():
-    config = load_config({"gradient_accumulation_steps": 2.0, "gradient_clipping": 1, "optimizer": {"betas": [0.8, 0.9]},
-                          "offload": {"nvme_path": ["/a", "/b"]}, "seed": 7})
+    config = load_config(
+        {
+            "gradient_accumulation_steps": 2.0,
+            "gradient_clipping": 1,
+            "optimizer": {"betas": [0.8, 0.9]},
+            "offload": {"nvme_path": ["/a", "/b"]},
+            "seed": 7,
+        }
+    )
     assert config.gradient_accumulation_steps == 2 and isinstance(config.gradient_accumulation_steps, int)
     assert config.gradient_clipping == 1.0 and isinstance(config.gradient_clipping, float)
     assert config.optimizer.betas == (0.8, 0.9)
@@ -120,13 +128,15 @@ def test_out_of_range_values_name_the_key(mapping, key):
 
 
 def test_boundary_values_are_accepted():
-    config = load_config({
-        "optimizer": {"lr": 0.0, "betas": [0.0, 0.0], "weight_decay": 0.0, "threads": 0},
-        "prefetch": {"depth": 0},
-        "offload": {"buffer_count": 2},
-        "io": {"block_size": 4096, "queue_depth": 1, "threads": 1},
-        "loss_scale": {"growth_factor": 1.0},
-    })
+    config = load_config(
+        {
+            "optimizer": {"lr": 0.0, "betas": [0.0, 0.0], "weight_decay": 0.0, "threads": 0},
+            "prefetch": {"depth": 0},
+            "offload": {"buffer_count": 2},
+            "io": {"block_size": 4096, "queue_depth": 1, "threads": 1},
+            "loss_scale": {"growth_factor": 1.0},
+        }
+    )
     assert config.io == IOConfig(block_size=4096, queue_depth=1, threads=1)
 
 
@@ -172,7 +182,7 @@ def test_json_path_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
-    bad.write_text("{\"precision\": ")
+    bad.write_text('{"precision": ')
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(bad)
     listed = tmp_path / "list.json"
@@ -185,7 +195,9 @@ def test_json_path_errors(tmp_path):
 
 def test_deepspeed_json_path_is_translated(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "bf16": {"enabled": True}}))
+    path.write_text(
+        json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "bf16": {"enabled": True}})
+    )
     assert load_config(path) == Config(precision="bf16", offload=OffloadConfig(param="cpu", optimizer="auto"))
 
 
@@ -198,7 +210,9 @@ def test_is_deepspeed_config():
 
 NON_DEFAULT = Config(
     precision="fp16",
-    optimizer=OptimizerConfig(type="adam", lr=3e-4, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, bias_correction=False, threads=3),
+    optimizer=OptimizerConfig(
+        type="adam", lr=3e-4, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, bias_correction=False, threads=3
+    ),
     gradient_accumulation_steps=4,
     gradient_clipping=1.0,
     offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=["/a", "/b"], pin_memory=False, buffer_count=5),
@@ -320,7 +334,12 @@ def test_load_config_reads_an_accelerate_yaml(tmp_path, suffix):
         "  gradient_clipping: 1.0\n"
     )
     config = load_config(path)
-    assert (config.precision, config.offload.param, config.offload.optimizer, config.gradient_clipping) == ("bf16", "cpu", "cpu", 1.0)
+    assert (config.precision, config.offload.param, config.offload.optimizer, config.gradient_clipping) == (
+        "bf16",
+        "cpu",
+        "cpu",
+        1.0,
+    )
     path.write_text("distributed_type: MULTI_GPU\n")
     with pytest.raises(ConfigError, match="distributed_type 'MULTI_GPU'"):
         load_config(path)

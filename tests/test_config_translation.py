@@ -1,6 +1,7 @@
 """DeepSpeed, Hugging Face and accelerate configs as their documentation writes them load without
 strict=False; the translators return plain data; errors carry the key; the DeepSpeed schedules
 translate to a `scheduler` section whose arithmetic (`lr_at`, `betas_at`) is DeepSpeed's."""
+
 from __future__ import annotations
 
 import json
@@ -39,15 +40,32 @@ def translation_of(name: str) -> Translation:
 
 
 # ---- the documentation's configs ----------------------------------------------------------------
-ZERO_TUNING = {"overlap_comm", "contiguous_gradients", "sub_group_size", "reduce_bucket_size", "stage3_prefetch_bucket_size",
-               "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-               "stage3_gather_16bit_weights_on_model_save"}
-LAUNCHER = {"compute_environment", "distributed_type", "fsdp_config", "machine_rank", "main_process_ip", "main_process_port",
-            "main_training_function", "num_machines", "num_processes", "use_cpu"}
+ZERO_TUNING = {
+    "overlap_comm",
+    "contiguous_gradients",
+    "sub_group_size",
+    "reduce_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save",
+}
+LAUNCHER = {
+    "compute_environment",
+    "distributed_type",
+    "fsdp_config",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "main_training_function",
+    "num_machines",
+    "num_processes",
+    "use_cpu",
+}
 HF_AUTO_OPTIMIZER = OptimizerConfig(type="adamw", lr=5e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 HF_AUTO_WARMUP = SchedulerConfig(type="warmup", warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=0)
-DECAY_AUTO = SchedulerConfig(type="warmup_decay", warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=0,
-                             total_num_steps=None)
+DECAY_AUTO = SchedulerConfig(type="warmup_decay", warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=0, total_num_steps=None)
 
 DOCS = {
     # DeepSpeed ZeRO-Offload tutorial: ZeRO-2, optimizer on the CPU
@@ -58,63 +76,134 @@ DOCS = {
     # DeepSpeed ZeRO tutorial, ZeRO-Infinity with CPU offload: ZeRO-3, parameters and optimizer on the CPU
     "ds_docs_zero_infinity_cpu_stage3.json": (
         Config(precision="fp32", offload=OffloadConfig(param="cpu", optimizer="cpu")),
-        {f"zero_optimization.{k}" for k in ("contiguous_gradients", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                                            "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-                                            "reduce_bucket_size", "sub_group_size")},
+        {
+            f"zero_optimization.{k}"
+            for k in (
+                "contiguous_gradients",
+                "stage3_max_live_parameters",
+                "stage3_max_reuse_distance",
+                "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold",
+                "reduce_bucket_size",
+                "sub_group_size",
+            )
+        },
     ),
     # Hugging Face DeepSpeed guide, ZeRO-2 with the optimizer on the CPU
     "hf_docs_zero2.json": (
         Config(precision="fp32", offload=OffloadConfig(param="none", optimizer="cpu", pin_memory=True)),
-        {f"zero_optimization.{k}" for k in ("allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
-                                            "reduce_bucket_size", "contiguous_gradients", "round_robin_gradients")},
+        {
+            f"zero_optimization.{k}"
+            for k in (
+                "allgather_partitions",
+                "allgather_bucket_size",
+                "overlap_comm",
+                "reduce_scatter",
+                "reduce_bucket_size",
+                "contiguous_gradients",
+                "round_robin_gradients",
+            )
+        },
     ),
     # Hugging Face DeepSpeed guide, the notebook's full ZeRO-3 config (fp16 "auto": fp32 without a GPU)
     "hf_docs_zero3_notebook.json": (
-        Config(precision="fp32", optimizer=HF_AUTO_OPTIMIZER, gradient_accumulation_steps=1, gradient_clipping=1.0,
-               offload=OffloadConfig(param="cpu", optimizer="cpu", pin_memory=True), scheduler=HF_AUTO_WARMUP),
-        {f"zero_optimization.{k}" for k in ZERO_TUNING} | {"steps_per_print", "wall_clock_breakdown"}
+        Config(
+            precision="fp32",
+            optimizer=HF_AUTO_OPTIMIZER,
+            gradient_accumulation_steps=1,
+            gradient_clipping=1.0,
+            offload=OffloadConfig(param="cpu", optimizer="cpu", pin_memory=True),
+            scheduler=HF_AUTO_WARMUP,
+        ),
+        {f"zero_optimization.{k}" for k in ZERO_TUNING}
+        | {"steps_per_print", "wall_clock_breakdown"}
         | {f"fp16.{k}" for k in ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale")},
     ),
     # Hugging Face DeepSpeed guide, ZeRO-Infinity: parameters and optimizer on NVMe
     "hf_docs_zero3_nvme.json": (
-        Config(precision="fp32", optimizer=HF_AUTO_OPTIMIZER, gradient_accumulation_steps=1, gradient_clipping=1.0,
-               offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path="/local_nvme", pin_memory=True, buffer_count=5),
-               io=IOConfig(block_size=262144, queue_depth=32, threads=1), scheduler=HF_AUTO_WARMUP),
-        {f"zero_optimization.{k}" for k in ZERO_TUNING} | {"steps_per_print", "wall_clock_breakdown"}
+        Config(
+            precision="fp32",
+            optimizer=HF_AUTO_OPTIMIZER,
+            gradient_accumulation_steps=1,
+            gradient_clipping=1.0,
+            offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path="/local_nvme", pin_memory=True, buffer_count=5),
+            io=IOConfig(block_size=262144, queue_depth=32, threads=1),
+            scheduler=HF_AUTO_WARMUP,
+        ),
+        {f"zero_optimization.{k}" for k in ZERO_TUNING}
+        | {"steps_per_print", "wall_clock_breakdown"}
         | {f"fp16.{k}" for k in ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale")}
-        | {"zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_param.buffer_size",
-           "zero_optimization.offload_param.max_in_cpu", "zero_optimization.aio.single_submit",
-           "zero_optimization.aio.overlap_events"},
+        | {
+            "zero_optimization.offload_optimizer.fast_init",
+            "zero_optimization.offload_param.buffer_size",
+            "zero_optimization.offload_param.max_in_cpu",
+            "zero_optimization.aio.single_submit",
+            "zero_optimization.aio.overlap_events",
+        },
     ),
     # accelerate DeepSpeed plugin, ZeRO-2
     "accelerate_docs_zero2_plugin.yaml": (
-        Config(precision="fp16", gradient_accumulation_steps=1, gradient_clipping=1.0,
-               offload=OffloadConfig(param="none", optimizer="auto")),
+        Config(
+            precision="fp16",
+            gradient_accumulation_steps=1,
+            gradient_clipping=1.0,
+            offload=OffloadConfig(param="none", optimizer="auto"),
+        ),
         LAUNCHER | {"deepspeed_config.zero3_init_flag"},
     ),
     # accelerate DeepSpeed plugin, ZeRO-3 with CPU offload
     "accelerate_docs_zero3_cpu_plugin.yaml": (
-        Config(precision="fp16", gradient_accumulation_steps=1, gradient_clipping=1.0,
-               offload=OffloadConfig(param="cpu", optimizer="cpu")),
+        Config(
+            precision="fp16",
+            gradient_accumulation_steps=1,
+            gradient_clipping=1.0,
+            offload=OffloadConfig(param="cpu", optimizer="cpu"),
+        ),
         LAUNCHER | {"deepspeed_config.zero3_init_flag", "deepspeed_config.zero3_save_16bit_model"},
     ),
     # accelerate with a DeepSpeed config file, ZeRO-3 with CPU offload
     "accelerate_docs_zero3_offload_file.yaml": (
-        Config(precision="fp16", optimizer=OptimizerConfig(type="adamw", lr=5e-5, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8),
-               gradient_accumulation_steps=1, gradient_clipping=1.0,
-               offload=OffloadConfig(param="cpu", optimizer="cpu", pin_memory=True), scheduler=DECAY_AUTO),
-        LAUNCHER | {"deepspeed_config.zero3_init_flag", "fp16.hysteresis", "steps_per_print", "wall_clock_breakdown"}
+        Config(
+            precision="fp16",
+            optimizer=OptimizerConfig(type="adamw", lr=5e-5, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8),
+            gradient_accumulation_steps=1,
+            gradient_clipping=1.0,
+            offload=OffloadConfig(param="cpu", optimizer="cpu", pin_memory=True),
+            scheduler=DECAY_AUTO,
+        ),
+        LAUNCHER
+        | {"deepspeed_config.zero3_init_flag", "fp16.hysteresis", "steps_per_print", "wall_clock_breakdown"}
         | {f"zero_optimization.{k}" for k in ZERO_TUNING},
     ),
     # accelerate with a DeepSpeed config file, ZeRO-2
     "accelerate_docs_zero2_file.yaml": (
-        Config(precision="fp16", optimizer=OptimizerConfig(type="adamw", lr=5e-5, weight_decay=0.0),
-               gradient_accumulation_steps=1, gradient_clipping=1.0,
-               offload=OffloadConfig(param="none", optimizer="auto"), scheduler=DECAY_AUTO),
-        LAUNCHER | {"deepspeed_config.zero3_init_flag", "fp16.hysteresis", "steps_per_print", "wall_clock_breakdown",
-                    "optimizer.params.torch_adam"}
-        | {f"zero_optimization.{k}" for k in ("allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
-                                              "reduce_bucket_size", "contiguous_gradients")},
+        Config(
+            precision="fp16",
+            optimizer=OptimizerConfig(type="adamw", lr=5e-5, weight_decay=0.0),
+            gradient_accumulation_steps=1,
+            gradient_clipping=1.0,
+            offload=OffloadConfig(param="none", optimizer="auto"),
+            scheduler=DECAY_AUTO,
+        ),
+        LAUNCHER
+        | {
+            "deepspeed_config.zero3_init_flag",
+            "fp16.hysteresis",
+            "steps_per_print",
+            "wall_clock_breakdown",
+            "optimizer.params.torch_adam",
+        }
+        | {
+            f"zero_optimization.{k}"
+            for k in (
+                "allgather_partitions",
+                "allgather_bucket_size",
+                "overlap_comm",
+                "reduce_scatter",
+                "reduce_bucket_size",
+                "contiguous_gradients",
+            )
+        },
     ),
 }
 
@@ -145,10 +234,20 @@ def test_auto_values_are_one_warning_naming_each_and_its_value(caplog):
     assert record.levelno == logging.WARNING
     text = record.getMessage()
     autos = {key for key, _ in translation_of("hf_docs_zero3_nvme.json").auto}
-    assert autos == {"fp16.enabled", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
-                     "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
-                     "scheduler.params.warmup_num_steps", "gradient_accumulation_steps", "gradient_clipping",
-                     "train_batch_size", "train_micro_batch_size_per_gpu"}
+    assert autos == {
+        "fp16.enabled",
+        "optimizer.params.lr",
+        "optimizer.params.betas",
+        "optimizer.params.eps",
+        "optimizer.params.weight_decay",
+        "scheduler.params.warmup_min_lr",
+        "scheduler.params.warmup_max_lr",
+        "scheduler.params.warmup_num_steps",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+    }
     assert all(f"{key} -> " in text for key in autos)
     assert "fp16.enabled -> false (no GPU: fp32)" in text
 
@@ -173,18 +272,23 @@ def ds(**top):
     return {"zero_optimization": {"stage": 2}, **top}
 
 
-@pytest.mark.parametrize("mapping, key", [
-    (ds(zero_optimization={"stage": 3, "zero_quantized_weights": True}), "zero_optimization.zero_quantized_weights"),
-    (ds(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}),
-     "zero_optimization.offload_optimizer.ratio"),
-    (ds(compression_training={"weight_quantization": {}}), "compression_training"),
-    (ds(curriculum_learning={"enabled": True}), "curriculum_learning"),
-    (ds(amp={"enabled": True}), "amp"),
-    (ds(bf16={"enabled": True, "bf16_master_weights_and_grads": True}), "bf16.bf16_master_weights_and_grads"),
-    (ds(bf16={"enabled": True}, communication_data_type="fp32"), "communication_data_type"),
-    (ds(data_types={"grad_accum_dtype": "bf16"}), "data_types"),
-    (ds(zero_optimizaton={}), "zero_optimizaton"),
-])
+@pytest.mark.parametrize(
+    "mapping, key",
+    [
+        (ds(zero_optimization={"stage": 3, "zero_quantized_weights": True}), "zero_optimization.zero_quantized_weights"),
+        (
+            ds(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}),
+            "zero_optimization.offload_optimizer.ratio",
+        ),
+        (ds(compression_training={"weight_quantization": {}}), "compression_training"),
+        (ds(curriculum_learning={"enabled": True}), "curriculum_learning"),
+        (ds(amp={"enabled": True}), "amp"),
+        (ds(bf16={"enabled": True, "bf16_master_weights_and_grads": True}), "bf16.bf16_master_weights_and_grads"),
+        (ds(bf16={"enabled": True}, communication_data_type="fp32"), "communication_data_type"),
+        (ds(data_types={"grad_accum_dtype": "bf16"}), "data_types"),
+        (ds(zero_optimizaton={}), "zero_optimizaton"),
+    ],
+)
 def test_what_cannot_be_honoured_is_one_error_naming_the_key(mapping, key):
     with pytest.raises(ConfigError) as error:
         load_config(mapping)
@@ -192,18 +296,23 @@ def test_what_cannot_be_honoured_is_one_error_naming_the_key(mapping, key):
     assert "cannot honour" in str(error.value) and "strict=False" in str(error.value)
 
 
-@pytest.mark.parametrize("mapping, key", [
-    (ds(zero_optimization={"stage": 3, "zero_quantized_weights": False}), "zero_optimization.zero_quantized_weights"),
-    (ds(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1}}),
-     "zero_optimization.offload_optimizer.ratio"),
-    (ds(curriculum_learning={"enabled": False}), "curriculum_learning"),
-    (ds(amp={"enabled": "auto", "opt_level": "auto"}), "amp"),
-    (ds(bf16={"enabled": True}, communication_data_type="bf16"), "communication_data_type"),
-    (ds(data_types={"grad_accum_dtype": "fp32"}), "data_types"),
-    (ds(activation_checkpointing={"partition_activations": True}), "activation_checkpointing"),
-    (ds(flops_profiler={"enabled": True}), "flops_profiler"),
-    (ds(zero_force_ds_cpu_optimizer=False), "zero_force_ds_cpu_optimizer"),
-])
+@pytest.mark.parametrize(
+    "mapping, key",
+    [
+        (ds(zero_optimization={"stage": 3, "zero_quantized_weights": False}), "zero_optimization.zero_quantized_weights"),
+        (
+            ds(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 1}}),
+            "zero_optimization.offload_optimizer.ratio",
+        ),
+        (ds(curriculum_learning={"enabled": False}), "curriculum_learning"),
+        (ds(amp={"enabled": "auto", "opt_level": "auto"}), "amp"),
+        (ds(bf16={"enabled": True}, communication_data_type="bf16"), "communication_data_type"),
+        (ds(data_types={"grad_accum_dtype": "fp32"}), "data_types"),
+        (ds(activation_checkpointing={"partition_activations": True}), "activation_checkpointing"),
+        (ds(flops_profiler={"enabled": True}), "flops_profiler"),
+        (ds(zero_force_ds_cpu_optimizer=False), "zero_force_ds_cpu_optimizer"),
+    ],
+)
 def test_switched_off_features_and_tuning_are_ignored(mapping, key):
     load_config(mapping)
     assert key in {k for k, _ in translate_deepspeed(mapping).ignored}
@@ -250,12 +359,15 @@ def test_misspelt_choices_suggest_the_right_value():
 
 # ---- plain data, one validation, errors with keys ------------------------------------------------
 def test_translators_import_nothing_of_offload_config():
-    code = ("import sys, offload.deepspeed_config as d, json; "
-            "t = d.translate_deepspeed(json.load(open(sys.argv[1]))); "
-            "assert 'offload.config' not in sys.modules, 'offload.config was imported'; "
-            "assert isinstance(t.config, dict) and isinstance(t.sources, dict); print('ok')")
-    result = subprocess.run([sys.executable, "-c", code, str(DATA / "hf_docs_zero3_nvme.json")], capture_output=True, text=True,
-                            check=False)
+    code = (
+        "import sys, offload.deepspeed_config as d, json; "
+        "t = d.translate_deepspeed(json.load(open(sys.argv[1]))); "
+        "assert 'offload.config' not in sys.modules, 'offload.config was imported'; "
+        "assert isinstance(t.config, dict) and isinstance(t.sources, dict); print('ok')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(DATA / "hf_docs_zero3_nvme.json")], capture_output=True, text=True, check=False
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
@@ -268,15 +380,18 @@ def test_a_deepspeed_config_is_validated_once(monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("mapping, key", [
-    ({"precison": "bf16"}, "precison"),
-    ({"optimizer": {"betas": [0.9, "x"]}}, "optimizer.betas[1]"),
-    ({"io": {"block_size": 1000}}, "io.block_size"),
-    ({"scheduler": {"type": "one_cycle"}}, "scheduler.cycle_min_lr"),
-    ({"aio": {"block_size": 1000}}, "aio.block_size"),  # translated: the DeepSpeed key
-    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}, "zero_optimization": {}}, "optimizer.params.betas"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}, "zero_optimization.offload_param.device"),
-])
+@pytest.mark.parametrize(
+    "mapping, key",
+    [
+        ({"precison": "bf16"}, "precison"),
+        ({"optimizer": {"betas": [0.9, "x"]}}, "optimizer.betas[1]"),
+        ({"io": {"block_size": 1000}}, "io.block_size"),
+        ({"scheduler": {"type": "one_cycle"}}, "scheduler.cycle_min_lr"),
+        ({"aio": {"block_size": 1000}}, "aio.block_size"),  # translated: the DeepSpeed key
+        ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}, "zero_optimization": {}}, "optimizer.params.betas"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}, "zero_optimization.offload_param.device"),
+    ],
+)
 def test_config_errors_carry_the_users_key(mapping, key):
     with pytest.raises(ConfigError) as error:
         load_config(mapping)
@@ -304,20 +419,40 @@ def test_offload_scheduler_section_is_not_taken_for_deepspeed():
 
 
 # ---- DeepSpeed's scheduler section ---------------------------------------------------------------
-@pytest.mark.parametrize("section, expected", [
-    ({"type": "WarmupLR", "params": {}}, SchedulerConfig(type="warmup")),
-    ({"type": "WarmupLR", "params": {"warmup_min_lr": 1e-6, "warmup_max_lr": 1e-3, "warmup_num_steps": 100, "warmup_type": "linear"}},
-     SchedulerConfig(type="warmup", warmup_min_lr=1e-6, warmup_max_lr=1e-3, warmup_num_steps=100, warmup_type="linear")),
-    ({"type": "WarmupDecayLR", "params": {"total_num_steps": 1000}},
-     SchedulerConfig(type="warmup_decay", total_num_steps=1000, warmup_max_lr=0.001)),  # DeepSpeed's default max lr
-    ({"type": "warmupcosinelr", "params": {"total_num_steps": 500, "warmup_num_steps": 50, "cos_min_ratio": 0.1}},
-     SchedulerConfig(type="warmup_cosine", total_num_steps=500, warmup_num_steps=50, cos_min_ratio=0.1)),
-    ({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 100,
-                                     "cycle_momentum": False}},
-     SchedulerConfig(type="one_cycle", cycle_min_lr=1e-4, cycle_max_lr=1e-3, cycle_first_step_size=100, cycle_momentum=False)),
-    ({"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 1e-5, "lr_range_test_staircase": True}},
-     SchedulerConfig(type="lr_range_test", lr_range_test_min_lr=1e-5, lr_range_test_staircase=True)),
-])
+@pytest.mark.parametrize(
+    "section, expected",
+    [
+        ({"type": "WarmupLR", "params": {}}, SchedulerConfig(type="warmup")),
+        (
+            {
+                "type": "WarmupLR",
+                "params": {"warmup_min_lr": 1e-6, "warmup_max_lr": 1e-3, "warmup_num_steps": 100, "warmup_type": "linear"},
+            },
+            SchedulerConfig(type="warmup", warmup_min_lr=1e-6, warmup_max_lr=1e-3, warmup_num_steps=100, warmup_type="linear"),
+        ),
+        (
+            {"type": "WarmupDecayLR", "params": {"total_num_steps": 1000}},
+            SchedulerConfig(type="warmup_decay", total_num_steps=1000, warmup_max_lr=0.001),
+        ),  # DeepSpeed's default max lr
+        (
+            {"type": "warmupcosinelr", "params": {"total_num_steps": 500, "warmup_num_steps": 50, "cos_min_ratio": 0.1}},
+            SchedulerConfig(type="warmup_cosine", total_num_steps=500, warmup_num_steps=50, cos_min_ratio=0.1),
+        ),
+        (
+            {
+                "type": "OneCycle",
+                "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 100, "cycle_momentum": False},
+            },
+            SchedulerConfig(
+                type="one_cycle", cycle_min_lr=1e-4, cycle_max_lr=1e-3, cycle_first_step_size=100, cycle_momentum=False
+            ),
+        ),
+        (
+            {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": 1e-5, "lr_range_test_staircase": True}},
+            SchedulerConfig(type="lr_range_test", lr_range_test_min_lr=1e-5, lr_range_test_staircase=True),
+        ),
+    ],
+)
 def test_deepspeed_scheduler_translates(section, expected):
     assert load_config(ds(scheduler=section)).scheduler == expected
 
@@ -359,8 +494,9 @@ def test_warmup_log_and_linear():
 
 
 def test_warmup_decay():
-    s = SchedulerConfig(type="warmup_decay", warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear",
-                        total_num_steps=20)
+    s = SchedulerConfig(
+        type="warmup_decay", warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear", total_num_steps=20
+    )
     assert lr_at(6, s, 1.0) == pytest.approx(0.05)
     assert lr_at(11, s, 1.0) == pytest.approx(0.1)  # (20 - 10) / (20 - 10)
     assert lr_at(16, s, 1.0) == pytest.approx(0.05)  # (20 - 15) / 10
@@ -369,15 +505,27 @@ def test_warmup_decay():
 
 
 def test_warmup_cosine():
-    s = SchedulerConfig(type="warmup_cosine", warmup_min_ratio=0.0, cos_min_ratio=0.0, warmup_num_steps=10, warmup_type="linear",
-                        total_num_steps=20)
+    s = SchedulerConfig(
+        type="warmup_cosine",
+        warmup_min_ratio=0.0,
+        cos_min_ratio=0.0,
+        warmup_num_steps=10,
+        warmup_type="linear",
+        total_num_steps=20,
+    )
     assert lr_at(0, s, 0.1) == 0.0  # DeepSpeed's WarmupCosineLR starts at 0 before its first advance
     assert lr_at(6, s, 0.1) == pytest.approx(0.05)
     assert lr_at(11, s, 0.1) == pytest.approx(0.1 * (1 + math.cos(math.pi * 0.1)) / 2)
     assert lr_at(20, s, 0.1) == pytest.approx(0.0, abs=1e-15)
     assert lr_at(30, s, 0.1) == pytest.approx(0.0, abs=1e-15)  # held at the floor past the end
-    floor = SchedulerConfig(type="warmup_cosine", warmup_min_ratio=0.5, cos_min_ratio=0.2, warmup_num_steps=10,
-                            warmup_type="linear", total_num_steps=20)
+    floor = SchedulerConfig(
+        type="warmup_cosine",
+        warmup_min_ratio=0.5,
+        cos_min_ratio=0.2,
+        warmup_num_steps=10,
+        warmup_type="linear",
+        total_num_steps=20,
+    )
     assert lr_at(1, floor, 1.0) == pytest.approx(0.5)
     assert lr_at(25, floor, 1.0) == pytest.approx(0.2)
 
@@ -391,20 +539,29 @@ def test_one_cycle_lr_and_momentum():
     assert betas_at(5, s, (0.9, 0.999))[1] == 0.99
     off = SchedulerConfig(type="one_cycle", cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_momentum=False)
     assert betas_at(5, off, (0.9, 0.999)) == (0.9, 0.999)
-    decay = SchedulerConfig(type="one_cycle", cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=10,
-                            decay_lr_rate=0.5, decay_step_size=5, decay_mom_rate=0.01)
+    decay = SchedulerConfig(
+        type="one_cycle",
+        cycle_min_lr=0.01,
+        cycle_max_lr=0.1,
+        cycle_first_step_size=10,
+        decay_lr_rate=0.5,
+        decay_step_size=5,
+        decay_mom_rate=0.01,
+    )
     assert lr_at(26, decay, 1.0) == pytest.approx(0.01 / (1 + 0.5 * 6 / 5))
     assert betas_at(26, decay, (0.9, 0.999))[0] == pytest.approx(0.9 * (1 + 0.01 * 6 / 5))
-    stairs = SchedulerConfig(type="one_cycle", cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_first_step_size=10,
-                             cycle_first_stair_count=2)
+    stairs = SchedulerConfig(
+        type="one_cycle", cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_first_step_size=10, cycle_first_stair_count=2
+    )
     assert [lr_at(k, stairs, 1.0) for k in (4, 5, 7, 10)] == pytest.approx([0.0, 0.5, 0.5, 1.0])
 
 
 def test_lr_range_test():
     s = SchedulerConfig(type="lr_range_test", lr_range_test_min_lr=0.001, lr_range_test_step_size=10)
     assert [lr_at(k, s, 1.0) for k in (0, 5, 10)] == pytest.approx([0.001, 0.0015, 0.002])
-    stairs = SchedulerConfig(type="lr_range_test", lr_range_test_min_lr=0.001, lr_range_test_step_size=10,
-                             lr_range_test_staircase=True)
+    stairs = SchedulerConfig(
+        type="lr_range_test", lr_range_test_min_lr=0.001, lr_range_test_step_size=10, lr_range_test_staircase=True
+    )
     assert [lr_at(k, stairs, 1.0) for k in (0, 5, 10)] == pytest.approx([0.001, 0.001, 0.002])
 
 
@@ -414,14 +571,26 @@ def test_no_schedule_is_the_optimizer_lr():
 
 
 @settings(max_examples=60, deadline=None)
-@given(low=st.floats(0, 1e-2), high=st.floats(1e-2, 1), warmup=st.integers(0, 50), total=st.integers(1, 200),
-       kind=st.sampled_from(["log", "linear"]), step=st.integers(0, 400))
+@given(
+    low=st.floats(0, 1e-2),
+    high=st.floats(1e-2, 1),
+    warmup=st.integers(0, 50),
+    total=st.integers(1, 200),
+    kind=st.sampled_from(["log", "linear"]),
+    step=st.integers(0, 400),
+)
 def test_schedules_stay_in_their_bounds(low, high, warmup, total, kind, step):
     warm = SchedulerConfig(type="warmup", warmup_min_lr=low, warmup_max_lr=high, warmup_num_steps=warmup, warmup_type=kind)
     assert low - 1e-12 <= lr_at(step, warm, 1.0) <= high + 1e-12
     assert lr_at(step, warm, 1.0) <= lr_at(step + 1, warm, 1.0) + 1e-12  # warmup never falls
-    decay = SchedulerConfig(type="warmup_decay", warmup_min_lr=low, warmup_max_lr=high, warmup_num_steps=warmup,
-                            warmup_type=kind, total_num_steps=total)
+    decay = SchedulerConfig(
+        type="warmup_decay",
+        warmup_min_lr=low,
+        warmup_max_lr=high,
+        warmup_num_steps=warmup,
+        warmup_type=kind,
+        total_num_steps=total,
+    )
     assert 0.0 <= lr_at(step, decay, 1.0) <= high + 1e-12
     cosine = SchedulerConfig(type="warmup_cosine", warmup_num_steps=warmup, warmup_type=kind, total_num_steps=total)
     assert 0.0 <= lr_at(step, cosine, high) <= high + 1e-12

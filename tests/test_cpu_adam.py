@@ -1,4 +1,5 @@
 """offload.CPUAdamW as a drop-in for torch.optim.AdamW / Adam."""
+
 import copy
 
 import pytest
@@ -76,8 +77,11 @@ def test_param_groups_and_lr_scheduler():
     ref_params = clone_params(params)
 
     def groups(ps):
-        return [{"params": [ps[0]]}, {"params": [ps[1]], "lr": 1e-2, "weight_decay": 0.0},
-                {"params": [ps[2]], "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}]
+        return [
+            {"params": [ps[0]]},
+            {"params": [ps[1]], "lr": 1e-2, "weight_decay": 0.0},
+            {"params": [ps[2]], "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+        ]
 
     ours = CPUAdamW(groups(params), lr=2e-3, weight_decay=0.03)
     theirs = torch.optim.AdamW(groups(ref_params), lr=2e-3, weight_decay=0.03)

@@ -1,11 +1,12 @@
 """The CUDA paths (pinned host buffers, copy stream, events); skipped without a CUDA device."""
+
 import copy
 
 import pytest
 import torch
+from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, reference_run
 
 import offload
-from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, reference_run
 
 pytestmark = pytest.mark.cuda
 

@@ -1,10 +1,10 @@
 """Decision logic as plain functions: layout, shard ranges, order, clipping, loss scale, budgets."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -135,9 +135,20 @@ def test_loss_scaler_backs_off_and_grows():
 
 
 @settings(max_examples=100, deadline=None)
-@given(shards=st.lists(st.integers(min_value=1, max_value=10**7), min_size=1, max_size=40), depth=st.integers(0, 4), slots=st.integers(2, 5))
+@given(
+    shards=st.lists(st.integers(min_value=1, max_value=10**7), min_size=1, max_size=40),
+    depth=st.integers(0, 4),
+    slots=st.integers(2, 5),
+)
 def test_nvme_host_budget_depends_on_the_largest_unit_not_the_model(shards, depth, slots):
-    kwargs = dict(param_tier="nvme", optimizer_tier="nvme", compute_bytes=2, buffer_count=slots, prefetch_depth=depth, staged_device_copies=True)
+    kwargs = dict(
+        param_tier="nvme",
+        optimizer_tier="nvme",
+        compute_bytes=2,
+        buffer_count=slots,
+        prefetch_depth=depth,
+        staged_device_copies=True,
+    )
     budget = sum(host_budget_bytes(shards, **kwargs).values())
     doubled = sum(host_budget_bytes(shards + shards, **kwargs).values())
     assert budget == doubled  # twice the units, same host bytes
@@ -146,7 +157,15 @@ def test_nvme_host_budget_depends_on_the_largest_unit_not_the_model(shards, dept
 
 
 def test_cpu_host_budget_counts_every_state():
-    need = host_budget_bytes([100, 200], param_tier="cpu", optimizer_tier="cpu", compute_bytes=2, buffer_count=3, prefetch_depth=2, staged_device_copies=False)
+    need = host_budget_bytes(
+        [100, 200],
+        param_tier="cpu",
+        optimizer_tier="cpu",
+        compute_bytes=2,
+        buffer_count=3,
+        prefetch_depth=2,
+        staged_device_copies=False,
+    )
     assert need == {"optimizer_state": 16 * 300, "param16": 2 * 300}
 
 

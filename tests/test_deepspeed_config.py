@@ -1,6 +1,7 @@
 """DeepSpeed / accelerate config translation: real-world-shaped configs load to the expected Config,
 tuning and logging keys are listed in one INFO line, keys offload cannot honour are all named in one
 message, values that contradict offload's maths are errors."""
+
 import copy
 import json
 import logging
@@ -67,7 +68,13 @@ TUNING3 = {
     "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 }
 # the fp16 section of the Hugging Face examples, ignored once "auto" resolves it to disabled
-DISABLED_FP16 = {"fp16.loss_scale", "fp16.loss_scale_window", "fp16.initial_scale_power", "fp16.hysteresis", "fp16.min_loss_scale"}
+DISABLED_FP16 = {
+    "fp16.loss_scale",
+    "fp16.loss_scale_window",
+    "fp16.initial_scale_power",
+    "fp16.hysteresis",
+    "fp16.min_loss_scale",
+}
 
 CASES = {
     "hf_ds_config_zero2.json": (
@@ -81,11 +88,16 @@ CASES = {
             scheduler=SchedulerConfig(type="warmup", warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=0),
         ),
         {
-            "steps_per_print", "wall_clock_breakdown",
-            "zero_optimization.allgather_partitions", "zero_optimization.allgather_bucket_size",
-            "zero_optimization.overlap_comm", "zero_optimization.reduce_scatter",
-            "zero_optimization.reduce_bucket_size", "zero_optimization.contiguous_gradients",
-        } | DISABLED_FP16,
+            "steps_per_print",
+            "wall_clock_breakdown",
+            "zero_optimization.allgather_partitions",
+            "zero_optimization.allgather_bucket_size",
+            "zero_optimization.overlap_comm",
+            "zero_optimization.reduce_scatter",
+            "zero_optimization.reduce_bucket_size",
+            "zero_optimization.contiguous_gradients",
+        }
+        | DISABLED_FP16,
     ),
     "hf_ds_config_zero3.json": (
         Config(
@@ -97,10 +109,14 @@ CASES = {
             scheduler=SchedulerConfig(type="warmup", warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=0),
         ),
         {
-            "steps_per_print", "wall_clock_breakdown",
-            "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
+            "steps_per_print",
+            "wall_clock_breakdown",
+            "zero_optimization.overlap_comm",
+            "zero_optimization.contiguous_gradients",
             "zero_optimization.reduce_bucket_size",
-        } | TUNING3 | DISABLED_FP16,
+        }
+        | TUNING3
+        | DISABLED_FP16,
     ),
     "zero_infinity_nvme_aio_thread_count.json": (
         Config(
@@ -112,10 +128,15 @@ CASES = {
             io=IOConfig(block_size=1048576, queue_depth=16, threads=2),
         ),
         {
-            "steps_per_print", "wall_clock_breakdown",
-            "zero_optimization.offload_param.buffer_size", "zero_optimization.offload_param.max_in_cpu",
-            "zero_optimization.offload_optimizer.fast_init", "aio.single_submit", "aio.overlap_events",
-        } | TUNING3,
+            "steps_per_print",
+            "wall_clock_breakdown",
+            "zero_optimization.offload_param.buffer_size",
+            "zero_optimization.offload_param.max_in_cpu",
+            "zero_optimization.offload_optimizer.fast_init",
+            "aio.single_submit",
+            "aio.overlap_events",
+        }
+        | TUNING3,
     ),
     "zero_infinity_nvme_aio_intra_op.json": (
         Config(
@@ -126,10 +147,16 @@ CASES = {
             io=IOConfig(block_size=262144, queue_depth=32, threads=8),
         ),
         {
-            "steps_per_print", "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
-            "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_prefetch_bucket_size",
-            "zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write",
-            "aio.single_submit", "aio.overlap_events", "aio.use_gds",
+            "steps_per_print",
+            "zero_optimization.overlap_comm",
+            "zero_optimization.contiguous_gradients",
+            "zero_optimization.stage3_max_live_parameters",
+            "zero_optimization.stage3_prefetch_bucket_size",
+            "zero_optimization.offload_optimizer.pipeline_read",
+            "zero_optimization.offload_optimizer.pipeline_write",
+            "aio.single_submit",
+            "aio.overlap_events",
+            "aio.use_gds",
         },
     ),
     "stage2_cpu_offload.json": (
@@ -153,8 +180,12 @@ CASES = {
             loss_scale=LossScaleConfig(initial=4096.0, growth_interval=500, min_scale=2.0),
         ),
         {
-            "zero_allow_untested_optimizer", "zero_optimization.contiguous_gradients", "zero_optimization.overlap_comm",
-            "fp16.auto_cast", "fp16.hysteresis", "fp16.consecutive_hysteresis",
+            "zero_allow_untested_optimizer",
+            "zero_optimization.contiguous_gradients",
+            "zero_optimization.overlap_comm",
+            "fp16.auto_cast",
+            "fp16.hysteresis",
+            "fp16.consecutive_hysteresis",
         },
     ),
 }
@@ -217,9 +248,15 @@ def test_auto_values_are_resolved_loudly_in_one_warning(caplog):
     [record] = [r for r in caplog.records if "'auto'" in r.getMessage()]
     assert record.levelno == logging.WARNING
     text = record.getMessage()
-    for named in ("gradient_clipping -> 1.0", "gradient_accumulation_steps -> 1", "optimizer.params.lr -> 5e-05",
-                  "optimizer.params.betas -> [0.9, 0.999]", "bf16.enabled -> true", "scheduler.params.warmup_num_steps -> 0",
-                  "scheduler.params.warmup_max_lr -> the optimizer's lr"):
+    for named in (
+        "gradient_clipping -> 1.0",
+        "gradient_accumulation_steps -> 1",
+        "optimizer.params.lr -> 5e-05",
+        "optimizer.params.betas -> [0.9, 0.999]",
+        "bf16.enabled -> true",
+        "scheduler.params.warmup_num_steps -> 0",
+        "scheduler.params.warmup_max_lr -> the optimizer's lr",
+    ):
         assert named in text
 
 
@@ -302,8 +339,13 @@ def test_stage_rules():
 
 
 def test_device_none_section_is_ignored_like_deepspeed(caplog):
-    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "none", "pin_memory": False, "buffer_size": 1e8},
-                                 "offload_optimizer": {"device": "none"}}}
+    cfg = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "none", "pin_memory": False, "buffer_size": 1e8},
+            "offload_optimizer": {"device": "none"},
+        }
+    }
     with caplog.at_level(logging.INFO, logger="offload.deepspeed_config"):
         config = load_config(cfg)
     assert config.offload == OffloadConfig(param="none", optimizer="auto", pin_memory=True)
@@ -312,8 +354,11 @@ def test_device_none_section_is_ignored_like_deepspeed(caplog):
 
 
 def test_nvme_paths_must_agree():
-    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/a"},
-            "offload_optimizer": {"device": "nvme", "nvme_path": "/b"}}
+    zero = {
+        "stage": 3,
+        "offload_param": {"device": "nvme", "nvme_path": "/a"},
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/b"},
+    }
     with pytest.raises(ConfigError) as error:
         load_config({"zero_optimization": zero}, strict=False)
     message = str(error.value)
@@ -330,14 +375,20 @@ def test_nvme_device_needs_a_path():
 
 
 def test_nvme_path_of_a_cpu_section_is_not_used():
-    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/a"},
-            "offload_optimizer": {"device": "cpu", "nvme_path": "/b"}}
+    zero = {
+        "stage": 3,
+        "offload_param": {"device": "nvme", "nvme_path": "/a"},
+        "offload_optimizer": {"device": "cpu", "nvme_path": "/b"},
+    }
     assert load_config({"zero_optimization": zero}).offload == OffloadConfig(param="nvme", optimizer="cpu", nvme_path="/a")
 
 
 def test_pin_memory_must_agree():
-    zero = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
-            "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    zero = {
+        "stage": 3,
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "offload_optimizer": {"device": "cpu", "pin_memory": False},
+    }
     with pytest.raises(ConfigError, match="one pin_memory switch"):
         load_config({"zero_optimization": zero})
 
@@ -352,8 +403,9 @@ def test_buffer_count(caplog):
 
 
 def test_legacy_cpu_offload_spelling():
-    config = load_config({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_params": True,
-                                                "cpu_offload_use_pin_memory": False}})
+    config = load_config(
+        {"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_params": True, "cpu_offload_use_pin_memory": False}}
+    )
     assert config.offload == OffloadConfig(param="cpu", optimizer="cpu", pin_memory=False)
 
 
@@ -424,13 +476,21 @@ def test_batch_size_consistency(monkeypatch):
     assert load_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}).gradient_accumulation_steps == 8
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert load_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}).gradient_accumulation_steps == 4
-    assert load_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
-                        "gradient_accumulation_steps": 4}).gradient_accumulation_steps == 4
+    assert (
+        load_config(
+            {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}
+        ).gradient_accumulation_steps
+        == 4
+    )
     with pytest.raises(ConfigError, match="world size 2"):
         load_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8})
     # "auto" batch sizes are not checked.
-    assert load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
-                        "gradient_accumulation_steps": 3}).gradient_accumulation_steps == 3
+    assert (
+        load_config(
+            {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}
+        ).gradient_accumulation_steps
+        == 3
+    )
 
 
 def test_gradient_clipping_and_accumulation_map_directly():
@@ -467,8 +527,11 @@ def test_offload_keys_in_a_deepspeed_config_are_an_error():
 
 
 def test_not_strict_warns_once_and_loads(caplog):
-    cfg = {"bf16": {"enabled": True}, "steps_per_printt": 10,
-           "zero_optimization": {"stage": 2, "overlap_comm": True, "zero_quantized_weights": True}}
+    cfg = {
+        "bf16": {"enabled": True},
+        "steps_per_printt": 10,
+        "zero_optimization": {"stage": 2, "overlap_comm": True, "zero_quantized_weights": True},
+    }
     with caplog.at_level(logging.WARNING, logger="offload.deepspeed_config"):
         config = load_config(cfg, strict=False)
     assert config == Config(precision="bf16")

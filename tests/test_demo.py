@@ -1,4 +1,5 @@
 """The main job (`make demo`) runs end to end at a small size and leaves no swap files."""
+
 import os
 import subprocess
 import sys
@@ -10,8 +11,22 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_trains_and_samples(tmp_path):
     swap = tmp_path / "swap"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", "4", "--sample-bytes", "8", "--text-bytes", "200000", "--nvme-path", str(swap)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        [
+            sys.executable,
+            str(ROOT / "examples" / "demo.py"),
+            "--steps",
+            "4",
+            "--sample-bytes",
+            "8",
+            "--text-bytes",
+            "200000",
+            "--nvme-path",
+            str(swap),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "final loss" in result.stdout and "---- sample ----" in result.stdout

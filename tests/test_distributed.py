@@ -9,6 +9,7 @@ gradients over ranks, so 2 ranks must train exactly like 1 process on the full b
 trains like torch.optim.AdamW. The training cases all run inside one spawned pair of
 processes (starting processes is the expensive part); each test below checks one case.
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,11 +17,12 @@ import itertools
 import os
 
 import pytest
-from processes import run_process_group
 import torch
+from distributed_worker import RANK_DEVICE, fail_mid_step, freeze, launch, make_config, train_cases
+from processes import run_process_group
+from reference import TinyNet, batches, max_weight_difference, reference_run
 
 import offload
-from distributed_worker import RANK_DEVICE, fail_mid_step, freeze, launch, make_config, train_cases
 from offload.collectives import (
     CollectiveError,
     cuda_index_for_local_rank,
@@ -29,7 +31,6 @@ from offload.collectives import (
     timeout_from_env,
 )
 from offload.units import plan_flat_layout
-from reference import TinyNet, batches, max_weight_difference, reference_run
 
 WORLD = 2
 PLACEMENTS = list(itertools.product(["none", "cpu", "nvme"], ["cpu", "nvme"]))
@@ -41,16 +42,34 @@ def _cases(swap_dirs: list[str]) -> list[dict]:
     for param, optimizer in PLACEMENTS:
         cases.append({"name": f"{param}-{optimizer}", "config": make_config(swap_dirs, param, optimizer, "forward")})
     cases += [
-        {"name": "clip-none-cpu", "config": make_config(swap_dirs, "none", "cpu", "forward", gradient_clipping=0.05), "clip": 0.05},
-        {"name": "clip-nvme-nvme", "config": make_config(swap_dirs, "nvme", "nvme", "none", gradient_clipping=0.05), "clip": 0.05},
-        {"name": "accumulate-cpu-cpu", "config": make_config(swap_dirs, "cpu", "cpu", "forward", gradient_accumulation_steps=3),
-         "micro": 3, "steps": 4, "batch": 8},
+        {
+            "name": "clip-none-cpu",
+            "config": make_config(swap_dirs, "none", "cpu", "forward", gradient_clipping=0.05),
+            "clip": 0.05,
+        },
+        {
+            "name": "clip-nvme-nvme",
+            "config": make_config(swap_dirs, "nvme", "nvme", "none", gradient_clipping=0.05),
+            "clip": 0.05,
+        },
+        {
+            "name": "accumulate-cpu-cpu",
+            "config": make_config(swap_dirs, "cpu", "cpu", "forward", gradient_accumulation_steps=3),
+            "micro": 3,
+            "steps": 4,
+            "batch": 8,
+        },
         # frozen params keep their 16-bit values when the 16-bit home is a shared NVMe slot
         {"name": "frozen-nvme-nvme", "config": make_config(swap_dirs, "nvme", "nvme", "forward"), "freeze": "blocks.1.up"},
         {"name": "overlap-backward-none-cpu", "config": make_config(swap_dirs, "none", "cpu", "backward")},
-        {"name": "fp16-overflow-on-rank1", "config": make_config(swap_dirs, "cpu", "cpu", "forward", precision="fp16",
-                                                                 loss_scale={"initial": 1024.0, "growth_interval": 1000}),
-         "overflow_at": 2, "steps": 5},
+        {
+            "name": "fp16-overflow-on-rank1",
+            "config": make_config(
+                swap_dirs, "cpu", "cpu", "forward", precision="fp16", loss_scale={"initial": 1024.0, "growth_interval": 1000}
+            ),
+            "overflow_at": 2,
+            "steps": 5,
+        },
         {"name": "memory-cpu-cpu", "config": make_config(swap_dirs, "cpu", "cpu"), "width": 128, "report_only": True},
         {"name": "memory-nvme-nvme", "config": make_config(swap_dirs, "nvme", "nvme"), "width": 128, "report_only": True},
     ]
@@ -82,12 +101,17 @@ def _reference(case):
     micro = case.get("micro", 1)
     data = batches(case.get("steps", STEPS) * micro, batch=case.get("batch", 16))
     if micro > 1:
-        data = [(torch.cat([b[0] for b in data[i : i + micro]]), torch.cat([b[1] for b in data[i : i + micro]]))
-                for i in range(0, len(data), micro)]
+        data = [
+            (torch.cat([b[0] for b in data[i : i + micro]]), torch.cat([b[1] for b in data[i : i + micro]]))
+            for i in range(0, len(data), micro)
+        ]
     return reference_run(model, data, clip=case.get("clip", 0.0))
 
 
-@pytest.mark.parametrize("name", [f"{p}-{o}" for p, o in PLACEMENTS] + ["clip-none-cpu", "clip-nvme-nvme", "frozen-nvme-nvme", "overlap-backward-none-cpu"])
+@pytest.mark.parametrize(
+    "name",
+    [f"{p}-{o}" for p, o in PLACEMENTS] + ["clip-none-cpu", "clip-nvme-nvme", "frozen-nvme-nvme", "overlap-backward-none-cpu"],
+)
 def test_two_ranks_equal_plain_pytorch(two_ranks, name):
     case, ranks = two_ranks[name]
     reference, reference_losses = _reference(case)
@@ -140,7 +164,9 @@ def _single_process_memory(config: dict) -> dict:
     return report
 
 
-@pytest.mark.parametrize("name,tier,category", [("memory-cpu-cpu", "host", "optimizer_state"), ("memory-nvme-nvme", "nvme", "swap")])
+@pytest.mark.parametrize(
+    "name,tier,category", [("memory-cpu-cpu", "host", "optimizer_state"), ("memory-nvme-nvme", "nvme", "swap")]
+)
 def test_each_rank_holds_about_half_the_optimizer_state(two_ranks, tmp_path, name, tier, category):
     case, ranks = two_ranks[name]
     config = copy.deepcopy(case["config"])
@@ -232,12 +258,33 @@ def test_torchrun_example_two_ranks_nvme_path_per_rank(tmp_path):
     for disk in disks:
         disk.mkdir()
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OFFLOAD_DIST_TIMEOUT_S": "60",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "OFFLOAD_DIST_TIMEOUT_S": "60",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
     completed = run_process_group(
-        [torchrun, "--standalone", "--nproc_per_node", "2", str(root / "examples" / "torchrun_tiny.py"), "--steps", "3",
-         "--param", "nvme", "--optimizer", "nvme", "--device", "cpu", "--nvme", *map(str, disks)],
-        timeout=300, env=env, cwd=tmp_path,
+        [
+            torchrun,
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(root / "examples" / "torchrun_tiny.py"),
+            "--steps",
+            "3",
+            "--param",
+            "nvme",
+            "--optimizer",
+            "nvme",
+            "--device",
+            "cpu",
+            "--nvme",
+            *map(str, disks),
+        ],
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "initialised the gloo process group from the environment: rank 1 of 2" in completed.stderr

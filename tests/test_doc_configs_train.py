@@ -3,6 +3,7 @@ without strict=False and train equal to plain PyTorch: torch AdamW with the conf
 hyperparameters, a LambdaLR over the config's schedule (offload.config.lr_at), the config's
 clipping. fp32 (the configs' fp16/bf16 switched off) so that equal means to fp32 rounding; the
 swap path points at a temporary directory."""
+
 from __future__ import annotations
 
 import copy
@@ -11,10 +12,10 @@ import os
 
 import pytest
 import torch
+from reference import TinyNet, batches, engine_run, max_weight_difference, mse
 
 import offload
 from offload.config import load_config, lr_at
-from reference import TinyNet, batches, engine_run, max_weight_difference, mse
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed")
 DOCS = [
@@ -34,10 +35,14 @@ def as_written(name: str, swap_dir: str):
     config = load_config(os.path.join(DATA, name))
     scheduler = config.scheduler
     if scheduler.type != "none":
-        scheduler = dataclasses.replace(scheduler, total_num_steps=scheduler.total_num_steps or STEPS,
-                                        warmup_num_steps=min(scheduler.warmup_num_steps, 3))
+        scheduler = dataclasses.replace(
+            scheduler, total_num_steps=scheduler.total_num_steps or STEPS, warmup_num_steps=min(scheduler.warmup_num_steps, 3)
+        )
     return dataclasses.replace(
-        config, precision="fp32", scheduler=scheduler, gradient_accumulation_steps=1,
+        config,
+        precision="fp32",
+        scheduler=scheduler,
+        gradient_accumulation_steps=1,
         offload=dataclasses.replace(config.offload, nvme_path=swap_dir),
     )
 

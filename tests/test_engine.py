@@ -1,6 +1,7 @@
 """The engine against plain PyTorch (torch.optim.AdamW) on the same model, seed and data.
 
 The engine runs on the device it picks (CUDA when present); the references run on the CPU."""
+
 from __future__ import annotations
 
 import copy
@@ -10,9 +11,9 @@ import os
 
 import pytest
 import torch
+from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, mse, reference_run
 
 import offload
-from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, mse, reference_run
 
 PLACEMENTS = list(itertools.product(["none", "cpu", "nvme"], ["cpu", "nvme"]))
 
@@ -73,9 +74,13 @@ def test_accumulation_equals_larger_batch(swap_dir, param, optimizer):
     torch.manual_seed(0)
     model = TinyNet()
     micro = batches(12, batch=8)
-    merged = [(torch.cat([a[0], b[0], c[0]]), torch.cat([a[1], b[1], c[1]])) for a, b, c in zip(micro[0::3], micro[1::3], micro[2::3])]
+    merged = [
+        (torch.cat([a[0], b[0], c[0]]), torch.cat([a[1], b[1], c[1]])) for a, b, c in zip(micro[0::3], micro[1::3], micro[2::3])
+    ]
     reference, _ = reference_run(model, merged)
-    engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, param, optimizer, "forward", gradient_accumulation_steps=3))
+    engine = offload.initialize(
+        copy.deepcopy(model), make_config(swap_dir, param, optimizer, "forward", gradient_accumulation_steps=3)
+    )
     stepped = []
     for x, y in micro:
         engine.backward(mse(engine, x, y))

@@ -1,4 +1,5 @@
 """offload estimate: shapes from Hugging Face configs, bytes per tier against real runs, the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -16,17 +17,57 @@ from offload.errors import ConfigError
 transformers = pytest.importorskip("transformers")
 
 SMALL_CONFIGS = {
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=64),
-    "llama_tied_bias": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                            vocab_size=300, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
-    "mistral": dict(model_type="mistral", hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=8,
-                    num_key_value_heads=2, vocab_size=300, head_dim=16),
-    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=64,
+    ),
+    "llama_tied_bias": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=300,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=300,
+        head_dim=16,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        tie_word_embeddings=False,
+    ),
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=64),
-    "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                     vocab_size=300, max_position_embeddings=64),
+    "gpt_neox": dict(
+        model_type="gpt_neox",
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=300,
+        max_position_embeddings=64,
+    ),
 }
 
 
@@ -49,8 +90,14 @@ def test_shape_from_hf_config_matches_the_real_model(name):
 
 
 def test_llama_7b_parameter_count():
-    config = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                  vocab_size=32000)
+    config = dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        vocab_size=32000,
+    )
     assert est.shape_from_hf_config(config).num_params == 6_738_415_616  # Llama-2-7b
 
 
@@ -71,15 +118,30 @@ def test_unknown_model_type_names_the_fix():
 # ---- against the engine's own ledger --------------------------------------------------------
 # the device kind the engine picks here (CUDA when present): its host copies are staged there
 ENGINE_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-MEASURED = dict(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=16, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+MEASURED = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+)
 
 
 def measured_peaks(param: str, optimizer: str, precision: str, swap_dir: str, depth: int = 2) -> dict:
     torch.manual_seed(0)
     model = hf_model(MEASURED)
-    engine = offload.initialize(model, {"precision": precision, "optimizer": {"lr": 1e-3}, "prefetch": {"depth": depth},
-                                        "offload": {"param": param, "optimizer": optimizer, "nvme_path": swap_dir}})
+    engine = offload.initialize(
+        model,
+        {
+            "precision": precision,
+            "optimizer": {"lr": 1e-3},
+            "prefetch": {"depth": depth},
+            "offload": {"param": param, "optimizer": optimizer, "nvme_path": swap_dir},
+        },
+    )
     ids = torch.randint(0, MEASURED["vocab_size"], (4, 64), generator=torch.Generator().manual_seed(0))
     for _ in range(2):  # the second step prefetches along the order the first recorded
         out = engine(input_ids=ids, labels=ids)
@@ -92,13 +154,18 @@ def measured_peaks(param: str, optimizer: str, precision: str, swap_dir: str, de
 
 @pytest.mark.parametrize(
     "param, optimizer, precision",
-    [("none", "cpu", "bf16"), ("cpu", "cpu", "bf16"), ("nvme", "cpu", "fp32"), ("none", "nvme", "bf16"), ("cpu", "nvme", "fp32"),
-     ("nvme", "nvme", "bf16")],
+    [
+        ("none", "cpu", "bf16"),
+        ("cpu", "cpu", "bf16"),
+        ("nvme", "cpu", "fp32"),
+        ("none", "nvme", "bf16"),
+        ("cpu", "nvme", "fp32"),
+        ("nvme", "nvme", "bf16"),
+    ],
 )
 def test_estimate_within_10_percent_of_measured_peak(swap_dir, param, optimizer, precision):
     measured = measured_peaks(param, optimizer, precision, swap_dir)
-    estimate = est.estimate_tiers(est.shape_from_hf_config(MEASURED), param, optimizer, precision=precision,
-                                  device=ENGINE_DEVICE)
+    estimate = est.estimate_tiers(est.shape_from_hf_config(MEASURED), param, optimizer, precision=precision, device=ENGINE_DEVICE)
     # host and nvme are allocated once, at exact sizes: the estimate must be exact
     assert estimate.total("host") == measured["host"]
     assert estimate.total("nvme") == measured["nvme"]
@@ -161,8 +228,10 @@ def test_parse_bytes(text, value):
     assert est.parse_bytes(text) == value
 
 
-@pytest.mark.parametrize("text, value", [("24GB", 24 << 30), ("24GiB", 24 << 30), ("80gb", 80 << 30), ("1TB", 1 << 40),
-                                         ("512MB", 512 << 20), ("1e9", 10**9)])
+@pytest.mark.parametrize(
+    "text, value",
+    [("24GB", 24 << 30), ("24GiB", 24 << 30), ("80gb", 80 << 30), ("1TB", 1 << 40), ("512MB", 512 << 20), ("1e9", 10**9)],
+)
 def test_parse_bytes_binary_reads_gb_as_a_gpu_buyer_means_it(text, value):
     assert est.parse_bytes(text, binary=True) == value
 
@@ -176,10 +245,21 @@ def test_parse_count():
 # ---- the command line ----------------------------------------------------------------------
 def test_cli_json_for_a_config_file(tmp_path, capsys):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                    num_attention_heads=32, vocab_size=32000)))
-    code = cli_main(["estimate", str(path), "--json", "--gpu-memory", "24GB", "--ram", "256GB", "--disk", "2TB",
-                     "--nvme-path", str(tmp_path)])
+    path.write_text(
+        json.dumps(
+            dict(
+                model_type="llama",
+                hidden_size=4096,
+                intermediate_size=11008,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                vocab_size=32000,
+            )
+        )
+    )
+    code = cli_main(
+        ["estimate", str(path), "--json", "--gpu-memory", "24GB", "--ram", "256GB", "--disk", "2TB", "--nvme-path", str(tmp_path)]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["model"]["params"] == 6_738_415_616 and report["model"]["units"] == 33
@@ -204,7 +284,11 @@ def test_cli_errors_name_the_input(capsys):
 
 
 def test_python_dash_m_offload_cli(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "offload.cli", "estimate", "125M", "--json", "--ram", "64GB"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "offload.cli", "estimate", "125M", "--json", "--ram", "64GB"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["recommended"] is not None

@@ -1,6 +1,7 @@
 """offload estimate counts real models: mixture-of-experts (Mixtral, Qwen-MoE, DeepSeek-V2/V3) and
 tied embeddings (Gemma, Gemma-2) from their published config.json, to the published figures; it
 refuses what it cannot count; its host bytes follow the engine's own budget on CUDA as on the CPU."""
+
 from __future__ import annotations
 
 import json
@@ -55,21 +56,69 @@ MLA = {"kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head
 TINY = {
     "gemma": {**SMALL, "model_type": "gemma", "num_hidden_layers": 2, "num_key_value_heads": 1, "head_dim": 16},
     "gemma2": {**SMALL, "model_type": "gemma2", "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16},
-    "gemma2_untied": {**SMALL, "model_type": "gemma2", "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
-                      "tie_word_embeddings": False},
-    "qwen3_tied": {**SMALL, "model_type": "qwen3", "num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 16,
-                   "tie_word_embeddings": True},
+    "gemma2_untied": {
+        **SMALL,
+        "model_type": "gemma2",
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "tie_word_embeddings": False,
+    },
+    "qwen3_tied": {
+        **SMALL,
+        "model_type": "qwen3",
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "tie_word_embeddings": True,
+    },
     "mixtral": {**SMALL, "model_type": "mixtral", "num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 4},
-    "qwen2_moe": {**SMALL, "model_type": "qwen2_moe", "num_hidden_layers": 3, "num_key_value_heads": 2, "num_experts": 4,
-                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 80, "mlp_only_layers": [1]},
-    "qwen3_moe": {**SMALL, "model_type": "qwen3_moe", "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 16,
-                  "num_experts": 4, "moe_intermediate_size": 32, "decoder_sparse_step": 2},
-    "deepseek_v2": {**SMALL, **MLA, "model_type": "deepseek_v2", "num_hidden_layers": 3, "num_key_value_heads": 4,
-                    "q_lora_rank": None, "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 2,
-                    "first_k_dense_replace": 1},
-    "deepseek_v3": {**SMALL, **MLA, "model_type": "deepseek_v3", "num_hidden_layers": 3, "num_key_value_heads": 4,
-                    "q_lora_rank": 24, "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1,
-                    "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1},
+    "qwen2_moe": {
+        **SMALL,
+        "model_type": "qwen2_moe",
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 2,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 80,
+        "mlp_only_layers": [1],
+    },
+    "qwen3_moe": {
+        **SMALL,
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "decoder_sparse_step": 2,
+    },
+    "deepseek_v2": {
+        **SMALL,
+        **MLA,
+        "model_type": "deepseek_v2",
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 1,
+    },
+    "deepseek_v3": {
+        **SMALL,
+        **MLA,
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 24,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 2,
+        "topk_group": 1,
+    },
 }
 
 
@@ -101,11 +150,14 @@ def test_tied_embeddings_follow_the_config_and_the_family_default():
 
 
 # ---- what it cannot count ---------------------------------------------------------------------
-@pytest.mark.parametrize("config", [
-    {"model_type": "t5", "d_model": 512},
-    {"model_type": "falcon", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 300},
-    {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 300},  # no model_type at all
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"model_type": "t5", "d_model": 512},
+        {"model_type": "falcon", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 300},
+        {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "vocab_size": 300},  # no model_type at all
+    ],
+)
 def test_an_unknown_model_type_is_refused_by_name(config):
     with pytest.raises(ConfigError) as error:
         est.shape_from_hf_config(config)
@@ -117,8 +169,16 @@ def test_an_unknown_model_type_is_refused_by_name(config):
 
 
 def test_a_dense_type_with_expert_fields_is_refused():
-    config = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, "num_experts": 8}
+    config = {
+        "model_type": "mistral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "num_experts": 8,
+    }
     with pytest.raises(ConfigError, match="num_experts") as error:
         est.shape_from_hf_config(config)
     assert error.value.key == "num_experts"
@@ -133,9 +193,17 @@ def test_a_missing_field_names_it():
 # ---- host bytes: the engine's own budget, on CUDA as on the CPU --------------------------------
 def test_issue_12_figures_none_cpu_bf16():
     """The run of issue 12: memory_report() measured 13,783,040 host bytes on CUDA, 12,091,392 on the CPU."""
-    shape = est.shape_from_hf_config({"model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
-                                      "num_hidden_layers": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                      "vocab_size": 256})
+    shape = est.shape_from_hf_config(
+        {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 160,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 256,
+        }
+    )
     assert est.estimate_tiers(shape, "none", "cpu", precision="bf16", device="cuda").total("host") == 13_783_040
     assert est.estimate_tiers(shape, "none", "cpu", precision="bf16", device="cpu").total("host") == 12_091_392
 
@@ -146,22 +214,36 @@ def pages(nbytes: int) -> int:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    layers=st.integers(1, 6), width=st.integers(1, 40), world=st.integers(1, 4), depth=st.integers(0, 4),
-    buffers=st.integers(2, 5), placement=st.sampled_from(est.FIXED_PLACEMENTS), precision=st.sampled_from(["bf16", "fp32"]),
+    layers=st.integers(1, 6),
+    width=st.integers(1, 40),
+    world=st.integers(1, 4),
+    depth=st.integers(0, 4),
+    buffers=st.integers(2, 5),
+    placement=st.sampled_from(est.FIXED_PLACEMENTS),
+    precision=st.sampled_from(["bf16", "fp32"]),
     device=st.sampled_from(["cuda", "cpu"]),
 )
-def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(layers, width, world, depth, buffers, placement,
-                                                                          precision, device):
+def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(
+    layers, width, world, depth, buffers, placement, precision, device
+):
     """Every category of host_budget_bytes (called with staged_device_copies as the engine does on
     that device) appears in the estimate, each buffer rounded up to whole 4 KiB pages."""
     shape = est.ModelShape("t", (1000 * width, 7), (333 * width, 5, 17 * width), layers)
     param, optimizer = placement
     cb = est.COMPUTE_BYTES[precision]
-    estimate = est.estimate_tiers(shape, param, optimizer, precision=precision, world_size=world, prefetch_depth=depth,
-                                  buffer_count=buffers, device=device)
+    estimate = est.estimate_tiers(
+        shape, param, optimizer, precision=precision, world_size=world, prefetch_depth=depth, buffer_count=buffers, device=device
+    )
     shards = shape.shard_numels(world)
-    budget = host_budget_bytes(shards, param_tier=param, optimizer_tier=optimizer, compute_bytes=cb, buffer_count=buffers,
-                               prefetch_depth=depth, staged_device_copies=device == "cuda")
+    budget = host_budget_bytes(
+        shards,
+        param_tier=param,
+        optimizer_tier=optimizer,
+        compute_bytes=cb,
+        buffer_count=buffers,
+        prefetch_depth=depth,
+        staged_device_copies=device == "cuda",
+    )
     assert set(estimate.host) == set(budget)
     largest = max(shards)
     rounded = {
@@ -193,8 +275,21 @@ def test_estimate_report_uses_the_machine_device():
 
 # ---- the command line ---------------------------------------------------------------------------
 def test_cli_counts_mixtral_and_reads_24gb_as_24_gib(tmp_path, capsys):
-    code = cli_main(["estimate", str(CONFIGS / "mixtral-8x7b-instruct-v0.1.json"), "--json", "--gpu-memory", "24GB",
-                     "--ram", "256GB", "--disk", "2TB", "--nvme-path", str(tmp_path)])
+    code = cli_main(
+        [
+            "estimate",
+            str(CONFIGS / "mixtral-8x7b-instruct-v0.1.json"),
+            "--json",
+            "--gpu-memory",
+            "24GB",
+            "--ram",
+            "256GB",
+            "--disk",
+            "2TB",
+            "--nvme-path",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["model"]["params"] == 46_702_792_704
@@ -237,5 +332,7 @@ def test_cli_no_strict_reads_a_config_with_keys_offload_cannot_honour(tmp_path, 
     ds.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}}))
     assert cli_main(["estimate", "1B", "--config", str(ds), "--gpu-memory", "none", "--ram", "1TB", "--disk", "1TB"]) == 2
     assert "zero_quantized_weights" in capsys.readouterr().err
-    assert cli_main(["estimate", "1B", "--config", str(ds), "--no-strict", "--gpu-memory", "none", "--ram", "1TB",
-                     "--disk", "1TB"]) == 0
+    assert (
+        cli_main(["estimate", "1B", "--config", str(ds), "--no-strict", "--gpu-memory", "none", "--ram", "1TB", "--disk", "1TB"])
+        == 0
+    )

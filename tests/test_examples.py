@@ -1,4 +1,5 @@
 """Every example runs end to end at --tiny size; the progress reporting they use."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -11,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from processes import run_process_group
 import torch
+from processes import run_process_group
 
 from offload.progress import TrainingProgress, step_breakdown
 
@@ -53,8 +54,23 @@ def test_finetune_from_a_local_model_directory_learns(tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     saved = tmp_path / "trained"
-    result = load_example().main(["--model", str(tmp_path / "model"), "--data", str(data), "--steps", "6", "--seq-len", "32",
-                                  "--lr", "3e-3", "--no-progress", "--save", str(saved)])
+    result = load_example().main(
+        [
+            "--model",
+            str(tmp_path / "model"),
+            "--data",
+            str(data),
+            "--steps",
+            "6",
+            "--seq-len",
+            "32",
+            "--lr",
+            "3e-3",
+            "--no-progress",
+            "--save",
+            str(saved),
+        ]
+    )
     assert result["losses"][-1] < result["losses"][0]
     # --save writes a from_pretrained directory (config.json + model.safetensors), in fp32
     from safetensors.torch import load_file
@@ -74,9 +90,20 @@ def torchrun_finetune(tmp_path, ranks: int, *extra: str, env_extra: dict | None 
         pytest.skip("torchrun is not installed")
     out = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    command = [torchrun, "--standalone", "--nproc-per-node", str(ranks), str(EXAMPLES / "finetune_causal_lm.py"), "--tiny",
-               "--no-progress", "--offload-config", str(EXAMPLES / "configs" / "10b_on_4_gpus.json"), "--result-json", str(out),
-               *extra]
+    command = [
+        torchrun,
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        str(EXAMPLES / "finetune_causal_lm.py"),
+        "--tiny",
+        "--no-progress",
+        "--offload-config",
+        str(EXAMPLES / "configs" / "10b_on_4_gpus.json"),
+        "--result-json",
+        str(out),
+        *extra,
+    ]
     return run_process_group(command, timeout=300, env=env, cwd=tmp_path), out
 
 
@@ -113,8 +140,10 @@ def test_finetune_under_torchrun_with_more_ranks_than_gpus_says_so(tmp_path):
 
 # ---- progress ------------------------------------------------------------------------------
 def memory(device=1, host=2, nvme=3):
-    return {tier: {"current": value, "peak": 2 * value, "by_category": {}} for tier, value in
-            (("device", device), ("host", host), ("nvme", nvme))}
+    return {
+        tier: {"current": value, "peak": 2 * value, "by_category": {}}
+        for tier, value in (("device", device), ("host", host), ("nvme", nvme))
+    }
 
 
 def test_step_breakdown_arithmetic():

@@ -3,6 +3,7 @@ engine.optimizer under torch and transformers LR schedulers, parameter groups, f
 parameters without optimizer state, the model's own state_dict while the engine is open, a
 closed-out or doubly wrapped model, an nn.Sequential cut into units, overlap 'backward' with an
 extra backward. fp32 runs are compared with torch.optim.AdamW on the same model and data."""
+
 from __future__ import annotations
 
 import copy
@@ -201,8 +202,14 @@ def test_optimizer_groups_state_dict_and_fixed_groups(swap_dir):
 
 
 def test_config_scheduler_drives_the_lr_and_a_torch_scheduler_on_top_is_refused(swap_dir):
-    schedule = {"type": "warmup_decay", "warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3,
-                "warmup_type": "linear", "total_num_steps": 10}
+    schedule = {
+        "type": "warmup_decay",
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 1e-2,
+        "warmup_num_steps": 3,
+        "warmup_type": "linear",
+        "total_num_steps": 10,
+    }
     engine = offload.initialize(TinyNet(), make_config(swap_dir, scheduler=schedule))
     config = engine.config.scheduler
     seen = []
@@ -254,7 +261,12 @@ def test_no_decay_split_is_the_hugging_face_one():
     model = TinyNet(depth=1)
     decay, no_decay = param_groups_no_decay(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
-    assert sorted(names[id(p)] for p in decay["params"]) == ["blocks.0.down.weight", "blocks.0.up.weight", "inp.weight", "out.weight"]
+    assert sorted(names[id(p)] for p in decay["params"]) == [
+        "blocks.0.down.weight",
+        "blocks.0.up.weight",
+        "inp.weight",
+        "out.weight",
+    ]
     assert {names[id(p)] for p in no_decay["params"]} == {n for n in names.values() if n.endswith("bias") or ".norm." in n}
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     assert is_no_decay("model.layers.0.input_layernorm.weight", torch.zeros(4, 4))  # an RMSNorm named *norm
@@ -287,7 +299,9 @@ def test_param_groups_equal_adamw_with_the_same_groups(swap_dir, param, optimize
 
 
 def test_param_groups_by_name_and_the_rest_with_the_config_values(swap_dir):
-    engine = offload.initialize(TinyNet(depth=2), make_config(swap_dir), param_groups=[{"params": ["out.weight", "out.bias"], "lr": 0.5}])
+    engine = offload.initialize(
+        TinyNet(depth=2), make_config(swap_dir), param_groups=[{"params": ["out.weight", "out.bias"], "lr": 0.5}]
+    )
     first, rest = engine.optimizer.param_groups
     assert first["lr"] == 0.5 and first["weight_decay"] == 0.01 and len(first["params"]) == 2
     assert rest["lr"] == 1e-2 and len(rest["params"]) == len(list(engine.model.parameters())) - 2
@@ -394,8 +408,17 @@ def test_save_pretrained_while_open_loads_with_from_pretrained(swap_dir, tmp_pat
 def test_hugging_face_model_plain_backward_equals_engine_backward(swap_dir, param):
     """GPT-2 (tied embedding and head, borrowed across units) with out.loss.backward()."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    config = transformers.GPT2Config(
+        vocab_size=96,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     data = [torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(3)]
@@ -529,7 +552,10 @@ def test_adapters_with_frozen_weights_train_like_adamw_and_release_units(swap_di
     plain_run(engine, data)
     assert max_weight_difference(engine.consolidated_state_dict(), reference) <= fp32_weight_tolerance(engine)
     block_bytes = engine.units[1].layout.padded_numel * 4
-    assert engine.memory_report()["device"]["by_category"]["param"]["peak"] <= engine.units[0].layout.padded_numel * 4 + 4 * block_bytes
+    assert (
+        engine.memory_report()["device"]["by_category"]["param"]["peak"]
+        <= engine.units[0].layout.padded_numel * 4 + 4 * block_bytes
+    )
     engine.close()
 
 
@@ -616,11 +642,16 @@ def test_finetune_example_no_strict_drops_what_it_cannot_honour(tmp_path):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     deepspeed = tmp_path / "ds.json"
-    deepspeed.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-                                     "curriculum_learning": {"enabled": True}}))
+    deepspeed.write_text(
+        json.dumps(
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "curriculum_learning": {"enabled": True}}
+        )
+    )
     with pytest.raises(ConfigError, match="curriculum_learning"):
         example.main(["--tiny", "--no-progress", "--offload-config", str(deepspeed)])
-    result = example.main(["--tiny", "--no-progress", "--offload-config", str(deepspeed), "--no-strict", "--save", str(tmp_path / "out")])
+    result = example.main(
+        ["--tiny", "--no-progress", "--offload-config", str(deepspeed), "--no-strict", "--save", str(tmp_path / "out")]
+    )
     assert len(result["losses"]) == 2
     transformers = pytest.importorskip("transformers")
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").dtype == torch.float32

@@ -2,6 +2,7 @@
 writes (regular files, up to their declared size), temp files that cannot be redirected,
 stale saves judged by a lock, clear errors for bad destinations, and recovery in-process
 after a swap I/O error by loading a checkpoint."""
+
 from __future__ import annotations
 
 import copy
@@ -26,8 +27,11 @@ ROOT = os.path.dirname(HERE)
 
 
 def config(swap, param="cpu", optimizer="cpu"):
-    return {"precision": "fp32", "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
-            "offload": {"param": param, "optimizer": optimizer, "nvme_path": swap}}
+    return {
+        "precision": "fp32",
+        "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
+        "offload": {"param": param, "optimizer": optimizer, "nvme_path": swap},
+    }
 
 
 def train(engine, data):
@@ -73,8 +77,14 @@ def child(code: str, *args, timeout=120) -> subprocess.CompletedProcess:
     """Runs `code` with at most 6 GiB of address space, so a read without bound fails fast."""
     prelude = "import resource; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
-    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(code), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
 
 
 READ_CHECKPOINT = """
@@ -92,8 +102,9 @@ except CheckpointError as e:
 
 
 # ---- 3. crafted checkpoints ---------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["../../../etc/hostname", "/etc/hostname", "rank0.json/../../x", "index.json",
-                                  "notes.txt", "rank0.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["../../../etc/hostname", "/etc/hostname", "rank0.json/../../x", "index.json", "notes.txt", "rank0.safetensors"]
+)
 def test_index_naming_a_file_the_format_never_writes_is_refused(crafted, name):
     index = load_index(crafted)
     index["files"][name] = {"bytes": 10, "crc32c": 0}  # e.g. a size oracle on /etc/hostname
@@ -165,16 +176,20 @@ def rewrite_rank_json(directory, edit):
     write_index(directory, index)
 
 
-@pytest.mark.parametrize("edit", [
-    lambda p: p["slices"][0].update(offset=-4096),
-    lambda p: p["slices"][0].update(offset=1 << 50),
-    lambda p: p["slices"][0].update(end=p["slices"][0]["start"] - 1),
-    lambda p: p["slices"][0].update(crc32c=[]),
-    lambda p: p["slices"][0].update(kind="evil"),
-    lambda p: p.update(file="../index.json"),
-    lambda p: p.update(header_bytes=1 << 40),
-    lambda p: p.update(slices="nope"),
-], ids=["negative-offset", "offset-past-end", "end-before-start", "no-crcs", "kind", "file-name", "header", "slices"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda p: p["slices"][0].update(offset=-4096),
+        lambda p: p["slices"][0].update(offset=1 << 50),
+        lambda p: p["slices"][0].update(end=p["slices"][0]["start"] - 1),
+        lambda p: p["slices"][0].update(crc32c=[]),
+        lambda p: p["slices"][0].update(kind="evil"),
+        lambda p: p.update(file="../index.json"),
+        lambda p: p.update(header_bytes=1 << 40),
+        lambda p: p.update(slices="nope"),
+    ],
+    ids=["negative-offset", "offset-past-end", "end-before-start", "no-crcs", "kind", "file-name", "header", "slices"],
+)
 def test_crafted_rank_records_are_refused_before_use(crafted, edit):
     rewrite_rank_json(crafted, edit)
     with pytest.raises(CheckpointCorruptError, match="malformed|never writes"):
@@ -273,15 +288,24 @@ def test_stale_saves_are_judged_by_their_lock_not_by_a_pid(engine, tmp_path):
     (root / ".tmp-x-1").mkdir()
     (root / ".tmp-x-1" / "rank0.safetensors").write_bytes(b"partial")
     # a live save elsewhere whose pid means nothing here: it holds its lock, so it is kept
-    busy = root / f".tmp-y-{2 ** 22 + 3}"
+    busy = root / f".tmp-y-{2**22 + 3}"
     busy.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import fcntl, os, sys, time
         fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
         fcntl.flock(fd, fcntl.LOCK_EX)
         print("locked", flush=True)
         time.sleep(600)
-    """), str(busy)], stdout=subprocess.PIPE, text=True)
+    """),
+            str(busy),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         engine.save_checkpoint(str(root), tag="a")
@@ -317,8 +341,12 @@ def test_save_to_a_file_or_an_unwritable_place_is_a_clear_error(engine, tmp_path
     assert str(a_file / "below") in str(e.value) and "choose a directory" in str(e.value)
     readonly = tmp_path / "ro"
     readonly.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)],
-                             capture_output=True, check=False).returncode == 0
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(readonly)], capture_output=True, check=False
+        ).returncode
+        == 0
+    )
     if not mounted:
         if os.geteuid() == 0:
             pytest.skip("cannot mount a read-only tmpfs here")
@@ -369,17 +397,29 @@ print("IDENTICAL" if all(torch.equal(got[k], expected[k]) for k in got) else "DI
 engine.close()
 """
 
-@pytest.mark.parametrize("op,phase,err", [
-    ("write", "backward", "EIO"), ("read", "forward", "EIO"), ("read", "backward", "EIO"),
-    ("write", "forward", "ENOSPC"),
-    ("write", "step", "EIO"), ("read", "step", "EIO"),
-])
+
+@pytest.mark.parametrize(
+    "op,phase,err",
+    [
+        ("write", "backward", "EIO"),
+        ("read", "forward", "EIO"),
+        ("read", "backward", "EIO"),
+        ("write", "forward", "ENOSPC"),
+        ("write", "step", "EIO"),
+        ("read", "step", "EIO"),
+    ],
+)
 def test_swap_io_error_then_load_checkpoint_recovers_in_process(tmp_path, op, phase, err):
     swap = tmp_path / "swap"
     swap.mkdir()
-    result = subprocess.run([sys.executable, "-c", RECOVERY, str(swap), str(tmp_path / "ckpt"), op, phase, err],
-                            capture_output=True, text=True, timeout=300, check=False,
-                            env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE])))
+    result = subprocess.run(
+        [sys.executable, "-c", RECOVERY, str(swap), str(tmp_path / "ckpt"), op, phase, err],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE])),
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert result.stdout.split() == ["ERROR", result.stdout.split()[1], "IDENTICAL"], result.stdout
     assert os.listdir(swap) == []

@@ -3,6 +3,7 @@
 Random SIGKILL and SIGINT from outside, injected EIO and ENOSPC inside, restarts from
 checkpoints and in-process recoveries: the final weights equal an undisturbed run's bit for
 bit and no swap is left on disk."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,7 @@ def test_soak_with_kills_interrupts_and_io_errors_ends_bit_identical_with_no_swa
     # the first child is interrupted, then killed, mid-training; the second interrupted; after
     # that none is signalled. EIO and ENOSPC are injected at random steps throughout.
     plan = [[(4.0, signal.SIGINT), (2.0, signal.SIGKILL)], [(4.5, signal.SIGINT)]]
-    counts = soak(steps=40, every=10, seed=7, workdir=str(tmp_path), p_io=0.15, step_sleep=0.1, plan=plan,
-                  child_timeout=300)
+    counts = soak(steps=40, every=10, seed=7, workdir=str(tmp_path), p_io=0.15, step_sleep=0.1, plan=plan, child_timeout=300)
     assert counts["bit_identical"], counts
     assert counts["swap_left_after_soak"] == [] and counts["swap_left_after_reference"] == [], counts
     assert counts["sigkill_sent"] == 1 and counts["sigint_sent"] == 2 and counts["killed"] == 1, counts

@@ -1,6 +1,7 @@
 """Issue 16 at the swap level: nothing left behind on any death, hostile nvme_path entries never
 followed, swap files that know whose they are and which write they hold, recovery after an
 I/O error, and (issue 11) waits that an interrupt cannot turn into a false completion."""
+
 from __future__ import annotations
 
 import errno
@@ -38,8 +39,9 @@ def tmpfs(tmp_path):
     """A 64 MiB tmpfs of its own: the bytes it uses are exactly what the swap files hold."""
     mount = tmp_path / "tmpfs"
     mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=700", "tmpfs", str(mount)],
-                            capture_output=True, check=False)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m,mode=700", "tmpfs", str(mount)], capture_output=True, check=False
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.decode().strip()}")
     try:
@@ -63,8 +65,15 @@ def tree(path) -> list[str]:
 
 def child(code: str, *args, timeout=120, **kwargs) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env, check=False, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+        **kwargs,
+    )
 
 
 def fill(t: torch.Tensor, seed: int) -> torch.Tensor:
@@ -96,8 +105,13 @@ time.sleep(600)
 @pytest.mark.parametrize("how", ["sigkill", "raise", "exit"])
 def test_swap_space_is_reclaimed_on_any_death(tmpfs, how):
     before = used_bytes(tmpfs)
-    proc = subprocess.Popen([sys.executable, "-c", HOLD_SWAP, str(tmpfs), how], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SWAP, str(tmpfs), how],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         assert used_bytes(tmpfs) - before >= 16 << 20  # two 8 MiB files, reserved
@@ -119,7 +133,8 @@ def test_swap_space_is_reclaimed_on_any_death(tmpfs, how):
 
 
 def test_engine_exit_without_close_leaves_nothing(swap_dir):
-    result = child("""
+    result = child(
+        """
         import sys, torch, offload
         from reference import TinyNet
         config = {"precision": "fp32", "offload": {"param": "nvme", "optimizer": "nvme", "nvme_path": sys.argv[1]}}
@@ -128,7 +143,9 @@ def test_engine_exit_without_close_leaves_nothing(swap_dir):
         engine.backward(loss)
         engine.step()
         raise SystemExit
-    """, swap_dir)
+    """,
+        swap_dir,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert tree(swap_dir) == []
 
@@ -160,7 +177,7 @@ def test_live_runs_are_not_swept_and_are_named_when_space_runs_out(swap_dir):
 def test_dead_runs_left_by_older_versions_are_swept_and_foreign_dirs_kept(swap_dir):
     # offload before this change: named swap files in run-<pid>/rank<r>/ (a pid that is gone,
     # or this very pid left by a previous container)
-    dead_pid = 2 ** 22 + 17
+    dead_pid = 2**22 + 17
     for name in (f"run-{dead_pid}", f"run-{os.getpid()}"):
         os.makedirs(os.path.join(swap_dir, name, "rank0"), mode=0o700)
         os.chmod(os.path.join(swap_dir, name), 0o700)
@@ -467,7 +484,8 @@ def test_an_interrupted_read_can_be_waited_again(store, pool, interrupt_after):
 
 
 def test_ctrl_c_during_a_swap_write_then_read_gives_the_data(swap_dir):
-    result = child("""
+    result = child(
+        """
         import os, signal, sys, threading, torch
         from offload.memory import HostBufferPool
         from offload.swap import SwapStore
@@ -488,7 +506,9 @@ def test_ctrl_c_during_a_swap_write_then_read_gives_the_data(swap_dir):
         s.read_into("w", dst).wait()
         print("same" if torch.equal(dst, src) else "zeros" if not dst.any() else "different")
         s.close()
-    """, swap_dir)
+    """,
+        swap_dir,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["interrupted", "same"]
     assert tree(swap_dir) == []

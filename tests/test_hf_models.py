@@ -4,6 +4,7 @@ fp32 runs equal plain PyTorch AdamW training of the same model to fp32 rounding;
 code is unmodified: GPT-2 ties its embedding and output weights, activation checkpointing
 re-runs units inside backward (reentrant and not). The engine runs on the device it picks (CUDA
 when present); the references run on the CPU, and weights are compared there."""
+
 from __future__ import annotations
 
 import copy
@@ -21,24 +22,43 @@ VOCAB = 96
 
 def gpt2():
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=3, n_head=2,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=32,
+        n_layer=3,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
     )
     return transformers.GPT2LMHeadModel(config)
 
 
 def llama():
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
     )
     return transformers.LlamaForCausalLM(config)
 
 
 def gpt_neox():
     config = transformers.GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     return transformers.GPTNeoXForCausalLM(config)
 
@@ -90,7 +110,9 @@ def max_difference(state, reference):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("param,optimizer", [("none", "cpu"), ("cpu", "cpu"), ("nvme", "nvme"), ("cpu", "nvme"), ("none", "nvme"), ("nvme", "cpu")])
+@pytest.mark.parametrize(
+    "param,optimizer", [("none", "cpu"), ("cpu", "cpu"), ("nvme", "nvme"), ("cpu", "nvme"), ("none", "nvme"), ("nvme", "cpu")]
+)
 def test_hf_model_fp32_equals_plain_pytorch(swap_dir, name, param, optimizer):
     torch.manual_seed(0)
     model = MODELS[name]()

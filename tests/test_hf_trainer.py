@@ -5,6 +5,7 @@ weight decay on all but biases and norms, fp32: the offloaded Trainer ends with 
 plain Trainer (torch AdamW) ends with, to fp32 rounding; resuming from its step-10 checkpoint
 in a new Trainer ends with the same weights; its save_model output loads with from_pretrained.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,11 +21,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (in the test extras)")
 
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402 - after the importorskip above
 
-from offload.config import lr_at
-from offload.errors import ConfigError
-from offload.integrations.hf import (
+from offload.config import lr_at  # noqa: E402 - after the importorskip above
+from offload.errors import ConfigError  # noqa: E402 - after the importorskip above
+from offload.integrations.hf import (  # noqa: E402 - after the importorskip above
     ENGINE_CHECKPOINT_DIR,
     OffloadTrainer,
     split_offload_config,
@@ -49,9 +50,17 @@ def one_thread():
 
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-                         attention_dropout=0.0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -64,11 +73,27 @@ def dataset() -> list[dict]:
 
 def training_args(output_dir, **overrides) -> TrainingArguments:
     values = {
-        "output_dir": str(output_dir), "max_steps": STEPS, "per_device_train_batch_size": 2,
-        "gradient_accumulation_steps": 2, "learning_rate": 3e-3, "weight_decay": 0.1, "adam_beta2": 0.99,
-        "lr_scheduler_type": "cosine", "warmup_steps": 4, "max_grad_norm": 1.0, "seed": 0, "data_seed": 0,
-        "report_to": [], "use_cpu": True, "save_strategy": "no", "logging_steps": 5, "disable_tqdm": True,
-        "dataloader_num_workers": 0, "eval_strategy": "steps", "eval_steps": 10, "per_device_eval_batch_size": 4,
+        "output_dir": str(output_dir),
+        "max_steps": STEPS,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 3e-3,
+        "weight_decay": 0.1,
+        "adam_beta2": 0.99,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 4,
+        "max_grad_norm": 1.0,
+        "seed": 0,
+        "data_seed": 0,
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "logging_steps": 5,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "eval_strategy": "steps",
+        "eval_steps": 10,
+        "per_device_eval_batch_size": 4,
     }
     values.update(overrides)
     return TrainingArguments(**values)
@@ -93,19 +118,28 @@ def eval_losses(trainer) -> list[float]:
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    trainer = Trainer(model=tiny_llama(), args=training_args(tmp_path_factory.mktemp("plain")), train_dataset=dataset(),
-                      eval_dataset=dataset()[:8])
+    trainer = Trainer(
+        model=tiny_llama(),
+        args=training_args(tmp_path_factory.mktemp("plain")),
+        train_dataset=dataset(),
+        eval_dataset=dataset()[:8],
+    )
     trainer.train()
-    return {"weights": weights(trainer.model.state_dict()), "grad_norms": grad_norms(trainer),
-            "eval_losses": eval_losses(trainer), "model": trainer.model}
+    return {
+        "weights": weights(trainer.model.state_dict()),
+        "grad_norms": grad_norms(trainer),
+        "eval_losses": eval_losses(trainer),
+        "model": trainer.model,
+    }
 
 
 @pytest.fixture(scope="module")
 def offloaded(tmp_path_factory):
     output = tmp_path_factory.mktemp("offloaded")
     args = training_args(output, save_strategy="steps", save_steps=10)
-    trainer = OffloadTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), eval_dataset=dataset()[:8],
-                             offload_config=OFFLOAD_CONFIG)
+    trainer = OffloadTrainer(
+        model=tiny_llama(), args=args, train_dataset=dataset(), eval_dataset=dataset()[:8], offload_config=OFFLOAD_CONFIG
+    )
     trainer.train()
     final = output / "final"
     trainer.save_model(str(final))
@@ -151,8 +185,10 @@ def test_resume_from_mid_run_checkpoint_ends_with_the_same_weights(offloaded, tm
         assert difference == 0.0, f"resumed run differs from the uninterrupted one by {difference:.3g}"
         # the schedule went on where it stopped: the last logged learning rates are the same
         resumed = [e["learning_rate"] for e in trainer.state.log_history if "learning_rate" in e and "loss" in e]
-        uninterrupted = [e["learning_rate"] for e in offloaded["trainer"].state.log_history if "learning_rate" in e and "loss" in e]
-        assert resumed == uninterrupted[-len(resumed):]
+        uninterrupted = [
+            e["learning_rate"] for e in offloaded["trainer"].state.log_history if "learning_rate" in e and "loss" in e
+        ]
+        assert resumed == uninterrupted[-len(resumed) :]
     finally:
         trainer.end()
 
@@ -174,11 +210,14 @@ def test_training_arguments_drive_the_engine_config(tmp_path):
     assert (config.precision, config.optimizer.lr, tuple(config.optimizer.betas)) == ("fp32", 3e-3, (0.9, 0.99))
     assert (config.gradient_clipping, config.gradient_accumulation_steps, config.prefetch.depth) == (1.0, 1, 1)
     # a DeepSpeed config as the Trainer's docs write it: "auto" takes the arguments' values
-    deepspeed = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-                 "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                           "weight_decay": "auto"}},
-                 "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "gradient_accumulation_steps": "auto",
-                 "train_micro_batch_size_per_gpu": "auto"}
+    deepspeed = {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "bf16": {"enabled": "auto"},
+        "gradient_clipping": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+    }
     config = trainer_config(args, deepspeed)
     assert (config.precision, config.optimizer.lr, config.optimizer.weight_decay) == ("fp32", 3e-3, 0.1)
     # what contradicts the arguments is refused, naming both
@@ -194,8 +233,13 @@ def test_training_arguments_drive_the_engine_config(tmp_path):
         trainer_config(training_args(tmp_path, optim="sgd"), None)
     # a config written for the engine alone: what the Trainer drives, and the rest
     arguments, rest = split_offload_config(str(EXAMPLES / "configs" / "7b_on_24gb.json"))
-    assert arguments == {"learning_rate": 2e-5, "weight_decay": 0.0, "max_grad_norm": 1.0,
-                         "gradient_accumulation_steps": 8, "bf16": True}
+    assert arguments == {
+        "learning_rate": 2e-5,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "gradient_accumulation_steps": 8,
+        "bf16": True,
+    }
     assert rest == {"offload": {"param": "cpu", "optimizer": "cpu"}, "prefetch": {"depth": 2}, "overlap": "forward"}
 
 
@@ -229,8 +273,9 @@ def test_deepspeed_config_from_the_hf_docs_runs_unchanged(tmp_path):
 def test_fp16_overflow_skips_do_not_advance_the_schedule(tmp_path):
     """As the plain Trainer under accelerate's GradScaler: a step the engine skipped (fp16
     overflow) leaves the scheduler where it was."""
-    args = training_args(tmp_path, max_steps=6, warmup_steps=2, logging_steps=1, eval_strategy="no", fp16=True,
-                         lr_scheduler_type="linear")
+    args = training_args(
+        tmp_path, max_steps=6, warmup_steps=2, logging_steps=1, eval_strategy="no", fp16=True, lr_scheduler_type="linear"
+    )
     # a loss scale that overflows twice before it fits (2^40 -> 2^28 -> 2^16)
     config = {"loss_scale": {"initial": 2.0**40, "backoff_factor": 2.0**-12}}
     trainer = OffloadTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), offload_config=config)
@@ -249,8 +294,9 @@ def test_prebuilt_optimizer_is_refused(tmp_path):
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters())
     with pytest.raises(ConfigError, match="optimizers="):
-        OffloadTrainer(model=model, args=training_args(tmp_path, eval_strategy="no"), train_dataset=dataset(),
-                       optimizers=(optimizer, None))
+        OffloadTrainer(
+            model=model, args=training_args(tmp_path, eval_strategy="no"), train_dataset=dataset(), optimizers=(optimizer, None)
+        )
 
 
 def test_example_trains_resumes_and_saves(tmp_path):
@@ -260,9 +306,26 @@ def test_example_trains_resumes_and_saves(tmp_path):
 
     def run(*extra):
         result = tmp_path / f"result{len(extra)}.json"
-        command = [sys.executable, str(script), "--tiny", "--steps", "4", "--save-steps", "2", "--output-dir", str(output),
-                   "--offload-config", str(EXAMPLES / "configs" / "7b_on_24gb.json"), "--precision", "fp32",
-                   "--grad-accum", "2", "--result-json", str(result), *extra]
+        command = [
+            sys.executable,
+            str(script),
+            "--tiny",
+            "--steps",
+            "4",
+            "--save-steps",
+            "2",
+            "--output-dir",
+            str(output),
+            "--offload-config",
+            str(EXAMPLES / "configs" / "7b_on_24gb.json"),
+            "--precision",
+            "fp32",
+            "--grad-accum",
+            "2",
+            "--result-json",
+            str(result),
+            *extra,
+        ]
         done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(result.read_text())
@@ -272,9 +335,14 @@ def test_example_trains_resumes_and_saves(tmp_path):
     assert first["global_step"] == resumed["global_step"] == 4
     # the config's lr and weight decay came through split_offload_config; the command line
     # overrode its accumulation (8) and precision (bf16)
-    assert first["arguments"] == {"learning_rate": 2e-5, "weight_decay": 0.0, "gradient_accumulation_steps": 2,
-                                  "bf16": False, "fp16": False}
+    assert first["arguments"] == {
+        "learning_rate": 2e-5,
+        "weight_decay": 0.0,
+        "gradient_accumulation_steps": 2,
+        "bf16": False,
+        "fp16": False,
+    }
     # the resumed run logs the steps after 2 exactly as the first run did
-    assert resumed["losses"] == first["losses"][-len(resumed["losses"]):]
+    assert resumed["losses"] == first["losses"][-len(resumed["losses"]) :]
     model = LlamaForCausalLM.from_pretrained(str(output))
     assert model.config.num_hidden_layers == 2

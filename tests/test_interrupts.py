@@ -1,6 +1,7 @@
 """Ctrl-C inside `engine.step()` forgets no work in flight: a checkpoint saved in the handler
 holds the finished step (or is refused), and resuming from it ends bit-identical to a run that
 was never interrupted."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """Models built on the meta device: materialised unit by unit, initialised as the model would
 be, and never held whole in RAM."""
+
 from __future__ import annotations
 
 import json
@@ -11,12 +12,12 @@ import textwrap
 
 import pytest
 import torch
+from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, reference_run
 from torch import nn
 
 import offload
 from offload.materialize import MaterializeError, has_meta_state, iter_meta, materialize_unit_params, territory
 from offload.units import build_units
-from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, reference_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,7 +87,9 @@ class TiedAcrossUnits(nn.Module):
 
     def __init__(self, width=16):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(width, width), "down": nn.Linear(width, width)}) for _ in range(2))
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"up": nn.Linear(width, width), "down": nn.Linear(width, width)}) for _ in range(2)
+        )
         self.blocks[1]["up"].weight = self.blocks[0]["up"].weight
 
     def forward(self, x):
@@ -129,8 +132,17 @@ def test_meta_model_trains_exactly_like_plain_pytorch_from_its_initial_weights(s
 def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 
-    values = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, initializer_range=0.05)
+    values = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        initializer_range=0.05,
+    )
     values.update(overrides)
     return LlamaConfig(**values)
 
@@ -275,10 +287,15 @@ RSS_SCRIPT = textwrap.dedent(
 
 
 def peak_rss_growth(build_on: str, swap_dir: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               MALLOC_MMAP_THRESHOLD_="131072")
-    done = subprocess.run([sys.executable, "-c", RSS_SCRIPT, build_on, swap_dir], capture_output=True, text=True,
-                          env=env, timeout=240)
+    env = dict(
+        os.environ,
+        PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        MALLOC_MMAP_THRESHOLD_="131072",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, build_on, swap_dir], capture_output=True, text=True, env=env, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     print(build_on, result)
@@ -333,10 +350,31 @@ def test_scale_benchmark_runs_at_small_size_and_leaves_no_swap(tmp_path):
     results = tmp_path / "results.md"
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmarks", "scale.py"), "--params", "4e6", "--vocab", "1000", "--steps", "2",
-         "--skip-bench", "--block-size", "1048576", "--queue-depth", "8", "--io-threads", "2", "--path", str(path),
-         "--results", str(results)],
-        capture_output=True, text=True, env=env, timeout=240,
+        [
+            sys.executable,
+            os.path.join(REPO, "benchmarks", "scale.py"),
+            "--params",
+            "4e6",
+            "--vocab",
+            "1000",
+            "--steps",
+            "2",
+            "--skip-bench",
+            "--block-size",
+            "1048576",
+            "--queue-depth",
+            "8",
+            "--io-threads",
+            "2",
+            "--path",
+            str(path),
+            "--results",
+            str(results),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 2: loss" in done.stdout

@@ -6,8 +6,19 @@ import torch
 from offload.errors import InsufficientMemoryError
 from offload.memory import HostBufferPool, TierLedger, available_ram
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,19 +1,19 @@
 """`offload.optimizer: auto`: the optimizer state split over host RAM and NVMe by a RAM cap,
 training exactly like torch AdamW (fp32), with memory_report() saying which unit went where."""
+
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+from distributed_worker import launch, local_half, make_config
+from reference import TinyNet, batches, engine_run, max_weight_difference, mse, reference_run
 
 import offload
-from distributed_worker import launch, local_half, make_config
 from offload.plan import slot_bytes_for
 from offload.state import host_budget_bytes
-from offload.units import plan_flat_layout
-from reference import TinyNet, batches, engine_run, max_weight_difference, mse, reference_run
-from offload.units import build_units
+from offload.units import build_units, plan_flat_layout
 
 HOST_UNITS = 2  # the cap below leaves room for the state of this many units beside the slots
 
@@ -25,8 +25,15 @@ def host_cap(model, param: str, world: int = 1, buffer_count: int = BUFFER_COUNT
     """RAM for the first HOST_UNITS units' state, the NVMe slots, and the engine's other host
     buffers (fp32 compute on the CPU), plus less than one more unit."""
     shards = [plan_flat_layout([p.numel() for p in spec.params], world).shard_numel for spec in build_units(model, [], 0)]
-    others = host_budget_bytes(shards, param_tier=param, optimizer_tier="nvme", compute_bytes=4, buffer_count=buffer_count,
-                               prefetch_depth=2, staged_device_copies=False)
+    others = host_budget_bytes(
+        shards,
+        param_tier=param,
+        optimizer_tier="nvme",
+        compute_bytes=4,
+        buffer_count=buffer_count,
+        prefetch_depth=2,
+        staged_device_copies=False,
+    )
     others = sum(v for k, v in others.items() if k not in ("optimizer_slots", "grad_slot"))
     return others + slot_bytes_for(max(shards), buffer_count, 4) + 16 * sum(shards[:HOST_UNITS]) + 8 * shards[HOST_UNITS]
 
@@ -35,7 +42,13 @@ def split_config(swap_dir, param, overlap, cap):
     return {
         "precision": "fp32",
         "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
-        "offload": {"param": param, "optimizer": "auto", "max_host_memory": cap, "nvme_path": swap_dir, "buffer_count": BUFFER_COUNT},
+        "offload": {
+            "param": param,
+            "optimizer": "auto",
+            "max_host_memory": cap,
+            "nvme_path": swap_dir,
+            "buffer_count": BUFFER_COUNT,
+        },
         "overlap": overlap,
     }
 
@@ -55,7 +68,9 @@ def test_a_host_cap_splits_the_state_and_training_is_exact(swap_dir, param, over
         assert "RAM full" in units[engine.units[-1].spec.name]["why"]
         losses = engine_run(engine, data)
         report = engine.memory_report()
-        assert report["host"]["by_category"]["optimizer_state"]["current"] == 16 * sum(u.shard_numel for u in engine.units[:HOST_UNITS])
+        assert report["host"]["by_category"]["optimizer_state"]["current"] == 16 * sum(
+            u.shard_numel for u in engine.units[:HOST_UNITS]
+        )
         assert report["nvme"]["current"] > 0
         assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
         assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
@@ -81,7 +96,10 @@ def test_a_checkpoint_saved_split_loads_into_cpu_and_back(tmp_path, swap_dir):
     torch.manual_seed(0)
     model = TinyNet(depth=8)
     data = batches(8)
-    straight = offload.initialize(copy.deepcopy(model), split_config(swap_dir, "cpu", "forward", None) | {"offload": {"optimizer": "cpu", "nvme_path": swap_dir}})
+    straight = offload.initialize(
+        copy.deepcopy(model),
+        split_config(swap_dir, "cpu", "forward", None) | {"offload": {"optimizer": "cpu", "nvme_path": swap_dir}},
+    )
     engine_run(straight, data)
     expected = straight.consolidated_state_dict()
     straight.close()
@@ -89,7 +107,10 @@ def test_a_checkpoint_saved_split_loads_into_cpu_and_back(tmp_path, swap_dir):
     engine_run(split, data[:4])
     split.save_checkpoint(tmp_path / "ckpt")
     split.close()
-    resumed = offload.initialize(copy.deepcopy(model), split_config(swap_dir, "cpu", "forward", None) | {"offload": {"optimizer": "cpu", "nvme_path": swap_dir}})
+    resumed = offload.initialize(
+        copy.deepcopy(model),
+        split_config(swap_dir, "cpu", "forward", None) | {"offload": {"optimizer": "cpu", "nvme_path": swap_dir}},
+    )
     resumed.load_checkpoint(tmp_path / "ckpt")
     engine_run(resumed, data[4:])
     got = resumed.consolidated_state_dict()

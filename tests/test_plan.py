@@ -1,4 +1,5 @@
 """The optimizer-state plan of `offload.optimizer: auto` (plain logic), tested directly."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,11 @@ def test_device_first_in_step_order_then_host_then_nvme_last():
     capacity = Capacity(device=2 * 1600, host=slots + 1600, nvme=10**6)  # room for one unit beside the slots
     plan = plan_optimizer_tiers(numels, order, capacity, buffer_count=1, compute_bytes=2)
     assert [plan.tiers[u] for u in order] == [
-        OptimizerTier.DEVICE, OptimizerTier.DEVICE, OptimizerTier.HOST, OptimizerTier.NVME, OptimizerTier.NVME
+        OptimizerTier.DEVICE,
+        OptimizerTier.DEVICE,
+        OptimizerTier.HOST,
+        OptimizerTier.NVME,
+        OptimizerTier.NVME,
     ]
     assert plan.slot_bytes == slots
     assert "nvme" in plan.reasons[4] and "device" in plan.reasons[0]

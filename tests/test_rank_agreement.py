@@ -6,14 +6,15 @@ parameter without gradient). With params offloaded, whose weights are gathered f
 rank at each use, the ranks stop at once with an error naming what each was about to do,
 instead of gathering one unit's shards into another or waiting for the timeout.
 """
+
 from __future__ import annotations
 
 import pytest
-
 from branch_worker import reference, train
 from distributed_worker import launch, make_config
-from offload.rank_order import Op, ReduceOrder, describe
 from reference import max_weight_difference
+
+from offload.rank_order import Op, ReduceOrder, describe
 
 WORLD = 2
 
@@ -41,7 +42,7 @@ def test_ranks_skipping_different_offloaded_units_fail_at_once(tmp_path, param):
         swaps.append(str(tmp_path / f"swap{rank}"))
     config = make_config(swaps, param, "cpu", "forward")
     results = launch(train, WORLD, config, timeout_s=60, deadline_s=150)
-    for rank, result in enumerate(results):
+    for result in results:
         assert not result["ok"] and result.get("type") == "RankMismatchError", result
         assert "the ranks are out of step" in result["message"]
         assert "rank 0: the all-gather of the weights of unit blocks." in result["message"]

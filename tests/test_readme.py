@@ -1,5 +1,6 @@
 """The README as a new user reads it: the quick start runs as written, its commands work, and its
 config-key table is the one generated from the config dataclasses."""
+
 from __future__ import annotations
 
 import json
@@ -63,10 +64,14 @@ def test_the_gpu_machine_command_uses_the_python_at_hand():
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
     python = "/opt/python-at-hand/bin/python3"
-    dry_run = subprocess.run(["make", "-n", "-s", "test-here", f"PYTHON={python}"], cwd=ROOT, capture_output=True, text=True, check=False)
+    dry_run = subprocess.run(
+        ["make", "-n", "-s", "test-here", f"PYTHON={python}"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
     assert dry_run.returncode == 0, dry_run.stderr
     install, run = dry_run.stdout.splitlines()
-    assert install.startswith(f"{python} -m pip install") and {"--no-deps", "--no-build-isolation", "-e", "."} <= set(install.split())
+    assert install.startswith(f"{python} -m pip install") and {"--no-deps", "--no-build-isolation", "-e", "."} <= set(
+        install.split()
+    )
     assert run.startswith(f"{python} -m pytest") and run.split()[-1] == "tests"
     assert ".venv" not in dry_run.stdout and "torch" not in dry_run.stdout
     assert "make test-here" in README
@@ -74,10 +79,27 @@ def test_the_gpu_machine_command_uses_the_python_at_hand():
 
 def test_readme_estimate_commands_work(tmp_path, capsys):
     llama = tmp_path / "config.json"
-    llama.write_text(json.dumps({"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
-                                 "num_attention_heads": 8, "vocab_size": 32000}))
+    llama.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 512,
+                "intermediate_size": 1376,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "vocab_size": 32000,
+            }
+        )
+    )
     ds = tmp_path / "ds_config.json"
-    ds.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}))
+    ds.write_text(
+        json.dumps(
+            {
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}},
+            }
+        )
+    )
     commands = [line for block in code_blocks("sh") for line in block.splitlines() if line.startswith("offload estimate")]
     assert len(commands) >= 3
     for command in commands:

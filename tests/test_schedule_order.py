@@ -3,15 +3,16 @@ expected-events style), and the proof that the CPU step overlaps what it should.
 
 TinyNet with two blocks: unit 0 is the root (input layer and head), units 1 and 2 the blocks.
 """
+
 from __future__ import annotations
 
 import time
 
 import pytest
 import torch
+from reference import TinyNet, batches, mse
 
 import offload
-from reference import TinyNet, batches, mse
 
 
 def traced_engine(swap_dir, overlap, param="cpu", optimizer="cpu"):
@@ -34,7 +35,14 @@ def one_step(engine, batch):
     engine.step()
 
 
-FORWARD = [("pre_forward", 0), ("pre_forward", 1), ("post_forward", 1), ("pre_forward", 2), ("post_forward", 2), ("post_forward", 0)]
+FORWARD = [
+    ("pre_forward", 0),
+    ("pre_forward", 1),
+    ("post_forward", 1),
+    ("pre_forward", 2),
+    ("post_forward", 2),
+    ("post_forward", 0),
+]
 BACKWARD = [("pre_backward", 2), ("grads_final", 2), ("pre_backward", 1), ("grads_final", 1), ("grads_final", 0)]
 
 

@@ -6,6 +6,7 @@ happens to do, and compares fp32 training with plain PyTorch AdamW on the same m
 data to fp32 rounding. Holds are checked too: after every backward no offloaded unit is
 held, whatever re-entered or abandoned its forward.
 """
+
 from __future__ import annotations
 
 import copy
@@ -14,11 +15,11 @@ import time
 
 import pytest
 import torch
+from reference import TinyNet, batches, max_weight_difference, mse, reference_run
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
 import offload
-from reference import TinyNet, batches, max_weight_difference, mse, reference_run
 
 PLACEMENTS = list(itertools.product(["none", "cpu", "nvme"], ["cpu", "nvme"]))
 CHECKPOINTING = ["non_reentrant", "non_reentrant_no_early_stop", "reentrant"]
@@ -64,7 +65,11 @@ def assert_no_unit_held(engine, caplog) -> None:
     holds there and says so, and refetches a stale copy and says so: both are defects here)."""
     held = {unit.spec.name: unit.holders for unit in engine.units if unit.holders}
     assert not held, f"units still held after backward: {held}"
-    leaks = [r.getMessage() for r in caplog.records if "holders at the end of backward" in r.getMessage() or "fetching again" in r.getMessage()]
+    leaks = [
+        r.getMessage()
+        for r in caplog.records
+        if "holders at the end of backward" in r.getMessage() or "fetching again" in r.getMessage()
+    ]
     assert not leaks, leaks
 
 

@@ -10,8 +10,20 @@ from offload.errors import InsufficientSpaceError, SwapCorruptError, SwapError
 from offload.memory import HostBufferPool, TierLedger
 from offload.swap import HEADER_SIZE, SwapStore
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
 
 
 @pytest.fixture

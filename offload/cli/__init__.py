@@ -1,4 +1,5 @@
 """The `offload` console script: one subcommand per module in this package."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,10 @@ import sys
 # subcommand -> module in offload.cli that defines add_arguments(parser) and run(args) -> int
 SUBCOMMANDS = {
     "bench-io": ("bench_io", "measure swap read/write throughput on a path and print the best io section"),
-    "estimate": ("estimate", "memory each tier needs for a model under every placement, what fits this machine, the config to use"),
+    "estimate": (
+        "estimate",
+        "memory each tier needs for a model under every placement, what fits this machine, the config to use",
+    ),
     "export": ("export", "write a checkpoint's full weights as safetensors (loadable by load_state_dict / from_pretrained)"),
 }
 

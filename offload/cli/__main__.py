@@ -1,4 +1,5 @@
 """`python -m offload.cli ...` runs the `offload` console script."""
+
 import sys
 
 from offload.cli import main

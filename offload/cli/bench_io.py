@@ -9,6 +9,7 @@ Note on the engine: a pool of `threads` workers each doing one pread/pwrite at a
 the number of requests in flight is min(threads, queue_depth); combinations with more
 threads than queue depth are skipped (they equal threads == queue_depth).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,10 +29,40 @@ from offload.memory import HostBufferPool
 
 log = logging.getLogger(__name__)
 
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
-          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
-NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "lustre", "afs", "virtiofs",
-              "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "beegfs", "gpfs"}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1 << 10,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 1 << 20,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 1 << 30,
+    "GIB": 1 << 30,
+    "T": 1 << 40,
+    "TB": 1 << 40,
+    "TIB": 1 << 40,
+}
+NETWORK_FS = {
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smb3",
+    "smbfs",
+    "9p",
+    "ceph",
+    "glusterfs",
+    "lustre",
+    "afs",
+    "virtiofs",
+    "fuse.sshfs",
+    "fuse.s3fs",
+    "fuse.gcsfuse",
+    "beegfs",
+    "gpfs",
+}
 MEMORY_FS = {"tmpfs", "ramfs"}
 CHUNK_BYTES = 64 << 20  # one request per 64 MiB of the file; the engine splits each into blocks
 
@@ -40,7 +71,7 @@ def parse_size(text: str) -> int:
     """'4M', '512KiB', '2G', '1048576' -> bytes (binary units)."""
     s = text.strip().upper()
     num = s.rstrip("BKMGTI")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     if unit not in _UNITS or not num:
         raise argparse.ArgumentTypeError(f"cannot read size {text!r}; use e.g. 1048576, 512K, 4M, 2G")
     try:
@@ -90,11 +121,14 @@ def path_warnings(path: str, direct: bool) -> tuple[str, list[str]]:
     fstype = filesystem_type(path)
     warnings = []
     if fstype in MEMORY_FS:
-        warnings.append(f"{path} is on {fstype} (memory): the numbers measure RAM, not a disk; point --path at "
-                        "the NVMe you will swap to")
+        warnings.append(
+            f"{path} is on {fstype} (memory): the numbers measure RAM, not a disk; point --path at the NVMe you will swap to"
+        )
     if fstype in NETWORK_FS or fstype.startswith("fuse"):
-        warnings.append(f"{path} is on {fstype}, a network/FUSE filesystem: swap there will be slow and may not "
-                        "honour O_DIRECT; use a local NVMe")
+        warnings.append(
+            f"{path} is on {fstype}, a network/FUSE filesystem: swap there will be slow and may not "
+            "honour O_DIRECT; use a local NVMe"
+        )
     if not direct:
         warnings.append(f"{path} refuses O_DIRECT: buffered I/O was measured (page cache dropped before reads)")
     return fstype, warnings
@@ -107,6 +141,7 @@ class _Terminated(Exception):
 @contextlib.contextmanager
 def _sigterm_raises():
     """Turn SIGTERM into an exception so `finally` blocks (scratch file removal) run."""
+
     def handler(signum, frame):
         raise _Terminated()
 
@@ -144,8 +179,17 @@ def _one_pass(engine: AioEngine, fd: int, buf: torch.Tensor, size: int, op: str,
     return time.perf_counter() - t0
 
 
-def run_sweep(path: str, size: int, block_sizes: list[int], queue_depths: list[int], threads_list: list[int],
-              *, repeat: int = 1, progress=None, ops=("write", "read")) -> dict:
+def run_sweep(
+    path: str,
+    size: int,
+    block_sizes: list[int],
+    queue_depths: list[int],
+    threads_list: list[int],
+    *,
+    repeat: int = 1,
+    progress=None,
+    ops=("write", "read"),
+) -> dict:
     """Measure every (op, block size, queue depth, threads) on a scratch file under `path`."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
@@ -189,8 +233,17 @@ def run_sweep(path: str, size: int, block_sizes: list[int], queue_depths: list[i
         pool.close()
     best = {op: max((r for r in rows if r["op"] == op), key=lambda r: r["gbps"]) for op in ops}
     io = _best_io(rows, ops)
-    return {"path": path, "filesystem": fstype, "o_direct": direct, "size": size, "repeat": repeat,
-            "warnings": warnings, "rows": rows, "best": best, "io": io}
+    return {
+        "path": path,
+        "filesystem": fstype,
+        "o_direct": direct,
+        "size": size,
+        "repeat": repeat,
+        "warnings": warnings,
+        "rows": rows,
+        "best": best,
+        "io": io,
+    }
 
 
 def _best_io(rows: list[dict], ops) -> dict:
@@ -198,9 +251,11 @@ def _best_io(rows: list[dict], ops) -> dict:
     by = {}
     for r in rows:
         by.setdefault((r["block_size"], r["queue_depth"], r["threads"]), {})[r["op"]] = r["gbps"]
+
     def score(v):
         vals = [v.get(op, 0.0) for op in ops]
         return 0.0 if min(vals) <= 0 else len(vals) / sum(1.0 / x for x in vals)
+
     (b, q, t), _ = max(by.items(), key=lambda kv: score(kv[1]))
     return {"block_size": b, "queue_depth": q, "threads": t}
 
@@ -208,21 +263,27 @@ def _best_io(rows: list[dict], ops) -> dict:
 def format_table(result: dict) -> str:
     lines = [f"{'op':<6} {'block':>7} {'depth':>6} {'threads':>8} {'GB/s':>8}"]
     for r in result["rows"]:
-        lines.append(f"{r['op']:<6} {human(r['block_size']):>7} {r['queue_depth']:>6} {r['threads']:>8} "
-                     f"{r['gbps']:>8.2f}")
+        lines.append(f"{r['op']:<6} {human(r['block_size']):>7} {r['queue_depth']:>6} {r['threads']:>8} {r['gbps']:>8.2f}")
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", required=True, help="directory on the disk to measure (e.g. the nvme_path)")
-    parser.add_argument("--size", type=parse_size, default=parse_size("2G"),
-                        help="scratch file size (default 2G: several times any drive cache)")
-    parser.add_argument("--block-sizes", type=_size_list, default=_size_list("1M,4M,8M"),
-                        help="comma-separated block sizes (default 1M,4M,8M)")
-    parser.add_argument("--queue-depths", type=_int_list, default=_int_list("8,16,32"),
-                        help="comma-separated queue depths (default 8,16,32)")
-    parser.add_argument("--threads", type=_int_list, default=_int_list("4,8,16"),
-                        help="comma-separated thread counts (default 4,8,16; only those <= the depth run)")
+    parser.add_argument(
+        "--size", type=parse_size, default=parse_size("2G"), help="scratch file size (default 2G: several times any drive cache)"
+    )
+    parser.add_argument(
+        "--block-sizes", type=_size_list, default=_size_list("1M,4M,8M"), help="comma-separated block sizes (default 1M,4M,8M)"
+    )
+    parser.add_argument(
+        "--queue-depths", type=_int_list, default=_int_list("8,16,32"), help="comma-separated queue depths (default 8,16,32)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=_int_list,
+        default=_int_list("4,8,16"),
+        help="comma-separated thread counts (default 4,8,16; only those <= the depth run)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="passes per combination; the best is kept")
     parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -236,13 +297,18 @@ def run(args) -> int:
 
     def progress(done, total, row):
         if not args.quiet:
-            print(f"[{done}/{total}] {row['op']:<5} block {human(row['block_size']):>4} depth {row['queue_depth']:>3} "
-                  f"threads {row['threads']:>3}: {row['gbps']:.2f} GB/s", file=sys.stderr, flush=True)
+            print(
+                f"[{done}/{total}] {row['op']:<5} block {human(row['block_size']):>4} depth {row['queue_depth']:>3} "
+                f"threads {row['threads']:>3}: {row['gbps']:.2f} GB/s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     try:
         with _sigterm_raises():
-            result = run_sweep(args.path, args.size, args.block_sizes, args.queue_depths, args.threads,
-                               repeat=args.repeat, progress=progress)
+            result = run_sweep(
+                args.path, args.size, args.block_sizes, args.queue_depths, args.threads, repeat=args.repeat, progress=progress
+            )
     except (KeyboardInterrupt, _Terminated):
         print("offload bench-io: interrupted; scratch file removed", file=sys.stderr)
         return 130
@@ -254,12 +320,15 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{result['path']} ({result['filesystem']}, O_DIRECT {'on' if result['o_direct'] else 'refused'}), "
-          f"{human(result['size'])} scratch file")
+    print(
+        f"{result['path']} ({result['filesystem']}, O_DIRECT {'on' if result['o_direct'] else 'refused'}), "
+        f"{human(result['size'])} scratch file"
+    )
     print(format_table(result))
     for op, r in result["best"].items():
-        print(f"best {op}: {r['gbps']:.2f} GB/s at block {human(r['block_size'])}, depth {r['queue_depth']}, "
-              f"threads {r['threads']}")
+        print(
+            f"best {op}: {r['gbps']:.2f} GB/s at block {human(r['block_size'])}, depth {r['queue_depth']}, threads {r['threads']}"
+        )
     print("io section to paste in the config:")
     print(json.dumps({"io": result["io"]}, indent=2))
     return 0

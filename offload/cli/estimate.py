@@ -1,4 +1,5 @@
 """`offload estimate`: bytes per tier for a model under every placement, what fits, what to use."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,27 +15,55 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a parameter count (7B, 7e9, 350M), a Hugging Face config.json, or a model directory holding one")
-    parser.add_argument("--config", help="an offload, DeepSpeed JSON or accelerate YAML config: precision, prefetch depth and buffer count are read from it")
-    parser.add_argument("--precision", choices=sorted(est.COMPUTE_BYTES), help="compute precision (default: the config's, else bf16)")
+    parser.add_argument(
+        "model", help="a parameter count (7B, 7e9, 350M), a Hugging Face config.json, or a model directory holding one"
+    )
+    parser.add_argument(
+        "--config",
+        help="an offload, DeepSpeed JSON or accelerate YAML config: precision, prefetch depth and buffer count are read from it",
+    )
+    parser.add_argument(
+        "--precision", choices=sorted(est.COMPUTE_BYTES), help="compute precision (default: the config's, else bf16)"
+    )
     parser.add_argument("--world-size", type=int, default=1, help="ranks the model is sharded over (default 1)")
-    parser.add_argument("--nodes", type=int, default=1, help="machines the ranks are spread over (default 1: they share this machine's RAM and disk)")
-    parser.add_argument("--gpu-memory", help="memory of one GPU, e.g. 24GB or 80GiB, read in binary units as GPU makers mean "
-                        "them (24GB = 24 GiB) (default: detected with torch; none without a GPU)")
-    parser.add_argument("--device", choices=est.DEVICE_KINDS, help="what the engine will run on: cuda (its copies are "
-                        "staged through host buffers, counted in host) or cpu (default: cuda when a GPU is detected or "
-                        "--gpu-memory is given, else cpu)")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="machines the ranks are spread over (default 1: they share this machine's RAM and disk)",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        help="memory of one GPU, e.g. 24GB or 80GiB, read in binary units as GPU makers mean "
+        "them (24GB = 24 GiB) (default: detected with torch; none without a GPU)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=est.DEVICE_KINDS,
+        help="what the engine will run on: cuda (its copies are "
+        "staged through host buffers, counted in host) or cpu (default: cuda when a GPU is detected or "
+        "--gpu-memory is given, else cpu)",
+    )
     parser.add_argument("--ram", help="RAM available, e.g. 128GB, read in binary units (default: psutil's available memory)")
-    parser.add_argument("--disk", help="free disk at --nvme-path, e.g. 2TB, read in decimal units as disk makers mean them "
-                        "(default: detected)")
+    parser.add_argument(
+        "--disk", help="free disk at --nvme-path, e.g. 2TB, read in decimal units as disk makers mean them (default: detected)"
+    )
     parser.add_argument("--nvme-path", default=None, help="swap directory (default: the config's, else ./offload-swap)")
     parser.add_argument("--layers", type=int, help="with a parameter count: the number of blocks (default: a llama-like guess)")
-    parser.add_argument("--vocab-size", type=int, default=32000, help="with a parameter count: the vocabulary size (default 32000)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=32000, help="with a parameter count: the vocabulary size (default 32000)"
+    )
     parser.add_argument("--micro-batch", type=int, default=1, help="micro-batch size for the rough activation figure (default 1)")
-    parser.add_argument("--seq-len", type=int, default=2048, help="sequence length for the rough activation figure (default 2048)")
+    parser.add_argument(
+        "--seq-len", type=int, default=2048, help="sequence length for the rough activation figure (default 2048)"
+    )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing is on (smaller activation figure)")
-    parser.add_argument("--no-strict", action="store_true", help="with a DeepSpeed or accelerate --config: drop the keys "
-                        "offload cannot honour with a warning instead of refusing the config")
+    parser.add_argument(
+        "--no-strict",
+        action="store_true",
+        help="with a DeepSpeed or accelerate --config: drop the keys "
+        "offload cannot honour with a warning instead of refusing the config",
+    )
     parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
 
 
@@ -45,7 +74,9 @@ def _shape(args) -> est.ModelShape:
     try:
         count = est.parse_count(text)
     except ConfigError:
-        raise ConfigError(f"{text!r} is neither a parameter count (7B, 7e9) nor an existing config.json or model directory") from None
+        raise ConfigError(
+            f"{text!r} is neither a parameter count (7B, 7e9) nor an existing config.json or model directory"
+        ) from None
     return est.shape_from_param_count(count, layers=args.layers, vocab_size=args.vocab_size)
 
 
@@ -82,8 +113,14 @@ def build_report(args) -> dict:
     disk = size("--disk", args.disk, binary=False) if args.disk is not None else machine.disk_bytes
     machine = est.Machine(gpu_bytes, ram, disk, ranks_per_node, nvme_path, device)
     report = est.estimate_report(
-        _shape(args), machine, precision=precision, world_size=args.world_size, prefetch_depth=config.prefetch.depth,
-        buffer_count=config.offload.buffer_count, micro_batch=args.micro_batch, seq_len=args.seq_len,
+        _shape(args),
+        machine,
+        precision=precision,
+        world_size=args.world_size,
+        prefetch_depth=config.prefetch.depth,
+        buffer_count=config.offload.buffer_count,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
         checkpointing=args.checkpointing,
     )
     report["machine"]["size_notes"] = notes
@@ -95,13 +132,19 @@ def format_report(report: dict) -> str:
     model, settings, machine = report["model"], report["settings"], report["machine"]
     gpu = f(machine["gpu_bytes"]) if machine["gpu_bytes"] else "none (the CPU stands in)"
     lines = [
-        (f"model: {model['name']}: {model['params'] / 1e9:.2f}B params in {model['units']} units "
-         f"(largest {model['largest_unit_params'] / 1e6:.1f}M, root {model['root_unit_params'] / 1e6:.1f}M)"),
-        (f"settings: {settings['precision']} on {settings['device']}, world size {settings['world_size']} "
-         f"({settings['ranks_per_node']} per node), prefetch depth {settings['prefetch_depth']}, "
-         f"buffer count {settings['buffer_count']}"),
-        (f"machine: GPU {gpu}, RAM {f(machine['ram_bytes'])} available, disk {f(machine['disk_bytes'])} free at "
-         f"{machine['nvme_path']}"),
+        (
+            f"model: {model['name']}: {model['params'] / 1e9:.2f}B params in {model['units']} units "
+            f"(largest {model['largest_unit_params'] / 1e6:.1f}M, root {model['root_unit_params'] / 1e6:.1f}M)"
+        ),
+        (
+            f"settings: {settings['precision']} on {settings['device']}, world size {settings['world_size']} "
+            f"({settings['ranks_per_node']} per node), prefetch depth {settings['prefetch_depth']}, "
+            f"buffer count {settings['buffer_count']}"
+        ),
+        (
+            f"machine: GPU {gpu}, RAM {f(machine['ram_bytes'])} available, disk {f(machine['disk_bytes'])} free at "
+            f"{machine['nvme_path']}"
+        ),
         *machine.get("size_notes", []),
         "",
         "bytes per rank (host and nvme are shared by the ranks of a node):",
@@ -109,15 +152,19 @@ def format_report(report: dict) -> str:
     ]
     for row in report["placements"]:
         verdict = "yes" if row["fits"] else "no: " + "; ".join(row["problems"])
-        lines.append(f"{row['param'] + ' / ' + row['optimizer']:<18} {f(row['device']['total']):>10} {f(row['host']['total']):>10} "
-                     f"{f(row['nvme']['total']):>10}  {verdict}")
+        lines.append(
+            f"{row['param'] + ' / ' + row['optimizer']:<18} {f(row['device']['total']):>10} {f(row['host']['total']):>10} "
+            f"{f(row['nvme']['total']):>10}  {verdict}"
+        )
         if row.get("plan"):
             lines.append(f"{'':<18} optimizer state split: {row['plan']}")
     activations = report["activations_bytes"]
     lines.append("")
-    lines.append(f"activations (micro-batch {settings['micro_batch']} x {settings['seq_len']} tokens"
-                 f"{', checkpointing' if settings['checkpointing'] else ''}): about {f(activations)} per GPU "
-                 f"({report['activations_note']})")
+    lines.append(
+        f"activations (micro-batch {settings['micro_batch']} x {settings['seq_len']} tokens"
+        f"{', checkpointing' if settings['checkpointing'] else ''}): about {f(activations)} per GPU "
+        f"({report['activations_note']})"
+    )
     recommended = report["recommended"]
     if recommended is None:
         lines.append("recommended: nothing fits; add GPUs (--world-size), RAM or disk, or use a smaller model")

@@ -26,6 +26,7 @@ override, and they are exactly where its DeepSpeed branch differs from the plain
   RNG and trainer state the Trainer writes as usual; `save_model` writes the fp32 weights from
   `engine.consolidated_state_dict()` with `save_pretrained`, so `from_pretrained` loads them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,9 +42,7 @@ from torch import nn
 try:
     from transformers import Trainer, TrainerCallback
 except ImportError as error:  # pragma: no cover - transformers is in the test extras
-    raise ImportError(
-        "offload.integrations.hf needs transformers and accelerate: pip install transformers accelerate"
-    ) from error
+    raise ImportError("offload.integrations.hf needs transformers and accelerate: pip install transformers accelerate") from error
 
 import offload
 from offload.config import Config, is_deepspeed_config, load_config
@@ -82,8 +81,16 @@ def _trainer_values(args) -> dict[str, tuple[Any, str]]:
     }
 
 
-_TRAINER_KEYS = ("precision", "optimizer.type", "optimizer.lr", "optimizer.betas", "optimizer.eps", "optimizer.weight_decay",
-                 "gradient_clipping", "gradient_accumulation_steps")
+_TRAINER_KEYS = (
+    "precision",
+    "optimizer.type",
+    "optimizer.lr",
+    "optimizer.betas",
+    "optimizer.eps",
+    "optimizer.weight_decay",
+    "gradient_clipping",
+    "gradient_accumulation_steps",
+)
 
 
 def _scheduler_name(args) -> str:
@@ -160,8 +167,10 @@ def _user_mapping(offload_config, args=None, report: bool = True, max_steps: int
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
-            raise ConfigError(f"offload_config {str(path)!r} does not exist; pass a dict, an offload.Config or the "
-                              "path of an offload or DeepSpeed JSON (or an accelerate YAML)")
+            raise ConfigError(
+                f"offload_config {str(path)!r} does not exist; pass a dict, an offload.Config or the "
+                "path of an offload or DeepSpeed JSON (or an accelerate YAML)"
+            )
         if path.suffix.lower() in (".yaml", ".yml"):
             translation = deepspeed_config.translate_accelerate(path)
             if report:
@@ -178,14 +187,20 @@ def _user_mapping(offload_config, args=None, report: bool = True, max_steps: int
     filled = _fill_deepspeed_auto(source, args, max_steps) if args is not None else source
     if args is not None:
         world = max(1, int(getattr(args, "world_size", 1) or 1))
-        batches = {"train_micro_batch_size_per_gpu": (args.per_device_train_batch_size,
-                                                      "TrainingArguments.per_device_train_batch_size"),
-                   "train_batch_size": (args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
-                                        "per_device_train_batch_size * gradient_accumulation_steps * world size")}
+        batches = {
+            "train_micro_batch_size_per_gpu": (args.per_device_train_batch_size, "TrainingArguments.per_device_train_batch_size"),
+            "train_batch_size": (
+                args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
+                "per_device_train_batch_size * gradient_accumulation_steps * world size",
+            ),
+        }
         for key, (value, origin) in batches.items():
             if filled.get(key, value) != value:
-                raise ConfigError(f"DeepSpeed {key}={filled[key]!r} but {origin} gives {value!r}: the Trainer's data "
-                                  "loader decides the batch; set it to \"auto\" or make the two equal", key=key)
+                raise ConfigError(
+                    f"DeepSpeed {key}={filled[key]!r} but {origin} gives {value!r}: the Trainer's data "
+                    'loader decides the batch; set it to "auto" or make the two equal',
+                    key=key,
+                )
     translation = deepspeed_config.translate_deepspeed(filled)
     if report:
         deepspeed_config.report(translation)
@@ -238,8 +253,13 @@ def split_offload_config(offload_config) -> tuple[dict[str, Any], dict]:
 
     DeepSpeed `"auto"` values are left to the arguments' own defaults."""
     mapping, _sources = _user_mapping(offload_config)
-    names = {"optimizer.lr": "learning_rate", "optimizer.eps": "adam_epsilon", "optimizer.weight_decay": "weight_decay",
-             "gradient_clipping": "max_grad_norm", "gradient_accumulation_steps": "gradient_accumulation_steps"}
+    names = {
+        "optimizer.lr": "learning_rate",
+        "optimizer.eps": "adam_epsilon",
+        "optimizer.weight_decay": "weight_decay",
+        "gradient_clipping": "max_grad_norm",
+        "gradient_accumulation_steps": "gradient_accumulation_steps",
+    }
     arguments: dict[str, Any] = {}
     for key, name in names.items():
         value = _get(mapping, key)
@@ -252,8 +272,11 @@ def split_offload_config(offload_config) -> tuple[dict[str, Any], dict]:
     if precision in ("bf16", "fp16"):
         arguments[precision] = True
     if _get(mapping, "optimizer.type") not in (_MISSING, "adamw"):
-        raise ConfigError(f"optimizer.type {_get(mapping, 'optimizer.type')!r} has no TrainingArguments counterpart: "
-                          "the Trainer's optimizer is AdamW; use type 'adamw'", key="optimizer.type")
+        raise ConfigError(
+            f"optimizer.type {_get(mapping, 'optimizer.type')!r} has no TrainingArguments counterpart: "
+            "the Trainer's optimizer is AdamW; use type 'adamw'",
+            key="optimizer.type",
+        )
     rest = copy.deepcopy(mapping)
     for key in _TRAINER_KEYS:
         _drop(rest, key)
@@ -275,7 +298,8 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None) -> C
     if optim not in ADAMW_OPTIMS:
         raise ConfigError(
             f"TrainingArguments.optim={optim!r} cannot run on offload: its CPU optimizer is AdamW; "
-            f"use optim one of {', '.join(ADAMW_OPTIMS)} (the default adamw_torch)")
+            f"use optim one of {', '.join(ADAMW_OPTIMS)} (the default adamw_torch)"
+        )
     mapping, sources = _user_mapping(offload_config, args, max_steps=max_steps)
     wanted = _trainer_values(args)
     conflicts = []
@@ -283,16 +307,21 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None) -> C
         have = _get(mapping, key)
         if have is _MISSING:
             continue
-        same = (tuple(float(v) for v in have) == value) if key == "optimizer.betas" and isinstance(have, (list, tuple)) \
+        same = (
+            (tuple(float(v) for v in have) == value)
+            if key == "optimizer.betas" and isinstance(have, (list, tuple))
             else (have == value)
+        )
         if not same:
             theirs = f" (from {sources[key]!r})" if key in sources else ""
             conflicts.append(f"{key}={have!r}{theirs} but {origin} gives {value!r}")
     if conflicts:
         raise ConfigError(
             "offload_config contradicts the TrainingArguments, which drive these under OffloadTrainer: "
-            + "; ".join(conflicts) + ". Remove the key from offload_config (or set it to \"auto\" in a DeepSpeed config), "
-            "or make the two equal")
+            + "; ".join(conflicts)
+            + '. Remove the key from offload_config (or set it to "auto" in a DeepSpeed config), '
+            "or make the two equal"
+        )
     # a schedule in the config drives the lr (as a DeepSpeed scheduler section does under the
     # Trainer's DeepSpeed integration) and the Trainer's own scheduler is not built; the run's
     # length is its total when the config leaves it open
@@ -301,8 +330,11 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None) -> C
         _set(mapping, "scheduler.total_num_steps", int(max_steps))
     seed = mapping.pop("seed", None)
     if seed is not None and seed != args.seed:
-        raise ConfigError(f"offload_config seed={seed!r} but TrainingArguments.seed is {args.seed!r}: the Trainer seeds the "
-                          "run (before the model is built); remove seed from offload_config", key="seed")
+        raise ConfigError(
+            f"offload_config seed={seed!r} but TrainingArguments.seed is {args.seed!r}: the Trainer seeds the "
+            "run (before the model is built); remove seed from offload_config",
+            key="seed",
+        )
     for key, (value, _origin) in wanted.items():
         _set(mapping, key, list(value) if key == "optimizer.betas" else value)
     # the Trainer owns the window (its loss normalisation, a short last window of an epoch): the
@@ -313,7 +345,9 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None) -> C
         raise ConfigError(
             "overlap 'backward' steps each unit during the backward that ends the engine's window, but the Trainer "
             f"accumulates {args.gradient_accumulation_steps} micro-batches per step: use overlap 'forward' (exact, the "
-            "default) or gradient_accumulation_steps 1", key="overlap")
+            "default) or gradient_accumulation_steps 1",
+            key="overlap",
+        )
     return config
 
 
@@ -431,20 +465,28 @@ class OffloadTrainer(Trainer):
     def _check_supported(self) -> None:
         args = self.args
         if self.is_deepspeed_enabled or getattr(args, "deepspeed", None):
-            raise ConfigError("OffloadTrainer replaces the DeepSpeed integration: remove TrainingArguments(deepspeed=...) "
-                              "and pass that DeepSpeed config as OffloadTrainer(offload_config=...), which translates it")
+            raise ConfigError(
+                "OffloadTrainer replaces the DeepSpeed integration: remove TrainingArguments(deepspeed=...) "
+                "and pass that DeepSpeed config as OffloadTrainer(offload_config=...), which translates it"
+            )
         if self.is_fsdp_enabled or getattr(args, "fsdp", None):
             raise ConfigError("OffloadTrainer shards and offloads the model itself: remove TrainingArguments(fsdp=...)")
         if self.optimizer is not None or self.lr_scheduler is not None or self.optimizer_cls_and_kwargs is not None:
-            raise ConfigError("OffloadTrainer builds its own optimizer (engine.optimizer, AdamW on the CPU) and the "
-                              "Trainer's scheduler on it: don't pass optimizers= or optimizer_cls_and_kwargs=; set "
-                              "learning_rate, weight_decay, adam_* and lr_scheduler_type in TrainingArguments")
+            raise ConfigError(
+                "OffloadTrainer builds its own optimizer (engine.optimizer, AdamW on the CPU) and the "
+                "Trainer's scheduler on it: don't pass optimizers= or optimizer_cls_and_kwargs=; set "
+                "learning_rate, weight_decay, adam_* and lr_scheduler_type in TrainingArguments"
+            )
         if args.n_gpu > 1:
-            raise ConfigError(f"OffloadTrainer runs one GPU per process ({args.n_gpu} visible, which the Trainer would "
-                              "drive with DataParallel): launch with torchrun --nproc-per-node N, or set CUDA_VISIBLE_DEVICES")
+            raise ConfigError(
+                f"OffloadTrainer runs one GPU per process ({args.n_gpu} visible, which the Trainer would "
+                "drive with DataParallel): launch with torchrun --nproc-per-node N, or set CUDA_VISIBLE_DEVICES"
+            )
         if getattr(args, "torch_compile", False):
-            raise ConfigError("OffloadTrainer does not torch.compile the model (offload's hooks run per unit): "
-                              "set TrainingArguments(torch_compile=False)")
+            raise ConfigError(
+                "OffloadTrainer does not torch.compile the model (offload's hooks run per unit): "
+                "set TrainingArguments(torch_compile=False)"
+            )
         # fails here rather than at train(): a contradiction between offload_config and the arguments
         known_steps = args.max_steps if args.max_steps > 0 else None
         self._engine_config = trainer_config(args, self.offload_config, max_steps=known_steps)
@@ -478,16 +520,21 @@ class OffloadTrainer(Trainer):
         config has a `scheduler` section, a view of the engine's own schedule."""
         if self.lr_scheduler is None and self._schedule_in_config():
             kind = _scheduler_name(self.args)
-            logger.log(logging.WARNING if kind != "linear" else logging.INFO,
-                       "offload: the config's scheduler section (type %r) drives the learning rate; "
-                       "TrainingArguments.lr_scheduler_type %r and warmup_steps are not used (except to fill its "
-                       "\"auto\" values)", self._engine_config.scheduler.type, kind)
+            logger.log(
+                logging.WARNING if kind != "linear" else logging.INFO,
+                "offload: the config's scheduler section (type %r) drives the learning rate; "
+                "TrainingArguments.lr_scheduler_type %r and warmup_steps are not used (except to fill its "
+                '"auto" values)',
+                self._engine_config.scheduler.type,
+                kind,
+            )
             self.lr_scheduler = ConfigScheduleView(optimizer if optimizer is not None else self.optimizer)
             self._created_lr_scheduler = True
             return self.lr_scheduler
         scheduler = super().create_scheduler(num_training_steps, optimizer=optimizer)
-        if self._created_lr_scheduler and not isinstance(scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau,
-                                                                     _SkipAwareScheduler)):
+        if self._created_lr_scheduler and not isinstance(
+            scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, _SkipAwareScheduler)
+        ):
             scheduler = self.lr_scheduler = _SkipAwareScheduler(scheduler, self)
         return scheduler
 
@@ -507,11 +554,17 @@ class OffloadTrainer(Trainer):
             {"params": [name for name, _ in trainable if name not in decay], "weight_decay": 0.0},
         ]
         groups = [group for group in groups if group["params"]]
-        logger.info("offload: OffloadTrainer builds the engine: precision %s, %d parameter group(s) (%s with weight "
-                    "decay %g, %s without), clipping %g, the Trainer accumulating %d micro-batch(es) per step",
-                    config.precision, len(groups), len(groups[0]["params"]) if groups else 0, self.args.weight_decay,
-                    len(groups[-1]["params"]) if len(groups) > 1 else 0, config.gradient_clipping,
-                    self.args.gradient_accumulation_steps)
+        logger.info(
+            "offload: OffloadTrainer builds the engine: precision %s, %d parameter group(s) (%s with weight "
+            "decay %g, %s without), clipping %g, the Trainer accumulating %d micro-batch(es) per step",
+            config.precision,
+            len(groups),
+            len(groups[0]["params"]) if groups else 0,
+            self.args.weight_decay,
+            len(groups[-1]["params"]) if len(groups) > 1 else 0,
+            config.gradient_clipping,
+            self.args.gradient_accumulation_steps,
+        )
         return offload.initialize(model, config, param_groups=groups, device=self.args.device)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
@@ -536,7 +589,8 @@ class OffloadTrainer(Trainer):
         scaled_for_ga = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled_for_ga is None:
             scaled_for_ga = (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) or (
-                getattr(self, "compute_loss_func", None) is not None)
+                getattr(self, "compute_loss_func", None) is not None
+            )
         if not scaled_for_ga:
             loss = loss / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
         engine.backward(loss)  # the engine's window is 1: no further division
@@ -571,8 +625,11 @@ class OffloadTrainer(Trainer):
         # the weights come back with the engine's checkpoint (_load_optimizer_and_scheduler): the fp32
         # master weights, exactly, not the model file written beside them
         _engine_checkpoint(resume_from_checkpoint)
-        logger.info("offload: resuming from %s: weights, optimizer state and counters from its %s/",
-                    resume_from_checkpoint, ENGINE_CHECKPOINT_DIR)
+        logger.info(
+            "offload: resuming from %s: weights, optimizer state and counters from its %s/",
+            resume_from_checkpoint,
+            ENGINE_CHECKPOINT_DIR,
+        )
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
@@ -582,16 +639,19 @@ class OffloadTrainer(Trainer):
         saved = client_state.get("param_groups")
         if saved is not None and not self._schedule_in_config():  # else the engine set them from its step
             if len(saved) != len(self.optimizer.param_groups):
-                raise OffloadError(f"checkpoint {checkpoint!r} has {len(saved)} parameter groups, this run "
-                                   f"{len(self.optimizer.param_groups)}: was weight_decay changed from or to 0?")
+                raise OffloadError(
+                    f"checkpoint {checkpoint!r} has {len(saved)} parameter groups, this run "
+                    f"{len(self.optimizer.param_groups)}: was weight_decay changed from or to 0?"
+                )
             for group, hyper in zip(self.optimizer.param_groups, saved):
                 group.update({key: tuple(value) if isinstance(value, list) else value for key, value in hyper.items()})
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
         else:
-            logger.warning("offload: %s has no %s: the learning-rate schedule starts from the beginning", checkpoint,
-                           SCHEDULER_NAME)
+            logger.warning(
+                "offload: %s has no %s: the learning-rate schedule starts from the beginning", checkpoint, SCHEDULER_NAME
+            )
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
@@ -623,8 +683,11 @@ class OffloadTrainer(Trainer):
 
 def _group_hyper(group: dict) -> dict:
     """A parameter group's hyper-parameters (what a scheduler may have changed), without its params."""
-    return {key: (list(value) if isinstance(value, tuple) else value) for key, value in group.items()
-            if key != "params" and isinstance(value, (int, float, bool, str, tuple, list, type(None)))}
+    return {
+        key: (list(value) if isinstance(value, tuple) else value)
+        for key, value in group.items()
+        if key != "params" and isinstance(value, (int, float, bool, str, tuple, list, type(None)))
+    }
 
 
 def _engine_checkpoint(checkpoint: str) -> str:
@@ -633,7 +696,8 @@ def _engine_checkpoint(checkpoint: str) -> str:
         raise OffloadError(
             f"{checkpoint!r} has no offload engine checkpoint ({ENGINE_CHECKPOINT_DIR}/): it was not saved by "
             "OffloadTrainer (or with save_only_model=True). To start from its weights, load the model with "
-            "from_pretrained on that directory and train without resume_from_checkpoint")
+            "from_pretrained on that directory and train without resume_from_checkpoint"
+        )
     return path
 
 

@@ -1,4 +1,5 @@
 """offload.CPUAdamW: a drop-in torch.optim.Optimizer on the C++ CPU Adam kernel."""
+
 from __future__ import annotations
 
 import torch
@@ -96,8 +97,9 @@ class CPUAdamW(torch.optim.Optimizer):
         if p.dtype != torch.float32:
             raise TypeError(f"CPUAdamW: parameters must be float32 (fp32 master weights), got {p.dtype}")
         if not p.is_contiguous():
-            raise OffloadError(f"CPUAdamW: parameters must be contiguous, got one of shape {tuple(p.shape)} "
-                               f"with strides {p.stride()}")
+            raise OffloadError(
+                f"CPUAdamW: parameters must be contiguous, got one of shape {tuple(p.shape)} with strides {p.stride()}"
+            )
 
     def add_param_group(self, param_group: dict) -> None:
         # A group added later (by the user) chooses adamw_mode; keep torch's key consistent.
@@ -145,8 +147,7 @@ class CPUAdamW(torch.optim.Optimizer):
                     raise OffloadError("CPUAdamW: sparse gradients are not supported")
                 self._check_param(p)
                 if grad.shape != p.shape:
-                    raise ValueError(f"CPUAdamW: gradient of shape {tuple(grad.shape)} for a parameter of "
-                                     f"shape {tuple(p.shape)}")
+                    raise ValueError(f"CPUAdamW: gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(p.shape)}")
                 if not grad.is_contiguous():
                     grad = grad.contiguous()
                 state = self.state[p]

@@ -15,6 +15,7 @@ step (a unit may hold parameters of several groups: each range steps with its gr
 - The groups are fixed at `offload.initialize` (the engine laid its buffers out by them):
   `add_param_group` afterwards is an error.
 """
+
 from __future__ import annotations
 
 import torch
@@ -63,7 +64,8 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         groups = ", ".join(
-            f"{{lr: {float(g['lr']):g}, weight_decay: {float(g['weight_decay']):g}, params: {len(g['params'])}}}" for g in self.param_groups
+            f"{{lr: {float(g['lr']):g}, weight_decay: {float(g['weight_decay']):g}, params: {len(g['params'])}}}"
+            for g in self.param_groups
         )
         return f"EngineOptimizer(AdamW on the offload engine; groups: [{groups}])"
 

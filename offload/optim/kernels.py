@@ -10,6 +10,7 @@ The arithmetic follows torch.optim.AdamW / Adam (single-tensor implementation) o
 by operation, with each Python scalar rounded to fp32 as torch rounds it, so results are
 identical to torch's to the last bit.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,7 @@ try:
     from offload import _adam_ext as _ext
 except ImportError as exc:  # pragma: no cover - depends on the build
     raise OffloadError(
-        "offload._adam_ext is not built; run `pip install -e .` or "
-        "`OFFLOAD_BUILD_ONLY=adam python setup.py build_ext --inplace`"
+        "offload._adam_ext is not built; run `pip install -e .` or `OFFLOAD_BUILD_ONLY=adam python setup.py build_ext --inplace`"
     ) from exc
 
 __all__ = [
