@@ -5,6 +5,12 @@ gradient window, the global gradient norm, clipping and the fp16 loss scale, and
 is stepped, skipped or refused. What happens to each unit during a micro-step is in
 schedule.py; when the CPU step runs relative to compute is the overlap policy (overlap.py).
 
+Longer than the ~600 lines the other modules keep to, because the public surface is: the
+constructor wires about ten parts (units, tiers, residency, gradients, stepping, schedule,
+hyperparameters, weights, state-dict hooks) and undoes them on a failed start; the rest is the
+user's API (forward, backward and plain loss.backward(), step, lr, optimizer, state dicts,
+checkpoints, memory report, close), each a few lines over the part that does the work.
+
 Threads, and what each owns:
 - the main thread runs forward and backward, every hook, every collective, and all residency
   bookkeeping (acquire / release / storage resize);
@@ -32,22 +38,25 @@ from offload.config import Config, freeze, load_config
 from offload.device import Device
 from offload.errors import ConfigError, NonFiniteError, OffloadError
 from offload.gradients import GradientOffload
+from offload.hyperparameters import GroupHyperparameters
 from offload.materialize import has_meta_state, mapped_zeros, materialize_unit_params
 from offload.memory import TierLedger
 from offload.model_state import OPEN_ENGINES, RELEASED, StateDictHooks
 from offload.optim import kernels
-from offload.optim.engine_optimizer import ConfigSchedule, EngineOptimizer
+from offload.optim.engine_optimizer import EngineOptimizer
 from offload.overlap import Stepping, overlap_policy
-from offload.param_groups import GROUP_KEYS, resolve_param_groups
+from offload.param_groups import resolve_param_groups
 from offload.placement import ParamTier
 from offload.precision import DynamicLossScaler, gradient_multiplier
 from offload.prefetch import step_order
+from offload.rank_order import Op
 from offload.residency import Residency
 from offload.schedule import Phase, Schedule, ScheduleContext
 from offload.state import UnitState
 from offload.stepper import StepHyper, UnitStepper
 from offload.tiers import TierStore, default_run_name, plan_optimizer
 from offload.units import build_units, plan_flat_layout, single_unit_warning
+from offload.weights_out import WeightsReader
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +199,7 @@ class Engine:
             ledger=self.ledger,
             param_tier=self.store.param_tier,
             compute_dtype=self.compute_dtype,
-            agree_before=lambda op, unit: self.schedule.context.agree(op, unit.index, []),
+            agree_before=self._agree_before_unit_collective,
         )
         self.gradients = GradientOffload(
             device=self.device,
@@ -231,17 +240,8 @@ class Engine:
         # thread when its last backward begins (the transfer worker submits the steps)
         self._window_hypers: list[StepHyper] | None = None
         self._outside_backward_began_at = 0.0
-        # engine.optimizer is built on first use: torch.optim.Optimizer imports torch._dynamo
-        # (~2 s and ~70 MB of host memory) the first time one is made; until then the engine
-        # reads the same group dicts from here
-        self._groups = groups
-        self._optimizer: EngineOptimizer | None = None
-        # the config's scheduler section, when it has one, drives every group's lr (and betas)
-        self._config_schedule = ConfigSchedule(self.config.scheduler, self.param_groups)
-        self._config_schedule.apply(self.param_groups, 0)
-        # one unit's fp32 weights, kept while the model's state_dict walks its params
-        self._weights_cache: tuple[tuple[int, int], torch.Tensor] | None = None
-        self._param_home = {id(p): (unit, i) for unit in self.units for i, p in enumerate(unit.spec.params)}
+        self.hyper = GroupHyperparameters(groups, self.config.optimizer, self.config.scheduler)
+        self.weights = WeightsReader(self.units, self.store, self.collectives, settle=self._drain)
         context = ScheduleContext(
             units=self.units,
             residency=self.residency,
@@ -262,7 +262,7 @@ class Engine:
         )
         self.stepper.events = context.events
         self.schedule.install()
-        self._state_dict_hooks = StateDictHooks(model, set(self._param_home), self._fp32_weight, self._drop_weights_cache)
+        self._state_dict_hooks = StateDictHooks(model, set(self.weights.home), self._fp32_weight, self.weights.invalidate)
         # what the engine read at start is what it uses: changing it later would silently do nothing
         freeze(self.config, "engine.config")
         OPEN_ENGINES.add(self)
@@ -302,6 +302,10 @@ class Engine:
         unit.resident = True
         if self.residency.offloaded:
             self.residency.free(unit)
+
+    def _agree_before_unit_collective(self, op: Op, unit: UnitState) -> None:
+        """Residency, before a unit's collective: every rank states the same (operation, unit)."""
+        self.schedule.context.agree(op, unit.index, [])
 
     def _move_buffers(self) -> None:
         """Module buffers (not parameters) follow the model to the device; `close()` puts them
@@ -372,8 +376,8 @@ class Engine:
             )
         boundary = (self.micro_steps + 1) % accumulation == 0
         if boundary and self.policy.steps_in_backward:
-            self._config_schedule.check_untouched(self.param_groups)
-            self._window_hypers = self._hypers(1.0 / self.collectives.world_size)
+            self.hyper.check_untouched()
+            self._window_hypers = self.hyper.step_hypers(1.0 / self.collectives.world_size)
         return boundary
 
     def _agree_on_backward(self, nonfinite: bool, loss_value: float | None) -> None:
@@ -442,63 +446,33 @@ class Engine:
             self._nonfinite_units.append(unit.spec.name)
             return
         unit.begin_step()
-        self._weights_changed()
+        self.weights.invalidate()
         self.schedule.context.events.record("step_begin", unit.index)
+        # read when the window's last backward began, before any of its units could be final
+        assert self._window_hypers is not None
         self.stepping.submit([unit], self._window_hypers)
 
     # ---- step --------------------------------------------------------------------------
-    def _hypers(self, grad_multiplier: float) -> list[StepHyper]:
-        """Each parameter group's hyperparameters as engine.optimizer holds them now (an LR
-        scheduler may have changed them since the last step)."""
-        groups = self.param_groups
-        opt = self.config.optimizer
-        return [
-            StepHyper(
-                lr=float(group["lr"]),
-                beta1=float(group["betas"][0]),
-                beta2=float(group["betas"][1]),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                adamw_mode=opt.type == "adamw",
-                bias_correction=opt.bias_correction,
-                grad_multiplier=grad_multiplier,
-            )
-            for group in groups
-        ]
-
     @property
     def optimizer(self) -> EngineOptimizer:
-        """The engine as a torch.optim.Optimizer (for LR schedulers and trainers); see
-        offload.optim.engine_optimizer."""
-        if self._optimizer is None:
-            opt = self.config.optimizer
-            defaults = {"lr": opt.lr, "weight_decay": opt.weight_decay, "betas": tuple(opt.betas), "eps": opt.eps}
-            self._optimizer = EngineOptimizer(self, self._groups, defaults=defaults)
-        return self._optimizer
+        """The engine as a torch.optim.Optimizer (for LR schedulers and trainers; built on first
+        use, see offload.hyperparameters)."""
+        return self.hyper.optimizer(self)
 
     @property
     def param_groups(self) -> list[dict]:
-        """The parameter groups' dicts (each with params, lr, betas, eps, weight_decay): engine.optimizer's
-        once it is built (its load_state_dict replaces them), the engine's own before."""
-        return self._optimizer.param_groups if self._optimizer is not None else self._groups
+        """The parameter groups' dicts (params, lr, betas, eps, weight_decay), as engine.optimizer holds them."""
+        return self.hyper.param_groups
 
     @property
     def lr(self) -> float:
         """The learning rate (of every parameter group; an error when the groups differ: read
         engine.optimizer.param_groups then). Setting it sets every group's."""
-        rates = {float(group["lr"]) for group in self.param_groups}
-        if len(rates) > 1:
-            raise OffloadError(
-                f"the parameter groups have different learning rates {sorted(rates)}: read or set each in "
-                "engine.optimizer.param_groups[i]['lr']"
-            )
-        return rates.pop()
+        return self.hyper.lr
 
     @lr.setter
     def lr(self, value: float) -> None:
-        self._config_schedule.refuse_manual()
-        for group in self.param_groups:
-            group["lr"] = value
+        self.hyper.lr = value
 
     def _drain(self) -> None:
         """Waits for every gradient transfer and optimizer step in flight; re-raises their errors."""
@@ -524,7 +498,7 @@ class Engine:
             return False
         if self.micro_steps == self._stepped_at_micro:
             return False
-        self._config_schedule.check_untouched(self.param_groups)
+        self.hyper.check_untouched()
         self._drain()
         # the window is decided from here on (stepped, skipped or refused); an interrupt in the
         # wait above leaves it open, and the next step() takes it again
@@ -532,17 +506,19 @@ class Engine:
         window = [unit for unit in self.units if unit.window_started]
         if self.policy.steps_in_backward:
             return self._finish_window_stepped_in_backward(window)
+        norms = {}
         for unit in window:
             if unit.grad_sq_norm is None:
                 unit.grad_sq_norm = self.store.grad_sq_norm(unit)
-        local = sum(unit.grad_sq_norm for unit in window)
+            norms[unit.index] = unit.grad_sq_norm
+        local = sum(norms.values())
         (total,) = self.collectives.sum_host([local], what="the global gradient norm")
         multiplier, norm = gradient_multiplier(
             self.scaler.scale * self.collectives.world_size, total, self.config.gradient_clipping
         )
         self.last_grad_norm = norm
         if not math.isfinite(norm):
-            bad = [unit.spec.name for unit in window if not math.isfinite(unit.grad_sq_norm)]
+            bad = [unit.spec.name for unit in window if not math.isfinite(norms[unit.index])]
             self._discard_window()
             if self.config.precision == "fp16":
                 self.scaler.update(overflow=True)
@@ -557,7 +533,7 @@ class Engine:
                 f"non-finite gradients (norm {norm}) in {', '.join(bad) or 'other ranks'} at step {self.global_steps}: "
                 "the step was skipped and the weights are unchanged; lower the learning rate, check the data, or enable clipping"
             )
-        hypers = self._hypers(multiplier)
+        hypers = self.hyper.step_hypers(multiplier)
         if self.config.precision == "fp16":
             self.scaler.update(overflow=False)
         self.global_steps += 1
@@ -575,7 +551,7 @@ class Engine:
                 f"non-finite gradients in {', '.join(nonfinite)} at step {self.global_steps}: those units were not "
                 "stepped (with overlap 'backward' the other units already were); lower the learning rate or check the data"
             )
-        hypers = self._window_hypers or self._hypers(1.0 / self.collectives.world_size)
+        hypers = self._window_hypers or self.hyper.step_hypers(1.0 / self.collectives.world_size)
         self._window_hypers = None
         self.global_steps += 1
         self._submit_steps([unit for unit in window if unit.window_started], hypers)
@@ -585,14 +561,14 @@ class Engine:
         """The window's units step on the optimizer worker; the overlap policy says whether
         step() waits for them. The config's schedule (if any) moves on to the next step."""
         context = self.schedule.context
-        self._weights_changed()
+        self.weights.invalidate()
         for unit in units:
             unit.begin_step()
             context.events.record("step_begin", unit.index)
             if context.gathers_after_step:
                 unit.needs_gather = True
         self.stepping.submit(units, hypers)
-        self._config_schedule.apply(self.param_groups, self.global_steps)
+        self.hyper.apply_schedule(self.global_steps)
         self.policy.on_window_end(self.stepping)
 
     def _refuse_stray_grads(self) -> None:
@@ -611,92 +587,20 @@ class Engine:
         for unit in self.units:
             unit.end_window()
 
-    # ---- weights out -------------------------------------------------------------------
-    def _master_shard(self, unit: UnitState) -> torch.Tensor:
-        """A host copy of this rank's fp32 master shard of `unit` (its `optimizer_numel` elements)."""
-        if not unit.optimizer_tier.streamed:
-            return unit.host["master"].clone()
-        n = unit.optimizer_numel
-        shard = torch.empty(n, dtype=torch.float32)
-        if n:
-            with self.store.slots_lock:
-                slot = self.store.slots[0]
-                self.store.swap.read_into(unit.swap_name("master"), slot.master[:n]).wait()
-                shard.copy_(slot.master[:n])
-        return shard
-
+    # ---- weights out (offload.weights_out reads them) ------------------------------------
     def param16_shard(self, unit: UnitState) -> torch.Tensor:
         """A host copy of this rank's 16-bit shard of `unit`, wherever its home is."""
-        if self.store.param_tier is ParamTier.DEVICE and unit.param16 is None:
-            # `none` on the CPU: the device buffer is host memory, and the home
-            start, end = unit.layout.shard_range(self.collectives.rank)
-            return unit.device_flat[start:end].clone()
-        source, staged = self.store.read_param16(unit)
-        try:
-            return source.clone()
-        finally:
-            if staged:
-                self.store.give_back_staging(source)
-
-    def _weights_shard(self, unit: UnitState) -> torch.Tensor:
-        """This rank's shard of `unit`'s weights in fp32: the master where the shard has one, the
-        16-bit weights of the frozen params (which have no master) elsewhere."""
-        n = unit.optimizer_numel
-        if n == unit.shard_numel:
-            return self._master_shard(unit)
-        shard = self.param16_shard(unit).float()
-        shard[:n].copy_(self._master_shard(unit))
-        return shard
-
-    def _full_weights(self, unit: UnitState) -> torch.Tensor:
-        """`unit`'s whole flat buffer of fp32 weights (gathered from every rank)."""
-        shard = self._weights_shard(unit)
-        if not self.collectives.is_distributed:
-            return shard
-        full = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
-        self.collectives.all_gather_host(full, shard, what=f"fp32 weights of unit {unit.spec.name}")
-        return full
-
-    def _weights_changed(self) -> None:
-        """A step was scheduled or weights were replaced: a cached copy is stale."""
-        self._weights_cache = None
-
-    def _drop_weights_cache(self) -> None:
-        self._weights_cache = None
+        return self.weights.param16_shard(unit)
 
     def _fp32_weight(self, param: nn.Parameter) -> torch.Tensor:
-        """The fp32 weights of one parameter, a CPU tensor of its own (the model's state_dict
-        hooks). Its unit's weights are read once and kept while the walk stays in that unit."""
+        """The fp32 weights of one parameter (the model's state_dict hooks)."""
         self._check_open()
-        unit, index = self._param_home[id(param)]
-        key = (unit.index, unit.weights_version)
-        if self._weights_cache is None or self._weights_cache[0] != key:
-            self._weights_cache = None
-            self._drain()
-            self._weights_cache = (key, self._full_weights(unit))
-        full = self._weights_cache[1]
-        offset = unit.layout.offsets[index]
-        return full[offset : offset + param.numel()].view(param.shape).clone()
+        return self.weights.param_weight(param)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (and the model's buffers) under model.state_dict()'s keys, on the CPU."""
         self._check_open()
-        self._drain()
-        values: dict[int, torch.Tensor] = {}
-        for unit in self.units:
-            full = self._full_weights(unit)
-            for param, offset in zip(unit.spec.params, unit.layout.offsets):
-                values[id(param)] = full[offset : offset + param.numel()].view(param.shape).clone()
-        result = {}
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
-            if id(tensor) in values:
-                # a tied weight appears under each of its names as its own tensor (safetensors
-                # refuses shared storage)
-                value = values[id(tensor)]
-                result[name] = value.clone() if any(v is value for v in result.values()) else value
-            else:
-                result[name] = tensor.detach().to("cpu", copy=True)
-        return result
+        return self.weights.state_dict(self.model)
 
     def pop_timings(self) -> dict[str, float]:
         """Seconds per phase since the last call (forward, backward, step, wait_fetch, wait_step)."""
@@ -727,7 +631,7 @@ class Engine:
 
     def _settle(self) -> list[BaseException]:
         """Waits for every gradient transfer and optimizer step in flight; returns their errors."""
-        failures = []
+        failures: list[BaseException] = []
         for wait in (self.gradients.wait_all, self.stepping.wait):
             try:
                 wait()
@@ -743,13 +647,7 @@ class Engine:
             "micro_steps": self.micro_steps,
             "skipped_steps": self.skipped_steps,
             "stepped_at_micro": self._stepped_at_micro,
-            "lr": float(self.param_groups[0]["lr"]),
-            # each group's hyperparameters as a scheduler left them (the first group's lr above
-            # is what checkpoints before parameter groups had)
-            "param_groups": [
-                {key: (list(group[key]) if key == "betas" else float(group[key])) for key in GROUP_KEYS}
-                for group in self.param_groups
-            ],
+            **self.hyper.state(),
             "loss_scaler": self.scaler.state_dict(),
             "last_grad_norm": norm if norm is None or math.isfinite(norm) else None,
         }
@@ -760,29 +658,10 @@ class Engine:
         self.micro_steps = state["micro_steps"]
         self.skipped_steps = state["skipped_steps"]
         self._stepped_at_micro = state["stepped_at_micro"]
-        groups = self.param_groups
-        saved = state.get("param_groups")
-        if saved is not None and len(saved) == len(groups):
-            for group, values in zip(groups, saved):
-                group.update(
-                    {key: (tuple(values[key]) if key == "betas" else values[key]) for key in GROUP_KEYS if key in values}
-                )
-        else:
-            if saved is not None:
-                logger.warning(
-                    "offload: the checkpoint has %d parameter groups, this engine %d: only the learning rate (%g) is "
-                    "restored, into every group",
-                    len(saved),
-                    len(groups),
-                    state["lr"],
-                )
-            for group in groups:
-                group["lr"] = state["lr"]
-        # the config's schedule, if any, is a function of the step: its values for this one
-        self._config_schedule.apply(groups, self.global_steps)
+        self.hyper.load_state(state, self.global_steps)
         self.scaler.load_state_dict(state["loss_scaler"])
         self.last_grad_norm = state["last_grad_norm"]
-        self._weights_changed()
+        self.weights.invalidate()
 
     def memory_report(self) -> dict:
         """Bytes the engine holds now and at peak, per tier (device / host / nvme), by category;
@@ -813,7 +692,7 @@ class Engine:
         finally:
             self._closed = True
             OPEN_ENGINES.discard(self)
-            self._weights_cache = None
+            self.weights.invalidate()
             self.schedule.remove()
             self._state_dict_hooks.remove()
             self.transfer.shutdown(wait=True)

@@ -60,7 +60,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         """The groups' hyperparameters from `state_dict` (torch's format and checks); with a
         config scheduler, its values for the engine's current step are put back on top."""
         super().load_state_dict(state_dict)
-        self._engine._config_schedule.apply(self.param_groups, self._engine.global_steps)
+        self._engine.hyper.apply_schedule(self._engine.global_steps)
 
     def __repr__(self) -> str:
         groups = ", ".join(

@@ -1,0 +1,127 @@
+"""The parameter groups' hyperparameters: who sets them, when the engine reads them.
+
+Each group is a torch-style dict (params, lr, betas, eps, weight_decay). Three things may change
+its values between steps: the user (through `engine.lr` or `engine.optimizer.param_groups`), a
+torch or transformers LR scheduler attached to `engine.optimizer`, or the config's `scheduler`
+section (`ConfigSchedule`; it refuses to share the lr with either of the others). The engine
+reads them once per step, on the main thread, into one `StepHyper` per group (overlap backward:
+when the window's last backward begins, since its units step during that backward).
+
+`engine.optimizer` is built on first use: torch.optim.Optimizer imports torch._dynamo (about 2 s
+and 70 MB of host memory) the first time one is made, which a training loop that never asks for
+it should not pay. Until then the groups are the dicts given at construction; once built, the
+optimizer's (its `load_state_dict` replaces them).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from offload.config import OptimizerConfig, SchedulerConfig
+from offload.errors import OffloadError
+from offload.optim.engine_optimizer import ConfigSchedule, EngineOptimizer
+from offload.param_groups import GROUP_KEYS
+from offload.stepper import StepHyper
+
+logger = logging.getLogger(__name__)
+
+
+class GroupHyperparameters:
+    """See the module docstring. `groups`: as offload.param_groups.resolve_param_groups gives them."""
+
+    def __init__(self, groups: list[dict], optimizer: OptimizerConfig, scheduler: SchedulerConfig) -> None:
+        self._groups = groups
+        self._optimizer: EngineOptimizer | None = None
+        self.config = optimizer
+        self.defaults = {
+            "lr": optimizer.lr,
+            "weight_decay": optimizer.weight_decay,
+            "betas": tuple(optimizer.betas),
+            "eps": optimizer.eps,
+        }
+        self.schedule = ConfigSchedule(scheduler, groups)
+        self.schedule.apply(groups, 0)
+
+    def optimizer(self, engine) -> EngineOptimizer:
+        """`engine.optimizer`, built on the first call."""
+        if self._optimizer is None:
+            self._optimizer = EngineOptimizer(engine, self._groups, defaults=self.defaults)
+        return self._optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self._optimizer.param_groups if self._optimizer is not None else self._groups
+
+    def step_hypers(self, grad_multiplier: float) -> list[StepHyper]:
+        """Each group's values as they are now, for the step about to be submitted."""
+        return [
+            StepHyper(
+                lr=float(group["lr"]),
+                beta1=float(group["betas"][0]),
+                beta2=float(group["betas"][1]),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                adamw_mode=self.config.type == "adamw",
+                bias_correction=self.config.bias_correction,
+                grad_multiplier=grad_multiplier,
+            )
+            for group in self.param_groups
+        ]
+
+    @property
+    def lr(self) -> float:
+        rates = {float(group["lr"]) for group in self.param_groups}
+        if len(rates) > 1:
+            raise OffloadError(
+                f"the parameter groups have different learning rates {sorted(rates)}: read or set each in "
+                "engine.optimizer.param_groups[i]['lr']"
+            )
+        return rates.pop()
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.schedule.refuse_manual()
+        for group in self.param_groups:
+            group["lr"] = value
+
+    def check_untouched(self) -> None:
+        """Before a step: with a config schedule, nothing else changed the lr (see ConfigSchedule)."""
+        self.schedule.check_untouched(self.param_groups)
+
+    def apply_schedule(self, step: int) -> None:
+        """The config schedule's values for optimizer step `step` (nothing without one)."""
+        self.schedule.apply(self.param_groups, step)
+
+    def state(self) -> dict:
+        """What a checkpoint saves: each group's values, and the first group's lr (all that
+        checkpoints before parameter groups had)."""
+        return {
+            "lr": float(self.param_groups[0]["lr"]),
+            "param_groups": [
+                {key: (list(group[key]) if key == "betas" else float(group[key])) for key in GROUP_KEYS}
+                for group in self.param_groups
+            ],
+        }
+
+    def load_state(self, state: dict, step: int) -> None:
+        """Restores `state()`'s values; a checkpoint with other groups gives its lr to every group.
+        The config's schedule, if any, is a function of the step: its values for `step` win."""
+        groups = self.param_groups
+        saved = state.get("param_groups")
+        if saved is not None and len(saved) == len(groups):
+            for group, values in zip(groups, saved):
+                group.update(
+                    {key: (tuple(values[key]) if key == "betas" else values[key]) for key in GROUP_KEYS if key in values}
+                )
+        else:
+            if saved is not None:
+                logger.warning(
+                    "offload: the checkpoint has %d parameter groups, this engine %d: only the learning rate (%g) is "
+                    "restored, into every group",
+                    len(saved),
+                    len(groups),
+                    state["lr"],
+                )
+            for group in groups:
+                group["lr"] = state["lr"]
+        self.apply_schedule(step)
