@@ -9,7 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo test test-here clean
+.PHONY: setup demo lint test test-here clean
 
 # torch is pinned first and alone: this exact version is the CPU build available locally;
 # any other request would pull several GB of CUDA packages.
@@ -26,7 +26,14 @@ setup: $(VENV)/.installed
 demo: setup
 	$(PY) examples/demo.py --nvme-path ./offload-swap
 
-test: setup
+# ruff (lint and format) over the tree, mypy over offload/, clang-format over csrc/
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+	$(VENV)/bin/clang-format --dry-run --Werror csrc/*/*.cpp csrc/*/*.h csrc/*/*.inc
+
+test: lint
 	$(PY) -m pytest -q tests
 
 # No venv and no torch install: the C++ extension is built against the interpreter's own
