@@ -494,7 +494,7 @@ def markdown(report: dict, args) -> str:
     steps = report["steps"]
     later = steps[1:] or steps
     lines = [
-        f"## Scale run: {report['params'] / 1e9:.2f}B params, param + optimizer on NVMe ({report['date']})",
+        f"## Scale run: {report['params'] / 1e9:.2f}B params, param on NVMe, optimizer {args.optimizer} ({report['date']})",
         "",
         f"Machine: {report['machine']}. Shared with other engineers' jobs while it ran (load average "
         f"{os.getloadavg()[0]:.1f} at the end), so times are upper bounds.",
@@ -580,6 +580,33 @@ def markdown(report: dict, args) -> str:
     return "\n".join(lines)
 
 
+def comparison(report: dict, peer: dict, args) -> str:
+    """The two placements of one invocation side by side: seconds per step after the first
+    (which also reads never-written state), optimizer-step NVMe bytes, peak RSS."""
+
+    def summary(r: dict) -> tuple[float, float, float]:
+        later = r["steps"][1:] or r["steps"]
+        seconds = sum(sum(phase["seconds"] for phase in s["phases"].values()) for s in later) / len(later)
+        nvme = sum(s["phases"]["step"]["swap_read"] + s["phases"]["step"]["swap_written"] for s in later) / len(later)
+        return seconds, nvme, r["rss"]["vm_hwm"]  # VmHWM is reset when each run starts
+
+    ours, theirs = summary(report), summary(peer)
+    name = args.optimizer + (f" (max_host_memory {args.max_host_memory})" if args.max_host_memory else "")
+    return "\n".join(
+        [
+            f"## optimizer {name} against optimizer {args.against}, same model, same run",
+            "",
+            "| optimizer | s/step | step NVMe bytes | peak RSS |",
+            "| --- | --- | --- | --- |",
+            f"| {name} | {ours[0]:.1f} | {fmt_gb(ours[1])} | {fmt_gib(ours[2])} |",
+            f"| {args.against} | {theirs[0]:.1f} | {fmt_gb(theirs[1])} | {fmt_gib(theirs[2])} |",
+            "",
+            f"{name} is {theirs[0] / ours[0]:.2f}x the speed of {args.against} (s/step ratio).",
+            "",
+        ]
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=3e9, help="target parameter count (default 3e9)")
@@ -598,6 +625,11 @@ def main(argv=None) -> int:
         help="offload.optimizer (auto: RAM up to --max-host-memory, the rest on NVMe)",
     )
     parser.add_argument("--max-host-memory", default=None, help="offload.max_host_memory for --optimizer auto, e.g. 8GiB")
+    parser.add_argument(
+        "--against",
+        choices=["nvme", "auto", "cpu"],
+        help="then train the same model again with this offload.optimizer (the peer) and print both and the ratio",
+    )
     parser.add_argument("--prefetch", type=int, default=2)
     parser.add_argument("--bench-size", type=int, default=2 << 30, help="bytes of the disk measurement's scratch file")
     parser.add_argument("--quick-bench", action="store_true", help="measure one io setting (8M blocks, depth 32, 8 threads)")
@@ -619,6 +651,17 @@ def main(argv=None) -> int:
         print("interrupted; swap files removed", file=sys.stderr)
         return 130
     text = markdown(report, args)
+    if args.against:
+        peer_args = argparse.Namespace(**{**vars(args), "optimizer": args.against, "skip_bench": True})
+        io = report["config"]["io"]  # the io settings the first run measured
+        peer_args.block_size, peer_args.queue_depth, peer_args.io_threads = io["block_size"], io["queue_depth"], io["threads"]
+        try:
+            with sigterm_raises():
+                peer = run(peer_args)
+        except (KeyboardInterrupt, _Terminated):
+            print("interrupted; swap files removed", file=sys.stderr)
+            return 130
+        text += "\n" + markdown(peer, peer_args) + "\n" + comparison(report, peer, args)
     print()
     print(text)
     if args.results:

@@ -344,8 +344,9 @@ def test_start_up_writes_only_master_and_16_bit_weights(swap_dir):
 
 
 def test_scale_benchmark_runs_at_small_size_and_leaves_no_swap(tmp_path):
-    """benchmarks/scale.py end to end at ~4M params (no disk measurement): it reports, and its
-    swap directory is gone afterwards."""
+    """benchmarks/scale.py end to end at ~4M params (no disk measurement), optimizer auto under a
+    host cap against all-NVMe in the same run: it reports both and their ratio, the capped run
+    streams fewer optimizer bytes from NVMe, and its swap directory is gone afterwards."""
     path = tmp_path / "scale"
     results = tmp_path / "results.md"
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
@@ -370,6 +371,12 @@ def test_scale_benchmark_runs_at_small_size_and_leaves_no_swap(tmp_path):
             str(path),
             "--results",
             str(results),
+            "--optimizer",
+            "auto",
+            "--max-host-memory",
+            "150MB",
+            "--against",
+            "nvme",
         ],
         capture_output=True,
         text=True,
@@ -379,5 +386,13 @@ def test_scale_benchmark_runs_at_small_size_and_leaves_no_swap(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 2: loss" in done.stdout
     text = results.read_text()
-    assert "Peak RSS" in text and "| nvme |" in text
+    assert "Peak RSS" in text and "optimizer auto (max_host_memory 150MB) against optimizer nvme" in text
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[3].strip()
+        for line in text.splitlines()
+        if line.startswith("| auto (") or line.startswith("| nvme |")
+    }
+    auto_bytes, nvme_bytes = (float(rows[key].split()[0]) for key in ("auto (max_host_memory 150MB)", "nvme"))
+    assert auto_bytes < nvme_bytes, rows
+    assert "x the speed of nvme" in text
     assert os.listdir(path) == []
