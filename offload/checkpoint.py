@@ -124,11 +124,15 @@ def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> 
             # the units' order matches the slices' order, so the file is written sequentially
             for unit, views, _ in engine.store.stream_optimizer_states(engine.units, include_grad=False):
                 unit_slices = by_unit.get(unit.index, [])
-                frozen = None
+                frozen: torch.Tensor | None = None
                 if any(_frozen_piece(unit, s.shard_pos) for s, _ in unit_slices):
                     frozen = engine.param16_shard(unit).float()
                 for s, offset in unit_slices:
-                    source = frozen if _frozen_piece(unit, s.shard_pos) else views[s.kind]
+                    if _frozen_piece(unit, s.shard_pos):
+                        assert frozen is not None  # set above: any() found this slice
+                        source = frozen
+                    else:
+                        source = views[s.kind]
                     data = source[s.shard_pos : s.shard_pos + s.end - s.start]
                     crcs = []
                     for c0, c1 in chunk_bounds(s.end - s.start):
@@ -263,6 +267,7 @@ def save(
     _agree_on_failure(engine, error, cleanup)
 
     if rank == 0:
+        assert lock_fd is not None  # rank 0 opened it above, or _agree_on_failure raised
         try:
             _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, keep_last)
         except BaseException as e:  # noqa: BLE001  (every rank must learn of any failure, Ctrl-C included)

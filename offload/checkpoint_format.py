@@ -66,6 +66,7 @@ import shutil
 import stat
 import struct
 from dataclasses import dataclass
+from typing import Any, TypeGuard
 
 import torch
 
@@ -182,7 +183,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         tensor = tensor.view(torch.int16)
     elif tensor.dtype == torch.bool:
         tensor = tensor.view(torch.uint8)
-    return memoryview(tensor.numpy()).cast("B")
+    # ndarray.data is memoryview(array), typed as one (numpy's stubs make ndarray a buffer on Python >= 3.12 only)
+    return tensor.numpy().data.cast("B")
 
 
 def write_all(fd: int, data, path: str) -> None:
@@ -306,7 +308,7 @@ def _read_verified(dir_fd: int, directory: str, name: str, info) -> bytes:
     return data
 
 
-def _is_count(value) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -339,7 +341,10 @@ def rng_state() -> dict:
     try:
         import numpy as np
 
-        name, keys, pos, has_gauss, cached = np.random.get_state()
+        legacy = np.random.get_state(legacy=True)
+        # the tuple form: the global RandomState is MT19937 (a dict only after np.random.set_bit_generator)
+        assert isinstance(legacy, tuple)
+        name, keys, pos, has_gauss, cached = legacy
         state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
     except ImportError:
         pass
@@ -517,7 +522,7 @@ class CheckpointReader:
 
     def __init__(self, path, tag: str | None = None) -> None:
         self.directory = resolve(path, tag)
-        self._dir_fd = open_dir(self.directory)
+        self._dir_fd: int | None = open_dir(self.directory)
         self._fds: dict[str, int] = {}
         self._bounce: torch.Tensor | None = None
         try:
@@ -526,9 +531,15 @@ class CheckpointReader:
             self.close()
             raise
 
+    @property
+    def _dir(self) -> int:
+        """The checkpoint directory's descriptor: open from __init__ until close()."""
+        assert self._dir_fd is not None, "CheckpointReader read after close()"
+        return self._dir_fd
+
     def _load_index(self) -> None:
         index_path = os.path.join(self.directory, INDEX)
-        self.index = _parse_json_with_checksum(self._dir_fd, self.directory, INDEX)
+        self.index = _parse_json_with_checksum(self._dir, self.directory, INDEX)
         if not isinstance(self.index, dict) or self.index.get("format") != FORMAT:
             raise CheckpointCorruptError(f"{index_path} is not an offload checkpoint index")
         if self.index.get("version") != FORMAT_VERSION:
@@ -536,11 +547,12 @@ class CheckpointReader:
                 f"checkpoint {self.directory} has format version {self.index.get('version')}; this "
                 f"offload reads version {FORMAT_VERSION}"
             )
-        self.files = self.index.get("files")
+        files = self.index.get("files")
         ranks = self.index.get("ranks")
         params = self.index.get("params")
-        if not isinstance(self.files, dict) or not isinstance(ranks, list) or not ranks or not isinstance(params, dict):
+        if not isinstance(files, dict) or not isinstance(ranks, list) or not ranks or not isinstance(params, dict):
             raise _malformed(index_path, "its list of files, ranks or parameters")
+        self.files: dict[str, Any] = files
         for name, info in params.items():
             if not (
                 isinstance(info, dict)
@@ -556,7 +568,7 @@ class CheckpointReader:
             if not isinstance(name, str) or not RANK_JSON.fullmatch(name) or name not in self.files:
                 raise _malformed(index_path, f"its rank file entry {name!r}")
             try:
-                part = json.loads(_read_verified(self._dir_fd, self.directory, name, self.files[name]))
+                part = json.loads(_read_verified(self._dir, self.directory, name, self.files[name]))
             except ValueError:
                 raise _malformed(os.path.join(self.directory, name), "its content") from None
             self.parts.append(part)
@@ -604,7 +616,7 @@ class CheckpointReader:
     def _open_rank_file(self, name: str, path: str, file_bytes: int, header_bytes: int, header_crc: int) -> int:
         if name in self._fds:
             raise CheckpointCorruptError(f"checkpoint {self.directory}: two rank files name the state file {path}")
-        fd, size = _open_regular(self._dir_fd, name, path)
+        fd, size = _open_regular(self._dir, name, path)
         self._fds[name] = fd
         if size != file_bytes:
             raise CheckpointCorruptError(
@@ -680,7 +692,7 @@ class CheckpointReader:
 
         if BUFFERS not in self.files:
             raise CheckpointCorruptError(f"checkpoint {self.directory}: its index lists no {BUFFERS}")
-        data = _read_verified(self._dir_fd, self.directory, BUFFERS, self.files[BUFFERS])
+        data = _read_verified(self._dir, self.directory, BUFFERS, self.files[BUFFERS])
         try:
             return safetensors_load(data)
         except Exception as e:  # noqa: BLE001  (safetensors' own parse errors: a crafted file that passes its checksum)
@@ -691,7 +703,7 @@ class CheckpointReader:
             return {}
         import io
 
-        data = _read_verified(self._dir_fd, self.directory, CLIENT_STATE, self.files[CLIENT_STATE])
+        data = _read_verified(self._dir, self.directory, CLIENT_STATE, self.files[CLIENT_STATE])
         try:
             return torch.load(io.BytesIO(data), weights_only=True)
         except Exception as e:  # noqa: BLE001  (weights_only refuses anything but plain data: report, never run it)
@@ -704,7 +716,7 @@ class CheckpointReader:
     def hf_config(self) -> bytes | None:
         if HF_CONFIG not in self.files:
             return None
-        return _read_verified(self._dir_fd, self.directory, HF_CONFIG, self.files[HF_CONFIG])
+        return _read_verified(self._dir, self.directory, HF_CONFIG, self.files[HF_CONFIG])
 
     def close(self) -> None:
         for fd in self._fds.values():

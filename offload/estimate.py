@@ -29,10 +29,13 @@ import math
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from offload.errors import ConfigError
+from offload.placement import OptimizerTier
 from offload.plan import Capacity, PlanError, plan_optimizer_tiers
 from offload.state import host_budget_bytes
 from offload.tiers import HOST_MARGIN
@@ -343,8 +346,8 @@ def _gpt_neox(config: dict) -> ModelShape:
 
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
-MODEL_TYPES = {
-    **{name: (lambda c, name=name: _llama_like(c, name)) for name in LLAMA_LIKE},
+MODEL_TYPES: dict[str, Callable[[dict], ModelShape]] = {
+    **{name: partial(_llama_like, model_type=name) for name in LLAMA_LIKE},
     "mixtral": _mixtral,
     "qwen2_moe": lambda c: _qwen_moe(c, "qwen2_moe"),
     "qwen3_moe": lambda c: _qwen_moe(c, "qwen3_moe"),
@@ -372,9 +375,10 @@ def shape_from_hf_config(config: dict | str | os.PathLike) -> ModelShape:
         import json
 
         try:
-            config = json.loads(path.read_text())
+            loaded: dict = json.loads(path.read_text())
         except json.JSONDecodeError as error:
             raise ConfigError(f"{str(path)!r} is not valid JSON: {error}") from error
+        config = loaded
     model_type = str(config.get("model_type", ""))
     count = "pass the parameter count instead (offload estimate 7e9 --layers 32)"
     if model_type not in MODEL_TYPES:
@@ -540,7 +544,7 @@ def estimate_tiers(
     budget = host_budget_bytes(
         shards,
         param_tier=param,
-        optimizer_tier=list(tiers),
+        optimizer_tier=[OptimizerTier(tier) for tier in tiers],
         compute_bytes=cb,
         buffer_count=buffer_count,
         prefetch_depth=prefetch_depth,
@@ -576,7 +580,7 @@ def plan_auto(
     unit `cpu` or `nvme`, and the plan in words; (None, why) when nothing fits."""
     cb = COMPUTE_BYTES[precision]
     shards = shape.shard_numels(world_size)
-    others = host_budget_bytes(
+    budget = host_budget_bytes(
         shards,
         param_tier=param,
         optimizer_tier="nvme",
@@ -585,7 +589,7 @@ def plan_auto(
         prefetch_depth=prefetch_depth,
         staged_device_copies=machine.device == "cuda",
     )
-    others = sum(v for k, v in others.items() if k not in ("optimizer_slots", "grad_slot"))
+    others = sum(v for k, v in budget.items() if k not in ("optimizer_slots", "grad_slot"))
     ranks = machine.ranks_per_node
     capacity = Capacity(
         device=0, host=max(0, int(machine.ram_bytes * (1 - HOST_MARGIN)) // ranks - others), nvme=machine.disk_bytes // ranks
@@ -710,7 +714,7 @@ def recommended_config(
 ) -> dict:
     """An offload config (every key valid for `offload.load_config`) for this placement."""
     param, optimizer = placement
-    offload = {"param": param, "optimizer": optimizer}
+    offload: dict[str, str | int] = {"param": param, "optimizer": optimizer}
     if "nvme" in placement or optimizer == "auto":
         offload["nvme_path"] = nvme_path
         offload["buffer_count"] = buffer_count
@@ -738,8 +742,9 @@ def estimate_report(
     activations = activation_bytes(
         shape, micro_batch=micro_batch, seq_len=seq_len, precision=precision, checkpointing=checkpointing
     )
-    rows = []
-    fits = {}
+    rows: list[dict] = []
+    fits: dict[tuple[str, str], bool] = {}
+    assert machine.device is not None  # Machine.__post_init__ turns None into cuda or cpu
     for placement in PLACEMENTS:
         tiers, plan = None, None
         if placement[1] == "auto":

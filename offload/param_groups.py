@@ -46,11 +46,12 @@ def param_groups_no_decay(model: nn.Module, weight_decay: float) -> list[dict]:
     `weight_decay`, and biases, norm weights and other 1-D parameters with none. Pass the result
     to `offload.initialize(..., param_groups=...)` (or to `torch.optim.AdamW`). An empty group
     is left out."""
-    owners = {}
+    owners: dict[int, tuple[str, nn.Module]] = {}
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             owners.setdefault(id(param), (f"{module_name}.{param_name}" if module_name else param_name, module))
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -99,7 +100,7 @@ def _group_params(where: str, params, by_name: dict[str, nn.Parameter], names_of
                     f"{where}['params'] holds a tensor of shape {list(item.shape)} that is not a "
                     "parameter of the model given to offload.initialize"
                 )
-            param = item
+            param = by_name[names_of[id(item)]]  # `item` itself: the parameter with its id, both alive
         else:
             raise ConfigError(f"{where}['params'] holds {type(item).__name__} {item!r}: give parameters or their names")
         if all(param is not other for other in found):  # a tied weight listed under both names
@@ -161,7 +162,7 @@ def resolve_param_groups(model: nn.Module, param_groups, defaults: dict) -> list
         if "name" in group:
             entry["name"] = group["name"]
         resolved.append(entry)
-    rest = []
+    rest: list[nn.Parameter] = []
     for param in by_name.values():
         if id(param) not in owner and all(param is not other for other in rest):
             rest.append(param)

@@ -231,7 +231,7 @@ def run_sweep(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(scratch)
         pool.close()
-    best = {op: max((r for r in rows if r["op"] == op), key=lambda r: r["gbps"]) for op in ops}
+    best_rows = {op: max((r for r in rows if r["op"] == op), key=lambda r: r["gbps"]) for op in ops}
     io = _best_io(rows, ops)
     return {
         "path": path,
@@ -241,14 +241,14 @@ def run_sweep(
         "repeat": repeat,
         "warnings": warnings,
         "rows": rows,
-        "best": best,
+        "best": best_rows,
         "io": io,
     }
 
 
 def _best_io(rows: list[dict], ops) -> dict:
     """One io section: the combination with the best harmonic mean over the ops measured."""
-    by = {}
+    by: dict[tuple[int, int, int], dict[str, float]] = {}
     for r in rows:
         by.setdefault((r["block_size"], r["queue_depth"], r["threads"]), {})[r["op"]] = r["gbps"]
 
