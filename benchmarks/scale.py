@@ -12,7 +12,7 @@ What it does, in order:
    short) and uses the best io settings for the run;
 3. builds the model on the meta device (no storage) and hands it to the engine, which
    materialises and initialises it unit by unit straight onto the tiers;
-4. runs --steps training steps (batch --batch, sequence --seq, bf16, param nvme, optimizer
+4. runs --steps training steps (batch --batch, sequence --seq, --precision, param nvme, optimizer
    nvme, overlap none so the optimizer step's I/O is measured on its own);
 5. prints, and with --results appends to a markdown file: peak RSS (getrusage and psutil),
    peak bytes per tier from memory_report(), disk bytes read/written per phase (the swap
@@ -356,7 +356,7 @@ def run(args) -> dict:
         )
     io = disk["io"] if disk else {"block_size": args.block_size, "queue_depth": args.queue_depth, "threads": args.io_threads}
     config = {
-        "precision": "bf16",
+        "precision": args.precision,
         "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.0},
         "offload": {
             "param": "nvme",
@@ -504,7 +504,7 @@ def markdown(report: dict, args) -> str:
         f"Model: decoder-only, vocab {report['shape']['vocab']}, width {report['shape']['width']}, "
         f"{report['shape']['depth']} blocks, {report['shape']['heads']} heads, tied embedding; built on the meta device "
         f"and materialised unit by unit. fp32 weights {fmt_gb(4 * report['params'])}; fp32 master + Adam + fp32 grads "
-        f"{fmt_gb(16 * report['params'])}. Batch {report['batch']} x {report['seq']} tokens, bf16, overlap none, "
+        f"{fmt_gb(16 * report['params'])}. Batch {report['batch']} x {report['seq']} tokens, {args.precision}, overlap none, "
         f"io {report['config']['io']}, buffer_count {report['config']['offload']['buffer_count']}, prefetch depth "
         f"{report['config']['prefetch']['depth']}.",
         "",
@@ -618,6 +618,13 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--buffer-count", type=int, default=3)
+    parser.add_argument(
+        "--precision",
+        default="bf16",
+        choices=["bf16", "fp16", "fp32"],
+        help="compute precision; on a CPU without bf16 matmul units fp32 is far faster (torch's bf16 backward "
+        "matmuls fall back to a reference loop there, ~40x the forward)",
+    )
     parser.add_argument(
         "--optimizer",
         default="nvme",
