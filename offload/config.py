@@ -79,6 +79,7 @@ class ReadOnlyOnceFrozen:
 def freeze(config: ReadOnlyOnceFrozen, path: str = "config") -> None:
     """Makes `config` and every section in it read-only (see ReadOnlyOnceFrozen); `path` names
     it in the error (e.g. "engine.config")."""
+    assert dataclasses.is_dataclass(config)  # every ReadOnlyOnceFrozen subclass is a @dataclass section
     for item in dataclasses.fields(config):
         value = getattr(config, item.name)
         if isinstance(value, ReadOnlyOnceFrozen):
@@ -252,7 +253,9 @@ def _type_hints(cls) -> dict[str, Any]:
 def field_docs(cls) -> dict[str, str]:
     """The docstring of each field of a config dataclass, read from its source."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    class_def = tree.body[0]
+    assert isinstance(class_def, ast.ClassDef)  # `cls` is a config dataclass: its source is one class statement
+    body = class_def.body
     docs = {}
     for statement, following in itertools.pairwise(body):
         if (
@@ -275,6 +278,7 @@ def _coerce(path: str, value: Any, hint: Any) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
+        assert isinstance(hint, type)  # an annotation names the dataclass itself, never an instance of it
         if isinstance(value, hint):
             return _from_mapping(path, dataclasses.asdict(value), hint)
         if not isinstance(value, dict):
@@ -642,6 +646,8 @@ def lr_at(step: int, scheduler: SchedulerConfig, base_lr: float) -> float:
             ratio = max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
         return base_lr * ratio
     if s.type == "one_cycle":
+        # validate() refuses a one_cycle schedule without both bounds
+        assert s.cycle_min_lr is not None and s.cycle_max_lr is not None
         low, high = s.cycle_min_lr, s.cycle_max_lr
         total = _one_cycle_total(s)
         if it < total:
@@ -664,7 +670,8 @@ def betas_at(step: int, scheduler: SchedulerConfig, betas: tuple[float, float]) 
     cycle_min_mom, which is what DeepSpeed's constructor writes into the optimizer."""
     s = scheduler
     if s.type != "one_cycle" or not s.cycle_momentum:
-        return tuple(betas)
+        # tuple() keeps the two betas (it only turns a list from a param group into a tuple); mypy loses the length
+        return typing.cast(tuple[float, float], tuple(betas))
     it = step - 1
     if it < 0:
         return (s.cycle_min_mom, 0.99)

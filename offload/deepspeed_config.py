@@ -365,7 +365,7 @@ _OPT_PARAMS_RULES = {
 
 # DeepSpeed scheduler type (lower case) -> offload scheduler type, and its parameters with
 # DeepSpeed's defaults (None: required, or "the optimizer's lr" for warmup_max_lr of WarmupLR).
-_SCHEDULERS = {
+_SCHEDULERS: dict[str, tuple[str, dict[str, Any]]] = {
     "warmuplr": ("warmup", {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log"}),
     "warmupdecaylr": (
         "warmup_decay",
@@ -615,7 +615,8 @@ def _zero(b: _Builder, mapping: dict) -> None:
                 sections[name] = {**section, "pin_memory": pin}
 
     devices = {name: _device(b, sections[name], f"zero_optimization.{name}") for name in sections}
-    active = {name: sections[name] for name in sections if devices[name] != "none"}
+    # a device other than none means the section is there (_device gives none for a missing one)
+    active = {name: section for name, section in sections.items() if section is not None and devices[name] != "none"}
     for name, section in sections.items():
         path = f"zero_optimization.{name}"
         if section is None:
@@ -688,7 +689,7 @@ def _zero(b: _Builder, mapping: dict) -> None:
             key = f"zero_optimization.{name}.buffer_count"
             counts[key] = b.number(section["buffer_count"], key, integer=True)
     if counts:
-        key = max(counts, key=counts.get)
+        key = max(counts, key=counts.__getitem__)
         value = counts[key]
         if value < 2:
             log.warning(
@@ -1029,7 +1030,7 @@ def translate_accelerate(path: str | os.PathLike) -> Translation:
             key="mixed_precision",
         )
     ignored = [(k, _WHY_LAUNCHER) for k in data if k not in ("deepspeed_config", "mixed_precision")]
-    unsupported = []
+    unsupported: list[tuple[str, str]] = []
     file = ds.get("deepspeed_config_file")
     known = list(_ACCEL_INLINE) + list(_ACCEL_INLINE_RULES) + ["deepspeed_config_file"]
     for key, value in ds.items():
@@ -1041,6 +1042,7 @@ def translate_accelerate(path: str | os.PathLike) -> Translation:
                 (f"deepspeed_config.{key}", f"not an accelerate DeepSpeed key offload knows; {_nearest(key, known)}")
             )
 
+    mapping: dict[str, Any]
     if file is not None:
         inline = sorted(k for k in ds if k in _ACCEL_INLINE)
         if inline:
@@ -1065,7 +1067,7 @@ def translate_accelerate(path: str | os.PathLike) -> Translation:
             raise ConfigError(f"DeepSpeed config file {str(found)!r} is not valid JSON: {error}") from error
         result = translate_deepspeed(mapping, mixed_precision=mixed)
     else:
-        mapping: dict[str, Any] = {}
+        mapping = {}
         names: dict[str, str] = {}
         for key, value in ds.items():
             if key in _ACCEL_INLINE:

@@ -34,7 +34,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -47,6 +47,9 @@ except ImportError as error:  # pragma: no cover - transformers is in the test e
 import offload
 from offload.config import Config, is_deepspeed_config, load_config
 from offload.errors import ConfigError, OffloadError
+
+if TYPE_CHECKING:
+    from offload.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -455,7 +458,7 @@ class OffloadTrainer(Trainer):
 
     def __init__(self, *args, offload_config=None, **kwargs) -> None:
         self.offload_config = offload_config
-        self.offload_engine = None
+        self.offload_engine: Engine | None = None
         self._offloaded_model: OffloadedModel | None = None
         super().__init__(*args, **kwargs)
         self._check_supported()
@@ -528,28 +531,33 @@ class OffloadTrainer(Trainer):
                 self._engine_config.scheduler.type,
                 kind,
             )
-            self.lr_scheduler = ConfigScheduleView(optimizer if optimizer is not None else self.optimizer)
+            # transformers annotates lr_scheduler as its optimizers= argument (LambdaLR); the Trainer only
+            # calls step / get_last_lr / state_dict / load_state_dict on it, which this view has
+            self.lr_scheduler = ConfigScheduleView(optimizer if optimizer is not None else self.optimizer)  # type: ignore[assignment]
             self._created_lr_scheduler = True
             return self.lr_scheduler
+        scheduler: torch.optim.lr_scheduler.LRScheduler | _SkipAwareScheduler
         scheduler = super().create_scheduler(num_training_steps, optimizer=optimizer)
         if self._created_lr_scheduler and not isinstance(
             scheduler, (torch.optim.lr_scheduler.ReduceLROnPlateau, _SkipAwareScheduler)
         ):
-            scheduler = self.lr_scheduler = _SkipAwareScheduler(scheduler, self)
+            # a stand-in for the Trainer's scheduler (see ConfigScheduleView above for the annotation)
+            scheduler = self.lr_scheduler = _SkipAwareScheduler(scheduler, self)  # type: ignore[assignment]
         return scheduler
 
     def _schedule_in_config(self) -> bool:
         return self._engine_config.scheduler.type != "none"
 
-    def _build_engine(self):
+    def _build_engine(self) -> Engine:
         model = self.model
+        assert model is not None  # the Trainer has its model by now (model=, or model_init at train())
         config = self._engine_config
         if self._schedule_in_config():
             # its "auto" / missing step counts need the run's length, known now
             config = self._engine_config = trainer_config(self.args, self.offload_config, max_steps=self.state.max_steps)
         decay = set(self.get_decay_parameter_names(model))
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        groups = [
+        groups: list[dict[str, Any]] = [
             {"params": [name for name, _ in trainable if name in decay], "weight_decay": float(self.args.weight_decay)},
             {"params": [name for name, _ in trainable if name not in decay], "weight_decay": 0.0},
         ]
@@ -572,6 +580,7 @@ class OffloadTrainer(Trainer):
         # builds it (the model never sits on the device whole)
         if self._offloaded_model is None:
             self.create_optimizer()
+        assert self._offloaded_model is not None  # create_optimizer built it with the engine
         return self._offloaded_model
 
     # -- one micro-batch: the Trainer's loss, the engine's backward --------------------------
@@ -583,6 +592,7 @@ class OffloadTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        assert isinstance(loss, torch.Tensor)  # return_outputs=False: the loss alone, not (loss, outputs)
         del inputs
         # as Trainer.training_step: a loss the model (or compute_loss_func) normalised over the
         # whole accumulated batch is used as is, a per-batch mean is divided by the window
@@ -608,6 +618,7 @@ class OffloadTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.offload_engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
+        assert self.optimizer is not None  # engine.optimizer, set with the engine (create_optimizer); end() clears both
         client_state = {"param_groups": [_group_hyper(group) for group in self.optimizer.param_groups]}
         path = os.path.join(output_dir, ENGINE_CHECKPOINT_DIR)
         # the Trainer writes checkpoint-N/ again when a run resumed before step N saves it anew;
@@ -619,6 +630,7 @@ class OffloadTrainer(Trainer):
         tag = tag if count == 0 else f"{tag}-{count}"
         self.offload_engine.save_checkpoint(path, client_state=client_state, tag=tag, keep_last=1)
         if self.args.should_save:
+            assert self.lr_scheduler is not None  # the Trainer saves checkpoints while training, after create_scheduler
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
@@ -634,10 +646,14 @@ class OffloadTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
+        # the Trainer calls this inside train(), after create_optimizer_and_scheduler built the engine
+        # (resuming) or at its end (the best model); end() has not closed the engine yet
+        assert self.offload_engine is not None
         # the Trainer restores the RNG states itself (after skipping the batches already seen)
         client_state = self.offload_engine.load_checkpoint(_engine_checkpoint(checkpoint), load_rng=False) or {}
         saved = client_state.get("param_groups")
         if saved is not None and not self._schedule_in_config():  # else the engine set them from its step
+            assert self.optimizer is not None  # engine.optimizer, set with the engine
             if len(saved) != len(self.optimizer.param_groups):
                 raise OffloadError(
                     f"checkpoint {checkpoint!r} has {len(saved)} parameter groups, this run "
@@ -647,6 +663,7 @@ class OffloadTrainer(Trainer):
                 group.update({key: tuple(value) if isinstance(value, list) else value for key, value in hyper.items()})
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler_file):
+            assert self.lr_scheduler is not None  # created with the optimizer, before this
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
         else:
             logger.warning(
