@@ -140,7 +140,8 @@ def probe_o_direct(path: str | os.PathLike, *, dir_fd: int | None = None) -> boo
 
 def storage_capacity(tensor: torch.Tensor) -> int:
     """Bytes available from the tensor's first element to the end of its storage."""
-    return tensor.untyped_storage().nbytes() - tensor.storage_offset() * tensor.element_size()
+    # storage_offset() is typed int | SymInt (symbolic under tracing); a host tensor's is an int
+    return tensor.untyped_storage().nbytes() - int(tensor.storage_offset()) * tensor.element_size()
 
 
 def direct_ok(tensor: torch.Tensor, offset: int, io_nbytes: int) -> bool:
@@ -160,8 +161,10 @@ class _Flight:
     __slots__ = ("handle", "owned_fd", "request", "tensor")
 
     def __init__(self, request, tensor: torch.Tensor, owned_fd: int | None):
-        self.request, self.tensor, self.owned_fd = request, tensor, owned_fd
-        self.handle = None  # weakref to the AioHandle
+        self.request = request
+        self.tensor: torch.Tensor | None = tensor  # None once released
+        self.owned_fd = owned_fd
+        self.handle: weakref.ref[AioHandle] | None = None  # set right after the handle is made
 
     def release(self) -> None:
         if self.owned_fd is not None:
@@ -180,7 +183,7 @@ class AioHandle:
         self._engine = engine
         self._flight = flight
         self._request = flight.request
-        self._tensor = flight.tensor
+        self._tensor: torch.Tensor | None = flight.tensor  # the buffer, kept alive until completion
         self._path = path
         self._on_done = on_done
         self._finished = False

@@ -183,7 +183,7 @@ class Collectives:
             init_process_group_from_env(device)
         self.group = group
         self._failure: CollectiveError | None = None
-        self._store = None
+        self._store: dist.Store | None = None
         self._namespace = f"{_STORE_PREFIX}/{next(_instances)}"
         if available and (dist.is_initialized() or group is not None):
             self.group = group or dist.group.WORLD
@@ -235,7 +235,7 @@ class Collectives:
             return "the failed rank is unknown (no rendezvous store to ask)"
         answered: set[int] = set()
         announced: dict[int, str] = {}
-        store_timeout = self._store.timeout
+        store_timeout: datetime.timedelta = self._store.timeout  # type: ignore[attr-defined]  # not in torch's Store stub
         try:
             self._store.set_timeout(datetime.timedelta(seconds=FAILURE_GRACE_S))
             self._store.set(self._key("alive", self.rank), "1")
@@ -252,13 +252,13 @@ class Collectives:
         except Exception:  # noqa: BLE001 (the store itself is gone)
             return describe_failed_ranks(others, answered, announced, store_ok=False)
         finally:
-            self._restore_store_timeout(store_timeout)
+            self._restore_store_timeout(self._store, store_timeout)
         return describe_failed_ranks(others, answered, announced, store_ok=True)
 
-    def _restore_store_timeout(self, timeout) -> None:
+    def _restore_store_timeout(self, store: dist.Store, timeout: datetime.timedelta) -> None:
         """The store is the process group's: it keeps the timeout it had before our short waits."""
         try:
-            self._store.set_timeout(timeout)
+            store.set_timeout(timeout)
         except Exception:  # noqa: BLE001 (a store that is gone has no timeout to restore)
             logger.debug("offload: could not restore the store's timeout", exc_info=True)
 
@@ -270,10 +270,10 @@ class Collectives:
         if not self.is_distributed or self._store is None:
             return
         try:
-            store_timeout = self._store.timeout
+            store_timeout: datetime.timedelta = self._store.timeout  # type: ignore[attr-defined]  # not in torch's Store stub
             self._store.set_timeout(datetime.timedelta(seconds=FAILURE_GRACE_S))
             self._store.set(self._key("error", self.rank), f"{type(error).__name__}: {_first_line(error)}"[:1000])
-            self._restore_store_timeout(store_timeout)
+            self._restore_store_timeout(self._store, store_timeout)
         except Exception as store_error:  # noqa: BLE001
             logger.warning("offload: could not tell the other ranks about this rank's failure: %s", store_error)
 
@@ -369,7 +369,7 @@ class Collectives:
             self._run("barrier", what, lambda: dist.barrier(group=self.host_group))
 
 
-def _default_store():
+def _default_store() -> dist.Store | None:
     """The default group's rendezvous store (where failure notes go), or None."""
     getter = getattr(dist.distributed_c10d, "_get_default_store", None)
     if getter is None:

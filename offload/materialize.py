@@ -87,10 +87,10 @@ def territory(top: nn.Module, owned: set[int]) -> list[nn.Module]:
     return found
 
 
-def init_owner(model: nn.Module, module: nn.Module, parents: dict[int, nn.Module]):
+def init_owner(model: nn.Module, module: nn.Module, parents: dict[int, nn.Module]) -> nn.Module | None:
     """The Hugging Face PreTrainedModel whose `_init_weights` initialises `module` (the nearest
     enclosing one, as transformers' `initialize_weights` dispatches), or None for plain torch."""
-    current = module
+    current: nn.Module | None = module
     while current is not None:
         if _is_pretrained(current):
             return current
@@ -165,6 +165,9 @@ def _init_on_copy(module: nn.Module, owner, targets: dict[str, torch.Tensor]) ->
     with torch.no_grad():
         for name, target in targets.items():
             source = shadow._parameters[name] if name in shadow._parameters else shadow._buffers[name]
+            # the shadow's tensor of a target is not None: the targets are tensors of `module`
+            # under the same name, and the shadow has fresh storage for each of them
+            assert source is not None
             target.copy_(source)
     return True
 
@@ -222,8 +225,11 @@ def materialize_unit_params(model: nn.Module, spec: UnitSpec) -> None:
         if len(mine) == len(direct) and not (set(mine) - set(fresh)):
             ok = _run_init(module, owner)
         else:
-            targets = {name: p for name, p in fresh.items()}
-            targets.update({name: module._buffers[name] for name in buffers})
+            targets: dict[str, torch.Tensor] = {name: p for name, p in fresh.items()}
+            for name in buffers:
+                buffer = module._buffers[name]
+                assert buffer is not None  # a real tensor took the meta buffer's place above
+                targets[name] = buffer
             ok = _init_on_copy(module, owner, targets)
         if not ok:
             prefix = names.get(id(module), type(module).__name__)
@@ -273,6 +279,6 @@ def iter_meta(model: nn.Module) -> Iterator[str]:
     for name, tensor in model.named_parameters(remove_duplicate=False):
         if tensor.is_meta:
             yield name
-    for name, tensor in model.named_buffers(remove_duplicate=False):
-        if tensor is not None and tensor.is_meta:
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if buffer is not None and buffer.is_meta:
             yield name

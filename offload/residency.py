@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -32,6 +32,21 @@ from offload.state import UnitState
 from offload.tiers import TierStore
 
 logger = logging.getLogger(__name__)
+
+
+def _device_flat(unit: UnitState) -> torch.Tensor:
+    """The unit's device buffer: the engine makes one for every unit at start (engine.py),
+    before anything here runs, and keeps it (only its storage is freed and re-allocated)."""
+    assert unit.device_flat is not None, f"unit {unit.spec.name} has no device buffer"
+    return unit.device_flat
+
+
+def _taken_fetch(unit: UnitState) -> Future:
+    """Takes the unit's fetch in flight off it. There is one: the callers complete or abandon
+    a fetch `prefetch` submitted (the transfer executor's Future)."""
+    future, unit.fetch_future = unit.fetch_future, None
+    assert isinstance(future, Future), f"unit {unit.spec.name} has no fetch in flight"
+    return future
 
 
 class Residency:
@@ -65,13 +80,13 @@ class Residency:
         return unit.layout.padded_numel * self.element_size
 
     def materialize(self, unit: UnitState) -> None:
-        storage = unit.device_flat.untyped_storage()
+        storage = _device_flat(unit).untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self._nbytes(unit))
             self.ledger.allocate("device", self._nbytes(unit), "param")
 
     def free(self, unit: UnitState) -> None:
-        storage = unit.device_flat.untyped_storage()
+        storage = _device_flat(unit).untyped_storage()
         if storage.nbytes() != 0:
             storage.resize_(0)
             self.ledger.release("device", self._nbytes(unit), "param")
@@ -83,11 +98,12 @@ class Residency:
         if not self.offloaded or unit.resident or unit.fetch_future is not None:
             return
         self.materialize(unit)
+        device_flat = _device_flat(unit)
         if self.collectives.is_distributed:
-            unit.fetch_target = self.device.empty(unit.shard_numel, unit.device_flat.dtype)
+            unit.fetch_target = self.device.empty(unit.shard_numel, device_flat.dtype)
             self.ledger.allocate("device", unit.shard_numel * self.element_size, "param_shard")
         else:
-            unit.fetch_target = unit.device_flat
+            unit.fetch_target = device_flat
         # The storage just allocated may be memory the compute stream freed while kernels that
         # read it are still queued: the copy must not write it before they finish.
         compute_done = self.device.record_compute_event()
@@ -115,11 +131,12 @@ class Residency:
         return event
 
     def _complete_fetch(self, unit: UnitState) -> None:
-        future, unit.fetch_future = unit.fetch_future, None
-        event = future.result()
+        event = _taken_fetch(unit).result()
         self.device.compute_waits(event)
         if unit.fetch_target is not unit.device_flat:
-            self._gather(unit, unit.device_flat, unit.fetch_target)
+            # prefetch set `fetch_target` (this rank's shard) with the fetch; only this clears it
+            assert unit.fetch_target is not None
+            self._gather(unit, _device_flat(unit), unit.fetch_target)
             self.ledger.release("device", unit.shard_numel * self.element_size, "param_shard")
         unit.fetch_target = None
         unit.resident = True
@@ -128,8 +145,7 @@ class Residency:
     def _abandon_fetch(self, unit: UnitState) -> None:
         """A fetch nobody will use: waits for its copy, gathers nothing (the other ranks may not
         have fetched this unit), leaves the unit not resident."""
-        future, unit.fetch_future = unit.fetch_future, None
-        future.result().synchronize()
+        _taken_fetch(unit).result().synchronize()
         if unit.fetch_target is not unit.device_flat:
             self.ledger.release("device", unit.shard_numel * self.element_size, "param_shard")
         unit.fetch_target = None
@@ -150,7 +166,8 @@ class Residency:
     def _gather_resident(self, unit: UnitState) -> None:
         self._await_step(unit)
         start, end = unit.layout.shard_range(self.collectives.rank)
-        self._gather(unit, unit.device_flat, unit.device_flat[start:end].clone())
+        device_flat = _device_flat(unit)
+        self._gather(unit, device_flat, device_flat[start:end].clone())
         unit.needs_gather = False
 
     def _refresh_resident(self, unit: UnitState) -> None:
@@ -226,7 +243,7 @@ class Residency:
         if self.offloaded:
             return
         start, end = unit.layout.shard_range(self.collectives.rank)
-        unit.device_flat[start:end].copy_(shard32)
+        _device_flat(unit)[start:end].copy_(shard32)
         unit.device_update_event = None
         unit.needs_gather = self.collectives.is_distributed
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
@@ -19,9 +20,12 @@ from torch.profiler import record_function
 from offload.device import Device
 from offload.optim import kernels
 from offload.placement import ParamTier
-from offload.state import UnitState
+from offload.state import OptimizerSlot, UnitState
 from offload.tiers import TierStore
 from offload.units import FlatLayout
+
+if TYPE_CHECKING:
+    from offload.schedule import EventLog
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class UnitStepper:
         # slot's writes before reusing it, in the Adam kernel, and sending 16-bit weights home
         self.timings: dict[str, float] = dict.fromkeys(STEP_TIMING_KEYS, 0.0)
         # the schedule's EventLog, when the engine gives it one (tests that pin the order)
-        self.events = None
+        self.events: EventLog | None = None
 
     def pop_timings(self) -> dict[str, float]:
         timings, self.timings = self.timings, dict.fromkeys(STEP_TIMING_KEYS, 0.0)
@@ -89,11 +93,15 @@ class UnitStepper:
             for unit in units:
                 unit.step_done.set()
 
-    def _step(self, unit: UnitState, views: dict[str, torch.Tensor], hypers: Sequence[StepHyper], slot) -> None:
+    def _step(
+        self, unit: UnitState, views: dict[str, torch.Tensor], hypers: Sequence[StepHyper], slot: OptimizerSlot | None
+    ) -> None:
         with record_function(f"offload::step[{unit.index}]"):
             self._step_unit(unit, views, hypers, slot)
 
-    def _step_unit(self, unit: UnitState, views: dict[str, torch.Tensor], hypers: Sequence[StepHyper], slot) -> None:
+    def _step_unit(
+        self, unit: UnitState, views: dict[str, torch.Tensor], hypers: Sequence[StepHyper], slot: OptimizerSlot | None
+    ) -> None:
         stepped = sorted(unit.grads_in_window)
         if not stepped:
             return
@@ -108,7 +116,7 @@ class UnitStepper:
         if self.store.param_tier is ParamTier.NVME and not set(unit.layout.params_in_shard(self.rank)) <= set(stepped):
             # some params are not stepped (frozen, or no gradient this window): the buffer is shared
             # by all units, so it must start from this unit's 16-bit values, which are written back whole
-            self.store.swap.read_into(unit.swap_name("param16"), out).wait()
+            self.store.require_swap().read_into(unit.swap_name("param16"), out).wait()
         sixteen_bit = out.dtype != torch.float32
         started = time.perf_counter()
         try:
@@ -140,26 +148,29 @@ class UnitStepper:
             if staging:
                 self.store.give_back_staging(out)
 
-    def _param16_target(self, unit: UnitState, slot) -> tuple[torch.Tensor, bool]:
+    def _param16_target(self, unit: UnitState, slot: OptimizerSlot | None) -> tuple[torch.Tensor, bool]:
         """Where the kernel writes the new 16-bit weights: (buffer, is it a staging buffer)."""
         n = unit.shard_numel
         if self.store.param_tier is ParamTier.DEVICE and not self.device.is_cuda:
             # the CPU device's buffer is host memory: the kernel writes the weights in place
+            assert unit.device_flat is not None  # made for every unit at start (engine.py)
             start, end = unit.layout.shard_range(self.rank)
             return unit.device_flat[start:end], False
         if self.store.param_tier is not ParamTier.NVME:
+            # param cpu: the home copy; none on CUDA: the pinned source of the device copy
+            assert unit.param16 is not None, f"unit {unit.spec.name} has no 16-bit host copy"
             return unit.param16, False
         if slot is not None:
             return slot.param16[:n], False
         return self.store.param_staging.take()[:n], True
 
-    def _publish(self, unit: UnitState, out: torch.Tensor, slot) -> None:
+    def _publish(self, unit: UnitState, out: torch.Tensor, slot: OptimizerSlot | None) -> None:
         """Sends the new 16-bit shard to the param's home tier."""
         tier = self.store.param_tier
         if tier is ParamTier.HOST:
             return
         if tier is ParamTier.NVME:
-            handle = self.store.swap.write_from(unit.swap_name("param16"), out)
+            handle = self.store.require_swap().write_from(unit.swap_name("param16"), out)
             if slot is None:
                 handle.wait()  # `out` is a staging buffer, given back right after
             else:
@@ -168,6 +179,7 @@ class UnitStepper:
                 # `out` in it) is reused only after its pending writes complete.
                 slot.pending_writes.append(handle)
             return
+        assert unit.device_flat is not None  # made for every unit at start (engine.py)
         start, end = unit.layout.shard_range(self.rank)
         if out.data_ptr() != unit.device_flat[start:end].data_ptr():
             with self.device.host_to_device.context():

@@ -150,8 +150,9 @@ class _Entry:
         "write_submitted",
     )
 
-    def __init__(self, name, path, fd, numel, dtype):
-        self.name, self.path, self.fd, self.numel, self.dtype = name, path, fd, numel, dtype
+    def __init__(self, name: str, path: str, fd: int, numel: int, dtype: torch.dtype) -> None:
+        self.name, self.path, self.numel, self.dtype = name, path, numel, dtype
+        self.fd: int | None = fd  # None once the file is freed (_remove_entry)
         self.buffered_fd: int | None = None
         self.nbytes = _dtype_nbytes(numel, dtype)
         self.padded = round_up(self.nbytes)
@@ -184,7 +185,8 @@ class SwapHandle:
         generation: int = 0,
         expected_crc: int | None = None,
     ):
-        self._store, self._entry, self.op, self._tensor = store, entry, op, tensor
+        self._store, self._entry, self.op = store, entry, op
+        self._tensor: torch.Tensor | None = tensor  # the buffer, kept alive until completion
         self._aio = aio
         self._generation = generation
         self._expected_crc = expected_crc
@@ -239,8 +241,10 @@ class SwapHandle:
         """Waits for the I/O and records its outcome. Every step may run again after an
         interrupt (the header rewritten is the same), so a retry finishes the job."""
         entry, store = self._entry, self._store
+        aio = self._aio
+        assert aio is not None  # a handle without I/O (a read of a never written name) starts done
         try:
-            self._aio.wait()
+            aio.wait()
         except SwapError as e:
             if self.op == "write":
                 store._record_write(entry, _STATE_FAILED, 0, self._generation, best_effort=True)
@@ -252,7 +256,7 @@ class SwapHandle:
                     e.filename,
                 )
             return SwapError(e.errno, f"swap read of {entry.name!r} failed: {e.strerror}", e.filename)
-        crc = self._aio.checksum
+        crc = aio.checksum
         if self.op == "write":
             try:
                 store._record_write(entry, _STATE_VALID, crc, self._generation)
@@ -344,16 +348,18 @@ class SwapStore:
         """Creates (or, for another rank of the run, joins) the run directory and creates this
         rank's; returns their descriptors, the run's holding a shared flock."""
         root, name, rank_name = self.root, self.run_name, f"rank{self.rank}"
+        root_fd = self._root_fd
+        assert root_fd is not None  # __init__ opens nvme_path before making the directories
         for _ in range(10):  # a concurrent sweep may remove a run directory not yet locked: retry
             created = False
             try:
-                os.mkdir(name, 0o700, dir_fd=self._root_fd)
+                os.mkdir(name, 0o700, dir_fd=root_fd)
                 created = True
             except FileExistsError:
                 pass  # another rank of the same run made it; checked below like any existing one
             except OSError as e:
                 raise _not_writable(root, e) from None
-            run_fd = _open_private_dir(name, self._root_fd, self.run_dir, fresh=created)
+            run_fd = _open_private_dir(name, root_fd, self.run_dir, fresh=created)
             try:
                 fcntl.flock(run_fd, fcntl.LOCK_SH)  # a sweep takes it exclusively, briefly
                 if os.fstat(run_fd).st_nlink == 0:
@@ -387,12 +393,16 @@ class SwapStore:
         """Removes this rank's directory and, when no other rank's is left, the run's; closes the
         descriptors. Only ever removes the directories this store made (checked by inode)."""
         if self._rank_fd is not None:
+            # the run's and the rank's descriptors are set together (_make_directories) and the
+            # root's before them; they are released rank, run, root
+            assert self._run_fd is not None
             _rmdir_if_same(f"rank{self.rank}", self._run_fd, self._rank_fd, self.path)
             os.close(self._rank_fd)
             self._rank_fd = None
         if self._run_fd is not None:
             # still under our shared lock: a sweep cannot race; a rank of this run joining right
             # now retries on ENOENT
+            assert self._root_fd is not None
             _rmdir_if_same(self.run_name, self._root_fd, self._run_fd, self.run_dir, quiet_if_busy=True)
             os.close(self._run_fd)
             self._run_fd = None
@@ -446,6 +456,7 @@ class SwapStore:
         self.reserve({name: (numel, dtype)})
 
     def _free_bytes(self) -> int:
+        assert self._rank_fd is not None  # the store is open (its directory exists while it is)
         st = os.statvfs(self._rank_fd)
         return st.f_bavail * st.f_frsize
 
@@ -513,11 +524,13 @@ class SwapStore:
 
     # ---------------------------------------------------------------- headers
     def _write_header(self, entry: _Entry, state: int, crc: int, generation: int) -> None:
+        fd = entry.fd
+        assert fd is not None  # callers write the header of a file still open (_record_write checks)
         header = _pack_header(state, entry.dtype, (entry.numel,), entry.nbytes, crc, generation, self.run_id, entry.name.encode())
         try:
             with self._lock:
                 self._header_buf[:] = header.ljust(HEADER_SIZE, b"\0")
-                n = os.pwritev(entry.fd, [self._header_buf], 0)
+                n = os.pwritev(fd, [self._header_buf], 0)
             if n != HEADER_SIZE:
                 raise OSError(_errno.EIO, f"short header write ({n} of {HEADER_SIZE} bytes)")
         except OSError as e:
@@ -548,13 +561,15 @@ class SwapStore:
                 "not valid; write it again or restore from a checkpoint",
                 entry.path,
             )
-        size = os.fstat(entry.fd).st_size
+        fd = entry.fd
+        assert fd is not None  # an entry of an open store (_entry_for checked): its file is open
+        size = os.fstat(fd).st_size
         if size < entry.file_size:
             raise SwapCorruptError(
                 _errno.EIO, f"swap file for {entry.name!r} is truncated: {size} bytes, expected {entry.file_size}", entry.path
             )
         with self._lock:
-            n = os.preadv(entry.fd, [self._header_buf], 0)
+            n = os.preadv(fd, [self._header_buf], 0)
             raw = bytes(self._header_buf)
         if n != HEADER_SIZE:
             raise SwapCorruptError(_errno.EIO, f"swap file for {entry.name!r}: short header read ({n} bytes)", entry.path)
@@ -624,10 +639,12 @@ class SwapStore:
         return entry
 
     def _fd_and_length(self, entry: _Entry, tensor: torch.Tensor) -> tuple[int, int]:
+        fd = entry.fd
+        assert fd is not None  # an entry of an open store (_entry_for checked): its file is open
         if self.direct and direct_ok(tensor, HEADER_SIZE, entry.padded):
-            return entry.fd, entry.padded
+            return fd, entry.padded
         if not self.direct:
-            return entry.fd, entry.nbytes
+            return fd, entry.nbytes
         # An unaligned buffer on an O_DIRECT store: move exactly the data bytes through the page
         # cache, on a second, buffered, open of the same (unnamed) file.
         if entry.buffered_fd is None:
@@ -722,7 +739,8 @@ class SwapStore:
                 pending._complete()
         with self._lock:
             failed = list(self._unreported)
-        return [h._error for h in failed if h._mark_reported()]
+        # only failed handles are ever in `_unreported` (SwapHandle._complete): their error is set
+        return [h._error for h in failed if h._mark_reported() and h._error is not None]
 
     def close(self) -> None:
         """Complete pending I/O, free the swap files and remove the run's directories (idempotent).
@@ -885,7 +903,7 @@ def sweep_dead_runs(root: str, *, dir_fd: int, keep: str | None = None) -> list[
     dead run leaves is its empty directories (and, from older versions or a filesystem
     without O_TMPFILE, `*.swp` files). Everything is done relative to descriptors, without
     following links; anything unexpected leaves the directory alone."""
-    live = []
+    live: list[str] = []
     try:
         names = os.listdir(dir_fd)
     except OSError:

@@ -14,6 +14,8 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
@@ -36,6 +38,9 @@ from offload.state import (
     UnitState,
     host_budget_bytes,
 )
+
+if TYPE_CHECKING:
+    from offload.swap import SwapHandle, SwapStore
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ def plan_optimizer(
     shard_numels = [unit.shard_numel for unit in units]
     # what each unit's optimizer state covers (its trainable params: frozen ones have none)
     optimizer_numels = [unit.optimizer_numel for unit in units]
-    others = host_budget_bytes(
+    budget = host_budget_bytes(
         shard_numels,
         param_tier=config.offload.param,
         optimizer_tier=[OptimizerTier.NVME] * len(units),
@@ -70,7 +75,7 @@ def plan_optimizer(
         staged_device_copies=staged_device_copies,
         optimizer_numels=optimizer_numels,
     )
-    others = sum(v for k, v in others.items() if k not in ("optimizer_slots", "grad_slot"))
+    others = sum(v for k, v in budget.items() if k not in ("optimizer_slots", "grad_slot"))
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cap = parse_size(config.offload.max_host_memory)
     if cap is None:
@@ -159,7 +164,8 @@ class TierStore:
             ledger=ledger,
             name="offload host pool",
         )
-        self.swap = None
+        # made when some unit's state is on NVMe (a streamed optimizer tier, or param tier nvme)
+        self.swap: SwapStore | None = None
         # held by whoever uses the optimizer slots (the optimizer worker's step, a checkpoint's
         # save or load, a read of the masters): one user at a time, whichever thread it is on
         self.slots_lock = threading.RLock()
@@ -204,13 +210,7 @@ class TierStore:
         self.slots: list[OptimizerSlot] = []
         if self.streamed_units:
             state = self.largest_streamed_state
-            self.slots = [
-                OptimizerSlot(
-                    *(self.pool.alloc(state, torch.float32, category="optimizer_slots") for _ in STATE_KINDS),
-                    param16=self.pool.alloc(self.largest_streamed_shard, self.compute_dtype, category="optimizer_slots"),
-                )
-                for _ in range(self.buffer_count)
-            ]
+            self.slots = [self._allocate_slot(state) for _ in range(self.buffer_count)]
             self.grad_slot = self.pool.alloc(state, torch.float32, category="grad_slot")
         if "param16" in self.budget:
             for unit in self.units:
@@ -224,6 +224,22 @@ class TierStore:
             self.grad_staging = BufferRing(
                 [self.pool.alloc(largest, self.compute_dtype, category="grad_staging") for _ in range(2)]
             )
+
+    def _allocate_slot(self, state: int) -> OptimizerSlot:
+        """One slot: the fp32 buffers of STATE_KINDS (`state` elements each, allocated in that
+        order), then the 16-bit buffer of the largest streamed shard."""
+        master, exp_avg, exp_avg_sq, grad32 = (
+            self.pool.alloc(state, torch.float32, category="optimizer_slots") for _ in STATE_KINDS
+        )
+        param16 = self.pool.alloc(self.largest_streamed_shard, self.compute_dtype, category="optimizer_slots")
+        return OptimizerSlot(master, exp_avg, exp_avg_sq, grad32, param16=param16)
+
+    def require_swap(self) -> SwapStore:
+        """The swap store, for an operation on NVMe-resident state (a streamed optimizer tier or
+        param tier nvme): __init__ makes it whenever some unit has such state, and only close()
+        drops it."""
+        assert self.swap is not None, "no swap store: no unit's state is on NVMe"
+        return self.swap
 
     @property
     def compute_bytes(self) -> int:
@@ -242,16 +258,17 @@ class TierStore:
             # only the master is written: the moments and the fp32 gradient start at zero, and a
             # swap file never written reads as zeros without touching the disk (at 3B params:
             # 12 GB of start-up writes instead of 48 GB)
+            swap = self.require_swap()
             slot = self.slots[0]
             n = unit.optimizer_numel
             slot.master[:n].copy_(master_values)
             for kind, buffer in slot.tensors().items():
                 name = unit.swap_name(kind)
                 if kind != "master":
-                    if self.swap.never_written(name):
+                    if swap.never_written(name):
                         continue
                     buffer[:n].zero_()
-                slot.pending_writes.append(self.swap.write_from(name, buffer[:n]))
+                slot.pending_writes.append(swap.write_from(name, buffer[:n]))
             slot.wait_writes()
         self.store_param16_values(unit, shard_values)
 
@@ -265,21 +282,24 @@ class TierStore:
         staging = self.param_staging.take()
         try:
             staging[: unit.shard_numel].copy_(values32)
-            self.swap.write_from(unit.swap_name("param16"), staging[: unit.shard_numel]).wait()
+            self.require_swap().write_from(unit.swap_name("param16"), staging[: unit.shard_numel]).wait()
         finally:
             self.param_staging.give(staging)
 
     # ---- optimizer slots (optimizer: nvme; optimizer worker only) --------------------------
-    def load_optimizer_state(self, unit: UnitState, slot: OptimizerSlot, include_grad: bool = True) -> list:
+    def load_optimizer_state(self, unit: UnitState, slot: OptimizerSlot, include_grad: bool = True) -> list[SwapHandle]:
+        swap = self.require_swap()
         n = unit.optimizer_numel
         handles = []
         for kind, buffer in slot.tensors().items():
             if kind == "grad32" and not include_grad:
                 continue
-            handles.append(self.swap.read_into(unit.swap_name(kind), buffer[:n]))
+            handles.append(swap.read_into(unit.swap_name(kind), buffer[:n]))
         return handles
 
-    def stream_optimizer_states(self, units: list[UnitState], *, include_grad: bool, timings: dict | None = None):
+    def stream_optimizer_states(
+        self, units: list[UnitState], *, include_grad: bool, timings: dict[str, float] | None = None
+    ) -> Iterator[tuple[UnitState, dict[str, torch.Tensor], OptimizerSlot | None]]:
         """Yields (unit, {kind: fp32 shard view}, slot or None) for each unit in order, wherever
         its states live (slot is None when they are host-resident).
 
@@ -296,11 +316,13 @@ class TierStore:
         with self.slots_lock:
             yield from self._stream_through_slots(units, include_grad, timings)
 
-    def _stream_through_slots(self, all_units: list[UnitState], include_grad: bool, timings: dict | None):
+    def _stream_through_slots(
+        self, all_units: list[UnitState], include_grad: bool, timings: dict[str, float] | None
+    ) -> Iterator[tuple[UnitState, dict[str, torch.Tensor], OptimizerSlot | None]]:
         slots = self.slots
         units = [unit for unit in all_units if unit.optimizer_tier.streamed]
         position = {id(unit): i for i, unit in enumerate(units)}
-        reads: dict[int, list] = {}
+        reads: dict[int, list[SwapHandle]] = {}
 
         def timed(key: str, started: float) -> None:
             if timings is not None:
@@ -341,7 +363,7 @@ class TierStore:
             for slot in slots:
                 slot.wait_writes()
 
-    def overwrite_optimizer_states(self, units: list[UnitState]):
+    def overwrite_optimizer_states(self, units: list[UnitState]) -> Iterator[tuple[UnitState, dict[str, torch.Tensor]]]:
         """Yields (unit, {kind: fp32 shard view of master, exp_avg, exp_avg_sq}) for each unit, for
         the caller to fill completely (a checkpoint load); what it wrote is stored on the unit's
         tier before the next unit is yielded's slot is reused. Nothing is read first."""
@@ -363,21 +385,25 @@ class TierStore:
                     slot.wait_writes()
 
     def store_optimizer_state(self, unit: UnitState, slot: OptimizerSlot, include_grad: bool = False) -> None:
+        swap = self.require_swap()
         n = unit.optimizer_numel
         for kind, buffer in slot.tensors().items():
             if kind == "grad32" and not include_grad:
                 continue
-            slot.pending_writes.append(self.swap.write_from(unit.swap_name(kind), buffer[:n]))
+            slot.pending_writes.append(swap.write_from(unit.swap_name(kind), buffer[:n]))
 
     def optimizer_views(self, unit: UnitState, slot: OptimizerSlot | None) -> dict[str, torch.Tensor]:
         """The unit's four fp32 state tensors, wherever they are now (host, or a loaded slot)."""
         if not unit.optimizer_tier.streamed:
             return unit.host
+        assert slot is not None, "a streamed unit's states are only in the slot they were loaded into"
         n = unit.optimizer_numel
         return {kind: buffer[:n] for kind, buffer in slot.tensors().items()}
 
     # ---- gradients (transfer worker only) --------------------------------------------------
-    def accumulate_grad(self, unit: UnitState, pieces: list[tuple[int, torch.Tensor]], first_in_window: bool, compute_norm: bool):
+    def accumulate_grad(
+        self, unit: UnitState, pieces: list[tuple[int, torch.Tensor]], first_in_window: bool, compute_norm: bool
+    ) -> float | None:
         """Adds this micro-batch's gradient into the fp32 gradient; returns the squared norm of the
         accumulated gradient when `compute_norm`, else None.
 
@@ -393,7 +419,7 @@ class TierStore:
         else:
             target = self.grad_slot[:n]
             if not first_in_window:
-                self.swap.read_into(unit.swap_name("grad32"), target).wait()
+                self.require_swap().read_into(unit.swap_name("grad32"), target).wait()
         if first_in_window:
             cursor = 0
             for offset, grad in pieces:
@@ -406,7 +432,7 @@ class TierStore:
                 target[offset : offset + grad.numel()].add_(grad)
         norm = kernels.sq_norm(target) if compute_norm else None
         if unit.optimizer_tier.streamed:
-            self.swap.write_from(unit.swap_name("grad32"), target).wait()
+            self.require_swap().write_from(unit.swap_name("grad32"), target).wait()
         return norm
 
     def grad_sq_norm(self, unit: UnitState) -> float:
@@ -416,17 +442,21 @@ class TierStore:
         if not unit.optimizer_tier.streamed:
             return kernels.sq_norm(unit.host["grad32"])
         target = self.grad_slot[: unit.optimizer_numel]
-        self.swap.read_into(unit.swap_name("grad32"), target).wait()
+        self.require_swap().read_into(unit.swap_name("grad32"), target).wait()
         return kernels.sq_norm(target)
 
     # ---- 16-bit weights ---------------------------------------------------------------------
     def read_param16(self, unit: UnitState) -> tuple[torch.Tensor, bool]:
         """The unit's 16-bit shard on the host: (tensor, whether it is a staging buffer to give back)."""
         if self.param_tier is not ParamTier.NVME:
+            # param tier cpu always has the host copy; `none` has it on CUDA, and on the CPU (no
+            # host copy: the device buffer is the home) nothing reads it through here
+            # (weights_out.param16_shard reads the device buffer, a fetch only runs when offloaded)
+            assert unit.param16 is not None, f"unit {unit.spec.name} has no 16-bit host copy"
             return unit.param16, False
         staging = self.param_staging.take()
         try:
-            self.swap.read_into(unit.swap_name("param16"), staging[: unit.shard_numel]).wait()
+            self.require_swap().read_into(unit.swap_name("param16"), staging[: unit.shard_numel]).wait()
         except BaseException:
             self.param_staging.give(staging)
             raise

@@ -140,10 +140,10 @@ class UnitSpec:
         return sum(p.numel() for p in self.params)
 
 
-def _largest_container(model: nn.Module, kind: type) -> tuple[str, nn.Module] | None:
+def _largest_container(model: nn.Module, kind: type[nn.Module]) -> tuple[str, nn.Module] | None:
     """The `kind` container (ModuleList, Sequential) holding the most parameters, among those
     with at least two children that hold parameters (a list of one is no cut)."""
-    best = None
+    best: tuple[str, nn.Module] | None = None
     best_count = 0
     for name, module in model.named_modules():
         if not isinstance(module, kind):
@@ -160,7 +160,7 @@ def _automatic_container(model: nn.Module) -> tuple[str, nn.Module] | None:
     """Automatic cut: each child of the largest nn.ModuleList (the blocks of a transformer);
     a model without one (an nn.Sequential stack) is cut into the children of its largest
     nn.Sequential."""
-    best = None
+    best: tuple[str, nn.Module] | None = None
     best_count = 0
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0:
