@@ -6,8 +6,10 @@ python interrupt_run.py MODE SWAP_DIR CHECKPOINT OUT
   MODE interrupt: trains until step INTERRUPT_AT, whose step() gets SIGINT while the CPU step
                   runs; the KeyboardInterrupt handler saves CHECKPOINT and the process exits
   MODE resume:    loads CHECKPOINT, trains the remaining steps, writes the final weights to OUT
-The CPU step is slowed (30 ms per Adam call) so that the signal lands while it runs; optimizer
-and params on NVMe, one block frozen.
+The CPU step is slowed (30 ms per Adam call), and the signal is sent by the optimizer worker from
+inside the first Adam call of the interrupted step, so it always lands while that step runs,
+whatever the machine's load (a timer could fire while step() still drained the gradients);
+optimizer and params on NVMe, one block frozen.
 """
 
 from __future__ import annotations
@@ -31,10 +33,18 @@ STEPS = 6
 INTERRUPT_AT = 3
 
 
+# set by the main thread before the interrupted step(); the first Adam call after it sends SIGINT
+INTERRUPT_ARMED = threading.Event()
+
+
 def slow_adam_calls() -> None:
     real = stepper.kernels.adam_step
+    main_thread = threading.main_thread().ident
 
     def slow(*args, **kwargs):
+        if INTERRUPT_ARMED.is_set():
+            INTERRUPT_ARMED.clear()
+            signal.pthread_kill(main_thread, signal.SIGINT)
         time.sleep(0.03)
         return real(*args, **kwargs)
 
@@ -71,8 +81,7 @@ def main() -> None:
     for step in range(start, STEPS):
         train_step(engine, data[step])
         if mode == "interrupt" and step == INTERRUPT_AT:
-            main_thread = threading.main_thread().ident
-            threading.Timer(0.05, lambda thread=main_thread: signal.pthread_kill(thread, signal.SIGINT)).start()
+            INTERRUPT_ARMED.set()
             try:
                 engine.step()
             except KeyboardInterrupt:
