@@ -122,7 +122,7 @@ def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> 
         try:
             write_all(fd, prefix, path)
             # the units' order matches the slices' order, so the file is written sequentially
-            for unit, views, _ in engine.store.stream_optimizer_states(engine.units, include_grad=False):
+            for unit, views, _ in engine.store.stream_optimizer_states_on_host(engine.units):
                 unit_slices = by_unit.get(unit.index, [])
                 frozen: torch.Tensor | None = None
                 if any(_frozen_piece(unit, s.shard_pos) for s, _ in unit_slices):

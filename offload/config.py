@@ -30,7 +30,7 @@ from offload.plan import parse_size
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 PARAM_TIERS = ("none", "cpu", "nvme")
-OPTIMIZER_TIERS = ("auto", "cpu", "nvme")
+OPTIMIZER_TIERS = ("auto", "device", "cpu", "nvme")
 OVERLAPS = ("none", "forward", "backward")
 OPTIMIZER_TYPES = ("adamw", "adam")
 SCHEDULER_TYPES = ("none", "warmup", "warmup_decay", "warmup_cosine", "one_cycle", "lr_range_test")
@@ -110,7 +110,9 @@ class OffloadConfig(ReadOnlyOnceFrozen):
     param: str = "none"
     """Where 16-bit weights live between uses: `none` (on the accelerator), `cpu`, `nvme`."""
     optimizer: str = "auto"
-    """Where fp32 master weights, Adam states and fp32 gradients live: `auto` (per unit: host RAM while it lasts, then NVMe; see `max_host_memory`), `cpu`, `nvme`."""
+    """Where fp32 master weights, Adam states and fp32 gradients live: `auto` (per unit: the device's spare memory, then host RAM while it lasts, then NVMe; see `max_device_memory`, `max_host_memory`), `device` (all on the accelerator, stepped there), `cpu`, `nvme`."""
+    max_device_memory: int | str | None = None
+    """`auto`: device memory the optimizer state may take, bytes or a size like `"40GB"`; default on CUDA: the memory free at start less the engine's 16-bit weights and gradient buffers and a quarter of the device for activations; on the CPU standing in for the device: none (it is the host's RAM)."""
     max_host_memory: int | str | None = None
     """`auto`: RAM the optimizer state may take, bytes or a size like `"40GB"` / `"40GiB"`; default: the RAM available at start less 10% and the engine's other host buffers."""
     nvme_path: str | list[str] = "./offload-swap"
@@ -421,7 +423,7 @@ def validate(config: Config) -> Config:
     config.precision = _choice("precision", config.precision, PRECISIONS)
     config.offload.param = _choice("offload.param", config.offload.param, PARAM_TIERS)
     config.offload.optimizer = _choice("offload.optimizer", config.offload.optimizer, OPTIMIZER_TIERS)
-    for key in ("max_host_memory",):
+    for key in ("max_device_memory", "max_host_memory"):
         value = getattr(config.offload, key)
         try:
             size = parse_size(value)

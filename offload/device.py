@@ -15,6 +15,12 @@ Streams and events, who fills them and who waits:
 - `device_to_host`: the transfer worker copies a unit's gradient into a pinned staging buffer
   after waiting on the compute event recorded when the gradient was final, then waits on the
   copy's event on the host before adding the staged values into the fp32 gradient.
+- `optimizer`: the work on optimizer state kept on the device (optimizer tier DEVICE). The
+  transfer worker adds a unit's gradient into its device fp32 gradient there, after waiting on
+  the compute event of the gradient; the optimizer worker runs the unit's Adam step and the
+  cast of its new weights there. Each waits on the host for its own work (the squared norm is
+  read back; the new 16-bit weights are copied to their home) before the unit counts as
+  landed or stepped, so nothing else waits on this stream.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ class CompletedEvent:
 
 
 class CopyStream:
-    """One direction of host/device copies: a CUDA stream, or nothing on the CPU."""
+    """A side stream (one direction of host/device copies, or the device-tier optimizer's
+    work): a CUDA stream, or nothing on the CPU."""
 
     def __init__(self, device: torch.device, name: str) -> None:
         self.name = name
@@ -67,7 +74,7 @@ class CopyStream:
 
 
 class Device:
-    """The compute device, its two copy streams, and the host-side settings that follow from it."""
+    """The compute device, its side streams, and the host-side settings that follow from it."""
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         if device is None:
@@ -76,6 +83,7 @@ class Device:
         self.is_cuda = self.torch_device.type == "cuda"
         self.host_to_device = CopyStream(self.torch_device, "host-to-device")
         self.device_to_host = CopyStream(self.torch_device, "device-to-host")
+        self.optimizer = CopyStream(self.torch_device, "optimizer")
 
     @property
     def pin_host_memory(self) -> bool:
@@ -97,6 +105,13 @@ class Device:
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.torch_device)
+
+    def memory(self) -> tuple[int, int] | None:
+        """The accelerator's (free, total) bytes now; None when the CPU stands in for it."""
+        if not self.is_cuda:
+            return None
+        free, total = torch.cuda.mem_get_info(self.torch_device)
+        return int(free), int(total)
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.torch_device)

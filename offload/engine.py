@@ -168,6 +168,7 @@ class Engine:
             compute_dtype=self.compute_dtype,
             staged_device_copies=self.device.is_cuda,
             local_rank=local_rank,
+            device_memory=self.device.memory(),
         )
         self.store = TierStore(
             self.units,
@@ -181,6 +182,7 @@ class Engine:
             # one run directory for all ranks (rank 0's name), each rank in its rank<r>/ below it
             run_name=self.collectives.broadcast_object(run_name or default_run_name(), what="the swap run name"),
             optimizer_tiers=self.optimizer_plan.tiers,
+            device=self.device.torch_device,
         )
         self.transfer = ThreadPoolExecutor(1, thread_name_prefix="offload-transfer")
         self.optimizer_worker = ThreadPoolExecutor(1, thread_name_prefix="offload-step")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from offload.errors import ConfigError
 from offload.placement import OptimizerTier
-from offload.plan import Capacity, PlanError, plan_optimizer_tiers
+from offload.plan import Capacity, PlanError, device_room, engine_device_bytes, plan_optimizer_tiers
 from offload.state import host_budget_bytes
 from offload.tiers import HOST_MARGIN
 from offload.units import plan_flat_layout, round_up
@@ -72,6 +72,9 @@ GRADS_IN_FLIGHT = 1
 # Fraction of the accelerator's memory the estimate lets the engine and activations use (the rest
 # is the CUDA context, the caching allocator's fragmentation and the framework's workspaces).
 DEVICE_HEADROOM = 0.90
+# Beside the estimated activations, what a plan leaves on the GPU for the allocator's cache and
+# the temporaries the estimate does not model.
+ACTIVATION_SLACK = 0.05
 
 
 # ---- model shapes ------------------------------------------------------------------------
@@ -495,7 +498,7 @@ def estimate_tiers(
     through host buffers (the gradient staging ring; for `param: none` the pinned 16-bit source
     of the weights); on the CPU stand-in the device buffers are host memory already. The same
     switch as the engine's: `host_budget_bytes(..., staged_device_copies=device == "cuda")`.
-    optimizer_tiers: each unit's optimizer tier (`cpu` / `nvme`), for `auto` (see `plan_auto`)."""
+    optimizer_tiers: each unit's optimizer tier (`device` / `cpu` / `nvme`), for `auto` (see `plan_auto`)."""
     if device not in DEVICE_KINDS:
         raise ConfigError(f"device {device!r} is not one of {', '.join(DEVICE_KINDS)}", key="device")
     staged_device_copies = device == "cuda"
@@ -513,6 +516,7 @@ def estimate_tiers(
             "optimizer 'auto' is planned per machine: pass optimizer_tiers (see plan_auto)", key="offload.optimizer"
         )
     tiers = optimizer_tiers or [optimizer] * len(shards)
+    device_shards = [n for n, tier in zip(shards, tiers) if tier == "device"]
     host_shards = [n for n, tier in zip(shards, tiers) if tier == "cpu"]
     nvme_shards = [n for n, tier in zip(shards, tiers) if tier == "nvme"]
     largest_streamed = max(nvme_shards, default=0)
@@ -538,6 +542,9 @@ def estimate_tiers(
         result.device["grad"] = cb * grads
         if world_size > 1:
             result.device["param_shard"] = cb * largest_shard * min(len(padded), prefetch_depth + 1)
+
+    if device_shards:  # fp32 master, moments and gradient of the units stepped on the device
+        result.device["optimizer_state"] = 16 * sum(device_shards)
 
     # host: the engine's budget (state.host_budget_bytes), every buffer rounded up to a page as
     # the host pool allocates it (one buffer per state kind and unit, per slot, per staging buffer)
@@ -574,10 +581,22 @@ def estimate_tiers(
 
 
 def plan_auto(
-    shape: ModelShape, param: str, machine: Machine, *, precision: str, world_size: int, prefetch_depth: int, buffer_count: int
+    shape: ModelShape,
+    param: str,
+    machine: Machine,
+    *,
+    precision: str,
+    world_size: int,
+    prefetch_depth: int,
+    buffer_count: int,
+    activations: int | None = None,
 ) -> tuple[list[str] | None, str]:
     """`offload.optimizer: auto` on `machine`, as the engine plans it (tiers.plan_optimizer): per
-    unit `cpu` or `nvme`, and the plan in words; (None, why) when nothing fits."""
+    unit `device`, `cpu` or `nvme`, and the plan in words; (None, why) when nothing fits. The
+    device's room is what the engine would measure at start on an idle GPU (DEVICE_HEADROOM of
+    it free) less this placement's weights and gradients and the activations (`activations`
+    plus ACTIVATION_SLACK of the GPU when the estimate knows them, else the engine's default
+    share: set `offload.max_device_memory` to the room this plan shows to get the same split)."""
     cb = COMPUTE_BYTES[precision]
     shards = shape.shard_numels(world_size)
     budget = host_budget_bytes(
@@ -591,8 +610,22 @@ def plan_auto(
     )
     others = sum(v for k, v in budget.items() if k not in ("optimizer_slots", "grad_slot"))
     ranks = machine.ranks_per_node
+    device = 0
+    if machine.gpu_bytes is not None:
+        engine_bytes = engine_device_bytes(
+            shape.padded_numels(world_size),
+            params_offloaded=param != "none",
+            compute_bytes=cb,
+            prefetch_depth=prefetch_depth,
+        )
+        memory = (int(machine.gpu_bytes * DEVICE_HEADROOM), machine.gpu_bytes)
+        reserve = None if activations is None else activations + int(machine.gpu_bytes * ACTIVATION_SLACK)
+        device = device_room(cap=None, memory=memory, engine_bytes=engine_bytes, reserve=reserve)
     capacity = Capacity(
-        device=0, host=max(0, int(machine.ram_bytes * (1 - HOST_MARGIN)) // ranks - others), nvme=machine.disk_bytes // ranks
+        device=device,
+        host=max(0, int(machine.ram_bytes * (1 - HOST_MARGIN)) // ranks - others),
+        # with param nvme, the 16-bit weights' swap files take their share of the disk first
+        nvme=max(0, machine.disk_bytes // ranks - (sum(cb * n for n in shards) if param == "nvme" else 0)),
     )
     try:
         plan = plan_optimizer_tiers(shards, list(range(len(shards))), capacity, buffer_count=buffer_count, compute_bytes=cb)
@@ -756,6 +789,7 @@ def estimate_report(
                 world_size=world_size,
                 prefetch_depth=prefetch_depth,
                 buffer_count=buffer_count,
+                activations=activations,
             )
             if tiers is None:
                 rows.append(

@@ -4,7 +4,9 @@
 the params' device gradients (flattened, and reduce-scattered to this rank's shard with several
 ranks), records a compute event, and submits `_land` to the transfer worker, which copies the
 shard to the host (device-to-host stream, through a pinned staging buffer on CUDA), adds it
-into the fp32 gradient and, at the end of a window, takes its squared norm.
+into the fp32 gradient and, at the end of a window, takes its squared norm. A unit whose
+optimizer state is on the device (tier DEVICE) keeps its gradient there: it is added into the
+device fp32 gradient on the device's optimizer stream.
 
 In flight: every hand-off of the window is kept in `futures` until `wait_all` (errors surface
 there, at the window's end); at most MAX_GRADS_IN_FLIGHT units' gradients wait on the device,
@@ -26,6 +28,7 @@ from offload.collectives import Collectives
 from offload.device import Device
 from offload.errors import OffloadError
 from offload.memory import TierLedger
+from offload.placement import OptimizerTier
 from offload.state import UnitState
 from offload.tiers import TierStore
 
@@ -83,8 +86,9 @@ class GradientOffload:
             device_bytes = sum(g.numel() * g.element_size() for _, g in pieces)
             self.ledger.allocate("device", device_bytes, "grad")
         event = self.device.record_compute_event()
+        reader = self.device.optimizer if unit.optimizer_tier is OptimizerTier.DEVICE else self.device.device_to_host
         for _, grad in pieces:
-            self.device.device_to_host.keep_alive(grad)
+            reader.keep_alive(grad)
         future = self.transfer.submit(self._land, unit, pieces, device_bytes, event, first, boundary, final)
         self.futures.append(future)
         self._in_flight.append(future)
@@ -144,6 +148,17 @@ class GradientOffload:
     def _accumulate(self, unit: UnitState, pieces: list, nbytes: int, event, first: bool, boundary: bool) -> None:
         staging = None
         try:
+            if unit.optimizer_tier is OptimizerTier.DEVICE:
+                # the fp32 gradient is on the device too: added there, on the optimizer stream,
+                # after the compute that produced the gradient; nothing crosses PCIe
+                stream = self.device.optimizer
+                stream.waits(event)
+                with stream.context():
+                    norm = self.store.accumulate_grad(unit, pieces, first, compute_norm=boundary)
+                stream.record_event().synchronize()
+                if boundary:
+                    unit.grad_sq_norm = norm
+                return
             if self.device.is_cuda and pieces:
                 ((offset, flat),) = pieces
                 to_host = self.device.device_to_host

@@ -23,6 +23,11 @@ from dataclasses import dataclass, field
 from offload.placement import OptimizerTier
 
 STATE_BYTES_PER_ELEMENT = 16  # master, exp_avg, exp_avg_sq, grad32, fp32 each
+# Of the accelerator's memory, what `auto` leaves for activations and the allocator's cache when
+# no `max_device_memory` says otherwise.
+DEVICE_ACTIVATION_SHARE = 0.25
+# Units whose gradients may wait on the device at once (gradients.MAX_GRADS_IN_FLIGHT).
+GRADS_IN_FLIGHT = 2
 
 
 class PlanError(ValueError):
@@ -56,6 +61,36 @@ class OptimizerPlan:
         if self.slot_bytes:
             parts.append(f"NVMe slots in RAM {self.slot_bytes / 2**30:.2f} GiB")
         return "; ".join(parts)
+
+
+def engine_device_bytes(padded_numels: list[int], *, params_offloaded: bool, compute_bytes: int, prefetch_depth: int) -> int:
+    """What the engine itself holds on the device at its peak, besides optimizer state: the 16-bit
+    weights (every unit with param `none`; the root, the running unit and those fetched ahead
+    otherwise) and the gradients in flight."""
+    if not padded_numels:
+        return 0
+    largest = max(padded_numels)
+    if params_offloaded:
+        others = sorted(padded_numels[1:], reverse=True)
+        weights = padded_numels[0] + sum(others[: prefetch_depth + 1])
+    else:
+        weights = sum(padded_numels)
+    return compute_bytes * (weights + GRADS_IN_FLIGHT * largest)
+
+
+def device_room(*, cap: int | None, memory: tuple[int, int] | None, engine_bytes: int, reserve: int | None = None) -> int:
+    """Device bytes `auto` may give to optimizer state. `memory`: the accelerator's (free, total)
+    bytes measured at start, None when the CPU stands in for it (its "device" memory is the
+    host's RAM: only an explicit `cap` puts state there). On an accelerator: what is free less
+    the engine's own `engine_bytes` and the activations' `reserve` (default
+    DEVICE_ACTIVATION_SHARE of the device), at most `cap`."""
+    if memory is None:
+        return max(0, cap or 0)
+    free, total = memory
+    if reserve is None:
+        reserve = int(total * DEVICE_ACTIVATION_SHARE)
+    room = max(0, free - engine_bytes - reserve)
+    return room if cap is None else max(0, min(cap, room))
 
 
 def slot_bytes_for(largest_numel: int, buffer_count: int, compute_bytes: int) -> int:

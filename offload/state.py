@@ -49,8 +49,10 @@ class UnitState:
     # 16-bit (compute dtype) full flat buffer on the device; the params are views of it. Its
     # storage is freed (resized to 0) between uses unless the param tier is `none`.
     device_flat: torch.Tensor | None = None
-    # host tensors by kind (optimizer: cpu) and the 16-bit home copy (param: cpu, or none on CUDA)
-    host: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the four fp32 state tensors by kind when they are not streamed: host buffers (optimizer
+    # tier HOST) or device tensors (tier DEVICE); empty for NVMe-resident state
+    resident_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the 16-bit home copy (param: cpu, or none on CUDA)
     param16: torch.Tensor | None = None
     # params (indices into spec.params) that received a gradient in this accumulation window
     grads_in_window: set[int] = field(default_factory=set)

@@ -1,6 +1,7 @@
 """The optimizer step, unit by unit, on the optimizer worker thread.
 
-With states on the host, each unit steps in place. With states on NVMe the step is a pipeline
+With states on the host, each unit steps in place (the C++ Adam); with states on the device
+(tier DEVICE), in place there (offload.optim.device_adam, on the device's optimizer stream). With states on NVMe the step is a pipeline
 over the slots of `TierStore`: while unit i steps in slot i % k, unit i+1's states are being
 read into the next slot and unit i-1's written from the previous one; a slot is refilled only
 after its writes completed. As each unit finishes, its 16-bit weights go to their home tier and
@@ -19,7 +20,8 @@ from torch.profiler import record_function
 
 from offload.device import Device
 from offload.optim import kernels
-from offload.placement import ParamTier
+from offload.optim.device_adam import device_adam_step
+from offload.placement import OptimizerTier, ParamTier
 from offload.state import OptimizerSlot, UnitState
 from offload.tiers import TierStore
 from offload.units import FlatLayout
@@ -120,9 +122,65 @@ class UnitStepper:
         sixteen_bit = out.dtype != torch.float32
         started = time.perf_counter()
         try:
+            if unit.optimizer_tier is OptimizerTier.DEVICE:
+                self._step_on_device(unit, views, hypers, work, out)
+            else:
+                self._step_on_host(unit, views, hypers, work, out, sixteen_bit)
+            published = time.perf_counter()
+            self.timings["adam"] += published - started
+            self._publish(unit, out, slot)
+            self.timings["publish"] += time.perf_counter() - published
+        finally:
+            if staging:
+                self.store.give_back_staging(out)
+
+    def _step_on_host(
+        self,
+        unit: UnitState,
+        views: dict[str, torch.Tensor],
+        hypers: Sequence[StepHyper],
+        work: list[tuple[int, int, int]],
+        out: torch.Tensor,
+        sixteen_bit: bool,
+    ) -> None:
+        """The C++ Adam over host states, writing the new 16-bit weights into `out` in the same pass."""
+        for group, start, end in work:
+            hyper = hypers[group]
+            kernels.adam_step(
+                views["master"][start:end],
+                views["grad32"][start:end],
+                views["exp_avg"][start:end],
+                views["exp_avg_sq"][start:end],
+                step=unit.step_count,
+                lr=hyper.lr,
+                beta1=hyper.beta1,
+                beta2=hyper.beta2,
+                eps=hyper.eps,
+                weight_decay=hyper.weight_decay,
+                adamw_mode=hyper.adamw_mode,
+                bias_correction=hyper.bias_correction,
+                grad_scale=hyper.grad_multiplier,
+                param_out16=out[start:end] if sixteen_bit else None,
+            )
+            if not sixteen_bit:
+                out[start:end].copy_(views["master"][start:end])
+
+    def _step_on_device(
+        self,
+        unit: UnitState,
+        views: dict[str, torch.Tensor],
+        hypers: Sequence[StepHyper],
+        work: list[tuple[int, int, int]],
+        out: torch.Tensor,
+    ) -> None:
+        """Adam over device-resident states on the device's optimizer stream; the new weights
+        are cast and copied into `out` (their host home or staging buffer, or the CPU device's
+        buffer), and the stream is waited on before the unit counts as stepped."""
+        stream = self.device.optimizer
+        with stream.context():
             for group, start, end in work:
                 hyper = hypers[group]
-                kernels.adam_step(
+                device_adam_step(
                     views["master"][start:end],
                     views["grad32"][start:end],
                     views["exp_avg"][start:end],
@@ -136,17 +194,9 @@ class UnitStepper:
                     adamw_mode=hyper.adamw_mode,
                     bias_correction=hyper.bias_correction,
                     grad_scale=hyper.grad_multiplier,
-                    param_out16=out[start:end] if sixteen_bit else None,
                 )
-                if not sixteen_bit:
-                    out[start:end].copy_(views["master"][start:end])
-            published = time.perf_counter()
-            self.timings["adam"] += published - started
-            self._publish(unit, out, slot)
-            self.timings["publish"] += time.perf_counter() - published
-        finally:
-            if staging:
-                self.store.give_back_staging(out)
+                out[start:end].copy_(views["master"][start:end])
+        stream.record_event().synchronize()
 
     def _param16_target(self, unit: UnitState, slot: OptimizerSlot | None) -> tuple[torch.Tensor, bool]:
         """Where the kernel writes the new 16-bit weights: (buffer, is it a staging buffer)."""

@@ -28,6 +28,8 @@ from offload.plan import (
     Capacity,
     OptimizerPlan,
     PlanError,
+    device_room,
+    engine_device_bytes,
     parse_size,
     plan_optimizer_tiers,
 )
@@ -50,13 +52,22 @@ HOST_MARGIN = 0.10
 
 
 def plan_optimizer(
-    config: Config, units: list[UnitState], *, compute_dtype: torch.dtype, staged_device_copies: bool, local_rank: int
+    config: Config,
+    units: list[UnitState],
+    *,
+    compute_dtype: torch.dtype,
+    staged_device_copies: bool,
+    local_rank: int,
+    device_memory: tuple[int, int] | None = None,
 ) -> OptimizerPlan:
-    """Each unit's optimizer tier: the config's `cpu` / `nvme` for every unit, or under `auto` the
-    plan of offload.plan from this machine's room: RAM (`max_host_memory`, or what is available
-    less HOST_MARGIN, shared by the ranks of this node) less the engine's other host buffers, and
-    the free disk under this rank's `nvme_path`. Units are planned in index order (the root, then
-    the blocks: the order an ordinary forward runs them, so the order they step)."""
+    """Each unit's optimizer tier: the config's `device` / `cpu` / `nvme` for every unit, or under
+    `auto` the plan of offload.plan from this machine's room: the accelerator's
+    (`max_device_memory`, or `device_memory` = its (free, total) bytes measured at start, less
+    the engine's own weights and gradients and an activation share; none when the CPU stands in
+    for it), RAM (`max_host_memory`, or what is available less HOST_MARGIN, shared by the ranks
+    of this node) less the engine's other host buffers, and the free disk under this rank's
+    `nvme_path`. Units are planned in index order (the root, then the blocks: the order an
+    ordinary forward runs them, so the order they step)."""
     choice = config.offload.optimizer
     if choice != "auto":
         tier = OptimizerTier(choice)
@@ -82,7 +93,16 @@ def plan_optimizer(
         cap = int(psutil.virtual_memory().available * (1 - HOST_MARGIN)) // ranks_here
     path = nvme_path_for_rank(config.offload.nvme_path, local_rank)
     nvme_free = shutil.disk_usage(path).free // ranks_here if os.path.isdir(path) else 0
-    capacity = Capacity(device=0, host=max(0, cap - others), nvme=nvme_free)
+    engine_bytes = engine_device_bytes(
+        [unit.layout.padded_numel for unit in units],
+        params_offloaded=ParamTier(config.offload.param).offloaded,
+        compute_bytes=compute_bytes,
+        prefetch_depth=config.prefetch.depth,
+    )
+    device = device_room(cap=parse_size(config.offload.max_device_memory), memory=device_memory, engine_bytes=engine_bytes)
+    if ParamTier(config.offload.param) is ParamTier.NVME:  # the 16-bit weights' swap files come first
+        nvme_free = max(0, nvme_free - compute_bytes * sum(shard_numels))
+    capacity = Capacity(device=device, host=max(0, cap - others), nvme=nvme_free)
     try:
         plan = plan_optimizer_tiers(
             optimizer_numels,
@@ -94,7 +114,8 @@ def plan_optimizer(
     except PlanError as error:
         raise ConfigError(f"offload.optimizer auto: {error}", key="offload.optimizer") from None
     logger.info(
-        "offload: optimizer auto (RAM for it %.2f GiB, disk %.1f GiB): %s",
+        "offload: optimizer auto (device memory for it %.2f GiB, RAM %.2f GiB, disk %.1f GiB): %s",
+        capacity.device / 2**30,
         capacity.host / 2**30,
         nvme_free / 2**30,
         plan.summary(),
@@ -102,6 +123,16 @@ def plan_optimizer(
     for unit, reason in zip(units, plan.reasons):
         logger.debug("offload: optimizer state of unit %s on %s", unit.spec.name, reason)
     return plan
+
+
+def squared_norm(values: torch.Tensor) -> float:
+    """Sum of squares of an fp32 gradient, accumulated in fp64: the C++ kernel on host memory,
+    torch's reduction for a DEVICE-tier gradient on an accelerator."""
+    from offload.optim import kernels
+
+    if values.device.type == "cpu":
+        return kernels.sq_norm(values)
+    return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
 
 
 def nvme_path_for_rank(nvme_path: str | list[str], local_rank: int) -> str:
@@ -125,6 +156,7 @@ class TierStore:
         local_rank: int,
         run_name: str,
         optimizer_tiers: list[OptimizerTier] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """`optimizer_tiers`: each unit's (the plan of `offload.optimizer: auto`); by default the
         config's `offload.optimizer` for every unit."""
@@ -136,6 +168,9 @@ class TierStore:
             unit.optimizer_tier = tier
         self.streamed_units = [unit for unit in units if unit.optimizer_tier.streamed]
         self.compute_dtype = compute_dtype
+        # where DEVICE-tier optimizer state is allocated (the engine's compute device)
+        self.device = torch.device("cpu") if device is None else device
+        self._device_state_bytes = 0  # what this store put in the ledger's device tier
         self.ledger = ledger
         self.buffer_count = config.offload.buffer_count
         self.prefetch_depth = config.prefetch.depth
@@ -201,12 +236,21 @@ class TierStore:
     def _allocate_host(self) -> None:
         largest = self.largest_shard
         for unit in self.units:
-            if unit.optimizer_tier is OptimizerTier.HOST:
+            if unit.optimizer_tier is OptimizerTier.DEVICE:
+                # on the accelerator, stepped there (offload.optimizer.device_adam)
+                for kind in STATE_KINDS:
+                    unit.resident_state[kind] = torch.empty(unit.optimizer_numel, dtype=torch.float32, device=self.device)
+                nbytes = 4 * len(STATE_KINDS) * unit.optimizer_numel
+                self.ledger.allocate("device", nbytes, "optimizer_state")
+                self._device_state_bytes += nbytes
+            elif unit.optimizer_tier is OptimizerTier.HOST:
                 for kind in STATE_KINDS:
                     if unit.optimizer_numel:
-                        unit.host[kind] = self.pool.alloc(unit.optimizer_numel, torch.float32, category="optimizer_state")
+                        unit.resident_state[kind] = self.pool.alloc(
+                            unit.optimizer_numel, torch.float32, category="optimizer_state"
+                        )
                     else:  # only frozen params in this shard: nothing to hold (not even a page)
-                        unit.host[kind] = torch.empty(0, dtype=torch.float32)
+                        unit.resident_state[kind] = torch.empty(0, dtype=torch.float32)
         self.slots: list[OptimizerSlot] = []
         if self.streamed_units:
             state = self.largest_streamed_state
@@ -251,9 +295,9 @@ class TierStore:
         their trainable part, moments = 0, 16-bit = all of them cast."""
         master_values = shard_values[: unit.optimizer_numel]
         if not unit.optimizer_tier.streamed:
-            unit.host["master"].copy_(master_values)
+            unit.resident_state["master"].copy_(master_values)
             for kind in ("exp_avg", "exp_avg_sq", "grad32"):
-                unit.host[kind].zero_()
+                unit.resident_state[kind].zero_()
         else:
             # only the master is written: the moments and the fp32 gradient start at zero, and a
             # swap file never written reads as zeros without touching the disk (at 3B params:
@@ -311,10 +355,20 @@ class TierStore:
         yielded in their place in the order, between the streamed ones."""
         if not any(unit.optimizer_tier.streamed for unit in units):
             for unit in units:
-                yield unit, unit.host, None
+                yield unit, unit.resident_state, None
             return
         with self.slots_lock:
             yield from self._stream_through_slots(units, include_grad, timings)
+
+    def stream_optimizer_states_on_host(
+        self, units: list[UnitState]
+    ) -> Iterator[tuple[UnitState, dict[str, torch.Tensor], OptimizerSlot | None]]:
+        """As `stream_optimizer_states` (without the gradient), with the states of DEVICE-tier
+        units copied to the host, one unit at a time (a checkpoint's save writes them as bytes)."""
+        for unit, views, slot in self.stream_optimizer_states(units, include_grad=False):
+            if unit.optimizer_tier is OptimizerTier.DEVICE:
+                views = {kind: tensor.to("cpu") for kind, tensor in views.items() if kind != "grad32"}
+            yield unit, views, slot
 
     def _stream_through_slots(
         self, all_units: list[UnitState], include_grad: bool, timings: dict[str, float] | None
@@ -340,7 +394,7 @@ class TierStore:
                 start_read(0)
             for unit in all_units:
                 if not unit.optimizer_tier.streamed:
-                    yield unit, unit.host, None
+                    yield unit, unit.resident_state, None
                     continue
                 i = position[id(unit)]
                 if i + 1 < len(units):
@@ -371,8 +425,16 @@ class TierStore:
             try:
                 streamed = 0
                 for unit in units:
+                    if unit.optimizer_tier is OptimizerTier.DEVICE:
+                        # filled on the host (a checkpoint reads into host memory), then copied over
+                        staged = {kind: torch.empty(unit.optimizer_numel, dtype=torch.float32) for kind in STATE_KINDS}
+                        del staged["grad32"]
+                        yield unit, staged
+                        for kind, values in staged.items():
+                            unit.resident_state[kind].copy_(values)
+                        continue
                     if not unit.optimizer_tier.streamed:
-                        yield unit, {kind: unit.host[kind] for kind in STATE_KINDS if kind != "grad32"}
+                        yield unit, {kind: unit.resident_state[kind] for kind in STATE_KINDS if kind != "grad32"}
                         continue
                     slot = self.slots[streamed % len(self.slots)]
                     streamed += 1
@@ -395,7 +457,7 @@ class TierStore:
     def optimizer_views(self, unit: UnitState, slot: OptimizerSlot | None) -> dict[str, torch.Tensor]:
         """The unit's four fp32 state tensors, wherever they are now (host, or a loaded slot)."""
         if not unit.optimizer_tier.streamed:
-            return unit.host
+            return unit.resident_state
         assert slot is not None, "a streamed unit's states are only in the slot they were loaded into"
         n = unit.optimizer_numel
         return {kind: buffer[:n] for kind, buffer in slot.tensors().items()}
@@ -410,12 +472,10 @@ class TierStore:
         `pieces` are (offset in the shard, 1-D gradient) pairs, all within the shard's trainable
         part (`optimizer_numel`); the elements they do not cover had no gradient in this
         micro-batch (zero)."""
-        from offload.optim import kernels
-
         n = unit.optimizer_numel
         pieces = sorted(pieces, key=lambda piece: piece[0])
         if not unit.optimizer_tier.streamed:
-            target = unit.host["grad32"]
+            target = unit.resident_state["grad32"]
         else:
             target = self.grad_slot[:n]
             if not first_in_window:
@@ -430,20 +490,18 @@ class TierStore:
         else:
             for offset, grad in pieces:
                 target[offset : offset + grad.numel()].add_(grad)
-        norm = kernels.sq_norm(target) if compute_norm else None
+        norm = squared_norm(target) if compute_norm else None
         if unit.optimizer_tier.streamed:
             self.require_swap().write_from(unit.swap_name("grad32"), target).wait()
         return norm
 
     def grad_sq_norm(self, unit: UnitState) -> float:
         """Squared norm of the stored fp32 gradient (for a unit whose window ended early)."""
-        from offload.optim import kernels
-
         if not unit.optimizer_tier.streamed:
-            return kernels.sq_norm(unit.host["grad32"])
+            return squared_norm(unit.resident_state["grad32"])
         target = self.grad_slot[: unit.optimizer_numel]
         self.require_swap().read_into(unit.swap_name("grad32"), target).wait()
-        return kernels.sq_norm(target)
+        return squared_norm(target)
 
     # ---- 16-bit weights ---------------------------------------------------------------------
     def read_param16(self, unit: UnitState) -> tuple[torch.Tensor, bool]:
@@ -470,6 +528,12 @@ class TierStore:
         raise RuntimeError("give_back_staging: the tensor is not a staging buffer")
 
     def close(self) -> None:
+        if self._device_state_bytes:
+            self.ledger.release("device", self._device_state_bytes, "optimizer_state")
+            self._device_state_bytes = 0
+            for unit in self.units:
+                if unit.optimizer_tier is OptimizerTier.DEVICE:
+                    unit.resident_state.clear()
         if self._nvme_bytes_recorded:
             self.ledger.release("nvme", self._nvme_bytes_recorded, "swap")
             self._nvme_bytes_recorded = 0

@@ -49,7 +49,7 @@ class WeightsReader:
     def master_shard(self, unit: UnitState) -> torch.Tensor:
         """A host copy of this rank's fp32 master shard of `unit` (its `optimizer_numel` elements)."""
         if not unit.optimizer_tier.streamed:
-            return unit.host["master"].clone()
+            return unit.resident_state["master"].to("cpu", copy=True)
         n = unit.optimizer_numel
         shard = torch.empty(n, dtype=torch.float32)
         if n:

@@ -36,7 +36,7 @@ def test_cuda_fp32_equals_plain_pytorch(swap_dir, param, optimizer, overlap):
 
 def test_cuda_host_buffers_are_pinned(swap_dir):
     engine = offload.initialize(TinyNet(), {"offload": {"param": "cpu", "optimizer": "cpu"}})
-    assert all(unit.host["master"].is_pinned() for unit in engine.units)
+    assert all(unit.resident_state["master"].is_pinned() for unit in engine.units)
     engine.close()
 
 
@@ -54,3 +54,26 @@ def test_device_cpu_on_a_cuda_machine_computes_on_the_cpu(swap_dir):
     engine_run(engine, data)
     assert max_weight_difference(engine.consolidated_state_dict(), reference) <= fp32_weight_tolerance(engine)
     engine.close()
+
+
+def test_cuda_auto_puts_a_small_state_on_the_gpu_and_its_checkpoint_loads_on_the_host(tmp_path, swap_dir):
+    """With the GPU's spare memory measured at start, `auto` keeps a small model's whole state
+    there (stepped by the fused Adam on the GPU); a checkpoint saved from it (device tensors
+    copied out unit by unit) resumes on the host tier like an all-host run."""
+    torch.manual_seed(0)
+    model = TinyNet(depth=4)
+    data = [(x.cuda(), y.cuda()) for x, y in batches(8)]
+    with offload.initialize(copy.deepcopy(model), fp32_config(swap_dir, "cpu", "cpu", "forward")) as straight:
+        engine_run(straight, data)
+        expected = straight.consolidated_state_dict()
+    with offload.initialize(copy.deepcopy(model), fp32_config(swap_dir, "cpu", "auto", "forward")) as on_gpu:
+        assert {e["tier"] for e in on_gpu.memory_report()["optimizer_units"].values()} == {"device"}
+        assert all(unit.resident_state["master"].is_cuda for unit in on_gpu.units)
+        engine_run(on_gpu, data[:4])
+        on_gpu.save_checkpoint(tmp_path / "ckpt")
+    with offload.initialize(copy.deepcopy(model), fp32_config(swap_dir, "cpu", "cpu", "forward")) as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        engine_run(resumed, data[4:])
+        got = resumed.consolidated_state_dict()
+    gap = max(float((got[name] - expected[name]).abs().max()) for name in expected)
+    assert gap <= fp32_weight_tolerance(resumed)

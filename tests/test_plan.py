@@ -7,7 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload.placement import OptimizerTier
-from offload.plan import Capacity, PlanError, parse_size, plan_optimizer_tiers, slot_bytes_for
+from offload.plan import (
+    DEVICE_ACTIVATION_SHARE,
+    Capacity,
+    PlanError,
+    device_room,
+    engine_device_bytes,
+    parse_size,
+    plan_optimizer_tiers,
+    slot_bytes_for,
+)
 
 GiB = 2**30
 
@@ -68,6 +77,32 @@ def test_plan_properties(numels, device, host, data):
     assert sequence == sorted(sequence)
     if sum(16 * n for n in numels) <= host:
         assert OptimizerTier.NVME not in plan.tiers
+
+
+def test_device_room_on_the_cpu_is_only_what_the_cap_gives():
+    """The CPU standing in for the device has no memory of its own: no cap, no device tier."""
+    assert device_room(cap=None, memory=None, engine_bytes=0) == 0
+    assert device_room(cap=5 * GiB, memory=None, engine_bytes=10 * GiB) == 5 * GiB
+
+
+def test_device_room_on_an_accelerator_leaves_the_engine_and_activations_their_share():
+    free, total = 70 * GiB, 80 * GiB
+    room = device_room(cap=None, memory=(free, total), engine_bytes=10 * GiB)
+    assert room == free - 10 * GiB - int(DEVICE_ACTIVATION_SHARE * total)
+    assert device_room(cap=GiB, memory=(free, total), engine_bytes=10 * GiB) == GiB  # the cap when lower
+    assert device_room(cap=100 * GiB, memory=(free, total), engine_bytes=10 * GiB) == room  # never more than free
+    assert device_room(cap=None, memory=(GiB, total), engine_bytes=10 * GiB) == 0  # nothing spare
+
+
+@given(
+    numels=st.lists(st.integers(min_value=1, max_value=10**6), min_size=1, max_size=20),
+    depth=st.integers(min_value=0, max_value=4),
+)
+def test_engine_device_bytes_offloaded_is_at_most_everything_resident(numels, depth):
+    resident = engine_device_bytes(numels, params_offloaded=False, compute_bytes=2, prefetch_depth=depth)
+    offloaded = engine_device_bytes(numels, params_offloaded=True, compute_bytes=2, prefetch_depth=depth)
+    assert resident == 2 * (sum(numels) + 2 * max(numels))
+    assert 2 * (numels[0] + 2 * max(numels)) <= offloaded <= resident
 
 
 def test_parse_size_reads_gpu_buyer_and_binary_units():
