@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch.profiler import record_function
@@ -30,6 +30,19 @@ if TYPE_CHECKING:
     from offload.schedule import EventLog
 
 
+class AdamArguments(TypedDict):
+    """The keyword arguments both Adam kernels take besides the tensors and the step number."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool
+    bias_correction: bool
+    grad_scale: float
+
+
 @dataclass(frozen=True)
 class StepHyper:
     """Everything one optimizer step of one parameter group needs besides the tensors (a step
@@ -44,6 +57,19 @@ class StepHyper:
     bias_correction: bool
     # the stored gradients are multiplied by this (1/loss scale times the clipping factor)
     grad_multiplier: float
+
+    def adam_arguments(self) -> AdamArguments:
+        """The keyword arguments of both Adam kernels (kernels.adam_step, device_adam_step)."""
+        return {
+            "lr": self.lr,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "adamw_mode": self.adamw_mode,
+            "bias_correction": self.bias_correction,
+            "grad_scale": self.grad_multiplier,
+        }
 
 
 def group_ranges(layout: FlatLayout, rank: int, stepped: list[int], groups: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -145,22 +171,14 @@ class UnitStepper:
     ) -> None:
         """The C++ Adam over host states, writing the new 16-bit weights into `out` in the same pass."""
         for group, start, end in work:
-            hyper = hypers[group]
             kernels.adam_step(
                 views["master"][start:end],
                 views["grad32"][start:end],
                 views["exp_avg"][start:end],
                 views["exp_avg_sq"][start:end],
                 step=unit.step_count,
-                lr=hyper.lr,
-                beta1=hyper.beta1,
-                beta2=hyper.beta2,
-                eps=hyper.eps,
-                weight_decay=hyper.weight_decay,
-                adamw_mode=hyper.adamw_mode,
-                bias_correction=hyper.bias_correction,
-                grad_scale=hyper.grad_multiplier,
                 param_out16=out[start:end] if sixteen_bit else None,
+                **hypers[group].adam_arguments(),
             )
             if not sixteen_bit:
                 out[start:end].copy_(views["master"][start:end])
@@ -179,21 +197,13 @@ class UnitStepper:
         stream = self.device.optimizer
         with stream.context():
             for group, start, end in work:
-                hyper = hypers[group]
                 device_adam_step(
                     views["master"][start:end],
                     views["grad32"][start:end],
                     views["exp_avg"][start:end],
                     views["exp_avg_sq"][start:end],
                     step=unit.step_count,
-                    lr=hyper.lr,
-                    beta1=hyper.beta1,
-                    beta2=hyper.beta2,
-                    eps=hyper.eps,
-                    weight_decay=hyper.weight_decay,
-                    adamw_mode=hyper.adamw_mode,
-                    bias_correction=hyper.bias_correction,
-                    grad_scale=hyper.grad_multiplier,
+                    **hypers[group].adam_arguments(),
                 )
                 out[start:end].copy_(views["master"][start:end])
         stream.record_event().synchronize()

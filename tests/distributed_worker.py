@@ -116,6 +116,24 @@ def make_config(swap, param, optimizer, overlap="forward", precision="fp32", **e
     return config
 
 
+def train_deep_tinynet_reporting_tiers(rank: int, world_size: int, config: dict) -> dict:
+    """Six steps of TinyNet(depth=8) on this rank's half of each batch; the final fp32 weights and
+    each unit's optimizer tier (memory_report()["optimizer_units"])."""
+    from reference import TinyNet, batches, mse
+
+    import offload
+
+    torch.manual_seed(0)
+    model = TinyNet(depth=8)
+    with offload.initialize(copy.deepcopy(model), config, device="cpu") as engine:
+        for batch in batches(6):
+            x, y = local_half(batch, rank, world_size)
+            engine.backward(mse(engine, x, y))
+            engine.step()
+        tiers = [entry["tier"] for entry in engine.memory_report()["optimizer_units"].values()]
+        return {"weights": engine.consolidated_state_dict(), "tiers": tiers}
+
+
 def freeze(model, prefix: str | None) -> None:
     """Turns off requires_grad for the parameters under `prefix` (a module name)."""
     if prefix:

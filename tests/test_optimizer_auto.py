@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
-from distributed_worker import launch, local_half, make_config
-from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, mse, reference_run
+from distributed_worker import launch, make_config, train_deep_tinynet_reporting_tiers
+from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, reference_run
 
 import offload
 from offload.plan import slot_bytes_for
@@ -121,18 +121,6 @@ def test_a_checkpoint_saved_split_loads_into_cpu_and_back(tmp_path, swap_dir):
     assert all(torch.equal(got[name], expected[name]) for name in expected)
 
 
-def _train_split(rank, world, config):
-    torch.manual_seed(0)
-    model = TinyNet(depth=8)
-    with offload.initialize(copy.deepcopy(model), config, device="cpu") as engine:
-        for batch in batches(6):
-            x, y = local_half(batch, rank, world)
-            engine.backward(mse(engine, x, y))
-            engine.step()
-        tiers = [entry["tier"] for entry in engine.memory_report()["optimizer_units"].values()]
-        return {"weights": engine.consolidated_state_dict(), "tiers": tiers}
-
-
 @pytest.mark.parametrize("overlap", ["forward", "backward"])
 def test_two_ranks_with_a_split_state_train_like_one_process(tmp_path, overlap):
     torch.manual_seed(0)
@@ -143,7 +131,7 @@ def test_two_ranks_with_a_split_state_train_like_one_process(tmp_path, overlap):
         swaps.append(str(tmp_path / f"swap{rank}"))
     config = make_config(swaps, "cpu", "auto", overlap)
     config["offload"].update(max_host_memory=host_cap(model, "cpu", world=2), buffer_count=BUFFER_COUNT)
-    results = launch(_train_split, 2, config, timeout_s=30, deadline_s=150)
+    results = launch(train_deep_tinynet_reporting_tiers, 2, config, timeout_s=30, deadline_s=150)
     for result in results:
         assert result["ok"], result.get("traceback") or result
         assert "cpu" in result["value"]["tiers"] and "nvme" in result["value"]["tiers"]

@@ -12,14 +12,13 @@ import copy
 
 import pytest
 import torch
-from distributed_worker import launch, local_half, make_config
+from distributed_worker import launch, make_config, train_deep_tinynet_reporting_tiers
 from reference import (
     TinyNet,
     batches,
     engine_run,
     fp32_weight_tolerance,
     max_weight_difference,
-    mse,
     reference_run,
 )
 
@@ -188,18 +187,6 @@ def test_a_checkpoint_saved_across_three_tiers_loads_into_cpu_and_into_device(tm
         assert gap <= fp32_weight_tolerance(resumed), (target, gap)
 
 
-def _train_three_tiers(rank, world, config):
-    torch.manual_seed(0)
-    model = TinyNet(depth=8)
-    with offload.initialize(copy.deepcopy(model), config, device="cpu") as engine:
-        for batch in batches(6):
-            x, y = local_half(batch, rank, world)
-            engine.backward(mse(engine, x, y))
-            engine.step()
-        tiers = [entry["tier"] for entry in engine.memory_report()["optimizer_units"].values()]
-        return {"weights": engine.consolidated_state_dict(), "tiers": tiers}
-
-
 @pytest.mark.parametrize("overlap", ["forward", "backward"])
 def test_two_ranks_with_state_on_three_tiers_train_like_one_process(tmp_path, overlap):
     torch.manual_seed(0)
@@ -211,7 +198,7 @@ def test_two_ranks_with_state_on_three_tiers_train_like_one_process(tmp_path, ov
     config = make_config(swaps, "cpu", "auto", overlap)
     device_cap, host_cap = caps(model, "cpu", world=2)
     config["offload"].update(max_device_memory=device_cap, max_host_memory=host_cap, buffer_count=BUFFER_COUNT)
-    results = launch(_train_three_tiers, 2, config, timeout_s=30, deadline_s=150)
+    results = launch(train_deep_tinynet_reporting_tiers, 2, config, timeout_s=30, deadline_s=150)
     for result in results:
         assert result["ok"], result.get("traceback") or result
         assert set(result["value"]["tiers"]) == {"device", "cpu", "nvme"}, result["value"]["tiers"]
