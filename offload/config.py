@@ -1,5 +1,8 @@
 """Config dataclasses, loading from a dict / JSON path / Config, and validation.
 
+(Over 600 lines because every field's docstring lives here, where the README's key table is
+generated from, and validation is one pass over all of them.)
+
 Every key is optional. The config is validated whole when it is loaded: an unknown key is an
 error that names the key and the nearest valid one; a value of the wrong type or out of range
 is an error that names the key and the accepted values. Nothing is silently defaulted.

@@ -1,5 +1,9 @@
 """How many bytes each tier needs for a model under each placement, and which placement to use.
 
+(Over 600 lines because it holds the model-shape readers for every architecture it knows
+(Llama-like, MoE, tied, GPT-2, ...) beside the arithmetic that mirrors the engine's ledger;
+both are plain functions over sizes and are tested against real engines together.)
+
 Plain functions over sizes, following the engine's own accounting (what `engine.memory_report()`
 records), so an estimate can be checked against a real run:
 

@@ -1,5 +1,8 @@
 """The per-unit schedule: what happens to each unit during a micro-step, in one place.
 
+(Slightly over 600 lines: the point of this module is that every transition of a unit, and the
+root's, can be read in one file.)
+
 A unit goes through these transitions (module hooks call them; `UnitSchedule` implements them):
 
   pre_forward    take a hold: the unit's 16-bit weights on the device, current (fetched, or

@@ -1,5 +1,9 @@
 """The swap store: named tensors <-> swap files of a private run directory under `nvme_path`.
 
+(Over 600 lines because each guarantee below is code that must sit next to the file handling
+it guards: the private directory's descriptors, unnamed files, the header checked on every
+read, failure and recovery of in-flight I/O; split, they would pass file descriptors around.)
+
 Where the files live. `nvme_path/<run>/rank<r>/` is made fresh for each store: the run
 directory (shared by the ranks of one run) and the rank directory are created 0700, checked
 with fstat on a descriptor opened O_DIRECTORY|O_NOFOLLOW (a real directory, owned by this

@@ -1,4 +1,4 @@
-"""The host and NVMe tiers of every unit's state: allocation at start, reads and writes after.
+"""The device, host and NVMe tiers of every unit's state: allocation at start, reads and writes after.
 
 `TierStore` owns the host buffer pool and the swap store. It sizes the pool from the placement
 before allocating anything (`state.host_budget_bytes`), reserves every swap file up front

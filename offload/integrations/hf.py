@@ -1,5 +1,9 @@
 """The Hugging Face `Trainer` on the offload engine: `OffloadTrainer`.
 
+(Over 600 lines because the Trainer's hooks it overrides (optimizer, scheduler, model wrapping,
+training step, checkpoint save and resume, model save) only make sense read together against
+one transformers version's training loop.)
+
 One change turns a Trainer script into an offloaded one::
 
     from offload.integrations.hf import OffloadTrainer
