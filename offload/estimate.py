@@ -733,9 +733,21 @@ def fit_problems(estimate: TierEstimate, machine: Machine, activations: int = 0)
     return problems
 
 
-def recommend(fits: dict[tuple[str, str], bool]) -> tuple[str, str] | None:
-    """The fastest placement that fits (PLACEMENTS is ordered fastest first), or None."""
+def recommend(
+    fits: dict[tuple[str, str], bool], device_only_auto: frozenset[str] | set[str] = frozenset()
+) -> tuple[str, str] | None:
+    """The fastest placement that fits (PLACEMENTS is ordered fastest first), or None.
+    `device_only_auto`: the params whose `auto` plan keeps every unit on the device or in RAM with
+    some on the device; that plan beats the same param's all-in-RAM placement (those units step
+    on the GPU, the rest as before), so it is ranked just before it."""
+    order = []
     for placement in PLACEMENTS:
+        param, optimizer = placement
+        if optimizer == "cpu" and param in device_only_auto:
+            order.append((param, "auto"))
+        if not (optimizer == "auto" and param in device_only_auto):
+            order.append(placement)
+    for placement in order:
         if fits.get(placement):
             return placement
     return None
@@ -781,6 +793,7 @@ def estimate_report(
     )
     rows: list[dict] = []
     fits: dict[tuple[str, str], bool] = {}
+    device_only_auto: set[str] = set()  # params whose auto plan uses the device and no NVMe
     assert machine.device is not None  # Machine.__post_init__ turns None into cuda or cpu
     for placement in PLACEMENTS:
         tiers, plan = None, None
@@ -822,7 +835,9 @@ def estimate_report(
         problems = fit_problems(estimate, machine, activations or 0)
         fits[placement] = not problems
         rows.append({**estimate.as_dict(), "fits": not problems, "problems": problems})
-    choice = recommend(fits)
+        if tiers is not None and "device" in tiers and "nvme" not in tiers:
+            device_only_auto.add(placement[0])
+    choice = recommend(fits, device_only_auto)
     padded = shape.padded_numels(world_size)
     return {
         "model": {

@@ -203,6 +203,10 @@ def test_recommend_takes_the_fastest_placement_that_fits():
     assert est.recommend({p: True for p in est.PLACEMENTS}) == ("none", "cpu")
     assert est.recommend({("cpu", "nvme"): True, ("nvme", "nvme"): True}) == ("cpu", "nvme")
     assert est.recommend({}) is None
+    # an auto plan with units on the device and none on NVMe ranks before the same param's cpu
+    assert est.recommend({p: True for p in est.PLACEMENTS}, {"none"}) == ("none", "auto")
+    assert est.recommend({("cpu", "cpu"): True, ("cpu", "auto"): True}, {"cpu"}) == ("cpu", "auto")
+    assert est.recommend({("cpu", "cpu"): True, ("cpu", "auto"): False}, {"cpu"}) == ("cpu", "cpu")
 
 
 def test_fit_problems_name_the_tier():
@@ -266,7 +270,11 @@ def test_cli_json_for_a_config_file(tmp_path, capsys):
     rows = {(r["param"], r["optimizer"]): r for r in report["placements"]}
     assert set(rows) == set(est.PLACEMENTS)
     assert not rows[("none", "cpu")]["fits"]  # 13 GB of weights + 9 GB of activations > 90% of 24 GB
-    assert report["recommended"]["param"] == "cpu" and report["recommended"]["optimizer"] == "cpu"
+    # cpu/cpu fits, and cpu/auto fits with part of the state on the GPU's spare memory (stepped
+    # there) and the rest in RAM: the faster of the two
+    assert rows[("cpu", "cpu")]["fits"] and rows[("cpu", "auto")]["fits"]
+    assert "device:" in rows[("cpu", "auto")]["plan"] and "nvme:" not in rows[("cpu", "auto")]["plan"]
+    assert report["recommended"]["param"] == "cpu" and report["recommended"]["optimizer"] == "auto"
     offload.load_config(report["recommended"]["config"])
 
 
