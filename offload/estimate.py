@@ -41,7 +41,7 @@ from pathlib import Path
 from offload.errors import ConfigError
 from offload.placement import OptimizerTier
 from offload.plan import Capacity, PlanError, device_room, engine_device_bytes, plan_optimizer_tiers
-from offload.state import host_budget_bytes
+from offload.state import host_budget_bytes, host_bytes_beside_optimizer_state
 from offload.tiers import HOST_MARGIN
 from offload.units import plan_flat_layout, round_up
 
@@ -603,16 +603,13 @@ def plan_auto(
     share: set `offload.max_device_memory` to the room this plan shows to get the same split)."""
     cb = COMPUTE_BYTES[precision]
     shards = shape.shard_numels(world_size)
-    budget = host_budget_bytes(
+    others = host_bytes_beside_optimizer_state(
         shards,
         param_tier=param,
-        optimizer_tier="nvme",
         compute_bytes=cb,
-        buffer_count=buffer_count,
         prefetch_depth=prefetch_depth,
         staged_device_copies=machine.device == "cuda",
     )
-    others = sum(v for k, v in budget.items() if k not in ("optimizer_slots", "grad_slot"))
     ranks = machine.ranks_per_node
     device = 0
     if machine.gpu_bytes is not None:

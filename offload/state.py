@@ -216,3 +216,26 @@ def host_budget_bytes(
     if staged_device_copies:
         need["grad_staging"] = 2 * largest * compute_bytes
     return need
+
+
+def host_bytes_beside_optimizer_state(
+    shard_numels: list[int],
+    *,
+    param_tier: ParamTier | str,
+    compute_bytes: int,
+    prefetch_depth: int,
+    staged_device_copies: bool,
+) -> int:
+    """The engine's host bytes that do not depend on where the optimizer state goes (16-bit
+    homes, staging rings): what `offload.optimizer: auto` takes off the RAM it may use before
+    planning the state (the plan adds the NVMe slots itself when some unit streams)."""
+    budget = host_budget_bytes(
+        shard_numels,
+        param_tier=param_tier,
+        optimizer_tier=OptimizerTier.NVME,
+        compute_bytes=compute_bytes,
+        buffer_count=1,
+        prefetch_depth=prefetch_depth,
+        staged_device_copies=staged_device_copies,
+    )
+    return sum(nbytes for use, nbytes in budget.items() if use not in ("optimizer_slots", "grad_slot"))

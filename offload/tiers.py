@@ -39,6 +39,7 @@ from offload.state import (
     OptimizerSlot,
     UnitState,
     host_budget_bytes,
+    host_bytes_beside_optimizer_state,
 )
 
 if TYPE_CHECKING:
@@ -76,17 +77,13 @@ def plan_optimizer(
     shard_numels = [unit.shard_numel for unit in units]
     # what each unit's optimizer state covers (its trainable params: frozen ones have none)
     optimizer_numels = [unit.optimizer_numel for unit in units]
-    budget = host_budget_bytes(
+    others = host_bytes_beside_optimizer_state(
         shard_numels,
         param_tier=config.offload.param,
-        optimizer_tier=[OptimizerTier.NVME] * len(units),
         compute_bytes=compute_bytes,
-        buffer_count=config.offload.buffer_count,
         prefetch_depth=config.prefetch.depth,
         staged_device_copies=staged_device_copies,
-        optimizer_numels=optimizer_numels,
     )
-    others = sum(v for k, v in budget.items() if k not in ("optimizer_slots", "grad_slot"))
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cap = parse_size(config.offload.max_host_memory)
     if cap is None:

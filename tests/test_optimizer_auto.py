@@ -9,51 +9,23 @@ import pytest
 import torch
 from distributed_worker import launch, make_config, train_deep_tinynet_reporting_tiers
 from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, reference_run
+from tier_caps import BUFFER_COUNT, auto_config, split_caps
 
 import offload
-from offload.plan import slot_bytes_for
-from offload.state import host_budget_bytes
-from offload.units import build_units, plan_flat_layout
 
 HOST_UNITS = 2  # the cap below leaves room for the state of this many units beside the slots
 
 
-BUFFER_COUNT = 2
-
-
-def host_cap(model, param: str, world: int = 1, buffer_count: int = BUFFER_COUNT) -> int:
-    """RAM for the first HOST_UNITS units' state, the NVMe slots, and the engine's other host
-    buffers (fp32 compute on the CPU), plus less than one more unit."""
-    shards = [plan_flat_layout([p.numel() for p in spec.params], world).shard_numel for spec in build_units(model, [], 0)]
-    others = host_budget_bytes(
-        shards,
-        param_tier=param,
-        optimizer_tier="nvme",
-        compute_bytes=4,
-        buffer_count=buffer_count,
-        prefetch_depth=2,
-        staged_device_copies=False,
-    )
-    others = sum(v for k, v in others.items() if k not in ("optimizer_slots", "grad_slot"))
-    return others + slot_bytes_for(max(shards), buffer_count, 4) + 16 * sum(shards[:HOST_UNITS]) + 8 * shards[HOST_UNITS]
+def host_cap(model, param: str, world: int = 1) -> int:
+    """RAM for the first HOST_UNITS units' state beside the NVMe slots and the engine's other host
+    buffers, plus less than one more unit."""
+    return split_caps(model, param, device_units=0, host_units=HOST_UNITS, world=world)[1]
 
 
 def split_config(swap_dir, param, overlap, cap):
-    return {
-        "precision": "fp32",
-        "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
-        "offload": {
-            "param": param,
-            "optimizer": "auto",
-            # no optimizer state on the device, CUDA or not: this file is the host / NVMe split
-            # (tests/test_optimizer_device.py has the device tier)
-            "max_device_memory": 0,
-            "max_host_memory": cap,
-            "nvme_path": swap_dir,
-            "buffer_count": BUFFER_COUNT,
-        },
-        "overlap": overlap,
-    }
+    # no optimizer state on the device, CUDA or not: this file is the host / NVMe split
+    # (tests/test_optimizer_device.py has the device tier)
+    return auto_config(swap_dir, param, overlap, device_cap=0, host_cap=cap)
 
 
 @pytest.mark.parametrize("overlap", ["none", "forward", "backward"])

@@ -21,15 +21,12 @@ from reference import (
     max_weight_difference,
     reference_run,
 )
+from tier_caps import BUFFER_COUNT, auto_config, split_caps
 
 import offload
-from offload.plan import slot_bytes_for
-from offload.state import host_budget_bytes
-from offload.units import build_units, plan_flat_layout
 
 DEVICE_UNITS = 2  # the device cap leaves room for the state of this many units
 HOST_UNITS = 2  # then RAM for this many more (beside the NVMe slots); the rest on NVMe
-BUFFER_COUNT = 2
 
 
 def shard_numels(engine) -> list[int]:
@@ -38,39 +35,12 @@ def shard_numels(engine) -> list[int]:
 
 def caps(model, param: str, world: int = 1) -> tuple[int, int]:
     """(max_device_memory, max_host_memory) that put DEVICE_UNITS units on the device, HOST_UNITS
-    in RAM and the rest on NVMe (the host cap counts the engine's other host buffers, measured
-    on an engine with everything on NVMe)."""
-    shards = [plan_flat_layout([p.numel() for p in spec.params], world).shard_numel for spec in build_units(model, [], 0)]
-    budget = host_budget_bytes(
-        shards,
-        param_tier=param,
-        optimizer_tier="nvme",
-        compute_bytes=4,
-        buffer_count=BUFFER_COUNT,
-        prefetch_depth=2,
-        staged_device_copies=torch.cuda.is_available(),
-    )
-    others = sum(v for k, v in budget.items() if k not in ("optimizer_slots", "grad_slot"))
-    device = 16 * sum(shards[:DEVICE_UNITS]) + 8 * shards[DEVICE_UNITS]
-    rest = shards[DEVICE_UNITS:]
-    host = others + slot_bytes_for(max(rest), BUFFER_COUNT, 4) + 16 * sum(rest[:HOST_UNITS]) + 8 * rest[HOST_UNITS]
-    return device, host
+    in RAM and the rest on NVMe."""
+    return split_caps(model, param, device_units=DEVICE_UNITS, host_units=HOST_UNITS, world=world)
 
 
 def three_tier_config(swap_dir, param: str, overlap: str, device_cap, host_cap) -> dict:
-    return {
-        "precision": "fp32",
-        "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
-        "offload": {
-            "param": param,
-            "optimizer": "auto",
-            "max_device_memory": device_cap,
-            "max_host_memory": host_cap,
-            "nvme_path": swap_dir,
-            "buffer_count": BUFFER_COUNT,
-        },
-        "overlap": overlap,
-    }
+    return auto_config(swap_dir, param, overlap, device_cap=device_cap, host_cap=host_cap)
 
 
 @pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
