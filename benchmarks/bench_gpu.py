@@ -196,7 +196,7 @@ def run_deepspeed(args, device, stage: int) -> dict:
     return {"times": times[2:], "startup": startup}
 
 
-def measure_limits(device, params: int) -> dict:
+def measure_limits(device) -> dict:
     """This machine's CPU Adam rate (params/s over a 64M-element array, the kernel the engine
     runs) and PCIe rate each way (pinned 1 GiB copies; none on a CPU device)."""
     from offload.optim import kernels
@@ -250,7 +250,7 @@ def child(args) -> None:
     elif args.child in ("ds2", "ds3"):
         result = run_deepspeed(args, device, int(args.child[2]))
     elif args.child == "limits":
-        result = measure_limits(device, 0)
+        result = measure_limits(device)
     else:
         param, optimizer = args.child.split("/")
         result = run_offload(args, device, param, optimizer)

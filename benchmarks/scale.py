@@ -651,23 +651,23 @@ def main(argv=None) -> int:
     if args.width and (args.width % 128 or not args.depth):
         parser.error("--width must be a multiple of 128 and comes with --depth")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    peer_args = argparse.Namespace(**{**vars(args), "optimizer": args.against, "skip_bench": True})
     try:
         with sigterm_raises():
             report = run(args)
+            if args.against:
+                io = report["config"]["io"]  # the io settings the first run measured
+                peer_args.block_size, peer_args.queue_depth, peer_args.io_threads = (
+                    io["block_size"],
+                    io["queue_depth"],
+                    io["threads"],
+                )
+                peer = run(peer_args)
     except (KeyboardInterrupt, _Terminated):
         print("interrupted; swap files removed", file=sys.stderr)
         return 130
     text = markdown(report, args)
     if args.against:
-        peer_args = argparse.Namespace(**{**vars(args), "optimizer": args.against, "skip_bench": True})
-        io = report["config"]["io"]  # the io settings the first run measured
-        peer_args.block_size, peer_args.queue_depth, peer_args.io_threads = io["block_size"], io["queue_depth"], io["threads"]
-        try:
-            with sigterm_raises():
-                peer = run(peer_args)
-        except (KeyboardInterrupt, _Terminated):
-            print("interrupted; swap files removed", file=sys.stderr)
-            return 130
         text += "\n" + markdown(peer, peer_args) + "\n" + comparison(report, peer, args)
     print()
     print(text)

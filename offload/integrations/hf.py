@@ -292,7 +292,7 @@ def split_offload_config(offload_config) -> tuple[dict[str, Any], dict]:
     return arguments, rest
 
 
-def trainer_config(args, offload_config=None, max_steps: int | None = None) -> Config:
+def trainer_config(args, offload_config=None, max_steps: int | None = None, report: bool = True) -> Config:
     """The engine's config for a Trainer run: placement, prefetch, I/O, overlap and wrapping from
     `offload_config` (offload's JSON / dict / Config, a DeepSpeed JSON or dict, an accelerate YAML);
     precision, AdamW hyper-parameters, clipping and accumulation from `TrainingArguments`.
@@ -300,14 +300,15 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None) -> C
     A value the user's config sets that contradicts TrainingArguments is a ConfigError naming both
     (as the Trainer's DeepSpeed integration refuses mismatched values); DeepSpeed `"auto"` values
     are filled from TrainingArguments. The engine's own window is 1: the Trainer accumulates, and
-    calls `optimizer.step()` at the end of each of its windows."""
+    calls `optimizer.step()` at the end of each of its windows. `report`: log what a DeepSpeed or
+    accelerate config had ignored or resolved (once per run: False when building it again)."""
     optim = _optim_name(args)
     if optim not in ADAMW_OPTIMS:
         raise ConfigError(
             f"TrainingArguments.optim={optim!r} cannot run on offload: its CPU optimizer is AdamW; "
             f"use optim one of {', '.join(ADAMW_OPTIMS)} (the default adamw_torch)"
         )
-    mapping, sources = _user_mapping(offload_config, args, max_steps=max_steps)
+    mapping, sources = _user_mapping(offload_config, args, report=report, max_steps=max_steps)
     wanted = _trainer_values(args)
     conflicts = []
     for key, (value, origin) in wanted.items():
@@ -557,8 +558,11 @@ class OffloadTrainer(Trainer):
         assert model is not None  # the Trainer has its model by now (model=, or model_init at train())
         config = self._engine_config
         if self._schedule_in_config():
-            # its "auto" / missing step counts need the run's length, known now
-            config = self._engine_config = trainer_config(self.args, self.offload_config, max_steps=self.state.max_steps)
+            # its "auto" / missing step counts need the run's length, known now (the config was
+            # read and reported once already, in _check_supported)
+            config = self._engine_config = trainer_config(
+                self.args, self.offload_config, max_steps=self.state.max_steps, report=False
+            )
         decay = set(self.get_decay_parameter_names(model))
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         groups: list[dict[str, Any]] = [
