@@ -8,7 +8,8 @@ happened, so the same engine code runs (and is tested) without a GPU.
 
 Streams and events, who fills them and who waits:
 - `host_to_device`: the transfer worker copies fetched 16-bit weights into a unit's device
-  buffer, and (param tier none) the optimizer worker copies a unit's new weights into it. The
+  buffer, and (param tier none) the optimizer worker copies a unit's new weights into it (cast
+  from the device master, for a unit whose optimizer state is on the device). The
   compute stream waits on the event of the copy before the unit runs (`compute_waits`). A
   fetch's copy first waits on a compute event recorded when its storage was allocated: the
   memory may still be read by kernels queued before it was freed.

@@ -387,8 +387,7 @@ class Engine:
         steps still in flight finish (they read the fp32 gradients this backward writes)."""
         if self.schedule.agree_on_backward(nonfinite):
             bad_ranks = self.collectives.ranks_with(nonfinite, what="the non-finite loss check")
-            self.schedule.context.reduce_order = None
-            self.schedule.end_backward()
+            self.schedule.abort_backward()
             where = ""
             if self.collectives.is_distributed:
                 where = f" (not finite on rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))})"
@@ -422,8 +421,7 @@ class Engine:
             self._agree_on_backward(False, None)
             self.schedule.begin_backward(boundary=boundary)
         except BaseException:
-            self.schedule.context.reduce_order = None
-            self.schedule.end_backward()
+            self.schedule.abort_backward()
             raise
         self._outside_backward_began_at = time.perf_counter()
         torch.autograd.Variable._execution_engine.queue_callback(self._outside_backward_ended)
@@ -447,9 +445,7 @@ class Engine:
         if unit.grad_sq_norm is None or not math.isfinite(unit.grad_sq_norm):
             self._nonfinite_units.append(unit.spec.name)
             return
-        unit.begin_step()
-        self.weights.invalidate()
-        self.schedule.context.events.record("step_begin", unit.index)
+        self._begin_steps([unit])
         # read when the window's last backward began, before any of its units could be final
         assert self._window_hypers is not None
         self.stepping.submit([unit], self._window_hypers)
@@ -559,9 +555,10 @@ class Engine:
         self._submit_steps([unit for unit in window if unit.window_started], hypers)
         return True
 
-    def _submit_steps(self, units: list[UnitState], hypers: list[StepHyper]) -> None:
-        """The window's units step on the optimizer worker; the overlap policy says whether
-        step() waits for them. The config's schedule (if any) moves on to the next step."""
+    def _begin_steps(self, units: list[UnitState]) -> None:
+        """Units about to be submitted to the optimizer worker: their step begins (weights
+        version, step_done cleared), a gather follows it where the schedule needs one, and the
+        weights kept for state-dict reads are dropped."""
         context = self.schedule.context
         self.weights.invalidate()
         for unit in units:
@@ -569,6 +566,11 @@ class Engine:
             context.events.record("step_begin", unit.index)
             if context.gathers_after_step:
                 unit.needs_gather = True
+
+    def _submit_steps(self, units: list[UnitState], hypers: list[StepHyper]) -> None:
+        """The window's units step on the optimizer worker; the overlap policy says whether
+        step() waits for them. The config's schedule (if any) moves on to the next step."""
+        self._begin_steps(units)
         self.stepping.submit(units, hypers)
         self.hyper.apply_schedule(self.global_steps)
         self.policy.on_window_end(self.stepping)

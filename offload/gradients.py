@@ -68,14 +68,16 @@ class GradientOffload:
         layout = unit.layout
         params = unit.spec.params
         self._bound_in_flight()
-        if self.device.is_cuda or self.collectives.is_distributed:
+        on_device = unit.optimizer_tier is OptimizerTier.DEVICE
+        if self.collectives.is_distributed or (self.device.is_cuda and not on_device):
             shard = self._flat_shard(unit, pending)
             device_bytes = shard.numel() * shard.element_size()
             # the shard's frozen tail has no fp32 gradient to land in (state.py)
             pieces = [(0, shard[: unit.optimizer_numel])] if unit.optimizer_numel else []
         else:
-            # CPU device, one rank: the gradients are host memory already; the transfer worker
-            # adds them straight into the fp32 gradient, with no flat copy in between
+            # one rank, and the gradients are where their fp32 gradient is (the CPU device's
+            # host memory, or the GPU for a DEVICE-tier unit): the transfer worker adds them
+            # straight into it, with no flat copy in between
             pieces = []
             with torch.no_grad():
                 for index in sorted(pending):
@@ -86,7 +88,7 @@ class GradientOffload:
             device_bytes = sum(g.numel() * g.element_size() for _, g in pieces)
             self.ledger.allocate("device", device_bytes, "grad")
         event = self.device.record_compute_event()
-        reader = self.device.optimizer if unit.optimizer_tier is OptimizerTier.DEVICE else self.device.device_to_host
+        reader = self.device.optimizer if on_device else self.device.device_to_host
         for _, grad in pieces:
             reader.keep_alive(grad)
         future = self.transfer.submit(self._land, unit, pieces, device_bytes, event, first, boundary, final)

@@ -8,7 +8,6 @@ comparing strings. They are `str` enums, so a member still equals its config str
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 
 class ParamTier(str, enum.Enum):
@@ -40,20 +39,3 @@ class OptimizerTier(str, enum.Enum):
     @property
     def streamed(self) -> bool:
         return self is OptimizerTier.NVME
-
-
-@dataclass(frozen=True)
-class Placement:
-    param: ParamTier
-    optimizer: OptimizerTier
-
-    @classmethod
-    def of(cls, param: str, optimizer: str) -> Placement:
-        return cls(ParamTier(param), OptimizerTier(optimizer))
-
-    @property
-    def uses_nvme(self) -> bool:
-        return self.param is ParamTier.NVME or self.optimizer is OptimizerTier.NVME
-
-    def __str__(self) -> str:
-        return f"{self.param.value}/{self.optimizer.value}"

@@ -144,11 +144,14 @@ class Residency:
 
     def _abandon_fetch(self, unit: UnitState) -> None:
         """A fetch nobody will use: waits for its copy, gathers nothing (the other ranks may not
-        have fetched this unit), leaves the unit not resident."""
-        _taken_fetch(unit).result().synchronize()
-        if unit.fetch_target is not unit.device_flat:
-            self.ledger.release("device", unit.shard_numel * self.element_size, "param_shard")
-        unit.fetch_target = None
+        have fetched this unit), leaves the unit not resident. A fetch that failed raises here,
+        after its shard buffer left the ledger and the unit."""
+        try:
+            _taken_fetch(unit).result().synchronize()
+        finally:
+            if unit.fetch_target is not None and unit.fetch_target is not unit.device_flat:
+                self.ledger.release("device", unit.shard_numel * self.element_size, "param_shard")
+            unit.fetch_target = None
 
     def _gather(self, unit: UnitState, full: torch.Tensor, shard: torch.Tensor) -> None:
         """Several ranks: `full` receives every rank's shard of the unit, after the ranks agreed
@@ -232,9 +235,6 @@ class Residency:
                     self._abandon_fetch(unit)
                 except Exception as error:  # noqa: BLE001 (the failed fetch's weights are replaced anyway)
                     logger.warning("offload: discarding a failed fetch of unit %s: %s", unit.spec.name, error)
-                    if unit.fetch_target is not None and unit.fetch_target is not unit.device_flat:
-                        self.ledger.release("device", unit.shard_numel * self.element_size, "param_shard")
-                    unit.fetch_target = None
             self.free(unit)
 
     def replace_weights(self, unit: UnitState, shard32: torch.Tensor) -> None:

@@ -361,7 +361,7 @@ class UnitSchedule:
             first = not unit.window_started
             unit.window_started = True
             unit.grads_in_window |= with_grad
-            final = context.boundary_backward and self._reduced_once_per_backward() and context.policy.on_grads_final(unit)
+            final = context.boundary_backward and context.policy.on_grads_final(unit) and self._reduced_once_per_backward()
             if final and context.gathers_after_step:
                 unit.needs_gather = True
             context.gradients.hand_off(unit, pending, first=first, boundary=context.boundary_backward, final=final)
@@ -556,6 +556,12 @@ class Schedule:
             scaled_loss.backward()
         finally:
             self.end_backward()
+
+    def abort_backward(self) -> None:
+        """A backward given up before autograd ran (a non-finite loss, a failed agreement): its
+        holds are given back without the agreed reductions, which are collectives."""
+        self.context.reduce_order = None
+        self.end_backward()
 
     def begin_backward(self, *, boundary: bool) -> None:
         """Before autograd (or, for a plain loss.backward(), as it reaches the model's outputs):

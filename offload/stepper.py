@@ -154,7 +154,7 @@ class UnitStepper:
                 self._step_on_host(unit, views, hypers, work, out, sixteen_bit)
             published = time.perf_counter()
             self.timings["adam"] += published - started
-            self._publish(unit, out, slot)
+            self._publish(unit, out, slot, views["master"] if unit.optimizer_tier is OptimizerTier.DEVICE else None)
             self.timings["publish"] += time.perf_counter() - published
         finally:
             if staging:
@@ -224,8 +224,12 @@ class UnitStepper:
             return slot.param16[:n], False
         return self.store.param_staging.take()[:n], True
 
-    def _publish(self, unit: UnitState, out: torch.Tensor, slot: OptimizerSlot | None) -> None:
-        """Sends the new 16-bit shard to the param's home tier."""
+    def _publish(
+        self, unit: UnitState, out: torch.Tensor, slot: OptimizerSlot | None, device_master: torch.Tensor | None = None
+    ) -> None:
+        """Sends the new 16-bit shard to the param's home tier. `device_master`: the unit's fp32
+        master when it lives on the device (tier DEVICE): with param `none` the device buffer is
+        cast from it there, instead of copied back up from the host copy `out`."""
         tier = self.store.param_tier
         if tier is ParamTier.HOST:
             return
@@ -241,7 +245,12 @@ class UnitStepper:
             return
         assert unit.device_flat is not None  # made for every unit at start (engine.py)
         start, end = unit.layout.shard_range(self.rank)
-        if out.data_ptr() != unit.device_flat[start:end].data_ptr():
-            with self.device.host_to_device.context():
+        if out.data_ptr() == unit.device_flat[start:end].data_ptr():
+            return
+        with self.device.host_to_device.context():
+            if device_master is not None:
+                # the frozen tail past the master never changes on the device
+                unit.device_flat[start : start + device_master.numel()].copy_(device_master)
+            else:
                 unit.device_flat[start:end].copy_(out, non_blocking=True)
-            unit.device_update_event = self.device.host_to_device.record_event()
+        unit.device_update_event = self.device.host_to_device.record_event()

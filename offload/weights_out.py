@@ -53,8 +53,7 @@ class WeightsReader:
         n = unit.optimizer_numel
         shard = torch.empty(n, dtype=torch.float32)
         if n:
-            swap = self.store.swap
-            assert swap is not None  # a streamed optimizer tier always has a swap store
+            swap = self.store.require_swap()
             with self.store.slots_lock:
                 slot = self.store.slots[0]
                 swap.read_into(unit.swap_name("master"), slot.master[:n]).wait()
