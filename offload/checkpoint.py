@@ -320,7 +320,6 @@ def _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, kee
     finally:
         os.close(temp_fd)
     params = {}
-    trainable = {}
     for unit in engine.units:
         for param in unit.spec.params:
             name = canonical[id(param)]
@@ -331,7 +330,6 @@ def _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, kee
                 "step": unit.step_count,
                 "requires_grad": bool(param.requires_grad),
             }
-            trainable[name] = bool(param.requires_grad)
     index = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
