@@ -22,6 +22,7 @@ import torch
 from offload.aio import crc32c
 from offload.checkpoint_format import (  # noqa: F401 (re-exported: the format's public names)
     BUFFERS,
+    CHUNK_ELEMENTS,
     CLIENT_STATE,
     DATA_ALIGN,
     FORMAT,
@@ -44,6 +45,7 @@ from offload.checkpoint_format import (  # noqa: F401 (re-exported: the format's
     list_checkpoints,
     lock_held,
     open_dir,
+    pwrite_all,
     read_small,
     remove_stale,
     resolve,
@@ -115,44 +117,41 @@ def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> 
     by_unit: dict[int, list[tuple[Slice, int]]] = {}
     for s, offset in zip(slices, offsets):
         by_unit.setdefault(s.unit, []).append((s, offset))
-    records = []
-    done = len(prefix)
+    writer = _SliceWriter(len(prefix), progress, total)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
             write_all(fd, prefix, path)
-            # the units' order matches the slices' order, so the file is written sequentially
-            for unit, views, _ in engine.store.stream_optimizer_states_on_host(engine.units):
+            # pieces come in the slices' order (a unit's in increasing shard position), so a
+            # slice's bytes, and their checksums, are produced in order
+            for piece in engine.store.stream_optimizer_states_on_host(engine.units):
+                unit = piece.unit
                 unit_slices = by_unit.get(unit.index, [])
-                frozen: torch.Tensor | None = None
-                if any(_frozen_piece(unit, s.shard_pos) for s, _ in unit_slices):
-                    frozen = engine.param16_shard(unit).float()
                 for s, offset in unit_slices:
                     if _frozen_piece(unit, s.shard_pos):
-                        assert frozen is not None  # set above: any() found this slice
-                        source = frozen
-                    else:
-                        source = views[s.kind]
-                    data = source[s.shard_pos : s.shard_pos + s.end - s.start]
-                    crcs = []
-                    for c0, c1 in chunk_bounds(s.end - s.start):
-                        chunk = data[c0:c1]
-                        write_all(fd, tensor_bytes(chunk), path)
-                        crcs.append(crc32c(chunk))
-                        done += 4 * (c1 - c0)
-                        if progress is not None:
-                            progress(done, total)
-                    records.append(
-                        {
-                            "key": s.key,
-                            "param": s.param,
-                            "kind": s.kind,
-                            "start": s.start,
-                            "end": s.end,
-                            "offset": len(prefix) + offset,
-                            "crc32c": crcs,
-                        }
-                    )
+                        continue
+                    low = max(s.shard_pos, piece.start)
+                    high = min(s.shard_pos + s.end - s.start, piece.end)
+                    if low < high:
+                        data = piece.views[s.kind][low - piece.start : high - piece.start]
+                        writer.write(fd, path, s, offset, low - s.shard_pos, data)
+                if piece.last and any(_frozen_piece(unit, s.shard_pos) for s, _ in unit_slices):
+                    frozen = engine.param16_shard(unit).float()
+                    for s, offset in unit_slices:
+                        if _frozen_piece(unit, s.shard_pos):
+                            writer.write(fd, path, s, offset, 0, frozen[s.shard_pos : s.shard_pos + s.end - s.start])
+            records = [
+                {
+                    "key": s.key,
+                    "param": s.param,
+                    "kind": s.kind,
+                    "start": s.start,
+                    "end": s.end,
+                    "offset": len(prefix) + offset,
+                    "crc32c": writer.checksums(s),
+                }
+                for s, offset in zip(slices, offsets)
+            ]
             os.fsync(fd)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
@@ -170,6 +169,47 @@ def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> 
         "slices": records,
         "rng": rng_state(),
     }
+
+
+class _SliceWriter:
+    """Writes a rank file's slices as their pieces arrive, each at its place in the file, and
+    keeps each slice's CRC-32C per CHUNK_ELEMENTS block (checkpoint_format.chunk_bounds): a
+    unit's state streamed in pieces can end a piece inside a block."""
+
+    def __init__(self, data_start: int, progress, total: int) -> None:
+        self.data_start = data_start
+        self.progress = progress
+        self.total = total
+        self.done = data_start
+        # per slice key: (the finished blocks' checksums, the open block's checksum, its elements)
+        self._crcs: dict[str, tuple[list[int], int, int]] = {}
+
+    def write(self, fd: int, path: str, s: Slice, offset: int, at: int, data: torch.Tensor) -> None:
+        """`data`: the slice's elements [at, at + len(data)), following what was written of it."""
+        crcs, crc, filled = self._crcs.get(s.key, ([], 0, 0))
+        if at != len(crcs) * CHUNK_ELEMENTS + filled:
+            raise AssertionError(f"slice {s.key} written out of order")
+        position = 0
+        while position < data.numel():
+            take = min(CHUNK_ELEMENTS - filled, data.numel() - position)
+            block = data[position : position + take]
+            pwrite_all(fd, tensor_bytes(block), self.data_start + offset + 4 * (at + position), path)
+            crc = crc32c(block, crc)
+            filled += take
+            position += take
+            if filled == CHUNK_ELEMENTS:
+                crcs.append(crc)
+                crc, filled = 0, 0
+            self.done += 4 * take
+            if self.progress is not None:
+                self.progress(self.done, self.total)
+        self._crcs[s.key] = (crcs, crc, filled)
+
+    def checksums(self, s: Slice) -> list[int]:
+        crcs, crc, filled = self._crcs.get(s.key, ([], 0, 0))
+        if len(crcs) * CHUNK_ELEMENTS + filled != s.end - s.start:
+            raise AssertionError(f"slice {s.key} was not written whole")
+        return crcs + [crc] if filled else list(crcs)
 
 
 def _shared_pid(engine) -> int:
@@ -420,25 +460,38 @@ def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict
             # must not fail the load that replaces it (every state it touched is rewritten below)
             for failure in store.swap.settle():
                 logger.warning("offload: load_checkpoint discards a failed swap operation: %s", failure)
-        for unit, targets in store.overwrite_optimizer_states(engine.units):
-            start, end = unit.layout.shard_range(rank)
-            pieces = shard_pieces(unit.layout.offsets, unit.layout.numels, start, end)
-            # the shard's fp32 weights: the masters, then the frozen params' (no optimizer state)
-            frozen_part = unit.optimizer_numel < unit.shard_numel
-            weights = torch.zeros(unit.shard_numel, dtype=torch.float32) if frozen_part else targets["master"]
+        # per unit, from its first piece to its last: the shard's param pieces, and its fp32
+        # weights (the masters, then the frozen params' with no optimizer state)
+        param_pieces: list[tuple[int, int, int, int]] = []
+        weights = torch.empty(0)
+        for piece in store.overwrite_optimizer_states(engine.units):
+            unit, targets = piece.unit, piece.views
+            if piece.start == 0:
+                start, end = unit.layout.shard_range(rank)
+                param_pieces = shard_pieces(unit.layout.offsets, unit.layout.numels, start, end)
+                whole = piece.last and unit.optimizer_numel == unit.shard_numel
+                weights = targets["master"] if whole else torch.zeros(unit.shard_numel, dtype=torch.float32)
             for target in targets.values():
                 target.zero_()
-            for index, a, b, pos in pieces:
+            for index, a, b, pos in param_pieces:
                 name = canonical[id(unit.spec.params[index])]
                 if _frozen_piece(unit, pos):
-                    reader.read_range(name, "master", a, b, weights[pos : pos + b - a])
+                    if piece.last:
+                        reader.read_range(name, "master", a, b, weights[pos : pos + b - a])
+                    continue
+                low, high = max(pos, piece.start), min(pos + b - a, piece.end)
+                if low >= high:
                     continue
                 for kind, target in targets.items():
                     # a param saved frozen has no moments: they start at zero, as for a new one
                     if kind == "master" or (name, kind) in reader.stored:
-                        reader.read_range(name, kind, a, b, target[pos : pos + b - a])
-            if frozen_part:
-                weights[: unit.optimizer_numel].copy_(targets["master"])
+                        reader.read_range(
+                            name, kind, a + low - pos, a + high - pos, target[low - piece.start : high - piece.start]
+                        )
+            if weights.data_ptr() != targets["master"].data_ptr():
+                weights[piece.start : piece.end].copy_(targets["master"])
+            if not piece.last:
+                continue
             store.store_param16_values(unit, weights)
             engine.residency.replace_weights(unit, weights)
             unit.step_count = _unit_step_count(unit, saved_params, canonical)

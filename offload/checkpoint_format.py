@@ -194,6 +194,15 @@ def write_all(fd: int, data, path: str) -> None:
         view = view[written:]
 
 
+def pwrite_all(fd: int, data, offset: int, path: str) -> None:
+    """Writes all of `data` at `offset` of the file (pwrite until done)."""
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+    while len(view):
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
+
+
 def space_error(path: str, err: OSError, needed: int | None = None) -> OffloadError:
     free = shutil.disk_usage(os.path.dirname(path) or ".").free
     what = "the disk is full" if err.errno == errno.ENOSPC else f"the file size limit was reached ({err.strerror})"

@@ -124,6 +124,8 @@ class OffloadConfig(ReadOnlyOnceFrozen):
     """Pin host buffers when CUDA is present (faster copies; counts against locked RAM)."""
     buffer_count: int = 3
     """Host buffers per state kind for streaming NVMe-resident units (read next, step this, write last)."""
+    sub_group_size: int = 1 << 26
+    """Elements of one unit's optimizer state streamed from NVMe and stepped as one piece: the host slots hold `buffer_count` pieces of 16 bytes per element (1 GiB each by default) however large a unit is (DeepSpeed's `zero_optimization.sub_group_size`); at least 1024."""
 
 
 @dataclass
@@ -456,6 +458,8 @@ def validate(config: Config) -> Config:
         raise _fail("prefetch.depth", f"must be >= 0, got {config.prefetch.depth}")
     if config.offload.buffer_count < 2:
         raise _fail("offload.buffer_count", f"must be >= 2, got {config.offload.buffer_count}")
+    if config.offload.sub_group_size < 1024:
+        raise _fail("offload.sub_group_size", f"must be >= 1024 elements, got {config.offload.sub_group_size}")
     io = config.io
     if io.block_size <= 0 or io.block_size % 4096:
         raise _fail("io.block_size", f"must be a positive multiple of 4096, got {io.block_size}")

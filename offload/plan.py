@@ -7,7 +7,8 @@ element of this rank's shard) goes to the fastest tier with room, in the order t
   weights, the gradient buffers and an activation reserve; never on a machine whose "device" is
   the CPU itself (there the device and the host are the same memory);
 - then host RAM (resident buffers, stepped in place by the C++ Adam);
-- then NVMe (swap files streamed through `buffer_count` host slots during the step).
+- then NVMe (swap files streamed through `buffer_count` host slots during the step, a piece of
+  at most `sub_group_size` elements at a time).
 
 Units step in the next forward's order, and with overlap 'forward' a unit's step only has to
 finish before its own next use: the first units to step are the ones the next forward waits
@@ -93,10 +94,24 @@ def device_room(*, cap: int | None, memory: tuple[int, int] | None, engine_bytes
     return room if cap is None else max(0, min(cap, room))
 
 
-def slot_bytes_for(largest_numel: int, buffer_count: int, compute_bytes: int) -> int:
+def piece_bounds(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
+    """[start, end) of each piece a unit's optimizer state of `numel` elements is streamed in
+    (`offload.sub_group_size`); one empty piece for an empty state (the unit still steps)."""
+    if numel == 0:
+        return [(0, 0)]
+    return [(start, min(start + sub_group_size, numel)) for start in range(0, numel, sub_group_size)]
+
+
+def slot_numel(largest_state: int, sub_group_size: int) -> int:
+    """Elements of one slot buffer: the largest piece any streamed unit's state is cut into."""
+    return min(largest_state, sub_group_size)
+
+
+def slot_bytes_for(largest_state: int, buffer_count: int, sub_group_size: int) -> int:
     """Host bytes of the slots that stream NVMe-resident units: `buffer_count` sets of master,
-    moments, gradient (fp32) and the 16-bit result, plus the transfer worker's fp32 gradient."""
-    return buffer_count * largest_numel * (STATE_BYTES_PER_ELEMENT + compute_bytes) + 4 * largest_numel
+    moments and gradient (fp32) for one piece, plus the transfer worker's fp32 gradient piece."""
+    piece = slot_numel(largest_state, sub_group_size)
+    return buffer_count * piece * STATE_BYTES_PER_ELEMENT + 4 * piece
 
 
 def plan_optimizer_tiers(
@@ -105,7 +120,7 @@ def plan_optimizer_tiers(
     capacity: Capacity,
     *,
     buffer_count: int,
-    compute_bytes: int,
+    sub_group_size: int,
 ) -> OptimizerPlan:
     """Per unit (indexed as `shard_numels`), the tier of its optimizer state; see the module
     docstring. `step_order` lists every unit once, in the order they step."""
@@ -134,7 +149,7 @@ def plan_optimizer_tiers(
     # start from the largest of all and shrink while fewer, smaller units are left to stream
     slots_for = max((shard_numels[u] for u in rest), default=0)
     while True:
-        slots = slot_bytes_for(slots_for, buffer_count, compute_bytes)
+        slots = slot_bytes_for(slots_for, buffer_count, sub_group_size)
         host_left = capacity.host - slots
         if host_left < 0:
             raise PlanError(
@@ -154,7 +169,7 @@ def plan_optimizer_tiers(
         if streamed >= slots_for:
             break
         slots_for = streamed
-    slots = slot_bytes_for(slots_for, buffer_count, compute_bytes)
+    slots = slot_bytes_for(slots_for, buffer_count, sub_group_size)
     nvme_need = sum(need[u] for u in nvme_units)
     if nvme_need > capacity.nvme:
         total = sum(need)

@@ -13,12 +13,15 @@ Buffers and who uses them:
   the rest; the engine makes sure the two never run on one unit at once (a step starts only
   after every gradient of its window has landed).
 - `OptimizerSlot`s (`optimizer: nvme`): `buffer_count` sets of (master, exp_avg, exp_avg_sq,
-  grad32, param16) buffers sized for the largest shard. Only the optimizer worker uses them; a
-  slot is reused for unit i + buffer_count after unit i's writes have completed.
+  grad32) buffers sized for one piece: a unit's state is streamed in pieces of at most
+  `offload.sub_group_size` elements (`plan.piece_bounds`), so a 70B model's 856M-element blocks
+  do not cost 41 GB of slots. Only the optimizer worker uses them; a slot is reused for piece
+  i + buffer_count after piece i's writes have completed. A streamed unit's new 16-bit weights
+  are written into their home (`param: cpu`, `none`), or into a staging buffer (`param: nvme`).
 - `staging` ring (`param: nvme`): host buffers the transfer worker reads 16-bit shards into
   before copying them to the device; one is reused once its device copy has completed.
 - `grad_slot` (`optimizer: nvme`): the transfer worker's buffer for read-add-write of the fp32
-  gradient; used by one task at a time (the transfer worker is one thread).
+  gradient, one piece at a time; used by one task at a time (the transfer worker is one thread).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.placement import OptimizerTier, ParamTier
+from offload.plan import slot_numel
 from offload.units import FlatLayout, UnitSpec
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad32")
@@ -82,6 +86,9 @@ class UnitState:
     step_count: int = 0
     # where this unit's optimizer state lives (chosen per unit under `offload.optimizer: auto`)
     optimizer_tier: OptimizerTier = OptimizerTier.HOST
+    # [start, end) of each piece the optimizer state is streamed in (TierStore sets it: pieces of
+    # `offload.sub_group_size` elements when streamed from NVMe, else the whole state at once)
+    state_pieces: list[tuple[int, int]] = field(default_factory=list)
     # param tier `none`: the copy-stream event after which `device_flat` holds the new weights,
     # and whether the shards of the other ranks still have to be gathered
     device_update_event: object | None = None
@@ -117,8 +124,11 @@ class UnitState:
     def shard_numel(self) -> int:
         return self.layout.shard_numel
 
-    def swap_name(self, kind: str) -> str:
-        return f"unit{self.index}.{kind}"
+    def swap_name(self, kind: str, piece: int | None = None) -> str:
+        """The swap tensor's name: the 16-bit weights (`param16`), or piece `piece` of an fp32 state kind."""
+        if piece is None:
+            return f"unit{self.index}.{kind}"
+        return f"unit{self.index}.{kind}.p{piece}"
 
 
 class BufferRing:
@@ -139,13 +149,13 @@ class BufferRing:
 
 @dataclass
 class OptimizerSlot:
-    """Host buffers for one NVMe-resident unit while it steps (see the module docstring)."""
+    """Host buffers for one piece of an NVMe-resident unit's state while it steps (see the module
+    docstring)."""
 
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     grad32: torch.Tensor
-    param16: torch.Tensor
     pending_writes: list = field(default_factory=list)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -169,6 +179,24 @@ class OptimizerSlot:
             raise first
 
 
+@dataclass(frozen=True)
+class StatePiece:
+    """One piece of a unit's optimizer state as `TierStore` streams it: the fp32 values of the
+    state's elements [start, start + n) by kind, wherever they are now."""
+
+    unit: UnitState
+    start: int
+    views: dict[str, torch.Tensor]
+    # the slot the piece was read into (NVMe-resident state); None when resident (host or device)
+    slot: OptimizerSlot | None
+    # the unit's last piece: after it, the unit's state has been seen whole
+    last: bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.views["master"].numel()
+
+
 def host_budget_bytes(
     shard_numels: list[int],
     *,
@@ -179,6 +207,7 @@ def host_budget_bytes(
     prefetch_depth: int,
     staged_device_copies: bool,
     optimizer_numels: list[int] | None = None,
+    sub_group_size: int | None = None,
 ) -> dict[str, int]:
     """Bytes of host memory each use needs for this placement (plain arithmetic, tested directly).
 
@@ -187,6 +216,7 @@ def host_budget_bytes(
     staged_device_copies: gradients pass through a host staging ring (CUDA); on the CPU the
     device buffers are host memory already. optimizer_numels: the part of each shard with
     optimizer state (its trainable params; frozen ones have none); the whole shard by default.
+    sub_group_size: the largest piece of a streamed unit's state in a slot (None: whole units).
     """
     param_tier = ParamTier(param_tier)
     if isinstance(optimizer_tier, list):
@@ -202,11 +232,11 @@ def host_budget_bytes(
     if resident:
         need["optimizer_state"] = 16 * resident  # master, exp_avg, exp_avg_sq, grad32
     if streamed:
-        largest_streamed = max(n for n, _ in streamed)
         largest_state = max(state for _, state in streamed)
-        # per slot: the four fp32 states of the largest state, the 16-bit buffer of the largest shard
-        need["optimizer_slots"] = buffer_count * (16 * largest_state + compute_bytes * largest_streamed)
-        need["grad_slot"] = 4 * largest_state
+        piece = largest_state if sub_group_size is None else slot_numel(largest_state, sub_group_size)
+        # per slot: the four fp32 states of the largest piece
+        need["optimizer_slots"] = buffer_count * 16 * piece
+        need["grad_slot"] = 4 * piece
     if param_tier.host_copy or (param_tier is ParamTier.DEVICE and staged_device_copies):
         # the weights' home (cpu), or the pinned source of their copy to the device (none, CUDA);
         # with `none` on the CPU the step writes the device buffer, host memory, in place

@@ -1,15 +1,19 @@
 """The optimizer step, unit by unit, on the optimizer worker thread.
 
 With states on the host, each unit steps in place (the C++ Adam); with states on the device
-(tier DEVICE), in place there (offload.optim.device_adam, on the device's optimizer stream). With states on NVMe the step is a pipeline
-over the slots of `TierStore`: while unit i steps in slot i % k, unit i+1's states are being
-read into the next slot and unit i-1's written from the previous one; a slot is refilled only
-after its writes completed. As each unit finishes, its 16-bit weights go to their home tier and
-its `step_done` event is set: the next forward's fetch of that unit waits on exactly that.
+(tier DEVICE), in place there (offload.optim.device_adam, on the device's optimizer stream).
+With states on NVMe the step is a pipeline over the slots of `TierStore`, one piece of a unit's
+state (at most `offload.sub_group_size` elements) at a time: while piece i steps in slot i % k,
+piece i+1 is being read into the next slot and piece i-1 written from the previous one; a slot
+is refilled only after its writes completed. As each unit's last piece finishes, its 16-bit
+weights go to their home tier and its `step_done` event is set: the next forward's fetch of
+that unit waits on exactly that. With param `nvme` the new weights are written from a staging
+buffer, and that write is waited for at the next unit's publish (one write behind).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,12 +26,15 @@ from offload.device import Device
 from offload.optim import kernels
 from offload.optim.device_adam import device_adam_step
 from offload.placement import OptimizerTier, ParamTier
-from offload.state import OptimizerSlot, UnitState
+from offload.state import StatePiece, UnitState
 from offload.tiers import TierStore
 from offload.units import FlatLayout
 
 if TYPE_CHECKING:
     from offload.schedule import EventLog
+    from offload.swap import SwapHandle
+
+logger = logging.getLogger(__name__)
 
 
 class AdamArguments(TypedDict):
@@ -98,105 +105,131 @@ class UnitStepper:
         self.timings: dict[str, float] = dict.fromkeys(STEP_TIMING_KEYS, 0.0)
         # the schedule's EventLog, when the engine gives it one (tests that pin the order)
         self.events: EventLog | None = None
+        # param nvme: the last unit's 16-bit write-back still in flight and the staging buffer it
+        # reads from (filled by _publish, settled by the next unit's publish or the run's end)
+        self._pending_publish: tuple[torch.Tensor, SwapHandle] | None = None
 
     def pop_timings(self) -> dict[str, float]:
         timings, self.timings = self.timings, dict.fromkeys(STEP_TIMING_KEYS, 0.0)
         return timings
 
     def run(self, units: list[UnitState], hypers: Sequence[StepHyper]) -> None:
-        """Steps `units` in this order, each param with its group's `hypers[g]`; each unit's
-        `step_done` is set as soon as it is done."""
+        """Steps `units` in this order, each param with its group's `hypers[g]`, piece by piece
+        of their optimizer state (`TierStore.stream_optimizer_states`); each unit's `step_done`
+        is set as soon as its last piece is done."""
+        self._settle_publish()  # a write left pending by an interrupted run
+        current: _UnitStep | None = None
         try:
-            for unit, views, slot in self.store.stream_optimizer_states(units, include_grad=True, timings=self.timings):
-                self._step(unit, views, hypers, slot=slot)
-                if slot is not None:
-                    self.store.store_optimizer_state(unit, slot)
+            for piece in self.store.stream_optimizer_states(units, include_grad=True, timings=self.timings):
+                unit = piece.unit
+                if piece.start == 0:
+                    current = self._begin(unit)
+                if current is not None:
+                    with record_function(f"offload::step[{unit.index}]"):
+                        self._step_piece(current, piece, hypers)
+                if piece.slot is not None:
+                    self.store.store_optimizer_state(piece)
+                if not piece.last:
+                    continue
+                if current is not None:
+                    step, current = current, None
+                    self._publish(step, piece)
                 # only now: until the step is done, the unit's window is still open (a save that
                 # did not wait for it would be refused, not written with the old values)
                 unit.end_window()
                 unit.step_done.set()
                 if self.events is not None:
                     self.events.record("step_done", unit.index)
+            self._settle_publish()
         finally:
+            if current is not None and current.staging:
+                self.store.give_back_staging(current.out)
+            self._settle_publish(quiet=True)
             for unit in units:
                 unit.step_done.set()
 
-    def _step(
-        self, unit: UnitState, views: dict[str, torch.Tensor], hypers: Sequence[StepHyper], slot: OptimizerSlot | None
-    ) -> None:
-        with record_function(f"offload::step[{unit.index}]"):
-            self._step_unit(unit, views, hypers, slot)
-
-    def _step_unit(
-        self, unit: UnitState, views: dict[str, torch.Tensor], hypers: Sequence[StepHyper], slot: OptimizerSlot | None
-    ) -> None:
+    def _begin(self, unit: UnitState) -> _UnitStep | None:
+        """A unit's first piece: counts its step and picks where its new weights go; None when
+        this rank has nothing of it to step."""
         stepped = sorted(unit.grads_in_window)
         if not stepped:
-            return
+            return None
         # every rank counts the unit's step, whether or not its shard holds any of the params
         unit.step_count += 1
         work = group_ranges(unit.layout, self.rank, stepped, unit.param_groups)
         if not work:
             # this rank's shard is only padding (with `param: none` every rank still joins the
             # gather of the other ranks' new shards: the engine marked the unit before the step)
-            return
-        out, staging = self._param16_target(unit, slot)
+            return None
+        out, staging = self._param16_target(unit)
         if self.store.param_tier is ParamTier.NVME and not set(unit.layout.params_in_shard(self.rank)) <= set(stepped):
-            # some params are not stepped (frozen, or no gradient this window): the buffer is shared
-            # by all units, so it must start from this unit's 16-bit values, which are written back whole
-            self.store.require_swap().read_into(unit.swap_name("param16"), out).wait()
-        sixteen_bit = out.dtype != torch.float32
-        started = time.perf_counter()
-        try:
-            if unit.optimizer_tier is OptimizerTier.DEVICE:
-                self._step_on_device(unit, views, hypers, work, out)
-            else:
-                self._step_on_host(unit, views, hypers, work, out, sixteen_bit)
-            published = time.perf_counter()
-            self.timings["adam"] += published - started
-            self._publish(unit, out, slot, views["master"] if unit.optimizer_tier is OptimizerTier.DEVICE else None)
-            self.timings["publish"] += time.perf_counter() - published
-        finally:
-            if staging:
+            # some params are not stepped (frozen, or no gradient this window): the staging buffer
+            # must start from this unit's 16-bit values, which are written back whole
+            try:
+                self.store.require_swap().read_into(unit.swap_name("param16"), out).wait()
+            except BaseException:
                 self.store.give_back_staging(out)
+                raise
+        return _UnitStep(unit, work, out, staging)
+
+    def _step_piece(self, step: _UnitStep, piece: StatePiece, hypers: Sequence[StepHyper]) -> None:
+        """Adam over the stepped ranges of `step.work` that fall in `piece`."""
+        ranges = []
+        for group, start, end in step.work:
+            low, high = max(start, piece.start), min(end, piece.end)
+            if low < high:
+                ranges.append((group, low, high))
+        if not ranges:
+            return
+        started = time.perf_counter()
+        if step.unit.optimizer_tier is OptimizerTier.DEVICE:
+            self._step_on_device(step.unit, piece, hypers, ranges, step.out)
+        else:
+            self._step_on_host(step.unit, piece, hypers, ranges, step.out)
+        self.timings["adam"] += time.perf_counter() - started
 
     def _step_on_host(
         self,
         unit: UnitState,
-        views: dict[str, torch.Tensor],
+        piece: StatePiece,
         hypers: Sequence[StepHyper],
-        work: list[tuple[int, int, int]],
+        ranges: list[tuple[int, int, int]],
         out: torch.Tensor,
-        sixteen_bit: bool,
     ) -> None:
-        """The C++ Adam over host states, writing the new 16-bit weights into `out` in the same pass."""
-        for group, start, end in work:
+        """The C++ Adam over host states, writing the new 16-bit weights into `out` in the same
+        pass. `ranges` are (group, start, end) in the shard, within the piece."""
+        views, base = piece.views, piece.start
+        sixteen_bit = out.dtype != torch.float32
+        for group, start, end in ranges:
+            master = views["master"][start - base : end - base]
             kernels.adam_step(
-                views["master"][start:end],
-                views["grad32"][start:end],
-                views["exp_avg"][start:end],
-                views["exp_avg_sq"][start:end],
+                master,
+                views["grad32"][start - base : end - base],
+                views["exp_avg"][start - base : end - base],
+                views["exp_avg_sq"][start - base : end - base],
                 step=unit.step_count,
                 param_out16=out[start:end] if sixteen_bit else None,
                 **hypers[group].adam_arguments(),
             )
             if not sixteen_bit:
-                out[start:end].copy_(views["master"][start:end])
+                out[start:end].copy_(master)
 
     def _step_on_device(
         self,
         unit: UnitState,
-        views: dict[str, torch.Tensor],
+        piece: StatePiece,
         hypers: Sequence[StepHyper],
-        work: list[tuple[int, int, int]],
+        ranges: list[tuple[int, int, int]],
         out: torch.Tensor,
     ) -> None:
-        """Adam over device-resident states on the device's optimizer stream; the new weights
-        are cast and copied into `out` (their host home or staging buffer, or the CPU device's
-        buffer), and the stream is waited on before the unit counts as stepped."""
+        """Adam over device-resident states (one piece: the whole state) on the device's
+        optimizer stream; the new weights are cast and copied into `out` (their host home or
+        staging buffer, or the CPU device's buffer), and the stream is waited on before the
+        unit counts as stepped."""
+        views = piece.views
         stream = self.device.optimizer
         with stream.context():
-            for group, start, end in work:
+            for group, start, end in ranges:
                 device_adam_step(
                     views["master"][start:end],
                     views["grad32"][start:end],
@@ -208,9 +241,8 @@ class UnitStepper:
                 out[start:end].copy_(views["master"][start:end])
         stream.record_event().synchronize()
 
-    def _param16_target(self, unit: UnitState, slot: OptimizerSlot | None) -> tuple[torch.Tensor, bool]:
+    def _param16_target(self, unit: UnitState) -> tuple[torch.Tensor, bool]:
         """Where the kernel writes the new 16-bit weights: (buffer, is it a staging buffer)."""
-        n = unit.shard_numel
         if self.store.param_tier is ParamTier.DEVICE and not self.device.is_cuda:
             # the CPU device's buffer is host memory: the kernel writes the weights in place
             assert unit.device_flat is not None  # made for every unit at start (engine.py)
@@ -220,29 +252,34 @@ class UnitStepper:
             # param cpu: the home copy; none on CUDA: the pinned source of the device copy
             assert unit.param16 is not None, f"unit {unit.spec.name} has no 16-bit host copy"
             return unit.param16, False
-        if slot is not None:
-            return slot.param16[:n], False
-        return self.store.param_staging.take()[:n], True
+        return self.store.param_staging.take()[: unit.shard_numel], True
 
-    def _publish(
-        self, unit: UnitState, out: torch.Tensor, slot: OptimizerSlot | None, device_master: torch.Tensor | None = None
-    ) -> None:
-        """Sends the new 16-bit shard to the param's home tier. `device_master`: the unit's fp32
-        master when it lives on the device (tier DEVICE): with param `none` the device buffer is
-        cast from it there, instead of copied back up from the host copy `out`."""
+    def _publish(self, step: _UnitStep, last_piece: StatePiece) -> None:
+        """Sends the unit's new 16-bit shard to the param's home tier. With the master on the
+        device (tier DEVICE, `last_piece` is then the whole state) and param `none`, the device
+        buffer is cast from it there instead of copied back up from the host copy."""
+        started = time.perf_counter()
+        unit, out = step.unit, step.out
         tier = self.store.param_tier
-        if tier is ParamTier.HOST:
-            return
         if tier is ParamTier.NVME:
-            handle = self.store.require_swap().write_from(unit.swap_name("param16"), out)
-            if slot is None:
-                handle.wait()  # `out` is a staging buffer, given back right after
-            else:
-                # The unit counts as stepped without waiting for this write: the swap store
-                # orders the next fetch's read of the same file after it, and the slot (with
-                # `out` in it) is reused only after its pending writes complete.
-                slot.pending_writes.append(handle)
-            return
+            try:
+                handle = self.store.require_swap().write_from(unit.swap_name("param16"), out)
+            except BaseException:
+                self.store.give_back_staging(out)
+                raise
+            # The unit counts as stepped without waiting for this write: the swap store orders
+            # the next fetch's read of the same file after it. Its staging buffer goes back once
+            # it completes, which the next unit's publish (or the end of the run) waits for.
+            previous, self._pending_publish = self._pending_publish, (out, handle)
+            if previous is not None:
+                self._settle(*previous)
+        elif tier is ParamTier.DEVICE:
+            self._publish_to_device(
+                unit, out, last_piece.views["master"] if unit.optimizer_tier is OptimizerTier.DEVICE else None
+            )
+        self.timings["publish"] += time.perf_counter() - started
+
+    def _publish_to_device(self, unit: UnitState, out: torch.Tensor, device_master: torch.Tensor | None) -> None:
         assert unit.device_flat is not None  # made for every unit at start (engine.py)
         start, end = unit.layout.shard_range(self.rank)
         if out.data_ptr() == unit.device_flat[start:end].data_ptr():
@@ -254,3 +291,42 @@ class UnitStepper:
             else:
                 unit.device_flat[start:end].copy_(out, non_blocking=True)
         unit.device_update_event = self.device.host_to_device.record_event()
+
+    def _settle(self, buffer: torch.Tensor, handle: SwapHandle) -> None:
+        """Waits for a 16-bit write-back and gives its staging buffer back. An interrupt leaves
+        both pending (the buffer may still be read by the write), to be settled again."""
+        try:
+            handle.wait()
+        except Exception:
+            self.store.give_back_staging(buffer)
+            raise
+        except BaseException:
+            self._pending_publish = (buffer, handle)
+            raise
+        self.store.give_back_staging(buffer)
+
+    def _settle_publish(self, quiet: bool = False) -> None:
+        """The last write-back still pending, settled. `quiet`: a failure is logged, not raised
+        (an error already propagating is the one to report)."""
+        pending, self._pending_publish = self._pending_publish, None
+        if pending is None:
+            return
+        try:
+            self._settle(*pending)
+        except Exception:
+            if not quiet:
+                raise
+            logger.warning("offload: a 16-bit weights write-back failed while the step failed", exc_info=True)
+
+
+@dataclass
+class _UnitStep:
+    """A unit's step between its first and last piece (optimizer worker only)."""
+
+    unit: UnitState
+    # (group, start, end) ranges of this rank's shard to step (group_ranges)
+    work: list[tuple[int, int, int]]
+    # where the new 16-bit (fp32 with fp32 compute) weights of the whole shard are written
+    out: torch.Tensor
+    # `out` is a param staging buffer (param nvme), given back once its write-back completed
+    staging: bool

@@ -31,12 +31,15 @@ from offload.plan import (
     device_room,
     engine_device_bytes,
     parse_size,
+    piece_bounds,
     plan_optimizer_tiers,
+    slot_numel,
 )
 from offload.state import (
     STATE_KINDS,
     BufferRing,
     OptimizerSlot,
+    StatePiece,
     UnitState,
     host_budget_bytes,
     host_bytes_beside_optimizer_state,
@@ -106,7 +109,7 @@ def plan_optimizer(
             list(range(len(units))),
             capacity,
             buffer_count=config.offload.buffer_count,
-            compute_bytes=compute_bytes,
+            sub_group_size=config.offload.sub_group_size,
         )
     except PlanError as error:
         raise ConfigError(f"offload.optimizer auto: {error}", key="offload.optimizer") from None
@@ -161,8 +164,13 @@ class TierStore:
         self.param_tier = ParamTier(config.offload.param)
         if optimizer_tiers is None:
             optimizer_tiers = [OptimizerTier(config.offload.optimizer)] * len(units)
+        self.sub_group_size = config.offload.sub_group_size
         for unit, tier in zip(units, optimizer_tiers):
             unit.optimizer_tier = tier
+            if tier.streamed:
+                unit.state_pieces = piece_bounds(unit.optimizer_numel, self.sub_group_size)
+            else:
+                unit.state_pieces = [(0, unit.optimizer_numel)]
         self.streamed_units = [unit for unit in units if unit.optimizer_tier.streamed]
         self.compute_dtype = compute_dtype
         # where DEVICE-tier optimizer state is allocated (the engine's compute device)
@@ -174,9 +182,8 @@ class TierStore:
         compute_bytes = torch.empty(0, dtype=compute_dtype).element_size()
         shard_numels = [unit.shard_numel for unit in units]
         self.largest_shard = max(shard_numels, default=0)
-        self.largest_streamed_shard = max((unit.shard_numel for unit in self.streamed_units), default=0)
-        # the fp32 states cover each shard's trainable part only (state.py)
-        self.largest_streamed_state = max((unit.optimizer_numel for unit in self.streamed_units), default=0)
+        # the fp32 states cover each shard's trainable part only (state.py); a slot holds one piece
+        self.slot_numel = slot_numel(max((unit.optimizer_numel for unit in self.streamed_units), default=0), self.sub_group_size)
         self.budget = host_budget_bytes(
             shard_numels,
             param_tier=self.param_tier,
@@ -186,6 +193,7 @@ class TierStore:
             prefetch_depth=config.prefetch.depth,
             staged_device_copies=staged_device_copies,
             optimizer_numels=[unit.optimizer_numel for unit in units],
+            sub_group_size=self.sub_group_size,
         )
         total_budget = sum(self.budget.values())
         # Page-rounding per buffer: every buffer's capacity rounds up to 4 KiB.
@@ -218,8 +226,9 @@ class TierStore:
                 specs = {}
                 for unit in units:
                     if unit.optimizer_tier.streamed:
-                        for kind in STATE_KINDS:
-                            specs[unit.swap_name(kind)] = (unit.optimizer_numel, torch.float32)
+                        for piece, (start, end) in enumerate(unit.state_pieces):
+                            for kind in STATE_KINDS:
+                                specs[unit.swap_name(kind, piece)] = (end - start, torch.float32)
                     if self.param_tier is ParamTier.NVME:
                         specs[unit.swap_name("param16")] = (unit.shard_numel, compute_dtype)
                 self.swap.reserve(specs)
@@ -250,9 +259,8 @@ class TierStore:
                         unit.resident_state[kind] = torch.empty(0, dtype=torch.float32)
         self.slots: list[OptimizerSlot] = []
         if self.streamed_units:
-            state = self.largest_streamed_state
-            self.slots = [self._allocate_slot(state) for _ in range(self.buffer_count)]
-            self.grad_slot = self.pool.alloc(state, torch.float32, category="grad_slot")
+            self.slots = [self._allocate_slot(self.slot_numel) for _ in range(self.buffer_count)]
+            self.grad_slot = self.pool.alloc(self.slot_numel, torch.float32, category="grad_slot")
         if "param16" in self.budget:
             for unit in self.units:
                 unit.param16 = self.pool.alloc(unit.shard_numel, self.compute_dtype, category="param16")
@@ -266,14 +274,13 @@ class TierStore:
                 [self.pool.alloc(largest, self.compute_dtype, category="grad_staging") for _ in range(2)]
             )
 
-    def _allocate_slot(self, state: int) -> OptimizerSlot:
-        """One slot: the fp32 buffers of STATE_KINDS (`state` elements each, allocated in that
-        order), then the 16-bit buffer of the largest streamed shard."""
+    def _allocate_slot(self, numel: int) -> OptimizerSlot:
+        """One slot: the fp32 buffers of STATE_KINDS, `numel` elements each (one piece),
+        allocated in that order."""
         master, exp_avg, exp_avg_sq, grad32 = (
-            self.pool.alloc(state, torch.float32, category="optimizer_slots") for _ in STATE_KINDS
+            self.pool.alloc(numel, torch.float32, category="optimizer_slots") for _ in STATE_KINDS
         )
-        param16 = self.pool.alloc(self.largest_streamed_shard, self.compute_dtype, category="optimizer_slots")
-        return OptimizerSlot(master, exp_avg, exp_avg_sq, grad32, param16=param16)
+        return OptimizerSlot(master, exp_avg, exp_avg_sq, grad32)
 
     def require_swap(self) -> SwapStore:
         """The swap store, for an operation on NVMe-resident state (a streamed optimizer tier or
@@ -301,16 +308,17 @@ class TierStore:
             # 12 GB of start-up writes instead of 48 GB)
             swap = self.require_swap()
             slot = self.slots[0]
-            n = unit.optimizer_numel
-            slot.master[:n].copy_(master_values)
-            for kind, buffer in slot.tensors().items():
-                name = unit.swap_name(kind)
-                if kind != "master":
-                    if swap.never_written(name):
-                        continue
-                    buffer[:n].zero_()
-                slot.pending_writes.append(swap.write_from(name, buffer[:n]))
-            slot.wait_writes()
+            for piece, (start, end) in enumerate(unit.state_pieces):
+                n = end - start
+                slot.master[:n].copy_(master_values[start:end])
+                for kind, buffer in slot.tensors().items():
+                    name = unit.swap_name(kind, piece)
+                    if kind != "master":
+                        if swap.never_written(name):
+                            continue
+                        buffer[:n].zero_()
+                    slot.pending_writes.append(swap.write_from(name, buffer[:n]))
+                slot.wait_writes()
         self.store_param16_values(unit, shard_values)
 
     def store_param16_values(self, unit: UnitState, values32: torch.Tensor) -> None:
@@ -328,51 +336,50 @@ class TierStore:
             self.param_staging.give(staging)
 
     # ---- optimizer slots (optimizer: nvme; optimizer worker only) --------------------------
-    def load_optimizer_state(self, unit: UnitState, slot: OptimizerSlot, include_grad: bool = True) -> list[SwapHandle]:
+    def _load_piece(self, unit: UnitState, piece: int, slot: OptimizerSlot, include_grad: bool) -> list[SwapHandle]:
         swap = self.require_swap()
-        n = unit.optimizer_numel
+        start, end = unit.state_pieces[piece]
         handles = []
         for kind, buffer in slot.tensors().items():
             if kind == "grad32" and not include_grad:
                 continue
-            handles.append(swap.read_into(unit.swap_name(kind), buffer[:n]))
+            handles.append(swap.read_into(unit.swap_name(kind, piece), buffer[: end - start]))
         return handles
 
     def stream_optimizer_states(
         self, units: list[UnitState], *, include_grad: bool, timings: dict[str, float] | None = None
-    ) -> Iterator[tuple[UnitState, dict[str, torch.Tensor], OptimizerSlot | None]]:
-        """Yields (unit, {kind: fp32 shard view}, slot or None) for each unit in order, wherever
-        its states live (slot is None when they are host-resident).
+    ) -> Iterator[StatePiece]:
+        """Yields each unit's optimizer state in order, piece by piece, wherever it lives: a
+        resident unit (host or device) as one piece of its own buffers (slot None); an
+        NVMe-resident one as the pieces of `state_pieces`, each read into a slot.
 
-        With the optimizer on NVMe, each unit's states are loaded into slot i % buffer_count while
-        the next unit is already being read into the following slot; a slot is refilled only after
-        the writes queued on it (`store_optimizer_state`) completed. The consumer may modify the
-        views and queue writes before asking for the next unit. `timings`, if given, accumulates
-        the seconds spent in `wait_read` and `wait_write`. Units with host-resident states are
-        yielded in their place in the order, between the streamed ones."""
+        Piece i is read into slot i % buffer_count while piece i + 1 is already being read into
+        the next slot; a slot is refilled only after the writes queued on it
+        (`store_optimizer_state`) completed. The consumer may modify the views and queue writes
+        before asking for the next piece. `timings`, if given, accumulates the seconds spent in
+        `wait_read` and `wait_write`."""
         if not any(unit.optimizer_tier.streamed for unit in units):
             for unit in units:
-                yield unit, unit.resident_state, None
+                yield StatePiece(unit, 0, unit.resident_state, None, last=True)
             return
         with self.slots_lock:
             yield from self._stream_through_slots(units, include_grad, timings)
 
-    def stream_optimizer_states_on_host(
-        self, units: list[UnitState]
-    ) -> Iterator[tuple[UnitState, dict[str, torch.Tensor], OptimizerSlot | None]]:
+    def stream_optimizer_states_on_host(self, units: list[UnitState]) -> Iterator[StatePiece]:
         """As `stream_optimizer_states` (without the gradient), with the states of DEVICE-tier
         units copied to the host, one unit at a time (a checkpoint's save writes them as bytes)."""
-        for unit, views, slot in self.stream_optimizer_states(units, include_grad=False):
-            if unit.optimizer_tier is OptimizerTier.DEVICE:
-                views = {kind: tensor.to("cpu") for kind, tensor in views.items() if kind != "grad32"}
-            yield unit, views, slot
+        for piece in self.stream_optimizer_states(units, include_grad=False):
+            if piece.unit.optimizer_tier is OptimizerTier.DEVICE:
+                views = {kind: tensor.to("cpu") for kind, tensor in piece.views.items() if kind != "grad32"}
+                piece = StatePiece(piece.unit, piece.start, views, None, last=True)
+            yield piece
 
     def _stream_through_slots(
         self, all_units: list[UnitState], include_grad: bool, timings: dict[str, float] | None
-    ) -> Iterator[tuple[UnitState, dict[str, torch.Tensor], OptimizerSlot | None]]:
+    ) -> Iterator[StatePiece]:
         slots = self.slots
-        units = [unit for unit in all_units if unit.optimizer_tier.streamed]
-        position = {id(unit): i for i, unit in enumerate(units)}
+        # every piece streamed, in order: (unit, its piece index)
+        pieces = [(unit, j) for unit in all_units if unit.optimizer_tier.streamed for j in range(len(unit.state_pieces))]
         reads: dict[int, list[SwapHandle]] = {}
 
         def timed(key: str, started: float) -> None:
@@ -384,24 +391,28 @@ class TierStore:
             started = time.perf_counter()
             slot.wait_writes()
             timed("wait_write", started)
-            reads[i] = self.load_optimizer_state(units[i], slot, include_grad=include_grad)
+            unit, j = pieces[i]
+            reads[i] = self._load_piece(unit, j, slot, include_grad)
 
         try:
-            if units:
+            if pieces:
                 start_read(0)
+            i = 0
             for unit in all_units:
                 if not unit.optimizer_tier.streamed:
-                    yield unit, unit.resident_state, None
+                    yield StatePiece(unit, 0, unit.resident_state, None, last=True)
                     continue
-                i = position[id(unit)]
-                if i + 1 < len(units):
-                    start_read(i + 1)
-                started = time.perf_counter()
-                for handle in reads.pop(i):
-                    handle.wait()
-                timed("wait_read", started)
-                slot = slots[i % len(slots)]
-                yield unit, self.optimizer_views(unit, slot), slot
+                for j, (start, end) in enumerate(unit.state_pieces):
+                    if i + 1 < len(pieces):
+                        start_read(i + 1)
+                    started = time.perf_counter()
+                    for handle in reads.pop(i):
+                        handle.wait()
+                    timed("wait_read", started)
+                    slot = slots[i % len(slots)]
+                    views = {kind: buffer[: end - start] for kind, buffer in slot.tensors().items()}
+                    yield StatePiece(unit, start, views, slot, last=j == len(unit.state_pieces) - 1)
+                    i += 1
         finally:
             # reads still in flight when the consumer stops early, or fails, finish before their
             # slots can be reused; an error already propagating is the one raised
@@ -414,10 +425,10 @@ class TierStore:
             for slot in slots:
                 slot.wait_writes()
 
-    def overwrite_optimizer_states(self, units: list[UnitState]) -> Iterator[tuple[UnitState, dict[str, torch.Tensor]]]:
-        """Yields (unit, {kind: fp32 shard view of master, exp_avg, exp_avg_sq}) for each unit, for
-        the caller to fill completely (a checkpoint load); what it wrote is stored on the unit's
-        tier before the next unit is yielded's slot is reused. Nothing is read first."""
+    def overwrite_optimizer_states(self, units: list[UnitState]) -> Iterator[StatePiece]:
+        """Yields each unit's master, exp_avg and exp_avg_sq piece by piece (views without the
+        gradient), for the caller to fill completely (a checkpoint load); what it wrote is
+        stored on the unit's tier before the next piece's slot is reused. Nothing is read first."""
         with self.slots_lock:
             try:
                 streamed = 0
@@ -426,38 +437,36 @@ class TierStore:
                         # filled on the host (a checkpoint reads into host memory), then copied over
                         staged = {kind: torch.empty(unit.optimizer_numel, dtype=torch.float32) for kind in STATE_KINDS}
                         del staged["grad32"]
-                        yield unit, staged
+                        yield StatePiece(unit, 0, staged, None, last=True)
                         for kind, values in staged.items():
                             unit.resident_state[kind].copy_(values)
                         continue
                     if not unit.optimizer_tier.streamed:
-                        yield unit, {kind: unit.resident_state[kind] for kind in STATE_KINDS if kind != "grad32"}
+                        views = {kind: unit.resident_state[kind] for kind in STATE_KINDS if kind != "grad32"}
+                        yield StatePiece(unit, 0, views, None, last=True)
                         continue
-                    slot = self.slots[streamed % len(self.slots)]
-                    streamed += 1
-                    slot.wait_writes()
-                    views = {kind: buffer[: unit.optimizer_numel] for kind, buffer in slot.tensors().items() if kind != "grad32"}
-                    yield unit, views
-                    self.store_optimizer_state(unit, slot)
+                    for j, (start, end) in enumerate(unit.state_pieces):
+                        slot = self.slots[streamed % len(self.slots)]
+                        streamed += 1
+                        slot.wait_writes()
+                        views = {kind: buffer[: end - start] for kind, buffer in slot.tensors().items() if kind != "grad32"}
+                        piece = StatePiece(unit, start, views, slot, last=j == len(unit.state_pieces) - 1)
+                        yield piece
+                        self.store_optimizer_state(piece)
             finally:
                 for slot in self.slots:
                     slot.wait_writes()
 
-    def store_optimizer_state(self, unit: UnitState, slot: OptimizerSlot, include_grad: bool = False) -> None:
+    def store_optimizer_state(self, piece: StatePiece, include_grad: bool = False) -> None:
+        """Queues the writes of a streamed piece's states from its slot back to their swap files."""
+        assert piece.slot is not None, "only a piece read into a slot is stored back"
         swap = self.require_swap()
-        n = unit.optimizer_numel
-        for kind, buffer in slot.tensors().items():
+        j = piece.unit.state_pieces.index((piece.start, piece.end))
+        n = piece.end - piece.start
+        for kind, buffer in piece.slot.tensors().items():
             if kind == "grad32" and not include_grad:
                 continue
-            slot.pending_writes.append(swap.write_from(unit.swap_name(kind), buffer[:n]))
-
-    def optimizer_views(self, unit: UnitState, slot: OptimizerSlot | None) -> dict[str, torch.Tensor]:
-        """The unit's four fp32 state tensors, wherever they are now (host, or a loaded slot)."""
-        if not unit.optimizer_tier.streamed:
-            return unit.resident_state
-        assert slot is not None, "a streamed unit's states are only in the slot they were loaded into"
-        n = unit.optimizer_numel
-        return {kind: buffer[:n] for kind, buffer in slot.tensors().items()}
+            piece.slot.pending_writes.append(swap.write_from(piece.unit.swap_name(kind, j), buffer[:n]))
 
     # ---- gradients (transfer worker only) --------------------------------------------------
     def accumulate_grad(
@@ -468,37 +477,33 @@ class TierStore:
 
         `pieces` are (offset in the shard, 1-D gradient) pairs, all within the shard's trainable
         part (`optimizer_numel`); the elements they do not cover had no gradient in this
-        micro-batch (zero)."""
-        n = unit.optimizer_numel
+        micro-batch (zero). An NVMe-resident gradient is read, added to and written back one
+        piece of `state_pieces` at a time, through `grad_slot`."""
         pieces = sorted(pieces, key=lambda piece: piece[0])
         if not unit.optimizer_tier.streamed:
-            target = unit.resident_state["grad32"]
-        else:
-            target = self.grad_slot[:n]
+            return _accumulate(unit.resident_state["grad32"], 0, pieces, first_in_window, compute_norm)
+        swap = self.require_swap()
+        norm = 0.0
+        for j, (start, end) in enumerate(unit.state_pieces):
+            target = self.grad_slot[: end - start]
+            name = unit.swap_name("grad32", j)
             if not first_in_window:
-                self.require_swap().read_into(unit.swap_name("grad32"), target).wait()
-        if first_in_window:
-            cursor = 0
-            for offset, grad in pieces:
-                target[cursor:offset].zero_()
-                target[offset : offset + grad.numel()].copy_(grad)
-                cursor = offset + grad.numel()
-            target[cursor:].zero_()
-        else:
-            for offset, grad in pieces:
-                target[offset : offset + grad.numel()].add_(grad)
-        norm = squared_norm(target) if compute_norm else None
-        if unit.optimizer_tier.streamed:
-            self.require_swap().write_from(unit.swap_name("grad32"), target).wait()
-        return norm
+                swap.read_into(name, target).wait()
+            piece_norm = _accumulate(target, start, pieces, first_in_window, compute_norm)
+            norm += piece_norm or 0.0
+            swap.write_from(name, target).wait()
+        return norm if compute_norm else None
 
     def grad_sq_norm(self, unit: UnitState) -> float:
         """Squared norm of the stored fp32 gradient (for a unit whose window ended early)."""
         if not unit.optimizer_tier.streamed:
             return squared_norm(unit.resident_state["grad32"])
-        target = self.grad_slot[: unit.optimizer_numel]
-        self.require_swap().read_into(unit.swap_name("grad32"), target).wait()
-        return squared_norm(target)
+        norm = 0.0
+        for j, (start, end) in enumerate(unit.state_pieces):
+            target = self.grad_slot[: end - start]
+            self.require_swap().read_into(unit.swap_name("grad32", j), target).wait()
+            norm += squared_norm(target)
+        return norm
 
     # ---- 16-bit weights ---------------------------------------------------------------------
     def read_param16(self, unit: UnitState) -> tuple[torch.Tensor, bool]:
@@ -546,3 +551,28 @@ def default_run_name() -> str:
     import uuid
 
     return f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _accumulate(
+    target: torch.Tensor, start: int, pieces: list[tuple[int, torch.Tensor]], first_in_window: bool, compute_norm: bool
+) -> float | None:
+    """Into `target`, the gradient of the state's elements [start, start + target.numel()): the
+    parts of `pieces` ((offset, 1-D gradient), sorted, disjoint) that fall there are added, or,
+    first in the window, written with zeros between them. Returns the squared norm of `target`
+    when `compute_norm`."""
+    end = start + target.numel()
+    cursor = start
+    for offset, grad in pieces:
+        low, high = max(offset, start), min(offset + grad.numel(), end)
+        if low >= high:
+            continue
+        values = grad[low - offset : high - offset]
+        if first_in_window:
+            target[cursor - start : low - start].zero_()
+            target[low - start : high - start].copy_(values)
+            cursor = high
+        else:
+            target[low - start : high - start].add_(values)
+    if first_in_window:
+        target[cursor - start :].zero_()
+    return squared_norm(target) if compute_norm else None

@@ -50,14 +50,14 @@ class WeightsReader:
         """A host copy of this rank's fp32 master shard of `unit` (its `optimizer_numel` elements)."""
         if not unit.optimizer_tier.streamed:
             return unit.resident_state["master"].to("cpu", copy=True)
-        n = unit.optimizer_numel
-        shard = torch.empty(n, dtype=torch.float32)
-        if n:
-            swap = self.store.require_swap()
-            with self.store.slots_lock:
-                slot = self.store.slots[0]
-                swap.read_into(unit.swap_name("master"), slot.master[:n]).wait()
-                shard.copy_(slot.master[:n])
+        shard = torch.empty(unit.optimizer_numel, dtype=torch.float32)
+        swap = self.store.require_swap()
+        with self.store.slots_lock:
+            buffer = self.store.slots[0].master
+            for piece, (start, end) in enumerate(unit.state_pieces):
+                if end > start:
+                    swap.read_into(unit.swap_name("master", piece), buffer[: end - start]).wait()
+                    shard[start:end].copy_(buffer[: end - start])
         return shard
 
     def param16_shard(self, unit: UnitState) -> torch.Tensor:

@@ -332,7 +332,12 @@ def test_start_up_writes_only_master_and_16_bit_weights(swap_dir):
     swap = engine.store.swap
     expected = sum(-(-unit.shard_numel * nbytes // 4096) * 4096 for unit in engine.units for nbytes in (4, 4))
     assert swap.bytes_written == expected  # fp32 master + fp32 "16-bit" copy (precision fp32)
-    assert all(swap.never_written(unit.swap_name(kind)) for unit in engine.units for kind in ("exp_avg", "exp_avg_sq"))
+    assert all(
+        swap.never_written(unit.swap_name(kind, piece))
+        for unit in engine.units
+        for piece in range(len(unit.state_pieces))
+        for kind in ("exp_avg", "exp_avg_sq")
+    )
     initial = engine.consolidated_state_dict()
     reference_model = TinyNet(width=64, depth=3)
     reference_model.load_state_dict(initial)
