@@ -153,7 +153,12 @@ def test_nvme_host_budget_depends_on_the_largest_unit_not_the_model(shards, dept
     doubled = sum(host_budget_bytes(shards + shards, **kwargs).values())
     assert budget == doubled  # twice the units, same host bytes
     largest = max(shards)
-    assert budget == slots * largest * 18 + 4 * largest + (depth + 2) * largest * 2 + 2 * largest * 2
+    # whole units in the slots (no sub_group_size): four fp32 states per slot, the fp32 gradient
+    assert budget == slots * largest * 16 + 4 * largest + (depth + 2) * largest * 2 + 2 * largest * 2
+    # pieces of at most sub_group_size elements: the slots no longer grow with the largest unit
+    pieces = sum(host_budget_bytes(shards, **kwargs, sub_group_size=1024).values())
+    piece = min(largest, 1024)
+    assert pieces == slots * piece * 16 + 4 * piece + (depth + 2) * largest * 2 + 2 * largest * 2
 
 
 def test_cpu_host_budget_counts_every_state():

@@ -14,15 +14,20 @@ from offload.plan import (
     device_room,
     engine_device_bytes,
     parse_size,
+    piece_bounds,
     plan_optimizer_tiers,
     slot_bytes_for,
+    slot_numel,
 )
 
 GiB = 2**30
+WHOLE = 2**62  # a sub_group_size larger than any unit: every slot holds a whole unit
 
 
 def test_everything_on_the_host_when_it_fits():
-    plan = plan_optimizer_tiers([1000] * 4, [0, 1, 2, 3], Capacity(device=0, host=10**9, nvme=0), buffer_count=3, compute_bytes=2)
+    plan = plan_optimizer_tiers(
+        [1000] * 4, [0, 1, 2, 3], Capacity(device=0, host=10**9, nvme=0), buffer_count=3, sub_group_size=WHOLE
+    )
     assert plan.tiers == [OptimizerTier.HOST] * 4
     assert plan.slot_bytes == 0
     assert plan.bytes_by_tier == {"cpu": 4 * 16000}
@@ -31,9 +36,9 @@ def test_everything_on_the_host_when_it_fits():
 def test_device_first_in_step_order_then_host_then_nvme_last():
     numels = [100, 100, 100, 100, 100]
     order = [0, 3, 1, 2, 4]
-    slots = slot_bytes_for(100, 1, 2)
+    slots = slot_bytes_for(100, 1, WHOLE)
     capacity = Capacity(device=2 * 1600, host=slots + 1600, nvme=10**6)  # room for one unit beside the slots
-    plan = plan_optimizer_tiers(numels, order, capacity, buffer_count=1, compute_bytes=2)
+    plan = plan_optimizer_tiers(numels, order, capacity, buffer_count=1, sub_group_size=WHOLE)
     assert [plan.tiers[u] for u in order] == [
         OptimizerTier.DEVICE,
         OptimizerTier.DEVICE,
@@ -47,7 +52,9 @@ def test_device_first_in_step_order_then_host_then_nvme_last():
 
 def test_too_little_everywhere_is_an_error_with_the_numbers():
     with pytest.raises(PlanError, match="does not fit.*max_host_memory"):
-        plan_optimizer_tiers([10**8] * 4, [0, 1, 2, 3], Capacity(device=0, host=GiB, nvme=GiB), buffer_count=3, compute_bytes=2)
+        plan_optimizer_tiers(
+            [10**8] * 4, [0, 1, 2, 3], Capacity(device=0, host=GiB, nvme=GiB), buffer_count=3, sub_group_size=WHOLE
+        )
 
 
 @settings(max_examples=200, deadline=None)
@@ -55,20 +62,21 @@ def test_too_little_everywhere_is_an_error_with_the_numbers():
     numels=st.lists(st.integers(min_value=1, max_value=10**6), min_size=1, max_size=12),
     device=st.integers(min_value=0, max_value=10**8),
     host=st.integers(min_value=0, max_value=2 * 10**8),
+    sub_group_size=st.sampled_from([1024, 5000, 10**5, WHOLE]),
     data=st.data(),
 )
-def test_plan_properties(numels, device, host, data):
+def test_plan_properties(numels, device, host, sub_group_size, data):
     """Any plan: every tier within its capacity (the host's including the slots), the device
     and host take a prefix of the step order and NVMe its suffix, and nothing goes to NVMe
     while everything fits in RAM."""
     order = data.draw(st.permutations(range(len(numels))))
     capacity = Capacity(device=device, host=host, nvme=10**12)
     try:
-        plan = plan_optimizer_tiers(numels, list(order), capacity, buffer_count=3, compute_bytes=2)
+        plan = plan_optimizer_tiers(numels, list(order), capacity, buffer_count=3, sub_group_size=sub_group_size)
     except PlanError:
         # only when RAM cannot even hold the slots that would stream the rest from NVMe
         rest_largest = max(numels)
-        assert host < slot_bytes_for(rest_largest, 3, 2)
+        assert host < slot_bytes_for(rest_largest, 3, sub_group_size)
         return
     assert plan.bytes_by_tier.get("device", 0) <= device
     assert plan.bytes_by_tier.get("cpu", 0) + plan.slot_bytes <= host
@@ -77,6 +85,73 @@ def test_plan_properties(numels, device, host, data):
     assert sequence == sorted(sequence)
     if sum(16 * n for n in numels) <= host:
         assert OptimizerTier.NVME not in plan.tiers
+    streamed = [n for n, tier in zip(numels, plan.tiers) if tier is OptimizerTier.NVME]
+    # the slots hold one piece of the largest unit streamed, whatever else is left (see the next test)
+    assert plan.slot_bytes == (slot_bytes_for(max(streamed), 3, sub_group_size) if streamed else 0)
+
+
+# ---- pieces of NVMe-streamed state (offload.sub_group_size) ------------------------------------
+def test_piece_bounds_cut_a_unit_into_pieces_of_at_most_sub_group_size():
+    assert piece_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert piece_bounds(8, 4) == [(0, 4), (4, 8)]
+    assert piece_bounds(3, 4) == [(0, 3)]  # smaller than a piece: one piece, the whole unit
+    assert piece_bounds(0, 4) == [(0, 0)]  # no trainable state: still one (empty) piece, the unit steps
+
+
+@settings(max_examples=300, deadline=None)
+@given(numel=st.integers(min_value=0, max_value=10**10), data=st.data())
+def test_pieces_cover_the_unit_exactly_in_order(numel, data):
+    # at most 10,000 pieces (a test that stays fast); larger than the unit too
+    sub_group_size = data.draw(st.integers(min_value=max(1, numel // 10_000), max_value=2 * 10**10))
+    pieces = piece_bounds(numel, sub_group_size)
+    assert pieces[0][0] == 0 and pieces[-1][1] == numel
+    for (_, end), (start, _) in zip(pieces, pieces[1:]):
+        assert end == start  # contiguous: no gap, no overlap
+    sizes = [end - start for start, end in pieces]
+    assert all(0 < size <= sub_group_size for size in sizes) or numel == 0
+    assert all(size == sub_group_size for size in sizes[:-1])  # only the last may be shorter
+    assert len(pieces) == max(1, -(-numel // sub_group_size))
+    assert max(sizes) == slot_numel(numel, sub_group_size)  # a slot holds the largest piece
+
+
+def test_slot_bytes_are_buffer_count_pieces_of_16_bytes_and_a_4_byte_gradient_piece():
+    assert slot_numel(10**9, 1 << 26) == 1 << 26
+    assert slot_numel(1000, 1 << 26) == 1000  # a small unit: a piece is the whole unit, no more
+    assert slot_bytes_for(1000, 3, 1 << 26) == 3 * 16 * 1000 + 4 * 1000
+    assert slot_bytes_for(10**9, 3, 1 << 26) == 3 * 16 * (1 << 26) + 4 * (1 << 26)  # 3.25 GiB
+    assert slot_bytes_for(10**9, 3, 1 << 26) == 3.25 * GiB
+    # Llama-2-13B's largest unit (the embedding and the head, 327.7M elements): 15.9 GiB whole
+    assert slot_bytes_for(327_685_120, 3, WHOLE) == 52 * 327_685_120
+    assert slot_bytes_for(327_685_120, 2, 1 << 26) == 36 * (1 << 26)
+
+
+def test_a_small_sub_group_size_keeps_more_units_in_ram():
+    """Whole-unit slots take RAM that smaller pieces leave to resident units: with pieces of a
+    tenth of a unit, the same RAM holds two more units' state, and two fewer stream from NVMe."""
+    numels = [10**6] * 10
+    order = list(range(10))
+    host = 4 * 16 * 10**6 + slot_bytes_for(10**6, 3, WHOLE)  # four units beside whole-unit slots
+    capacity = Capacity(device=0, host=host, nvme=10**12)
+    whole = plan_optimizer_tiers(numels, order, capacity, buffer_count=3, sub_group_size=WHOLE)
+    pieces = plan_optimizer_tiers(numels, order, capacity, buffer_count=3, sub_group_size=10**5)
+    assert whole.tiers == [OptimizerTier.HOST] * 4 + [OptimizerTier.NVME] * 6
+    # 116e6 bytes: 52e6 of whole-unit slots + 4 units, or 5.2e6 of slots + 6 units (16e6 each)
+    assert pieces.tiers == [OptimizerTier.HOST] * 6 + [OptimizerTier.NVME] * 4
+    assert whole.slot_bytes == 52 * 10**6 and pieces.slot_bytes == 52 * 10**5
+    assert pieces.bytes_by_tier["cpu"] + pieces.slot_bytes <= host
+    assert pieces.bytes_by_tier["nvme"] < whole.bytes_by_tier["nvme"]
+
+
+def test_whole_unit_slots_that_do_not_fit_in_ram_fit_as_pieces():
+    """RAM too small for even the slots of whole units (the 13B case before pieces) is enough
+    for slots of pieces."""
+    numels = [10**8] * 4
+    capacity = Capacity(device=0, host=GiB, nvme=10 * GiB)
+    with pytest.raises(PlanError, match="needs 4.84 GiB of RAM for its slots"):
+        plan_optimizer_tiers(numels, [0, 1, 2, 3], capacity, buffer_count=3, sub_group_size=WHOLE)
+    plan = plan_optimizer_tiers(numels, [0, 1, 2, 3], capacity, buffer_count=3, sub_group_size=1 << 22)
+    assert plan.tiers == [OptimizerTier.NVME] * 4
+    assert plan.slot_bytes == 52 * (1 << 22)
 
 
 def test_device_room_on_the_cpu_is_only_what_the_cap_gives():

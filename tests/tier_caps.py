@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from offload.config import OffloadConfig
 from offload.plan import slot_bytes_for
 from offload.state import host_bytes_beside_optimizer_state
 from offload.units import build_units, plan_flat_layout
 
 BUFFER_COUNT = 2
+# auto_config leaves offload.sub_group_size at its default: these small units stream whole
+SUB_GROUP_SIZE = OffloadConfig().sub_group_size
 
 
 def shard_numels(model, world: int = 1) -> list[int]:
@@ -29,7 +32,7 @@ def split_caps(model, param: str, *, device_units: int, host_units: int, world: 
     )
     device = 16 * sum(shards[:device_units]) + 8 * shards[device_units]
     rest = shards[device_units:]
-    host = others + slot_bytes_for(max(rest), BUFFER_COUNT, 4) + 16 * sum(rest[:host_units]) + 8 * rest[host_units]
+    host = others + slot_bytes_for(max(rest), BUFFER_COUNT, SUB_GROUP_SIZE) + 16 * sum(rest[:host_units]) + 8 * rest[host_units]
     return device, host
 
 
