@@ -15,8 +15,11 @@ records), so an estimate can be checked against a real run:
   the weights offloaded that makes `prefetch.depth + 2` units beside the root.
 - host: `offload.state.host_budget_bytes` (fp32 master, Adam moments and fp32 gradient at 16
   bytes per element of this rank's shard when the optimizer lives on `cpu`; streaming slots when
-  it lives on `nvme`; the 16-bit home copy or its staging ring), each buffer rounded up to 4 KiB.
-- nvme: one swap file per state kind and unit (4 KiB header + data rounded up to 4 KiB): 16 bytes
+  it lives on `nvme`: `buffer_count` slots of one piece of at most `offload.sub_group_size`
+  elements per fp32 state kind, and the fp32 gradient piece; the 16-bit home copy or its staging
+  ring), each buffer rounded up to 4 KiB.
+- nvme: one swap file per state kind and piece of a streamed unit (`plan.piece_bounds`), and one
+  per unit for the weights on `nvme` (each a 4 KiB header + data rounded up to 4 KiB): 16 bytes
   per shard element for the optimizer on `nvme`, 2 (or 4 in fp32) for the weights on `nvme`.
 
 Activations are not in the engine's ledger: `activation_bytes` is a separate, rough figure (it
@@ -38,9 +41,18 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.placement import OptimizerTier
-from offload.plan import Capacity, PlanError, device_room, engine_device_bytes, plan_optimizer_tiers
+from offload.plan import (
+    Capacity,
+    PlanError,
+    device_room,
+    engine_device_bytes,
+    piece_bounds,
+    plan_optimizer_tiers,
+    slot_numel,
+)
 from offload.state import host_budget_bytes, host_bytes_beside_optimizer_state
 from offload.tiers import HOST_MARGIN
 from offload.units import plan_flat_layout, round_up
@@ -48,6 +60,8 @@ from offload.units import plan_flat_layout, round_up
 PAGE = 4096
 SWAP_HEADER = 4096
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# the engine's default piece of NVMe-streamed optimizer state (offload.sub_group_size)
+DEFAULT_SUB_GROUP_SIZE = OffloadConfig().sub_group_size
 DEVICE_KINDS = ("cuda", "cpu")
 # Placements (offload.param, offload.optimizer), fastest first. The order is the cost per step:
 # weights on the device move nothing; the optimizer on cpu moves 2 B/param of gradients down and
@@ -484,6 +498,11 @@ def _page(nbytes: int) -> int:
     return max(PAGE, round_up(nbytes, PAGE))
 
 
+def _check_sub_group_size(sub_group_size: int) -> None:
+    if sub_group_size < 1024:  # as offload.config validates offload.sub_group_size
+        raise ConfigError(f"sub_group_size must be >= 1024 elements, got {sub_group_size}", key="offload.sub_group_size")
+
+
 def estimate_tiers(
     shape: ModelShape,
     param: str,
@@ -495,6 +514,7 @@ def estimate_tiers(
     buffer_count: int = 3,
     device: str = "cuda",
     optimizer_tiers: list[str] | None = None,
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
 ) -> TierEstimate:
     """Peak bytes of one rank on each tier for this placement (see the module docstring).
 
@@ -502,7 +522,9 @@ def estimate_tiers(
     through host buffers (the gradient staging ring; for `param: none` the pinned 16-bit source
     of the weights); on the CPU stand-in the device buffers are host memory already. The same
     switch as the engine's: `host_budget_bytes(..., staged_device_copies=device == "cuda")`.
-    optimizer_tiers: each unit's optimizer tier (`device` / `cpu` / `nvme`), for `auto` (see `plan_auto`)."""
+    optimizer_tiers: each unit's optimizer tier (`device` / `cpu` / `nvme`), for `auto` (see `plan_auto`).
+    sub_group_size: `offload.sub_group_size`, the largest piece a streamed unit's state is read,
+    stepped and written in (the size of the host slots and of each swap file of that state)."""
     if device not in DEVICE_KINDS:
         raise ConfigError(f"device {device!r} is not one of {', '.join(DEVICE_KINDS)}", key="device")
     staged_device_copies = device == "cuda"
@@ -510,6 +532,7 @@ def estimate_tiers(
         raise ConfigError(f"precision {precision!r} is not one of {', '.join(COMPUTE_BYTES)}")
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
+    _check_sub_group_size(sub_group_size)
     cb = COMPUTE_BYTES[precision]
     padded = shape.padded_numels(world_size)
     shards = shape.shard_numels(world_size)
@@ -523,7 +546,8 @@ def estimate_tiers(
     device_shards = [n for n, tier in zip(shards, tiers) if tier == "device"]
     host_shards = [n for n, tier in zip(shards, tiers) if tier == "cpu"]
     nvme_shards = [n for n, tier in zip(shards, tiers) if tier == "nvme"]
-    largest_streamed = max(nvme_shards, default=0)
+    # one slot buffer holds the largest piece of any streamed unit (plan.slot_numel)
+    piece = slot_numel(max(nvme_shards, default=0), sub_group_size)
 
     # device
     # a gradient on its way off the device: the full unit at world 1, this rank's shard after the
@@ -560,12 +584,14 @@ def estimate_tiers(
         buffer_count=buffer_count,
         prefetch_depth=prefetch_depth,
         staged_device_copies=staged_device_copies,
+        sub_group_size=sub_group_size,
     )
     if "optimizer_state" in budget:
         result.host["optimizer_state"] = 4 * sum(_page(4 * n) for n in host_shards)
     if "optimizer_slots" in budget:
-        result.host["optimizer_slots"] = buffer_count * (4 * _page(4 * largest_streamed) + _page(cb * largest_streamed))
-        result.host["grad_slot"] = _page(4 * largest_streamed)
+        # per slot one fp32 buffer of a piece per state kind (master, exp_avg, exp_avg_sq, grad32)
+        result.host["optimizer_slots"] = buffer_count * 4 * _page(4 * piece)
+        result.host["grad_slot"] = _page(4 * piece)
     if "param16" in budget:
         result.host["param16"] = sum(_page(cb * n) for n in shards)
     if "param_staging" in budget:
@@ -575,8 +601,8 @@ def estimate_tiers(
 
     # nvme: swap files
     swap = 0
-    if nvme_shards:
-        swap += sum(4 * (SWAP_HEADER + round_up(4 * n, PAGE)) for n in nvme_shards)
+    for n in nvme_shards:  # four fp32 state kinds, one file per piece
+        swap += sum(4 * (SWAP_HEADER + round_up(4 * (end - start), PAGE)) for start, end in piece_bounds(n, sub_group_size))
     if param == "nvme":
         swap += sum(SWAP_HEADER + round_up(cb * n, PAGE) for n in shards)
     if swap:
@@ -594,6 +620,7 @@ def plan_auto(
     prefetch_depth: int,
     buffer_count: int,
     activations: int | None = None,
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
 ) -> tuple[list[str] | None, str]:
     """`offload.optimizer: auto` on `machine`, as the engine plans it (tiers.plan_optimizer): per
     unit `device`, `cpu` or `nvme`, and the plan in words; (None, why) when nothing fits. The
@@ -601,6 +628,7 @@ def plan_auto(
     it free) less this placement's weights and gradients and the activations (`activations`
     plus ACTIVATION_SLACK of the GPU when the estimate knows them, else the engine's default
     share: set `offload.max_device_memory` to the room this plan shows to get the same split)."""
+    _check_sub_group_size(sub_group_size)
     cb = COMPUTE_BYTES[precision]
     shards = shape.shard_numels(world_size)
     others = host_bytes_beside_optimizer_state(
@@ -629,7 +657,9 @@ def plan_auto(
         nvme=max(0, machine.disk_bytes // ranks - (sum(cb * n for n in shards) if param == "nvme" else 0)),
     )
     try:
-        plan = plan_optimizer_tiers(shards, list(range(len(shards))), capacity, buffer_count=buffer_count, compute_bytes=cb)
+        plan = plan_optimizer_tiers(
+            shards, list(range(len(shards))), capacity, buffer_count=buffer_count, sub_group_size=sub_group_size
+        )
     except PlanError as error:
         return None, str(error)
     return [tier.value for tier in plan.tiers], plan.summary()
@@ -757,6 +787,7 @@ def recommended_config(
     nvme_path: str = "./offload-swap",
     prefetch_depth: int = 2,
     buffer_count: int = 3,
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
 ) -> dict:
     """An offload config (every key valid for `offload.load_config`) for this placement."""
     param, optimizer = placement
@@ -764,6 +795,8 @@ def recommended_config(
     if "nvme" in placement or optimizer == "auto":
         offload["nvme_path"] = nvme_path
         offload["buffer_count"] = buffer_count
+    if optimizer in ("nvme", "auto"):  # the piece the estimate sized the NVMe slots with
+        offload["sub_group_size"] = sub_group_size
     config = {"precision": precision, "offload": offload, "overlap": "forward"}
     if param != "none":
         config["prefetch"] = {"depth": prefetch_depth}
@@ -781,6 +814,7 @@ def estimate_report(
     micro_batch: int = 1,
     seq_len: int = 2048,
     checkpointing: bool = False,
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
 ) -> dict:
     """Every placement's bytes per tier, whether it fits `machine`, and the recommended config
     (a JSON-able dict; the CLI prints it as a table or as JSON). The engine's device kind is
@@ -804,6 +838,7 @@ def estimate_report(
                 prefetch_depth=prefetch_depth,
                 buffer_count=buffer_count,
                 activations=activations,
+                sub_group_size=sub_group_size,
             )
             if tiers is None:
                 rows.append(
@@ -827,6 +862,7 @@ def estimate_report(
             buffer_count=buffer_count,
             device=machine.device,
             optimizer_tiers=tiers,
+            sub_group_size=sub_group_size,
         )
         estimate.plan = plan
         problems = fit_problems(estimate, machine, activations or 0)
@@ -851,6 +887,7 @@ def estimate_report(
             "ranks_per_node": machine.ranks_per_node,
             "prefetch_depth": prefetch_depth,
             "buffer_count": buffer_count,
+            "sub_group_size": sub_group_size,
             "micro_batch": micro_batch,
             "seq_len": seq_len,
             "checkpointing": checkpointing,
@@ -870,7 +907,12 @@ def estimate_report(
             "param": choice[0],
             "optimizer": choice[1],
             "config": recommended_config(
-                choice, precision=precision, nvme_path=machine.nvme_path, prefetch_depth=prefetch_depth, buffer_count=buffer_count
+                choice,
+                precision=precision,
+                nvme_path=machine.nvme_path,
+                prefetch_depth=prefetch_depth,
+                buffer_count=buffer_count,
+                sub_group_size=sub_group_size,
             ),
         },
     }

@@ -130,17 +130,17 @@ MEASURED = dict(
 )
 
 
-def measured_peaks(param: str, optimizer: str, precision: str, swap_dir: str, depth: int = 2) -> dict:
+def measured_peaks(
+    param: str, optimizer: str, precision: str, swap_dir: str, depth: int = 2, sub_group_size: int | None = None
+) -> dict:
     torch.manual_seed(0)
     model = hf_model(MEASURED)
+    placement = {"param": param, "optimizer": optimizer, "nvme_path": swap_dir}
+    if sub_group_size is not None:
+        placement["sub_group_size"] = sub_group_size
     engine = offload.initialize(
         model,
-        {
-            "precision": precision,
-            "optimizer": {"lr": 1e-3},
-            "prefetch": {"depth": depth},
-            "offload": {"param": param, "optimizer": optimizer, "nvme_path": swap_dir},
-        },
+        {"precision": precision, "optimizer": {"lr": 1e-3}, "prefetch": {"depth": depth}, "offload": placement},
     )
     ids = torch.randint(0, MEASURED["vocab_size"], (4, 64), generator=torch.Generator().manual_seed(0))
     for _ in range(2):  # the second step prefetches along the order the first recorded
@@ -176,6 +176,19 @@ def test_estimate_within_10_percent_of_measured_peak(swap_dir, param, optimizer,
         assert estimate.total("device") == pytest.approx(measured["device"], rel=0.10)
     else:
         assert estimate.total("device") <= measured["device"] * 1.10
+
+
+@pytest.mark.parametrize("param, precision", [("none", "bf16"), ("nvme", "fp32")])
+def test_estimate_in_pieces_is_the_engines_ledger(swap_dir, param, precision):
+    """Optimizer state streamed in pieces smaller than a unit (offload.sub_group_size): the host
+    slots and the swap files are exactly what the engine allocates and reserves."""
+    shape = est.shape_from_hf_config(MEASURED)
+    sub_group_size = 4096
+    assert max(shape.shard_numels()) > 4 * sub_group_size  # several pieces per unit
+    measured = measured_peaks(param, "nvme", precision, swap_dir, sub_group_size=sub_group_size)
+    estimate = est.estimate_tiers(shape, param, "nvme", precision=precision, device=ENGINE_DEVICE, sub_group_size=sub_group_size)
+    assert estimate.total("host") == measured["host"]
+    assert estimate.total("nvme") == measured["nvme"]
 
 
 def test_depth_changes_device_bytes_as_the_engine_does(swap_dir):

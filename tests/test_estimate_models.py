@@ -222,17 +222,27 @@ def pages(nbytes: int) -> int:
     placement=st.sampled_from(est.FIXED_PLACEMENTS),
     precision=st.sampled_from(["bf16", "fp32"]),
     device=st.sampled_from(["cuda", "cpu"]),
+    sub_group_size=st.sampled_from([1024, 5000, est.DEFAULT_SUB_GROUP_SIZE]),
 )
 def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(
-    layers, width, world, depth, buffers, placement, precision, device
+    layers, width, world, depth, buffers, placement, precision, device, sub_group_size
 ):
-    """Every category of host_budget_bytes (called with staged_device_copies as the engine does on
-    that device) appears in the estimate, each buffer rounded up to whole 4 KiB pages."""
+    """Every category of host_budget_bytes (called with staged_device_copies and sub_group_size as
+    the engine does on that device) appears in the estimate, each buffer rounded up to whole 4 KiB
+    pages; the NVMe slots hold one piece of the largest unit (each state kind one buffer)."""
     shape = est.ModelShape("t", (1000 * width, 7), (333 * width, 5, 17 * width), layers)
     param, optimizer = placement
     cb = est.COMPUTE_BYTES[precision]
     estimate = est.estimate_tiers(
-        shape, param, optimizer, precision=precision, world_size=world, prefetch_depth=depth, buffer_count=buffers, device=device
+        shape,
+        param,
+        optimizer,
+        precision=precision,
+        world_size=world,
+        prefetch_depth=depth,
+        buffer_count=buffers,
+        device=device,
+        sub_group_size=sub_group_size,
     )
     shards = shape.shard_numels(world)
     budget = host_budget_bytes(
@@ -243,13 +253,15 @@ def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(
         buffer_count=buffers,
         prefetch_depth=depth,
         staged_device_copies=device == "cuda",
+        sub_group_size=sub_group_size,
     )
     assert set(estimate.host) == set(budget)
     largest = max(shards)
+    piece = min(largest, sub_group_size)
     rounded = {
         "optimizer_state": sum(4 * pages(4 * n) for n in shards),
-        "optimizer_slots": buffers * (4 * pages(4 * largest) + pages(cb * largest)),
-        "grad_slot": pages(4 * largest),
+        "optimizer_slots": buffers * 4 * pages(4 * piece),
+        "grad_slot": pages(4 * piece),
         "param16": sum(pages(cb * n) for n in shards),
         "param_staging": (depth + 2) * pages(cb * largest),
         "grad_staging": 2 * pages(cb * largest),
@@ -259,6 +271,41 @@ def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(
         assert 0 <= estimate.host[category] - nbytes < 4096 * (5 * len(shards) + 4 * buffers + depth + 8)
     # the staged copies exist on CUDA only
     assert ("grad_staging" in estimate.host) == (device == "cuda")
+
+
+def test_streamed_state_is_sized_in_pieces_of_sub_group_size():
+    """The optimizer on NVMe: the host slots hold one piece per state kind, and each piece is its
+    own swap file (a 4 KiB header and its data rounded up to 4 KiB), as the engine reserves them."""
+    shape = est.ModelShape("t", (10_000,), (2500,), 2)
+    assert shape.shard_numels() == [10_240, 4096, 4096]  # padded as the engine lays units out
+    whole = est.estimate_tiers(shape, "none", "nvme", precision="bf16", buffer_count=3, device="cpu")
+    assert whole.host["optimizer_slots"] == 3 * 4 * pages(4 * 10_240) and whole.host["grad_slot"] == pages(4 * 10_240)
+    assert whole.nvme["swap"] == 4 * sum(4096 + pages(4 * n) for n in (10_240, 4096, 4096))
+    pieces = est.estimate_tiers(shape, "none", "nvme", precision="bf16", buffer_count=3, device="cpu", sub_group_size=3000)
+    assert pieces.host["optimizer_slots"] == 3 * 4 * pages(4 * 3000) and pieces.host["grad_slot"] == pages(4 * 3000)
+    # 10,240 = 3 x 3000 + 1240 and 4096 = 3000 + 1096: eight swap files per state kind
+    files = [3000, 3000, 3000, 1240, 3000, 1096, 3000, 1096]
+    assert pieces.nvme["swap"] == 4 * sum(4096 + pages(4 * n) for n in files)
+    with pytest.raises(ConfigError, match="sub_group_size must be >= 1024"):
+        est.estimate_tiers(shape, "none", "nvme", sub_group_size=1000)
+
+
+def test_report_and_recommended_config_carry_the_sub_group_size(tmp_path):
+    import offload
+
+    shape = est.shape_from_param_count(3 * 10**9)
+    machine = est.Machine(gpu_bytes=24 << 30, ram_bytes=24 << 30, disk_bytes=200 * 10**9, device="cuda", nvme_path=str(tmp_path))
+    report = est.estimate_report(shape, machine, sub_group_size=1 << 20)
+    assert report["settings"]["sub_group_size"] == 1 << 20
+    rows = {(r["param"], r["optimizer"]): r for r in report["placements"]}
+    assert rows[("none", "nvme")]["host"]["by_category"]["grad_slot"] == 4 << 20
+    assert report["recommended"]["optimizer"] == "auto"
+    config = offload.load_config(report["recommended"]["config"])
+    assert config.offload.sub_group_size == 1 << 20
+    default = est.estimate_report(shape, machine)
+    by_default = {(r["param"], r["optimizer"]): r for r in default["placements"]}
+    # smaller pieces, smaller slots: more RAM for the state of units kept in it
+    assert rows[("none", "nvme")]["host"]["total"] < by_default[("none", "nvme")]["host"]["total"]
 
 
 def test_estimate_report_uses_the_machine_device():

@@ -20,7 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--config",
-        help="an offload, DeepSpeed JSON or accelerate YAML config: precision, prefetch depth and buffer count are read from it",
+        help="an offload, DeepSpeed JSON or accelerate YAML config: precision, prefetch depth, buffer count and sub-group "
+        "size (offload.sub_group_size, DeepSpeed's zero_optimization.sub_group_size) are read from it",
     )
     parser.add_argument(
         "--precision", choices=sorted(est.COMPUTE_BYTES), help="compute precision (default: the config's, else bf16)"
@@ -119,6 +120,7 @@ def build_report(args) -> dict:
         world_size=args.world_size,
         prefetch_depth=config.prefetch.depth,
         buffer_count=config.offload.buffer_count,
+        sub_group_size=config.offload.sub_group_size,
         micro_batch=args.micro_batch,
         seq_len=args.seq_len,
         checkpointing=args.checkpointing,
@@ -139,7 +141,7 @@ def format_report(report: dict) -> str:
         (
             f"settings: {settings['precision']} on {settings['device']}, world size {settings['world_size']} "
             f"({settings['ranks_per_node']} per node), prefetch depth {settings['prefetch_depth']}, "
-            f"buffer count {settings['buffer_count']}"
+            f"buffer count {settings['buffer_count']}, sub-group size {settings['sub_group_size']:,} elements"
         ),
         (
             f"machine: GPU {gpu}, RAM {f(machine['ram_bytes'])} available, disk {f(machine['disk_bytes'])} free at "
