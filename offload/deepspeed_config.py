@@ -14,10 +14,10 @@ Every key ends in one of four places:
 
 * mapped onto an offload key;
 * **ignored**: it only tunes speed or memory, logs, or is read by another tool (bucket sizes,
-  `overlap_comm`, `stage3_*`, `sub_group_size`, `buffer_size`, `max_in_cpu`, `fast_init`,
-  `aio.single_submit`, `steps_per_print`, `wall_clock_breakdown`, fp16 `hysteresis`,
-  accelerate's `zero3_init_flag`, launcher keys...), so it cannot change what training
-  computes here. All of them are listed, with the reason, in ONE log line at INFO;
+  `overlap_comm`, `stage3_*`, `buffer_size`, `max_in_cpu`, `fast_init`, `sub_group_size` with
+  the optimizer state in RAM, `aio.single_submit`, `steps_per_print`, `wall_clock_breakdown`,
+  fp16 `hysteresis`, accelerate's `zero3_init_flag`, launcher keys...), so it cannot change
+  what training computes here. All of them are listed, with the reason, in ONE log line at INFO;
 * **unsupported**: a key offload does not know (a typo: the nearest known key is suggested),
   or a feature switched on whose meaning offload cannot honour (`zero_quantized_weights`,
   `compression_training`, a partial offload `ratio`...). All are named in ONE `ConfigError`
@@ -43,6 +43,13 @@ zero_optimization
     `cpu_offload_use_pin_memory` are read as the new sections. One swap directory: sections
     whose device is `nvme` must name the same `nvme_path`. One `pin_memory` switch (absent:
     pinned, offload's default). `buffer_count`: the larger of the active sections' (at least 2).
+    `sub_group_size` -> `offload.sub_group_size` (the piece of a unit's optimizer state streamed
+    from NVMe and stepped at once: the host slots hold `buffer_count` pieces of 16 bytes per
+    element) when the optimizer state can live on NVMe (`offload.optimizer` `nvme`, or `auto`
+    from device `none` or no section), at any stage; raised to offload's minimum of 1024 with a
+    warning. DeepSpeed's default and the Hugging Face examples' value, 1e9, makes slots of up to
+    16 GB each for a model whose units are that large: lower it to save RAM. With the optimizer
+    on `cpu` nothing is streamed and the key is ignored.
     An `aio` section inside `zero_optimization` (as the Hugging Face docs write it) is read as
     the top-level `aio`.
 aio
@@ -146,6 +153,11 @@ _WHY_CKPT_ACT = (
 _WHY_OFF = "switched off"
 _WHY_DEVICE_NONE = "its section's device is 'none' (DeepSpeed ignores the section too)"
 _WHY_DISABLED = "its section is disabled (DeepSpeed ignores the section too)"
+_WHY_SUB_GROUP_IN_RAM = (
+    "it sizes the pieces of optimizer state streamed from NVMe; offload_optimizer.device 'cpu' keeps it all in RAM"
+)
+# offload.sub_group_size's minimum (offload.config validates it; this module imports nothing of it)
+_MIN_SUB_GROUP_SIZE = 1024
 
 _WHY_FEATURE = "a DeepSpeed feature offload does not implement; it would change training"
 _WHY_QUANTIZED = "quantized weights or gradients (ZeRO++) change the maths; offload keeps 16-bit weights and fp32 state"
@@ -273,7 +285,6 @@ _ZERO_RULES = {
         "allgather_partitions",
         "allgather_bucket_size",
         "round_robin_gradients",
-        "sub_group_size",
         "stage3_prefetch_bucket_size",
         "stage3_param_persistence_threshold",
         "stage3_max_live_parameters",
@@ -316,6 +327,7 @@ _ZERO_RULES = {
 }
 _ZERO_HANDLED = (
     "stage",
+    "sub_group_size",
     "offload_param",
     "offload_optimizer",
     "cpu_offload",
@@ -700,6 +712,30 @@ def _zero(b: _Builder, mapping: dict) -> None:
             )
             value = 2
         b.set("offload.buffer_count", value, key)
+    _sub_group_size(b, zero)
+
+
+def _sub_group_size(b: _Builder, zero: dict) -> None:
+    """`zero_optimization.sub_group_size` -> `offload.sub_group_size` where optimizer state can
+    be streamed from NVMe (see the module docstring)."""
+    key = "zero_optimization.sub_group_size"
+    if "sub_group_size" not in zero:
+        return
+    if b.result.config["offload"]["optimizer"] == "cpu":
+        b.ignored(key, _WHY_SUB_GROUP_IN_RAM)
+        return
+    value = b.number(zero["sub_group_size"], key, integer=True)
+    if value < _MIN_SUB_GROUP_SIZE:
+        log.warning(
+            "%s %s = %d is below offload's minimum piece of %d elements; using %d",
+            b.result.kind,
+            b.n(key),
+            value,
+            _MIN_SUB_GROUP_SIZE,
+            _MIN_SUB_GROUP_SIZE,
+        )
+        value = _MIN_SUB_GROUP_SIZE
+    b.set("offload.sub_group_size", value, key)
 
 
 def _aio(b: _Builder, mapping: dict) -> None:

@@ -126,11 +126,14 @@ DOCS = {
             optimizer=HF_AUTO_OPTIMIZER,
             gradient_accumulation_steps=1,
             gradient_clipping=1.0,
-            offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path="/local_nvme", pin_memory=True, buffer_count=5),
+            # sub_group_size 1e9 (DeepSpeed's default) is mapped: the optimizer state is on NVMe
+            offload=OffloadConfig(
+                param="nvme", optimizer="nvme", nvme_path="/local_nvme", pin_memory=True, buffer_count=5, sub_group_size=10**9
+            ),
             io=IOConfig(block_size=262144, queue_depth=32, threads=1),
             scheduler=HF_AUTO_WARMUP,
         ),
-        {f"zero_optimization.{k}" for k in ZERO_TUNING}
+        {f"zero_optimization.{k}" for k in ZERO_TUNING - {"sub_group_size"}}
         | {"steps_per_print", "wall_clock_breakdown"}
         | {f"fp16.{k}" for k in ("loss_scale", "loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale")}
         | {

@@ -124,7 +124,10 @@ CASES = {
             optimizer=OptimizerConfig(type="adamw", lr=3e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
             gradient_accumulation_steps=8,  # derived: 32 / (4 * world 1)
             gradient_clipping=1.0,
-            offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path="/local_nvme", pin_memory=True, buffer_count=5),
+            # sub_group_size 1e12: mapped (the optimizer is on NVMe), pieces as large as the units
+            offload=OffloadConfig(
+                param="nvme", optimizer="nvme", nvme_path="/local_nvme", pin_memory=True, buffer_count=5, sub_group_size=10**12
+            ),
             io=IOConfig(block_size=1048576, queue_depth=16, threads=2),
         ),
         {
@@ -136,7 +139,7 @@ CASES = {
             "aio.single_submit",
             "aio.overlap_events",
         }
-        | TUNING3,
+        | (TUNING3 - {"zero_optimization.sub_group_size"}),
     ),
     "zero_infinity_nvme_aio_intra_op.json": (
         Config(
@@ -400,6 +403,58 @@ def test_buffer_count(caplog):
     assert "below offload's minimum of 2" in caplog.text
     zero["offload_optimizer"]["buffer_count"] = 6
     assert load_config({"zero_optimization": zero}).offload.buffer_count == 6
+
+
+@pytest.mark.parametrize(
+    "zero, mapped",
+    [
+        ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}}, True),
+        (
+            {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": "/n"},
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/n"},
+            },
+            True,
+        ),
+        ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}}, True),
+        ({"stage": 3}, True),  # no offload section: offload.optimizer auto, which may stream from NVMe
+        ({"stage": 3, "offload_optimizer": {"device": "none"}}, True),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, False),  # all in RAM: nothing streamed
+        ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/n"}, "offload_optimizer": {"device": "cpu"}}, False),
+    ],
+)
+def test_sub_group_size_maps_where_optimizer_state_can_stream_from_nvme(zero, mapped):
+    zero = {**zero, "sub_group_size": 2.5e7}  # JSON writes it as a float, as DeepSpeed's docs do
+    translation = translate_deepspeed({"zero_optimization": zero})
+    ignored = dict(translation.ignored)
+    config = load_config({"zero_optimization": zero})
+    if mapped:
+        assert config.offload.sub_group_size == 25_000_000
+        assert translation.sources["offload.sub_group_size"] == "zero_optimization.sub_group_size"
+        assert "zero_optimization.sub_group_size" not in ignored
+    else:
+        assert config.offload.sub_group_size == OffloadConfig().sub_group_size
+        assert "in RAM" in ignored["zero_optimization.sub_group_size"]
+
+
+def test_sub_group_size_below_the_minimum_is_raised_to_it(caplog):
+    zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}, "sub_group_size": 100}
+    with caplog.at_level(logging.WARNING, logger="offload.deepspeed_config"):
+        assert load_config({"zero_optimization": zero}).offload.sub_group_size == 1024
+    assert "zero_optimization.sub_group_size = 100 is below offload's minimum piece of 1024" in caplog.text
+    zero["sub_group_size"] = 1024
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload.deepspeed_config"):
+        assert load_config({"zero_optimization": zero}).offload.sub_group_size == 1024
+    assert "minimum" not in caplog.text
+
+
+@pytest.mark.parametrize("value", ["auto", "big", True, 1.5e3 + 0.5])
+def test_sub_group_size_must_be_an_integer(value):
+    zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}, "sub_group_size": value}
+    with pytest.raises(ConfigError, match="zero_optimization.sub_group_size"):
+        load_config({"zero_optimization": zero})
 
 
 def test_legacy_cpu_offload_spelling():
