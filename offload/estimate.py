@@ -49,9 +49,9 @@ from offload.plan import (
     PlanError,
     device_room,
     engine_device_bytes,
-    piece_bounds,
     plan_optimizer_tiers,
     slot_numel,
+    swap_bytes_for_state,
 )
 from offload.state import host_budget_bytes, host_bytes_beside_optimizer_state
 from offload.tiers import HOST_MARGIN
@@ -600,9 +600,7 @@ def estimate_tiers(
         result.host["grad_staging"] = 2 * _page(cb * largest_shard)
 
     # nvme: swap files
-    swap = 0
-    for n in nvme_shards:  # four fp32 state kinds, one file per piece
-        swap += sum(4 * (SWAP_HEADER + round_up(4 * (end - start), PAGE)) for start, end in piece_bounds(n, sub_group_size))
+    swap = sum(swap_bytes_for_state(n, sub_group_size) for n in nvme_shards)  # four fp32 kinds, a file per piece
     if param == "nvme":
         swap += sum(SWAP_HEADER + round_up(cb * n, PAGE) for n in shards)
     if swap:

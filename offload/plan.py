@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from offload.placement import OptimizerTier
 
 STATE_BYTES_PER_ELEMENT = 16  # master, exp_avg, exp_avg_sq, grad32, fp32 each
+STATE_KIND_COUNT = 4
+# A swap file: a header page, then the data rounded up to whole pages (swap.py).
+SWAP_PAGE = 4096
 # Of the accelerator's memory, what `auto` leaves for activations and the allocator's cache when
 # no `max_device_memory` says otherwise.
 DEVICE_ACTIVATION_SHARE = 0.25
@@ -107,6 +110,15 @@ def slot_numel(largest_state: int, sub_group_size: int) -> int:
     return min(largest_state, sub_group_size)
 
 
+def swap_bytes_for_state(numel: int, sub_group_size: int) -> int:
+    """Disk bytes of one unit's NVMe-resident state: a swap file per state kind and piece, each
+    a header page and its data rounded up to pages (small pieces pay a page each for headers)."""
+    return sum(
+        STATE_KIND_COUNT * (SWAP_PAGE + -(-4 * (end - start) // SWAP_PAGE) * SWAP_PAGE)
+        for start, end in piece_bounds(numel, sub_group_size)
+    )
+
+
 def slot_bytes_for(largest_state: int, buffer_count: int, sub_group_size: int) -> int:
     """Host bytes of the slots that stream NVMe-resident units: `buffer_count` sets of master,
     moments and gradient (fp32) for one piece, plus the transfer worker's fp32 gradient piece."""
@@ -155,7 +167,7 @@ def plan_optimizer_tiers(
             raise PlanError(
                 f"the optimizer state does not fit in RAM ({capacity.host / 2**30:.2f} GiB for it) and streaming "
                 f"it from NVMe needs {slots / 2**30:.2f} GiB of RAM for its slots; raise offload.max_host_memory, "
-                "lower offload.buffer_count, or use more ranks"
+                "lower offload.buffer_count or offload.sub_group_size, or use more ranks"
             )
         host_units = []
         for unit in rest:
@@ -170,7 +182,7 @@ def plan_optimizer_tiers(
             break
         slots_for = streamed
     slots = slot_bytes_for(slots_for, buffer_count, sub_group_size)
-    nvme_need = sum(need[u] for u in nvme_units)
+    nvme_need = sum(swap_bytes_for_state(shard_numels[u], sub_group_size) for u in nvme_units)
     if nvme_need > capacity.nvme:
         total = sum(need)
         raise PlanError(

@@ -8,7 +8,7 @@ piece i+1 is being read into the next slot and piece i-1 written from the previo
 is refilled only after its writes completed. As each unit's last piece finishes, its 16-bit
 weights go to their home tier and its `step_done` event is set: the next forward's fetch of
 that unit waits on exactly that. With param `nvme` the new weights are written from a staging
-buffer, and that write is waited for at the next unit's publish (one write behind).
+buffer, and that write is waited for before the next unit takes one (one write behind).
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ class UnitStepper:
         # the schedule's EventLog, when the engine gives it one (tests that pin the order)
         self.events: EventLog | None = None
         # param nvme: the last unit's 16-bit write-back still in flight and the staging buffer it
-        # reads from (filled by _publish, settled by the next unit's publish or the run's end)
+        # reads from (filled by _publish, settled before the next unit takes a staging buffer,
+        # or at the run's end)
         self._pending_publish: tuple[torch.Tensor, SwapHandle] | None = None
 
     def pop_timings(self) -> dict[str, float]:
@@ -161,6 +162,10 @@ class UnitStepper:
             # this rank's shard is only padding (with `param: none` every rank still joins the
             # gather of the other ranks' new shards: the engine marked the unit before the step)
             return None
+        if self.store.param_tier is ParamTier.NVME:
+            # the previous unit's write-back first: the step holds one staging buffer at a time,
+            # so the fetches keep the rest of the ring (prefetch.depth + 1)
+            self._settle_publish()
         out, staging = self._param16_target(unit)
         if self.store.param_tier is ParamTier.NVME and not set(unit.layout.params_in_shard(self.rank)) <= set(stepped):
             # some params are not stepped (frozen, or no gradient this window): the staging buffer
@@ -269,10 +274,9 @@ class UnitStepper:
                 raise
             # The unit counts as stepped without waiting for this write: the swap store orders
             # the next fetch's read of the same file after it. Its staging buffer goes back once
-            # it completes, which the next unit's publish (or the end of the run) waits for.
-            previous, self._pending_publish = self._pending_publish, (out, handle)
-            if previous is not None:
-                self._settle(*previous)
+            # it completes, which the next unit's step (or the end of the run) waits for.
+            assert self._pending_publish is None  # settled before this unit took `out` (_begin)
+            self._pending_publish = (out, handle)
         elif tier is ParamTier.DEVICE:
             self._publish_to_device(
                 unit, out, last_piece.views["master"] if unit.optimizer_tier is OptimizerTier.DEVICE else None

@@ -18,6 +18,7 @@ from offload.plan import (
     plan_optimizer_tiers,
     slot_bytes_for,
     slot_numel,
+    swap_bytes_for_state,
 )
 
 GiB = 2**30
@@ -204,3 +205,27 @@ def test_offload_estimate_plans_the_split_the_engine_makes():
     assert auto["host"]["total"] <= 24 * GiB * 0.9
     assert "cpu:" in auto["plan"] and "nvme:" in auto["plan"]
     assert report["recommended"]["optimizer"] == "auto"
+
+
+def test_swap_files_of_small_pieces_pay_a_header_page_each_and_the_plan_counts_them():
+    # 10 pieces of 1024 fp32 elements: per piece and kind one data page and one header page
+    assert swap_bytes_for_state(10 * 1024, 1024) == 10 * 4 * (4096 + 4096)
+    assert swap_bytes_for_state(10 * 1024, WHOLE) == 4 * (4096 + 40960)
+    numels = [10 * 1024] * 3
+    data_only = 16 * sum(numels)  # what the state's elements alone take
+    with pytest.raises(PlanError, match="would go to NVMe"):
+        plan_optimizer_tiers(
+            numels,
+            [0, 1, 2],
+            Capacity(device=0, host=slot_bytes_for(1024, 2, 1024), nvme=data_only),
+            buffer_count=2,
+            sub_group_size=1024,
+        )
+    plan = plan_optimizer_tiers(
+        numels,
+        [0, 1, 2],
+        Capacity(device=0, host=slot_bytes_for(1024, 2, 1024), nvme=2 * data_only),
+        buffer_count=2,
+        sub_group_size=1024,
+    )
+    assert [tier.value for tier in plan.tiers] == ["nvme"] * 3
