@@ -619,13 +619,16 @@ def plan_auto(
     buffer_count: int,
     activations: int | None = None,
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+    max_device_memory: int | None = None,
+    max_host_memory: int | None = None,
 ) -> tuple[list[str] | None, str]:
     """`offload.optimizer: auto` on `machine`, as the engine plans it (tiers.plan_optimizer): per
     unit `device`, `cpu` or `nvme`, and the plan in words; (None, why) when nothing fits. The
     device's room is what the engine would measure at start on an idle GPU (DEVICE_HEADROOM of
     it free) less this placement's weights and gradients and the activations (`activations`
     plus ACTIVATION_SLACK of the GPU when the estimate knows them, else the engine's default
-    share: set `offload.max_device_memory` to the room this plan shows to get the same split)."""
+    share: set `offload.max_device_memory` to the room this plan shows to get the same split).
+    `max_device_memory`, `max_host_memory`: the config's caps (bytes), as the engine applies them."""
     _check_sub_group_size(sub_group_size)
     cb = COMPUTE_BYTES[precision]
     shards = shape.shard_numels(world_size)
@@ -637,7 +640,7 @@ def plan_auto(
         staged_device_copies=machine.device == "cuda",
     )
     ranks = machine.ranks_per_node
-    device = 0
+    device = device_room(cap=max_device_memory, memory=None, engine_bytes=0)  # the CPU stands in
     if machine.gpu_bytes is not None:
         engine_bytes = engine_device_bytes(
             shape.padded_numels(world_size),
@@ -647,10 +650,11 @@ def plan_auto(
         )
         memory = (int(machine.gpu_bytes * DEVICE_HEADROOM), machine.gpu_bytes)
         reserve = None if activations is None else activations + int(machine.gpu_bytes * ACTIVATION_SLACK)
-        device = device_room(cap=None, memory=memory, engine_bytes=engine_bytes, reserve=reserve)
+        device = device_room(cap=max_device_memory, memory=memory, engine_bytes=engine_bytes, reserve=reserve)
+    host_cap = max_host_memory if max_host_memory is not None else int(machine.ram_bytes * (1 - HOST_MARGIN)) // ranks
     capacity = Capacity(
         device=device,
-        host=max(0, int(machine.ram_bytes * (1 - HOST_MARGIN)) // ranks - others),
+        host=max(0, host_cap - others),
         # with param nvme, the 16-bit weights' swap files take their share of the disk first
         nvme=max(0, machine.disk_bytes // ranks - (sum(cb * n for n in shards) if param == "nvme" else 0)),
     )
@@ -813,10 +817,12 @@ def estimate_report(
     seq_len: int = 2048,
     checkpointing: bool = False,
     sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+    max_device_memory: int | None = None,
+    max_host_memory: int | None = None,
 ) -> dict:
     """Every placement's bytes per tier, whether it fits `machine`, and the recommended config
     (a JSON-able dict; the CLI prints it as a table or as JSON). The engine's device kind is
-    `machine.device`."""
+    `machine.device`. `max_device_memory`, `max_host_memory`: the config's caps for `auto`."""
     activations = activation_bytes(
         shape, micro_batch=micro_batch, seq_len=seq_len, precision=precision, checkpointing=checkpointing
     )
@@ -837,6 +843,8 @@ def estimate_report(
                 buffer_count=buffer_count,
                 activations=activations,
                 sub_group_size=sub_group_size,
+                max_device_memory=max_device_memory,
+                max_host_memory=max_host_memory,
             )
             if tiers is None:
                 rows.append(

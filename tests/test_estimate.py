@@ -191,6 +191,32 @@ def test_estimate_in_pieces_is_the_engines_ledger(swap_dir, param, precision):
     assert estimate.total("nvme") == measured["nvme"]
 
 
+@pytest.mark.parametrize("param", ["none", "nvme"])
+def test_estimate_plans_the_engines_auto_split_under_the_configs_caps(swap_dir, param):
+    """`offload estimate --config` reads offload.max_host_memory (and max_device_memory, which
+    alone puts state on the CPU standing in for the device): its auto plan is the engine's."""
+    if ENGINE_DEVICE == "cuda":
+        pytest.skip("the engine measures the GPU's free memory at start; the estimate assumes an idle GPU")
+    shape = est.shape_from_hf_config(MEASURED)
+    state = 16 * sum(shape.shard_numels())
+    caps = {"max_host_memory": 2 * state // 5, "max_device_memory": state // 5}
+    torch.manual_seed(0)
+    engine = offload.initialize(
+        hf_model(MEASURED), {"precision": "fp32", "offload": {"param": param, "optimizer": "auto", "nvme_path": swap_dir, **caps}}
+    )
+    try:
+        units = engine.memory_report()["optimizer_units"]
+        engine_tiers = [units[unit.spec.name]["tier"] for unit in engine.units]
+    finally:
+        engine.close(restore_weights=False)
+    machine = est.Machine(gpu_bytes=None, ram_bytes=10**12, disk_bytes=10**12, device="cpu")
+    tiers, _ = est.plan_auto(shape, param, machine, precision="fp32", world_size=1, prefetch_depth=2, buffer_count=3, **caps)
+    assert tiers == engine_tiers
+    assert {"device", "cpu", "nvme"} <= set(tiers)  # the caps split it over all three tiers
+    uncapped, _ = est.plan_auto(shape, param, machine, precision="fp32", world_size=1, prefetch_depth=2, buffer_count=3)
+    assert uncapped == ["cpu"] * len(tiers)
+
+
 def test_depth_changes_device_bytes_as_the_engine_does(swap_dir):
     shape = est.shape_from_hf_config(MEASURED)
     for depth in (0, 4):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from offload import estimate as est
 from offload.errors import ConfigError
+from offload.plan import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--config",
-        help="an offload, DeepSpeed JSON or accelerate YAML config: precision, prefetch depth, buffer count and sub-group "
-        "size (offload.sub_group_size, DeepSpeed's zero_optimization.sub_group_size) are read from it",
+        help="an offload, DeepSpeed JSON or accelerate YAML config: precision, prefetch depth, buffer count, sub-group "
+        "size (offload.sub_group_size, DeepSpeed's zero_optimization.sub_group_size) and the caps of optimizer auto "
+        "(offload.max_device_memory, offload.max_host_memory) are read from it",
     )
     parser.add_argument(
         "--precision", choices=sorted(est.COMPUTE_BYTES), help="compute precision (default: the config's, else bf16)"
@@ -121,6 +123,8 @@ def build_report(args) -> dict:
         prefetch_depth=config.prefetch.depth,
         buffer_count=config.offload.buffer_count,
         sub_group_size=config.offload.sub_group_size,
+        max_device_memory=parse_size(config.offload.max_device_memory),
+        max_host_memory=parse_size(config.offload.max_host_memory),
         micro_batch=args.micro_batch,
         seq_len=args.seq_len,
         checkpointing=args.checkpointing,
