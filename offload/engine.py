@@ -214,8 +214,7 @@ class Engine:
             on_final=self._step_during_backward,
         )
         try:
-            for unit in self.units:
-                self._adopt(unit)
+            self._adopt_all()
             self._move_buffers()
         except BaseException:
             # nothing half-built outlives a failed start: threads stop, host buffers and swap files go
@@ -277,21 +276,45 @@ class Engine:
         )
 
     # ---- construction ------------------------------------------------------------------
-    def _adopt(self, unit: UnitState) -> None:
-        """Moves the unit's params into its flat buffer and stores its initial state on the tiers."""
-        layout = unit.layout
-        rank = self.collectives.rank
+    def _adopt_all(self) -> None:
+        """Adopts every unit in index order. Unit i + 1's values are made (materialised from the
+        meta device, gathered into one flat fp32 buffer) on a helper thread while unit i's go to
+        their tiers and the device, so the single-threaded random init of a meta-built model
+        overlaps the copies. Units are made in order by that one thread: the random stream, and
+        so the weights, are those of a model initialised unit by unit; at most two units' fp32
+        values exist at once."""
+        if not self.units:
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="offload-materialize") as maker:
+            upcoming = maker.submit(self._unit_values, self.units[0])
+            for i, unit in enumerate(self.units):
+                flat32 = upcoming.result()
+                if i + 1 < len(self.units):
+                    upcoming = maker.submit(self._unit_values, self.units[i + 1])
+                self._adopt(unit, flat32)
+                del flat32  # unmapped here, before the next unit's is taken
+
+    def _unit_values(self, unit: UnitState) -> torch.Tensor:
+        """The unit's initial weights as one flat fp32 buffer of its padded layout (the
+        materialize thread; touches only this unit's params and its territory's modules)."""
         if has_meta_state(self.model, unit.spec):
             # a model built on the meta device gets real values one unit at a time, so the
             # whole fp32 model never exists in RAM at once
             materialize_unit_params(self.model, unit.spec)
         for name, param in zip(unit.spec.param_names, unit.spec.params):
             check_has_storage(name, param)
-        # its own mapping, unmapped on return (a heap block per unit would stay in the process)
-        flat32 = mapped_zeros(layout.padded_numel, torch.float32)
+        # its own mapping, unmapped when dropped (a heap block per unit would stay in the process)
+        flat32 = mapped_zeros(unit.layout.padded_numel, torch.float32)
         with torch.no_grad():
-            for param, offset in zip(unit.spec.params, layout.offsets):
+            for param, offset in zip(unit.spec.params, unit.layout.offsets):
                 flat32[offset : offset + param.numel()].copy_(param.detach().reshape(-1))
+        return flat32
+
+    def _adopt(self, unit: UnitState, flat32: torch.Tensor) -> None:
+        """Moves the unit's params into its flat buffer and stores its initial state (`flat32`,
+        from _unit_values) on the tiers."""
+        layout = unit.layout
+        rank = self.collectives.rank
         # every rank starts from rank 0's weights, whatever seed each rank built its model with
         self.collectives.broadcast_host(flat32, src=0, what=f"initial weights of unit {unit.spec.name}")
         start, end = layout.shard_range(rank)
