@@ -54,13 +54,13 @@ from offload.checkpoint_format import (  # noqa: F401 (re-exported: the format's
     safetensors_header,
     save_error,
     set_rng_state,
-    shard_pieces,
     space_error,
     tensor_bytes,
     write_all,
     write_small,
 )
 from offload.errors import InsufficientSpaceError, OffloadError
+from offload.units import shard_pieces
 
 logger = logging.getLogger(__name__)
 

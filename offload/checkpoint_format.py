@@ -102,17 +102,6 @@ class CheckpointCorruptError(CheckpointError):
 
 
 # ---- plain functions (tested directly) -----------------------------------------------------
-def shard_pieces(offsets, numels, shard_start: int, shard_end: int) -> list[tuple[int, int, int, int]]:
-    """(param index, start, end, position in shard): the element range [start, end) of each
-    flattened param that lies in the flat-buffer range [shard_start, shard_end)."""
-    pieces = []
-    for index, (offset, numel) in enumerate(zip(offsets, numels)):
-        low, high = max(offset, shard_start), min(offset + numel, shard_end)
-        if low < high:
-            pieces.append((index, low - offset, high - offset, low - shard_start))
-    return pieces
-
-
 def chunk_bounds(numel: int, chunk: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
     """[start, end) of each checksummed chunk of a slice of `numel` elements."""
     return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]

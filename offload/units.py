@@ -57,12 +57,7 @@ class FlatLayout:
 
     def params_in_shard(self, rank: int) -> list[int]:
         """Indices of the params with at least one element in shard `rank`."""
-        shard_start, shard_end = self.shard_range(rank)
-        return [
-            index
-            for index, (offset, numel) in enumerate(zip(self.offsets, self.numels))
-            if max(offset, shard_start) < min(offset + numel, shard_end)
-        ]
+        return [index for index, _, _, _ in shard_pieces(self.offsets, self.numels, *self.shard_range(rank))]
 
     def param_ranges_in_shard(self, rank: int, which: list[int] | None = None) -> list[tuple[int, int]]:
         """[start, end) ranges, relative to shard `rank`, of the params `which` (all by default),
@@ -272,3 +267,14 @@ def build_units(model: nn.Module, module_classes: list[str] | None = None, min_p
         unit.index = remap[unit.index]
         unit.borrows = {remap[b] for b in unit.borrows if b in remap}
     return kept
+
+
+def shard_pieces(offsets, numels, shard_start: int, shard_end: int) -> list[tuple[int, int, int, int]]:
+    """(param index, start, end, position in shard): the element range [start, end) of each
+    flattened param that lies in the flat-buffer range [shard_start, shard_end)."""
+    pieces = []
+    for index, (offset, numel) in enumerate(zip(offsets, numels)):
+        low, high = max(offset, shard_start), min(offset + numel, shard_end)
+        if low < high:
+            pieces.append((index, low - offset, high - offset, low - shard_start))
+    return pieces
