@@ -57,6 +57,7 @@ from offload.checkpoint_format import (  # noqa: F401 (re-exported: the format's
     space_error,
     tensor_bytes,
     write_all,
+    write_replacing,
     write_small,
 )
 from offload.errors import InsufficientSpaceError, OffloadError
@@ -389,21 +390,7 @@ def _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, kee
     fsync_dir(temp)
     os.rename(temp, final)
     fsync_dir(root)
-    latest_temp = os.path.join(root, f".tmp-latest-{os.getpid()}-{os.urandom(4).hex()}")
-    fd = os.open(latest_temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        lock_held(fd)  # a concurrent save's sweep leaves it alone
-        write_all(fd, (tag + "\n").encode(), latest_temp)
-        os.fsync(fd)
-        os.replace(latest_temp, os.path.join(root, LATEST))
-    except BaseException:
-        try:
-            os.unlink(latest_temp)
-        except FileNotFoundError:
-            pass
-        raise
-    finally:
-        os.close(fd)
+    write_replacing(os.path.join(root, LATEST), [(tag + "\n").encode()], hold_lock=True)
     fsync_dir(root)
     if keep_last:
         rotate(root, keep_last, tag)

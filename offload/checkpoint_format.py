@@ -778,18 +778,20 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype = torch.float32, tag: str 
                 tensor = source if isinstance(source, torch.Tensor) else reader.read_param(source).to(dtype)
                 yield tensor_bytes(tensor)
 
-        path = _write_replacing(os.path.join(out_dir, "model.safetensors"), tensors())
+        path = write_replacing(os.path.join(out_dir, "model.safetensors"), tensors())
         config = reader.hf_config()
         if config is not None:
-            _write_replacing(os.path.join(out_dir, "config.json"), [config])
+            write_replacing(os.path.join(out_dir, "config.json"), [config])
         fsync_dir(out_dir)
     logger.info("offload: exported %s (%s)", path, dtype)
     return path
 
 
-def _write_replacing(path: str, pieces) -> str:
+def write_replacing(path: str, pieces, *, hold_lock: bool = False) -> str:
     """Writes `pieces` (bytes-like) to a new temporary file next to `path` (O_EXCL, never through
-    a symlink), fsyncs it and renames it over `path`; on any failure the temporary file goes."""
+    a symlink), fsyncs it and renames it over `path`; on any failure the temporary file goes.
+    `hold_lock`: the temporary file is flock'ed while written (a concurrent save's sweep of
+    stale temporary files leaves it alone)."""
     directory, name = os.path.split(path)
     temp = os.path.join(directory, f".tmp-{name}-{os.getpid()}-{os.urandom(4).hex()}")
     try:
@@ -798,6 +800,8 @@ def _write_replacing(path: str, pieces) -> str:
         raise CheckpointError(f"cannot write {path}: {e.strerror} ({temp}); choose a directory you can write to") from None
     try:
         try:
+            if hold_lock:
+                lock_held(fd)
             for piece in pieces:
                 write_all(fd, piece, temp)
             os.fsync(fd)
