@@ -442,11 +442,6 @@ def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict
             raise CheckpointError(f"load_checkpoint: {error}") from None
         saved_params = reader.index["params"]
         store = engine.store
-        if store.swap is not None:
-            # recovery after a swap I/O error: what a failed step left in flight or in wait lists
-            # must not fail the load that replaces it (every state it touched is rewritten below)
-            for failure in store.swap.settle():
-                logger.warning("offload: load_checkpoint discards a failed swap operation: %s", failure)
         # per unit, from its first piece to its last: the shard's param pieces, and its fp32
         # weights (the masters, then the frozen params' with no optimizer state)
         param_pieces: list[tuple[int, int, int, int]] = []

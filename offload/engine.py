@@ -651,19 +651,23 @@ class Engine:
 
         self._check_open()
         # the load replaces every weight and state: work in flight that failed (a swap I/O
-        # error in the last step, say) is waited for and discarded, so the load is the way back
+        # error in the last step, say) is waited for and discarded, so the load is the way back;
+        # a swap file whose write failed stays unreadable until the load rewrites it
         for failure in self._settle():
             logger.warning("offload: load_checkpoint discards failed work in flight: %s", failure)
         return checkpoint.load(self, path, **kwargs)
 
     def _settle(self) -> list[BaseException]:
-        """Waits for every gradient transfer and optimizer step in flight; returns their errors."""
+        """Waits for every gradient transfer, optimizer step and swap operation in flight (also
+        those a failed step left in wait lists); returns their errors."""
         failures: list[BaseException] = []
         for wait in (self.gradients.wait_all, self.stepping.wait):
             try:
                 wait()
             except Exception as error:  # noqa: BLE001 (returned to the caller, who decides)
                 failures.append(error)
+        if self.store.swap is not None:
+            failures.extend(self.store.swap.settle())
         return failures
 
     def training_state(self) -> dict:
