@@ -161,6 +161,10 @@ class OptimizerSlot:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad32": self.grad32}
 
+    def views(self, numel: int) -> dict[str, torch.Tensor]:
+        """The first `numel` elements of each buffer, by kind: a piece read into the slot."""
+        return {kind: buffer[:numel] for kind, buffer in self.tensors().items()}
+
     def wait_writes(self) -> None:
         """Waits for every write queued on the slot, even after one failed (the slot is reused
         only when none is in flight); raises the first failure."""
@@ -185,6 +189,8 @@ class StatePiece:
     state's elements [start, start + n) by kind, wherever they are now."""
 
     unit: UnitState
+    # its place in `unit.state_pieces` (the swap files it belongs to)
+    index: int
     start: int
     views: dict[str, torch.Tensor]
     # the slot the piece was read into (NVMe-resident state); None when resident (host or device)

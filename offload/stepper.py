@@ -143,7 +143,7 @@ class UnitStepper:
                     self.events.record("step_done", unit.index)
             self._settle_publish()
         finally:
-            if current is not None and current.staging:
+            if current is not None and self.store.param_tier is ParamTier.NVME:
                 self.store.give_back_staging(current.out)
             self._settle_publish(quiet=True)
             for unit in units:
@@ -166,7 +166,7 @@ class UnitStepper:
             # the previous unit's write-back first: the step holds one staging buffer at a time,
             # so the fetches keep the rest of the ring (prefetch.depth + 1)
             self._settle_publish()
-        out, staging = self._param16_target(unit)
+        out = self._param16_target(unit)
         if self.store.param_tier is ParamTier.NVME and not set(unit.layout.params_in_shard(self.rank)) <= set(stepped):
             # some params are not stepped (frozen, or no gradient this window): the staging buffer
             # must start from this unit's 16-bit values, which are written back whole
@@ -175,7 +175,7 @@ class UnitStepper:
             except BaseException:
                 self.store.give_back_staging(out)
                 raise
-        return _UnitStep(unit, work, out, staging)
+        return _UnitStep(unit, work, out)
 
     def _step_piece(self, step: _UnitStep, piece: StatePiece, hypers: Sequence[StepHyper]) -> None:
         """Adam over the stepped ranges of `step.work` that fall in `piece`."""
@@ -246,18 +246,19 @@ class UnitStepper:
                 out[start:end].copy_(views["master"][start:end])
         stream.record_event().synchronize()
 
-    def _param16_target(self, unit: UnitState) -> tuple[torch.Tensor, bool]:
-        """Where the kernel writes the new 16-bit weights: (buffer, is it a staging buffer)."""
+    def _param16_target(self, unit: UnitState) -> torch.Tensor:
+        """Where the kernel writes the new 16-bit weights (with param nvme, a staging buffer the
+        caller gives back once its write-back completed)."""
         if self.store.param_tier is ParamTier.DEVICE and not self.device.is_cuda:
             # the CPU device's buffer is host memory: the kernel writes the weights in place
             assert unit.device_flat is not None  # made for every unit at start (engine.py)
             start, end = unit.layout.shard_range(self.rank)
-            return unit.device_flat[start:end], False
+            return unit.device_flat[start:end]
         if self.store.param_tier is not ParamTier.NVME:
             # param cpu: the home copy; none on CUDA: the pinned source of the device copy
             assert unit.param16 is not None, f"unit {unit.spec.name} has no 16-bit host copy"
-            return unit.param16, False
-        return self.store.param_staging.take()[: unit.shard_numel], True
+            return unit.param16
+        return self.store.param_staging.take()[: unit.shard_numel]
 
     def _publish(self, step: _UnitStep, last_piece: StatePiece) -> None:
         """Sends the unit's new 16-bit shard to the param's home tier. With the master on the
@@ -330,7 +331,6 @@ class _UnitStep:
     unit: UnitState
     # (group, start, end) ranges of this rank's shard to step (group_ranges)
     work: list[tuple[int, int, int]]
-    # where the new 16-bit (fp32 with fp32 compute) weights of the whole shard are written
+    # where the new 16-bit (fp32 with fp32 compute) weights of the whole shard are written; with
+    # param nvme a staging buffer, given back once its write-back completed
     out: torch.Tensor
-    # `out` is a param staging buffer (param nvme), given back once its write-back completed
-    staging: bool

@@ -23,6 +23,7 @@ import torch
 from offload.config import Config
 from offload.errors import ConfigError
 from offload.memory import HostBufferPool, TierLedger
+from offload.optim import kernels
 from offload.placement import OptimizerTier, ParamTier
 from offload.plan import (
     Capacity,
@@ -128,8 +129,6 @@ def plan_optimizer(
 def squared_norm(values: torch.Tensor) -> float:
     """Sum of squares of an fp32 gradient, accumulated in fp64: the C++ kernel on host memory,
     torch's reduction for a DEVICE-tier gradient on an accelerator."""
-    from offload.optim import kernels
-
     if values.device.type == "cpu":
         return kernels.sq_norm(values)
     return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
@@ -313,15 +312,15 @@ class TierStore:
             swap = self.require_swap()
             slot = self.slots[0]
             for piece, (start, end) in enumerate(unit.state_pieces):
-                n = end - start
-                slot.master[:n].copy_(master_values[start:end])
-                for kind, buffer in slot.tensors().items():
+                views = slot.views(end - start)
+                views["master"].copy_(master_values[start:end])
+                for kind, buffer in views.items():
                     name = unit.swap_name(kind, piece)
                     if kind != "master":
                         if swap.never_written(name):
                             continue
-                        buffer[:n].zero_()
-                    slot.pending_writes.append(swap.write_from(name, buffer[:n]))
+                        buffer.zero_()
+                    slot.pending_writes.append(swap.write_from(name, buffer))
                 slot.wait_writes()
         self.store_param16_values(unit, shard_values)
 
@@ -344,10 +343,10 @@ class TierStore:
         swap = self.require_swap()
         start, end = unit.state_pieces[piece]
         handles = []
-        for kind, buffer in slot.tensors().items():
+        for kind, buffer in slot.views(end - start).items():
             if kind == "grad32" and not include_grad:
                 continue
-            handles.append(swap.read_into(unit.swap_name(kind, piece), buffer[: end - start]))
+            handles.append(swap.read_into(unit.swap_name(kind, piece), buffer))
         return handles
 
     def stream_optimizer_states(
@@ -364,7 +363,7 @@ class TierStore:
         `wait_read` and `wait_write`."""
         if not any(unit.optimizer_tier.streamed for unit in units):
             for unit in units:
-                yield StatePiece(unit, 0, unit.resident_state, None, last=True)
+                yield StatePiece(unit, 0, 0, unit.resident_state, None, last=True)
             return
         with self.slots_lock:
             yield from self._stream_through_slots(units, include_grad, timings)
@@ -375,7 +374,7 @@ class TierStore:
         for piece in self.stream_optimizer_states(units, include_grad=False):
             if piece.unit.optimizer_tier is OptimizerTier.DEVICE:
                 views = {kind: tensor.to("cpu") for kind, tensor in piece.views.items() if kind != "grad32"}
-                piece = StatePiece(piece.unit, piece.start, views, None, last=True)
+                piece = StatePiece(piece.unit, 0, 0, views, None, last=True)
             yield piece
 
     def _stream_through_slots(
@@ -404,7 +403,7 @@ class TierStore:
             i = 0
             for unit in all_units:
                 if not unit.optimizer_tier.streamed:
-                    yield StatePiece(unit, 0, unit.resident_state, None, last=True)
+                    yield StatePiece(unit, 0, 0, unit.resident_state, None, last=True)
                     continue
                 for j, (start, end) in enumerate(unit.state_pieces):
                     if i + 1 < len(pieces):
@@ -414,8 +413,7 @@ class TierStore:
                         handle.wait()
                     timed("wait_read", started)
                     slot = slots[i % len(slots)]
-                    views = {kind: buffer[: end - start] for kind, buffer in slot.tensors().items()}
-                    yield StatePiece(unit, start, views, slot, last=j == len(unit.state_pieces) - 1)
+                    yield StatePiece(unit, j, start, slot.views(end - start), slot, last=j == len(unit.state_pieces) - 1)
                     i += 1
         finally:
             # reads still in flight when the consumer stops early, or fails, finish before their
@@ -441,20 +439,21 @@ class TierStore:
                         # filled on the host (a checkpoint reads into host memory), then copied over
                         staged = {kind: torch.empty(unit.optimizer_numel, dtype=torch.float32) for kind in STATE_KINDS}
                         del staged["grad32"]
-                        yield StatePiece(unit, 0, staged, None, last=True)
+                        yield StatePiece(unit, 0, 0, staged, None, last=True)
                         for kind, values in staged.items():
                             unit.resident_state[kind].copy_(values)
                         continue
                     if not unit.optimizer_tier.streamed:
                         views = {kind: unit.resident_state[kind] for kind in STATE_KINDS if kind != "grad32"}
-                        yield StatePiece(unit, 0, views, None, last=True)
+                        yield StatePiece(unit, 0, 0, views, None, last=True)
                         continue
                     for j, (start, end) in enumerate(unit.state_pieces):
                         slot = self.slots[streamed % len(self.slots)]
                         streamed += 1
                         slot.wait_writes()
-                        views = {kind: buffer[: end - start] for kind, buffer in slot.tensors().items() if kind != "grad32"}
-                        piece = StatePiece(unit, start, views, slot, last=j == len(unit.state_pieces) - 1)
+                        views = slot.views(end - start)
+                        del views["grad32"]
+                        piece = StatePiece(unit, j, start, views, slot, last=j == len(unit.state_pieces) - 1)
                         yield piece
                         self.store_optimizer_state(piece)
             finally:
@@ -465,12 +464,10 @@ class TierStore:
         """Queues the writes of a streamed piece's states from its slot back to their swap files."""
         assert piece.slot is not None, "only a piece read into a slot is stored back"
         swap = self.require_swap()
-        j = piece.unit.state_pieces.index((piece.start, piece.end))
-        n = piece.end - piece.start
-        for kind, buffer in piece.slot.tensors().items():
+        for kind, buffer in piece.slot.views(piece.end - piece.start).items():
             if kind == "grad32" and not include_grad:
                 continue
-            piece.slot.pending_writes.append(swap.write_from(piece.unit.swap_name(kind, j), buffer[:n]))
+            piece.slot.pending_writes.append(swap.write_from(piece.unit.swap_name(kind, piece.index), buffer))
 
     # ---- gradients (transfer worker only) --------------------------------------------------
     def accumulate_grad(
