@@ -104,6 +104,15 @@ def local_half(batch, rank: int, world_size: int):
     return x[rank * size : (rank + 1) * size], y[rank * size : (rank + 1) * size]
 
 
+def rank_swap_dirs(tmp_path, world_size: int) -> list[str]:
+    """One swap directory per rank under `tmp_path` (a list for offload.nvme_path)."""
+    swaps = []
+    for rank in range(world_size):
+        (tmp_path / f"swap{rank}").mkdir()
+        swaps.append(str(tmp_path / f"swap{rank}"))
+    return swaps
+
+
 def make_config(swap, param, optimizer, overlap="forward", precision="fp32", **extra):
     config = {
         "precision": precision,

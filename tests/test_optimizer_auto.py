@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from distributed_worker import launch, make_config, train_deep_tinynet_reporting_tiers
+from distributed_worker import launch, make_config, rank_swap_dirs, train_deep_tinynet_reporting_tiers
 from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, reference_run
 from tier_caps import BUFFER_COUNT, auto_config, split_caps
 
@@ -97,10 +97,7 @@ def test_a_checkpoint_saved_split_loads_into_cpu_and_back(tmp_path, swap_dir):
 def test_two_ranks_with_a_split_state_train_like_one_process(tmp_path, overlap):
     torch.manual_seed(0)
     model = TinyNet(depth=8)
-    swaps = []
-    for rank in range(2):
-        (tmp_path / f"swap{rank}").mkdir()
-        swaps.append(str(tmp_path / f"swap{rank}"))
+    swaps = rank_swap_dirs(tmp_path, 2)
     config = make_config(swaps, "cpu", "auto", overlap)
     config["offload"].update(max_host_memory=host_cap(model, "cpu", world=2), buffer_count=BUFFER_COUNT)
     results = launch(train_deep_tinynet_reporting_tiers, 2, config, timeout_s=30, deadline_s=150)

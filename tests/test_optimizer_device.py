@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from distributed_worker import launch, make_config, train_deep_tinynet_reporting_tiers
+from distributed_worker import launch, make_config, rank_swap_dirs, train_deep_tinynet_reporting_tiers
 from reference import (
     TinyNet,
     batches,
@@ -37,10 +37,6 @@ def caps(model, param: str, world: int = 1) -> tuple[int, int]:
     """(max_device_memory, max_host_memory) that put DEVICE_UNITS units on the device, HOST_UNITS
     in RAM and the rest on NVMe."""
     return split_caps(model, param, device_units=DEVICE_UNITS, host_units=HOST_UNITS, world=world)
-
-
-def three_tier_config(swap_dir, param: str, overlap: str, device_cap, host_cap) -> dict:
-    return auto_config(swap_dir, param, overlap, device_cap=device_cap, host_cap=host_cap)
 
 
 @pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
@@ -75,7 +71,9 @@ def test_auto_fills_device_then_host_then_nvme_and_trains_like_adamw(swap_dir, p
     data = batches(6)
     reference, reference_losses = reference_run(model, data)
     device_cap, host_cap = caps(model, param)
-    with offload.initialize(copy.deepcopy(model), three_tier_config(swap_dir, param, overlap, device_cap, host_cap)) as engine:
+    with offload.initialize(
+        copy.deepcopy(model), auto_config(swap_dir, param, overlap, device_cap=device_cap, host_cap=host_cap)
+    ) as engine:
         units = engine.memory_report()["optimizer_units"]
         tiers = [units[unit.spec.name]["tier"] for unit in engine.units]
         rest = len(tiers) - DEVICE_UNITS - HOST_UNITS
@@ -134,7 +132,7 @@ def test_a_checkpoint_saved_across_three_tiers_loads_into_cpu_and_into_device(tm
     data = batches(8)
 
     def cpu_config():
-        return three_tier_config(swap_dir, "cpu", "forward", None, None) | {
+        return auto_config(swap_dir, "cpu", "forward", device_cap=None, host_cap=None) | {
             "offload": {"optimizer": "cpu", "nvme_path": swap_dir}
         }
 
@@ -142,7 +140,9 @@ def test_a_checkpoint_saved_across_three_tiers_loads_into_cpu_and_into_device(tm
         engine_run(straight, data)
         expected = straight.consolidated_state_dict()
     device_cap, host_cap = caps(model, "cpu")
-    with offload.initialize(copy.deepcopy(model), three_tier_config(swap_dir, "cpu", "forward", device_cap, host_cap)) as split:
+    with offload.initialize(
+        copy.deepcopy(model), auto_config(swap_dir, "cpu", "forward", device_cap=device_cap, host_cap=host_cap)
+    ) as split:
         assert {e["tier"] for e in split.memory_report()["optimizer_units"].values()} == {"device", "cpu", "nvme"}
         engine_run(split, data[:4])
         split.save_checkpoint(tmp_path / "ckpt")
@@ -161,10 +161,7 @@ def test_a_checkpoint_saved_across_three_tiers_loads_into_cpu_and_into_device(tm
 def test_two_ranks_with_state_on_three_tiers_train_like_one_process(tmp_path, overlap):
     torch.manual_seed(0)
     model = TinyNet(depth=8)
-    swaps = []
-    for rank in range(2):
-        (tmp_path / f"swap{rank}").mkdir()
-        swaps.append(str(tmp_path / f"swap{rank}"))
+    swaps = rank_swap_dirs(tmp_path, 2)
     config = make_config(swaps, "cpu", "auto", overlap)
     device_cap, host_cap = caps(model, "cpu", world=2)
     config["offload"].update(max_device_memory=device_cap, max_host_memory=host_cap, buffer_count=BUFFER_COUNT)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from branch_worker import reference, train
-from distributed_worker import launch, make_config
+from distributed_worker import launch, make_config, rank_swap_dirs
 from reference import max_weight_difference
 
 from offload.rank_order import Op, ReduceOrder, describe
@@ -22,10 +22,7 @@ WORLD = 2
 @pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
 @pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
 def test_ranks_skipping_different_units_train_like_plain_pytorch(tmp_path, optimizer, overlap):
-    swaps = []
-    for rank in range(WORLD):
-        (tmp_path / f"swap{rank}").mkdir()
-        swaps.append(str(tmp_path / f"swap{rank}"))
+    swaps = rank_swap_dirs(tmp_path, WORLD)
     config = make_config(swaps, "none", optimizer, overlap)
     results = launch(train, WORLD, config, timeout_s=30, deadline_s=150)
     for rank, result in enumerate(results):
@@ -36,10 +33,7 @@ def test_ranks_skipping_different_units_train_like_plain_pytorch(tmp_path, optim
 
 @pytest.mark.parametrize("param", ["cpu", "nvme"])
 def test_ranks_skipping_different_offloaded_units_fail_at_once(tmp_path, param):
-    swaps = []
-    for rank in range(WORLD):
-        (tmp_path / f"swap{rank}").mkdir()
-        swaps.append(str(tmp_path / f"swap{rank}"))
+    swaps = rank_swap_dirs(tmp_path, WORLD)
     config = make_config(swaps, param, "cpu", "forward")
     results = launch(train, WORLD, config, timeout_s=60, deadline_s=150)
     for result in results:

@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 import torch
-from distributed_worker import launch, local_half
+from distributed_worker import launch, local_half, rank_swap_dirs
 from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, mse, reference_run
 
 import offload
@@ -442,10 +442,7 @@ def _train_two_ranks(rank: int, world_size: int, config: dict) -> dict:
 def test_two_ranks_with_pieces_train_like_one_process(tmp_path):
     torch.manual_seed(0)
     model = TinyNet(width=WIDTH, depth=DEPTH)
-    swaps = []
-    for rank in range(2):
-        (tmp_path / f"swap{rank}").mkdir()
-        swaps.append(str(tmp_path / f"swap{rank}"))
+    swaps = rank_swap_dirs(tmp_path, 2)
     config = make_config(swaps, param="nvme", overlap="forward")
     config["optimizer"]["threads"] = 1  # the ranks share the machine's cores
     results = launch(_train_two_ranks, 2, config, timeout_s=30, deadline_s=150)
