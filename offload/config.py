@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from offload.errors import ConfigError
-from offload.plan import parse_size
+from offload.plan import MIN_SUB_GROUP_SIZE, parse_size
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 PARAM_TIERS = ("none", "cpu", "nvme")
@@ -458,8 +458,8 @@ def validate(config: Config) -> Config:
         raise _fail("prefetch.depth", f"must be >= 0, got {config.prefetch.depth}")
     if config.offload.buffer_count < 2:
         raise _fail("offload.buffer_count", f"must be >= 2, got {config.offload.buffer_count}")
-    if config.offload.sub_group_size < 1024:
-        raise _fail("offload.sub_group_size", f"must be >= 1024 elements, got {config.offload.sub_group_size}")
+    if config.offload.sub_group_size < MIN_SUB_GROUP_SIZE:
+        raise _fail("offload.sub_group_size", f"must be >= {MIN_SUB_GROUP_SIZE} elements, got {config.offload.sub_group_size}")
     io = config.io
     if io.block_size <= 0 or io.block_size % 4096:
         raise _fail("io.block_size", f"must be a positive multiple of 4096, got {io.block_size}")

@@ -88,6 +88,7 @@ from pathlib import Path
 from typing import Any
 
 from offload.errors import ConfigError
+from offload.plan import MIN_SUB_GROUP_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +157,6 @@ _WHY_DISABLED = "its section is disabled (DeepSpeed ignores the section too)"
 _WHY_SUB_GROUP_IN_RAM = (
     "it sizes the pieces of optimizer state streamed from NVMe; offload_optimizer.device 'cpu' keeps it all in RAM"
 )
-# offload.sub_group_size's minimum (offload.config validates it; this module imports nothing of it)
-_MIN_SUB_GROUP_SIZE = 1024
 
 _WHY_FEATURE = "a DeepSpeed feature offload does not implement; it would change training"
 _WHY_QUANTIZED = "quantized weights or gradients (ZeRO++) change the maths; offload keeps 16-bit weights and fp32 state"
@@ -725,16 +724,16 @@ def _sub_group_size(b: _Builder, zero: dict) -> None:
         b.ignored(key, _WHY_SUB_GROUP_IN_RAM)
         return
     value = b.number(zero["sub_group_size"], key, integer=True)
-    if value < _MIN_SUB_GROUP_SIZE:
+    if value < MIN_SUB_GROUP_SIZE:
         log.warning(
             "%s %s = %d is below offload's minimum piece of %d elements; using %d",
             b.result.kind,
             b.n(key),
             value,
-            _MIN_SUB_GROUP_SIZE,
-            _MIN_SUB_GROUP_SIZE,
+            MIN_SUB_GROUP_SIZE,
+            MIN_SUB_GROUP_SIZE,
         )
-        value = _MIN_SUB_GROUP_SIZE
+        value = MIN_SUB_GROUP_SIZE
     b.set("offload.sub_group_size", value, key)
 
 

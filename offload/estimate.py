@@ -45,6 +45,7 @@ from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.placement import OptimizerTier
 from offload.plan import (
+    MIN_SUB_GROUP_SIZE,
     Capacity,
     PlanError,
     device_room,
@@ -52,13 +53,13 @@ from offload.plan import (
     plan_optimizer_tiers,
     slot_numel,
     swap_bytes_for_state,
+    swap_file_bytes,
 )
 from offload.state import host_budget_bytes, host_bytes_beside_optimizer_state
 from offload.tiers import HOST_MARGIN
 from offload.units import plan_flat_layout, round_up
 
 PAGE = 4096
-SWAP_HEADER = 4096
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # the engine's default piece of NVMe-streamed optimizer state (offload.sub_group_size)
 DEFAULT_SUB_GROUP_SIZE = OffloadConfig().sub_group_size
@@ -499,8 +500,10 @@ def _page(nbytes: int) -> int:
 
 
 def _check_sub_group_size(sub_group_size: int) -> None:
-    if sub_group_size < 1024:  # as offload.config validates offload.sub_group_size
-        raise ConfigError(f"sub_group_size must be >= 1024 elements, got {sub_group_size}", key="offload.sub_group_size")
+    if sub_group_size < MIN_SUB_GROUP_SIZE:  # as offload.config validates offload.sub_group_size
+        raise ConfigError(
+            f"sub_group_size must be >= {MIN_SUB_GROUP_SIZE} elements, got {sub_group_size}", key="offload.sub_group_size"
+        )
 
 
 def estimate_tiers(
@@ -602,7 +605,7 @@ def estimate_tiers(
     # nvme: swap files
     swap = sum(swap_bytes_for_state(n, sub_group_size) for n in nvme_shards)  # four fp32 kinds, a file per piece
     if param == "nvme":
-        swap += sum(SWAP_HEADER + round_up(cb * n, PAGE) for n in shards)
+        swap += sum(swap_file_bytes(cb * n) for n in shards)
     if swap:
         result.nvme["swap"] = swap
     return result

@@ -27,6 +27,9 @@ STATE_BYTES_PER_ELEMENT = 16  # master, exp_avg, exp_avg_sq, grad32, fp32 each
 STATE_KIND_COUNT = 4
 # A swap file: a header page, then the data rounded up to whole pages (swap.py).
 SWAP_PAGE = 4096
+# The smallest `offload.sub_group_size` (elements): below it a piece's swap files are mostly
+# headers.
+MIN_SUB_GROUP_SIZE = 1024
 # Of the accelerator's memory, what `auto` leaves for activations and the allocator's cache when
 # no `max_device_memory` says otherwise.
 DEVICE_ACTIVATION_SHARE = 0.25
@@ -110,13 +113,15 @@ def slot_numel(largest_state: int, sub_group_size: int) -> int:
     return min(largest_state, sub_group_size)
 
 
+def swap_file_bytes(nbytes: int) -> int:
+    """Disk bytes of one swap file of `nbytes` of data: a header page, the data in whole pages."""
+    return SWAP_PAGE + -(-nbytes // SWAP_PAGE) * SWAP_PAGE
+
+
 def swap_bytes_for_state(numel: int, sub_group_size: int) -> int:
-    """Disk bytes of one unit's NVMe-resident state: a swap file per state kind and piece, each
-    a header page and its data rounded up to pages (small pieces pay a page each for headers)."""
-    return sum(
-        STATE_KIND_COUNT * (SWAP_PAGE + -(-4 * (end - start) // SWAP_PAGE) * SWAP_PAGE)
-        for start, end in piece_bounds(numel, sub_group_size)
-    )
+    """Disk bytes of one unit's NVMe-resident state: a swap file per state kind and piece (small
+    pieces pay a page each for headers)."""
+    return sum(STATE_KIND_COUNT * swap_file_bytes(4 * (end - start)) for start, end in piece_bounds(numel, sub_group_size))
 
 
 def slot_bytes_for(largest_state: int, buffer_count: int, sub_group_size: int) -> int:
