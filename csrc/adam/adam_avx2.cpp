@@ -30,17 +30,20 @@ inline __m128i to_bf16(__m256 p) {
   return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
 }
 
-// One 8-element step on the given buffers (the real arrays, or the tail's stack copies).
+// One 8-element step on the given buffers: reads the sources (param_in, grad, exp_avg_in,
+// exp_avg_sq_in), writes the destinations (param, exp_avg, exp_avg_sq, out16). The real
+// arrays, or the tail's stack copies (each source then its own destination).
 // Stream: param_out16 + i is 16-byte aligned and written with a non-temporal store.
 // Traffic: the same loads and stores around trivial arithmetic (the benchmark's bandwidth
 // limit of this access pattern), not an Adam step.
 template <int GradType, int OutType, bool Traffic, bool Stream = false>
-inline void adam_vector(const AdamArgs& a, float* param, const void* grad, float* exp_avg, float* exp_avg_sq,
+inline void adam_vector(const AdamArgs& a, const float* param_in, const void* grad, const float* exp_avg_in,
+                        const float* exp_avg_sq_in, float* param, float* exp_avg, float* exp_avg_sq,
                         uint16_t* out16, size_t i, bool lerp_small, __m256 lerp_coeff) {
   __m256 g = load_grad<GradType>(grad, i);
-  __m256 p = _mm256_loadu_ps(param + i);
-  __m256 m = _mm256_loadu_ps(exp_avg + i);
-  __m256 v = _mm256_loadu_ps(exp_avg_sq + i);
+  __m256 p = _mm256_loadu_ps(param_in + i);
+  __m256 m = _mm256_loadu_ps(exp_avg_in + i);
+  __m256 v = _mm256_loadu_ps(exp_avg_sq_in + i);
   if (Traffic) {
     p = _mm256_add_ps(p, g);
     m = _mm256_add_ps(m, g);
@@ -70,8 +73,9 @@ inline void adam_vector(const AdamArgs& a, float* param, const void* grad, float
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out16 + i), half);
 }
 
-// Elements [i, i + rest), rest < 8: copied into zero-padded stack buffers owned by this call,
-// run through the same vector code, copied back.
+// Elements [i, i + rest), rest < 8: copied from the sources into zero-padded stack buffers
+// owned by this call, run through the same vector code in place, copied out to the
+// destinations.
 template <int GradType, int OutType, bool Traffic>
 inline void adam_partial(const AdamArgs& a, size_t i, size_t rest, bool lerp_small, __m256 lerp_coeff) {
   const size_t grad_bytes = GradType == kF32 ? 4 : 2;
@@ -79,12 +83,12 @@ inline void adam_partial(const AdamArgs& a, size_t i, size_t rest, bool lerp_sma
   alignas(32) unsigned char grad[32] = {0};
   alignas(32) uint16_t out[8] = {0};
   uint16_t* out16 = static_cast<uint16_t*>(a.param_out16);
-  std::memcpy(param, a.param + i, rest * 4);
-  std::memcpy(exp_avg, a.exp_avg + i, rest * 4);
-  std::memcpy(exp_avg_sq, a.exp_avg_sq + i, rest * 4);
+  std::memcpy(param, a.param_in + i, rest * 4);
+  std::memcpy(exp_avg, a.exp_avg_in + i, rest * 4);
+  std::memcpy(exp_avg_sq, a.exp_avg_sq_in + i, rest * 4);
   std::memcpy(grad, static_cast<const unsigned char*>(a.grad) + i * grad_bytes, rest * grad_bytes);
-  adam_vector<GradType, OutType, Traffic>(a, param, grad, exp_avg, exp_avg_sq, out, 0, lerp_small,
-                                          lerp_coeff);
+  adam_vector<GradType, OutType, Traffic>(a, param, grad, exp_avg, exp_avg_sq, param, exp_avg, exp_avg_sq,
+                                          out, 0, lerp_small, lerp_coeff);
   std::memcpy(a.param + i, param, rest * 4);
   std::memcpy(a.exp_avg + i, exp_avg, rest * 4);
   std::memcpy(a.exp_avg_sq + i, exp_avg_sq, rest * 4);
@@ -109,8 +113,9 @@ void adam_stream(const AdamArgs& a, size_t begin, size_t end, bool lerp_small, _
     }
   }
   for (; i + 8 <= end; i += 8)
-    adam_vector<GradType, OutType, Traffic, true>(a, a.param, a.grad, a.exp_avg, a.exp_avg_sq, out16, i,
-                                                  lerp_small, lerp_coeff);
+    adam_vector<GradType, OutType, Traffic, true>(a, a.param_in, a.grad, a.exp_avg_in, a.exp_avg_sq_in,
+                                                  a.param, a.exp_avg, a.exp_avg_sq, out16, i, lerp_small,
+                                                  lerp_coeff);
   if (i < end) adam_partial<GradType, OutType, Traffic>(a, i, end - i, lerp_small, lerp_coeff);
   _mm_sfence();
 }
@@ -129,8 +134,8 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
   uint16_t* out16 = static_cast<uint16_t*>(a.param_out16);
   size_t i = begin;
   for (; i + 8 <= end; i += 8)
-    adam_vector<GradType, OutType, Traffic>(a, a.param, a.grad, a.exp_avg, a.exp_avg_sq, out16, i, lerp_small,
-                                            lerp_coeff);
+    adam_vector<GradType, OutType, Traffic>(a, a.param_in, a.grad, a.exp_avg_in, a.exp_avg_sq_in, a.param,
+                                            a.exp_avg, a.exp_avg_sq, out16, i, lerp_small, lerp_coeff);
   if (i < end) adam_partial<GradType, OutType, Traffic>(a, i, end - i, lerp_small, lerp_coeff);
 }
 

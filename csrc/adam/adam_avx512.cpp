@@ -31,15 +31,17 @@ inline __m256i to_bf16(__m512 p) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
+// Reads the sources (param_in, grad, exp_avg_in, exp_avg_sq_in) and writes the destinations
+// (param, exp_avg, exp_avg_sq, param_out16), elements i + lane for the lanes set in mask.
 // Stream: a full, unmasked vector whose param_out16 destination is 32-byte aligned, written
 // with a non-temporal store. Traffic: the same loads and stores around trivial arithmetic (the
 // benchmark's bandwidth limit of this access pattern), not an Adam step.
 template <int GradType, int OutType, bool Traffic, bool Stream = false>
 inline void adam_vector(const AdamArgs& a, size_t i, __mmask16 mask, bool lerp_small, __m512 lerp_coeff) {
   __m512 g = load_grad<GradType>(a.grad, i, mask);
-  __m512 p = _mm512_maskz_loadu_ps(mask, a.param + i);
-  __m512 m = _mm512_maskz_loadu_ps(mask, a.exp_avg + i);
-  __m512 v = _mm512_maskz_loadu_ps(mask, a.exp_avg_sq + i);
+  __m512 p = _mm512_maskz_loadu_ps(mask, a.param_in + i);
+  __m512 m = _mm512_maskz_loadu_ps(mask, a.exp_avg_in + i);
+  __m512 v = _mm512_maskz_loadu_ps(mask, a.exp_avg_sq_in + i);
   if (Traffic) {
     p = _mm512_add_ps(p, g);
     m = _mm512_add_ps(m, g);

@@ -18,14 +18,21 @@ enum ElemType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
 
 // Everything one Adam step needs. Pointers are borrowed from the caller (torch tensors that
 // Python keeps alive for the duration of the call); the kernel never frees them.
+// Each fp32 state array has a source (`*_in`, only read) and a destination (only written,
+// after the element was read): the same pointer for an update in place, or a separate buffer
+// for an out-of-place step that leaves the old state intact. A source is either exactly its
+// destination or overlaps no destination at all (checked by the bindings).
 struct AdamArgs {
-  float* param;       // fp32 master weights, updated in place
-  const void* grad;   // gradient, element type grad_type
-  float* exp_avg;     // fp32 first moment, updated in place
-  float* exp_avg_sq;  // fp32 second moment, updated in place
-  void* param_out16;  // optional 16-bit copy of the updated weights (nullptr: none)
-  int grad_type;      // kF32 | kBF16 | kF16
-  int out_type;       // kBF16 | kF16 | kNone
+  const float* param_in;       // fp32 master weights before the step
+  const void* grad;            // gradient, element type grad_type
+  const float* exp_avg_in;     // fp32 first moment before the step
+  const float* exp_avg_sq_in;  // fp32 second moment before the step
+  float* param;                // fp32 master weights after the step (param_in: in place)
+  float* exp_avg;              // fp32 first moment after the step (exp_avg_in: in place)
+  float* exp_avg_sq;           // fp32 second moment after the step (exp_avg_sq_in: in place)
+  void* param_out16;           // optional 16-bit copy of the updated weights (nullptr: none)
+  int grad_type;               // kF32 | kBF16 | kF16
+  int out_type;                // kBF16 | kF16 | kNone
   // Scalars, already rounded to fp32 the way torch rounds a Python scalar operand.
   float grad_scale;  // gradient multiplier (1 skips the multiply)
   bool apply_scale;
@@ -45,7 +52,9 @@ struct AdamArgs {
   // from this cache soon). Changes no result, only the memory traffic; the portable variant
   // ignores it. Every range that streams ends with a store fence. (Software prefetch of the
   // read streams, 64..1024 elements ahead, measured no effect: the hardware prefetchers
-  // keep up.)
+  // keep up.) The fp32 destinations always take regular stores: in place, their lines are
+  // already in cache from the loads; out of place, each destination line is read for
+  // ownership before it is written.
   bool stream;
 };
 
@@ -56,8 +65,8 @@ struct IsaKernels {
   const char* name;
   void (*adam)(const AdamArgs& args, size_t begin, size_t end);
   // The memory traffic of `adam` with the same arguments (same loads, stores and streaming
-  // mode) around trivial arithmetic: the benchmark's bandwidth limit for this access pattern.
-  // Overwrites the buffers with meaningless values.
+  // mode, same sources and destinations) around trivial arithmetic: the benchmark's bandwidth
+  // limit for this access pattern. Overwrites the destinations with meaningless values.
   void (*traffic)(const AdamArgs& args, size_t begin, size_t end);
   // Sum of squares of elements [begin, end) in double, in a fixed order (deterministic).
   double (*sum_squares)(const void* data, int type, size_t begin, size_t end);

@@ -16,6 +16,8 @@ inline float load_grad(const void* grad, size_t i) {
   return f16_to_float(static_cast<const uint16_t*>(grad)[i]);
 }
 
+// Reads the sources (param_in, grad, exp_avg_in, exp_avg_sq_in), writes the destinations
+// (param, exp_avg, exp_avg_sq, param_out16); in place when they are the same arrays.
 // Traffic: the same loads and stores around trivial arithmetic (the benchmark's bandwidth
 // limit of this access pattern), not an Adam step. No streaming stores here (a.stream ignored).
 template <int GradType, int OutType, bool Traffic>
@@ -28,9 +30,9 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
   uint16_t* out16 = static_cast<uint16_t*>(a.param_out16);
   for (size_t i = begin; i < end; ++i) {
     float g = load_grad<GradType>(a.grad, i);
-    float p = a.param[i];
-    float m = a.exp_avg[i];
-    float v = a.exp_avg_sq[i];
+    float p = a.param_in[i];
+    float m = a.exp_avg_in[i];
+    float v = a.exp_avg_sq_in[i];
     if (Traffic) {
       p = p + g;
       m = m + g;

@@ -1,7 +1,8 @@
 // Python bindings of offload._adam_ext: run-time ISA dispatch, work splitting over the
 // thread pool, and the GIL released around every kernel. Pointers come from
 // torch.Tensor.data_ptr() and are validated (device, dtype, contiguity, sizes) by
-// offload/optim/kernels.py; this layer checks what it can see (types, null pointers).
+// offload/optim/kernels.py; this layer checks what it can see (types, null pointers, sources
+// that overlap a destination without being it).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <sched.h>
@@ -149,18 +150,62 @@ void check_step_types(const char* op, int grad_type, int out_type) {
   if (out_type == kF32) throw std::invalid_argument(std::string(op) + ": param_out16 must be bf16 or fp16");
 }
 
-// The buffers of one step, checked, with the scalars left zero.
+// Byte range [begin, begin + size) of one buffer of a step.
+struct ByteRange {
+  const char* what;
+  uintptr_t begin;
+  size_t size;
+};
+
+bool overlap(const ByteRange& x, const ByteRange& y) {
+  return x.size > 0 && y.size > 0 && x.begin < y.begin + y.size && y.begin < x.begin + x.size;
+}
+
+// An out-of-place source (one that is not its own destination) is read while this and other
+// threads write the destinations: it must overlap none of them, or the result would depend
+// on the order of the writes. (Sources in place are each read and then written element by
+// element: allowed, as before.)
+void check_sources(const char* op, const ByteRange (&sources)[3], const ByteRange (&destinations)[4]) {
+  for (int s = 0; s < 3; ++s) {
+    if (sources[s].begin == destinations[s].begin) continue;  // in place
+    for (const ByteRange& d : destinations)
+      if (overlap(sources[s], d))
+        throw std::invalid_argument(std::string(op) + ": " + sources[s].what + " overlaps " + d.what +
+                                    " without being it (a source must be its own destination or overlap "
+                                    "no destination)");
+  }
+}
+
+// The buffers of one step, checked, with the scalars left zero. param, exp_avg and exp_avg_sq
+// are the destinations; param_in, exp_avg_in, exp_avg_sq_in the sources (0: the destination,
+// in place).
 AdamArgs buffer_args(const char* op, uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
-                     uintptr_t param_out16, int grad_type, int out_type) {
+                     uintptr_t param_out16, size_t n, int grad_type, int out_type, uintptr_t param_in,
+                     uintptr_t exp_avg_in, uintptr_t exp_avg_sq_in) {
   check_step_types(op, grad_type, out_type);
   check_pointer(op, "param", param);
   check_pointer(op, "grad", grad);
   check_pointer(op, "exp_avg", exp_avg);
   check_pointer(op, "exp_avg_sq", exp_avg_sq);
   if (out_type != kNone) check_pointer(op, "param_out16", param_out16);
+  if (!param_in) param_in = param;
+  if (!exp_avg_in) exp_avg_in = exp_avg;
+  if (!exp_avg_sq_in) exp_avg_sq_in = exp_avg_sq;
+  const size_t bytes = n * 4;
+  check_sources(op,
+                {{"param_in", param_in, bytes},
+                 {"exp_avg_in", exp_avg_in, bytes},
+                 {"exp_avg_sq_in", exp_avg_sq_in, bytes}},
+                {{"param", param, bytes},
+                 {"exp_avg", exp_avg, bytes},
+                 {"exp_avg_sq", exp_avg_sq, bytes},
+                 {"param_out16", param_out16, out_type == kNone ? 0 : n * 2}});
   AdamArgs args{};
-  args.param = reinterpret_cast<float*>(param);
+  args.param_in = reinterpret_cast<const float*>(param_in);
   args.grad = reinterpret_cast<const void*>(grad);
+  args.exp_avg_in = reinterpret_cast<const float*>(exp_avg_in);
+  args.exp_avg_sq_in = reinterpret_cast<const float*>(exp_avg_sq_in);
+  args.param = reinterpret_cast<float*>(param);
   args.exp_avg = reinterpret_cast<float*>(exp_avg);
   args.exp_avg_sq = reinterpret_cast<float*>(exp_avg_sq);
   args.param_out16 = out_type == kNone ? nullptr : reinterpret_cast<void*>(param_out16);
@@ -170,13 +215,14 @@ AdamArgs buffer_args(const char* op, uintptr_t param, uintptr_t grad, uintptr_t 
 }
 
 // The memory traffic of adam_step on these buffers (IsaKernels::traffic), streaming mode
-// forced on or off; for the benchmark's bandwidth limit. Overwrites the buffers.
+// forced on or off; for the benchmark's bandwidth limit. Overwrites the destinations.
 void adam_traffic(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
-                  uintptr_t param_out16, size_t n, int grad_type, int out_type, bool stream) {
+                  uintptr_t param_out16, size_t n, int grad_type, int out_type, bool stream,
+                  uintptr_t param_in, uintptr_t exp_avg_in, uintptr_t exp_avg_sq_in) {
   check_step_types("adam_traffic", grad_type, out_type);
   if (n == 0) return;
-  AdamArgs args =
-      buffer_args("adam_traffic", param, grad, exp_avg, exp_avg_sq, param_out16, grad_type, out_type);
+  AdamArgs args = buffer_args("adam_traffic", param, grad, exp_avg, exp_avg_sq, param_out16, n, grad_type,
+                              out_type, param_in, exp_avg_in, exp_avg_sq_in);
   args.stream = stream;
   const IsaKernels& k = kernels();
   parallel_ranges(n, [&](size_t begin, size_t end) { k.traffic(args, begin, end); });
@@ -186,11 +232,12 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
                uintptr_t param_out16, size_t n, int grad_type, int out_type, double grad_scale,
                double weight_decay, bool l2_decay, double decay_factor, bool decoupled_decay,
                double beta1_weight, double beta2, double one_minus_beta2, double bias_correction2_sqrt,
-               double eps, double neg_step_size) {
+               double eps, double neg_step_size, uintptr_t param_in, uintptr_t exp_avg_in,
+               uintptr_t exp_avg_sq_in) {
   check_step_types("adam_step", grad_type, out_type);
   if (n == 0) return;
-  AdamArgs args =
-      buffer_args("adam_step", param, grad, exp_avg, exp_avg_sq, param_out16, grad_type, out_type);
+  AdamArgs args = buffer_args("adam_step", param, grad, exp_avg, exp_avg_sq, param_out16, n, grad_type,
+                              out_type, param_in, exp_avg_in, exp_avg_sq_in);
   args.stream = use_streaming(n);
   // Each scalar is rounded to fp32 once, as torch rounds a Python scalar operand.
   args.grad_scale = float(grad_scale);
@@ -306,10 +353,12 @@ PYBIND11_MODULE(_adam_ext, m) {
         py::arg("out_type"), py::arg("grad_scale"), py::arg("weight_decay"), py::arg("l2_decay"),
         py::arg("decay_factor"), py::arg("decoupled_decay"), py::arg("beta1_weight"), py::arg("beta2"),
         py::arg("one_minus_beta2"), py::arg("bias_correction2_sqrt"), py::arg("eps"),
-        py::arg("neg_step_size"));
+        py::arg("neg_step_size"), py::arg("param_in") = 0, py::arg("exp_avg_in") = 0,
+        py::arg("exp_avg_sq_in") = 0);
   m.def("adam_traffic", &adam_traffic, release(), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
         py::arg("exp_avg_sq"), py::arg("param_out16"), py::arg("n"), py::arg("grad_type"),
-        py::arg("out_type"), py::arg("stream"));
+        py::arg("out_type"), py::arg("stream"), py::arg("param_in") = 0, py::arg("exp_avg_in") = 0,
+        py::arg("exp_avg_sq_in") = 0);
   m.def("set_streaming_threshold", &set_streaming_threshold, py::arg("n"));
   m.def("streaming_threshold", [] { return g_stream_elements.load(); });
   m.attr("DEFAULT_STREAMING_THRESHOLD") = kDefaultStreamElements;

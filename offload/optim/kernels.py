@@ -1,10 +1,10 @@
 """The C++ CPU Adam kernel (offload._adam_ext), with argument checking.
 
-Every function works in place on CPU tensors through their raw pointers, runs on the
-extension's persistent thread pool (all CPUs this process may use unless `set_num_threads`
-says otherwise) and releases the GIL while it runs. The instruction set (AVX-512, AVX2 or
-portable C++) is picked at run time from what the CPU supports; `force_isa` overrides it
-for tests and benchmarks.
+Every function works on CPU tensors through their raw pointers (adam_step in place, or out
+of place into `state_out`), runs on the extension's persistent thread pool (all CPUs this
+process may use unless `set_num_threads` says otherwise) and releases the GIL while it runs.
+The instruction set (AVX-512, AVX2 or portable C++) is picked at run time from what the CPU
+supports; `force_isa` overrides it for tests and benchmarks.
 
 The arithmetic follows torch.optim.AdamW / Adam (single-tensor implementation) operation
 by operation, with each Python scalar rounded to fp32 as torch rounds it, so results are
@@ -74,21 +74,42 @@ def adam_step(
     bias_correction: bool = True,
     grad_scale: float = 1.0,
     param_out16: torch.Tensor | None = None,
+    state_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """One Adam (adamw_mode=False: L2 decay) or AdamW (decoupled decay) step, in place.
+    """One Adam (adamw_mode=False: L2 decay) or AdamW (decoupled decay) step, in place
+    unless state_out is given.
 
     param, exp_avg, exp_avg_sq: fp32; grad: fp32, bf16 or fp16; all CPU, contiguous, same
     numel. The gradient used is grad * grad_scale. `step` is the step number after this
     update (1 on the first call). When given, param_out16 (bf16 or fp16, same numel)
     receives param.to(param_out16.dtype) after the update, in the same pass.
+
+    state_out = (param_out, exp_avg_out, exp_avg_sq_out), fp32 CPU contiguous tensors of the
+    same numel, makes the step out of place: param, exp_avg and exp_avg_sq are only read, and
+    the updated values (bit for bit what the in-place step would leave in them) are written to
+    the three outs, in the same single pass (param_out16 then holds the 16-bit copy of
+    param_out). Each out must either be its own input (same data_ptr: that one is updated in
+    place) or overlap none of param, grad, exp_avg, exp_avg_sq, param_out16 and the other outs.
     """
     op = "adam_step"
     tensors = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if param_out16 is not None:
         tensors["param_out16"] = param_out16
+    outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # out name -> (out, its input)
+    if state_out is not None:
+        if not isinstance(state_out, (tuple, list)) or len(state_out) != 3:
+            raise TypeError(
+                f"{op}: state_out must be a tuple (param_out, exp_avg_out, exp_avg_sq_out) of 3 tensors, "
+                f"got {type(state_out).__name__}"
+                + (f" of length {len(state_out)}" if isinstance(state_out, (tuple, list)) else "")
+            )
+        for k, (name, source) in enumerate((("param_out", param), ("exp_avg_out", exp_avg), ("exp_avg_sq_out", exp_avg_sq))):
+            full_name = f"state_out[{k}] ({name})"
+            tensors[full_name] = state_out[k]
+            outs[full_name] = (state_out[k], source)
     for name, t in tensors.items():
         _check_cpu_contiguous(op, name, t)
-    for name in ("param", "exp_avg", "exp_avg_sq"):
+    for name in ("param", "exp_avg", "exp_avg_sq", *outs):
         _check_dtype(op, name, tensors[name], (torch.float32,))
     _check_dtype(op, "grad", grad, (torch.float32, torch.bfloat16, torch.float16))
     if param_out16 is not None:
@@ -107,6 +128,7 @@ def adam_step(
             raise ValueError(f"{op}: {name} must be in [0, 1), got {value}")
     if param_out16 is not None and param_out16.data_ptr() in (param.data_ptr(), grad.data_ptr()):
         raise ValueError(f"{op}: param_out16 must not alias param or grad")
+    _check_out_overlaps(op, tensors, outs)
     if n == 0:
         return
 
@@ -122,11 +144,14 @@ def adam_step(
     bias_correction2_sqrt = bias_correction2**0.5
     decoupled = bool(adamw_mode) and weight_decay != 0
     l2 = (not adamw_mode) and weight_decay != 0
+    # The extension's first three pointers are the destinations; the sources come last
+    # (0: in place).
+    destinations = (param, exp_avg, exp_avg_sq) if state_out is None else tuple(state_out)
     _ext.adam_step(
-        param.data_ptr(),
+        destinations[0].data_ptr(),
         grad.data_ptr(),
-        exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
+        destinations[1].data_ptr(),
+        destinations[2].data_ptr(),
         0 if param_out16 is None else param_out16.data_ptr(),
         n,
         _TYPE_CODES[grad.dtype],
@@ -142,7 +167,38 @@ def adam_step(
         bias_correction2_sqrt,
         float(eps),
         -step_size,
+        0 if state_out is None else param.data_ptr(),
+        0 if state_out is None else exp_avg.data_ptr(),
+        0 if state_out is None else exp_avg_sq.data_ptr(),
     )
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.nbytes
+
+
+def _check_out_overlaps(op: str, tensors: dict[str, torch.Tensor], outs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each out is either exactly its own input (in place) or overlaps no other tensor of the step.
+
+    A partial overlap would make the result depend on the order in which the threads write.
+    """
+    for out_name, (out, source) in outs.items():
+        if out.data_ptr() == source.data_ptr():
+            continue  # in place: same fp32 buffer of the same numel
+        out_start, out_end = _byte_range(out)
+        if out_start == out_end:
+            continue
+        for name, other in tensors.items():
+            if name == out_name:
+                continue
+            start, end = _byte_range(other)
+            if out_start < end and start < out_end:
+                raise ValueError(
+                    f"{op}: {out_name} overlaps {name}; each state_out tensor must be its own input "
+                    "(same data_ptr, in place) or overlap none of param, grad, exp_avg, exp_avg_sq, "
+                    "param_out16 and the other outs"
+                )
 
 
 def set_streaming_threshold(n: int | None) -> None:
