@@ -252,7 +252,7 @@ class UnitSchedule:
             kind = EntryKind.RECOMPUTE if context.in_backward() else EntryKind.FORWARD
             if kind is EntryKind.FORWARD and context.phase is Phase.FORWARD:
                 context.forward_order.visit(self.index)
-                prefetch_ahead(context, context.forward_order)
+                prefetch_ahead(context, context.forward_order, self.index)
             self.enter()
             # recorded once the weights are on the device and current
             context.events.record("pre_recompute" if kind is EntryKind.RECOMPUTE else "pre_forward", self.index)
@@ -311,7 +311,7 @@ class UnitSchedule:
         with record_function(f"offload::pre_backward[{self.index}]"):
             if context.phase is Phase.BACKWARD:
                 context.backward_order.visit(self.index)
-                prefetch_ahead(context, context.backward_order)
+                prefetch_ahead(context, context.backward_order, self.index)
             self.enter()
             context.events.record("pre_backward", self.index)
             self.unit.backward_holds += 1
@@ -432,9 +432,13 @@ def watch_outputs(context: ScheduleContext, tensors: list[torch.Tensor]) -> None
         tensor.register_hook(on_output_grad)
 
 
-def prefetch_ahead(context: ScheduleContext, order: ExecutionOrder) -> None:
-    for upcoming in order.upcoming(context.prefetch_depth):
-        unit = context.units[upcoming]
+def prefetch_ahead(context: ScheduleContext, order: ExecutionOrder, current: int) -> None:
+    """Starts the fetch of unit `current` (about to run) and then those of the next
+    `prefetch_depth` units of `order`. The transfer worker runs fetches in submission order and
+    each waits for its unit's step: the unit about to run must not queue behind later ones
+    (after an overlapped step, the root's fetch would wait for the blocks' steps)."""
+    for index in (current, *order.upcoming(context.prefetch_depth)):
+        unit = context.units[index]
         for borrowed in unit.spec.borrows:
             context.residency.prefetch(context.units[borrowed])
         context.residency.prefetch(unit)

@@ -2,6 +2,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -65,3 +66,17 @@ def o_direct_refused(monkeypatch):
     monkeypatch.setattr(aio, "_probe_cache", {})
     monkeypatch.setattr(aio, "_warned_devices", set())
     monkeypatch.setattr(os, "open", refusing_open)
+
+
+@pytest.fixture
+def slow_adam(monkeypatch):
+    """Each Adam call takes 50 ms longer: long enough that a step not overlapped would show."""
+    from offload import stepper
+
+    real = stepper.kernels.adam_step
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stepper.kernels, "adam_step", slow)
