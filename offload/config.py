@@ -237,7 +237,7 @@ class Config(ReadOnlyOnceFrozen):
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     """Fetching parameters ahead of use."""
     overlap: str = "forward"
-    """When the CPU step runs: `none` (after backward), `forward` (unit by unit during the next forward), `backward` (as each unit's gradients are final; refused with clipping or fp16)."""
+    """When the CPU step runs: `none` (after backward), `forward` (unit by unit during the next forward), `backward` (as each unit's gradients are final; with clipping or fp16 the step is speculative: units with their state in RAM step into spare buffers, 12 more bytes per param where RAM allows, and step() commits them, or steps again from the old state when clipping acts or skips on an fp16 overflow; exact either way)."""
     io: IOConfig = field(default_factory=IOConfig)
     """Swap I/O settings (`offload bench-io` prints the best for a disk)."""
     wrap: WrapConfig = field(default_factory=WrapConfig)
@@ -477,19 +477,6 @@ def validate(config: Config) -> Config:
     if not 0 < scale.backoff_factor < 1 or not scale.growth_factor >= 1 or scale.growth_interval < 1:
         raise _fail("loss_scale", "needs 0 < backoff_factor < 1, growth_factor >= 1, growth_interval >= 1")
     _validate_scheduler(config.scheduler)
-    if config.overlap == "backward":
-        if config.gradient_clipping > 0:
-            raise _fail(
-                "overlap",
-                "'backward' steps each unit before the global gradient norm is known, so it cannot clip; "
-                "set gradient_clipping to 0 or use overlap 'forward' (exact, clipping allowed)",
-            )
-        if config.precision == "fp16":
-            raise _fail(
-                "overlap",
-                "'backward' steps each unit before an fp16 overflow anywhere in the model is known; "
-                "use overlap 'forward' or precision 'bf16'",
-            )
     return config
 
 

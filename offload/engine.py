@@ -24,6 +24,7 @@ Threads, and what each owns:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -53,7 +54,7 @@ from offload.rank_order import Op
 from offload.residency import Residency
 from offload.schedule import Phase, Schedule, ScheduleContext
 from offload.state import UnitState
-from offload.stepper import StepHyper, UnitStepper
+from offload.stepper import StepHyper, StepMode, UnitStepper
 from offload.tiers import TierStore, default_run_name, plan_optimizer
 from offload.units import build_units, plan_flat_layout, single_unit_warning
 from offload.weights_out import WeightsReader
@@ -162,6 +163,10 @@ class Engine:
         )
 
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        self.policy = overlap_policy(
+            self.config.overlap,
+            factor_needs_norm=self.config.gradient_clipping > 0 or self.config.precision == "fp16",
+        )
         self.optimizer_plan = plan_optimizer(
             self.config,
             self.units,
@@ -183,13 +188,13 @@ class Engine:
             run_name=self.collectives.broadcast_object(run_name or default_run_name(), what="the swap run name"),
             optimizer_tiers=self.optimizer_plan.tiers,
             device=self.device.torch_device,
+            speculate=self.policy.speculative,
         )
         self.transfer = ThreadPoolExecutor(1, thread_name_prefix="offload-transfer")
         self.optimizer_worker = ThreadPoolExecutor(1, thread_name_prefix="offload-step")
         # seconds spent since the last `pop_timings()`, by phase; `wait_fetch` and `wait_step` are
         # the main thread's waits for weights to arrive and for the CPU step to finish
         self.timings: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
-        self.policy = overlap_policy(self.config.overlap)
         self.stepper = UnitStepper(self.store, self.device, rank)
         self.stepping = Stepping(self.optimizer_worker, self.stepper)
         self.residency = Residency(
@@ -237,6 +242,11 @@ class Engine:
         self._stepped_at_micro = -1  # micro_steps at the last step() that ended a window
         # overlap 'backward': units whose gradients were not finite (not stepped); transfer worker
         self._nonfinite_units: list[str] = []
+        # overlap 'backward', speculative: units stepped into their spare state in this window,
+        # appended by the transfer worker, committed or taken back by step() after it drained
+        self._speculated: list[UnitState] = []
+        # speculative windows step() committed, and those it stepped again (clipping) or skipped
+        self.speculation_counts = {"committed": 0, "redone": 0, "skipped": 0}
         # overlap 'backward': each group's hyperparameters for the window's steps, read on the main
         # thread when its last backward begins (the transfer worker submits the steps)
         self._window_hypers: list[StepHyper] | None = None
@@ -346,6 +356,12 @@ class Engine:
     def __call__(self, *args, **kwargs):
         self._check_open()
         self._finish_abandoned_backward()
+        if self.policy.speculative and self._window_ended_without_step():
+            raise OffloadError(
+                "overlap 'backward' with gradient clipping or fp16: the last backward ended a gradient window and its "
+                "units were stepped speculatively, but engine.step() was not called; the weights count only once "
+                "step() has checked the global gradient norm. Call engine.step() after the backward that ends each window"
+            )
         if self.policy.steps_in_backward and self._window_ended_without_step():
             # overlap 'backward', a forward before step(): the window's steps are being scheduled
             # by the transfer worker as gradients land; let them be, so that the forward's fetches
@@ -402,7 +418,7 @@ class Engine:
         boundary = (self.micro_steps + 1) % accumulation == 0
         if boundary and self.policy.steps_in_backward:
             self.hyper.check_untouched()
-            self._window_hypers = self.hyper.step_hypers(1.0 / self.collectives.world_size)
+            self._window_hypers = self.hyper.step_hypers(self._unclipped_multiplier())
         return boundary
 
     def _agree_on_backward(self, nonfinite: bool, loss_value: float | None) -> None:
@@ -463,14 +479,28 @@ class Engine:
             logger.warning("offload: a loss.backward() failed before it finished; its unit holds are released")
             self.schedule.end_backward()
 
+    def _unclipped_multiplier(self) -> float:
+        """What the stored gradients are multiplied by when clipping does not act: the loss scale
+        and the ranks' sum undone (the very value `gradient_multiplier` gives then)."""
+        return gradient_multiplier(self.scaler.scale * self.collectives.world_size, 0.0, 0.0)[0]
+
     def _step_during_backward(self, unit: UnitState) -> None:
-        """overlap 'backward' (transfer worker): the unit's gradients are final, step it now."""
-        if unit.grad_sq_norm is None or not math.isfinite(unit.grad_sq_norm):
+        """overlap 'backward' (transfer worker): the unit's gradients are final, step it now
+        (speculatively, into its spare state, when the factor needs the global norm: a unit
+        without a spare state, or with non-finite gradients, waits for step())."""
+        finite = unit.grad_sq_norm is not None and math.isfinite(unit.grad_sq_norm)
+        # read when the window's last backward began, before any of its units could be final
+        assert self._window_hypers is not None
+        if self.policy.speculative:
+            if finite and unit.spare_state:
+                self._begin_steps([unit])
+                self._speculated.append(unit)
+                self.stepping.submit([unit], self._window_hypers, StepMode.SPECULATE)
+            return
+        if not finite:
             self._nonfinite_units.append(unit.spec.name)
             return
         self._begin_steps([unit])
-        # read when the window's last backward began, before any of its units could be final
-        assert self._window_hypers is not None
         self.stepping.submit([unit], self._window_hypers)
 
     # ---- step --------------------------------------------------------------------------
@@ -525,8 +555,9 @@ class Engine:
         # wait above leaves it open, and the next step() takes it again
         self._stepped_at_micro = self.micro_steps
         window = [unit for unit in self.units if unit.window_started]
-        if self.policy.steps_in_backward:
+        if self.policy.steps_in_backward and not self.policy.speculative:
             return self._finish_window_stepped_in_backward(window)
+        speculated, self._speculated = self._speculated, []
         norms = {}
         for unit in window:
             if unit.grad_sq_norm is None:
@@ -540,6 +571,7 @@ class Engine:
         self.last_grad_norm = norm
         if not math.isfinite(norm):
             bad = [unit.spec.name for unit in window if not math.isfinite(norms[unit.index])]
+            self._take_back(speculated, restore=True)
             self._discard_window()
             if self.config.precision == "fp16":
                 self.scaler.update(overflow=True)
@@ -554,13 +586,63 @@ class Engine:
                 f"non-finite gradients (norm {norm}) in {', '.join(bad) or 'other ranks'} at step {self.global_steps}: "
                 "the step was skipped and the weights are unchanged; lower the learning rate, check the data, or enable clipping"
             )
-        hypers = self.hyper.step_hypers(multiplier)
+        if self.policy.speculative:
+            # the hyperparameters the speculative steps used (read when the window's last backward began)
+            window_hypers = self._window_hypers or self.hyper.step_hypers(multiplier)
+            hypers = [dataclasses.replace(h, grad_multiplier=multiplier) for h in window_hypers]
+            self._window_hypers = None
+            if speculated and multiplier == self._unclipped_multiplier():
+                self._commit(speculated)
+            else:
+                self._take_back(speculated, restore=False)
+        else:
+            hypers = self.hyper.step_hypers(multiplier)
         if self.config.precision == "fp16":
             self.scaler.update(overflow=False)
         self.global_steps += 1
         order = step_order(self.forward_order.recorded, len(self.units))
         self._submit_steps([self.units[i] for i in order if self.units[i].window_started], hypers)
         return True
+
+    def _commit(self, speculated: list[UnitState]) -> None:
+        """The speculative steps stand (the factor they used is the true one): each unit's spare
+        state becomes its state, and its window ends."""
+        events = self.schedule.context.events
+        self.weights.invalidate()
+        for unit in speculated:
+            unit.commit_spare()
+            unit.end_window()
+            events.record("step_commit", unit.index)
+        self.speculation_counts["committed"] += 1
+
+    def _take_back(self, speculated: list[UnitState], *, restore: bool) -> None:
+        """The speculative steps do not stand (clipping acts, or the norm is not finite): their
+        states are left in the spare buffers and their step counts undone. `restore`: no step
+        follows (skipped, or refused), so the 16-bit weights they published are cast again from
+        the untouched masters (and waited for); otherwise the units stay in the window and
+        step again from their old state."""
+        if not speculated:
+            return
+        events = self.schedule.context.events
+        self.weights.invalidate()
+        for unit in speculated:
+            unit.step_count -= 1
+            events.record("step_take_back", unit.index)
+        if restore:
+            self.speculation_counts["skipped"] += 1
+            self._begin_steps(speculated)
+            self.stepping.submit(speculated, self._window_hypers or [], StepMode.RESTORE)
+            self.stepping.wait()
+        else:
+            self.speculation_counts["redone"] += 1
+            logger.info(
+                "offload: step %d clips the gradients: the %d units stepped during backward step again from their "
+                "old state (%d of %d speculative windows redone so far)",
+                self.global_steps,
+                len(speculated),
+                self.speculation_counts["redone"],
+                sum(self.speculation_counts.values()),
+            )
 
     def _finish_window_stepped_in_backward(self, window: list[UnitState]) -> bool:
         nonfinite, self._nonfinite_units = self._nonfinite_units, []
@@ -655,6 +737,8 @@ class Engine:
         # a swap file whose write failed stays unreadable until the load rewrites it
         for failure in self._settle():
             logger.warning("offload: load_checkpoint discards failed work in flight: %s", failure)
+        # speculative steps of an unfinished window: the load replaces their weights and counts
+        self._speculated = []
         return checkpoint.load(self, path, **kwargs)
 
     def _settle(self) -> list[BaseException]:

@@ -10,7 +10,12 @@ weights; the policies differ in how far they push it into the surrounding comput
   the norm is known before the first unit steps.
 - `backward` (StepDuringBackward): a unit steps as soon as its last gradients of the window
   land, while backward computes the units below it; `step()` steps the rest and waits.
-  Refused with clipping and fp16, whose factor needs every gradient first.
+  With clipping or fp16, whose factor needs every gradient first, the step is speculative
+  (`speculative`): a unit with a spare state steps into it, keeping its old state; `step()`
+  knows the global norm and either commits those steps (no clipping, no overflow: the factor
+  they used was the right one) or takes them back and steps every unit again from its old
+  state with the true factor (or skips the step), then lets the rest step during the next
+  forward as `forward` does. Exact either way.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from concurrent.futures import Executor, Future
 
 from offload.errors import OffloadError
 from offload.state import UnitState
-from offload.stepper import StepHyper, UnitStepper
+from offload.stepper import StepHyper, StepMode, UnitStepper
 
 
 class Stepping:
@@ -35,11 +40,11 @@ class Stepping:
         self._futures: list[Future] = []
         self._lock = threading.Lock()
 
-    def submit(self, units: list[UnitState], hypers: Sequence[StepHyper]) -> None:
-        """Steps `units` in this order (each param with its group's `hypers[g]`); each unit's
-        `step_done` is set as it finishes. The caller has called `begin_step()` on each (their
-        weights now change)."""
-        future = self.worker.submit(self.stepper.run, units, tuple(hypers))
+    def submit(self, units: list[UnitState], hypers: Sequence[StepHyper], mode: StepMode = StepMode.STEP) -> None:
+        """Steps `units` in this order (each param with its group's `hypers[g]`; `mode` says
+        how); each unit's `step_done` is set as it finishes. The caller has called
+        `begin_step()` on each (their weights now change)."""
+        future = self.worker.submit(self.stepper.run, units, tuple(hypers), mode)
         with self._lock:
             self._futures.append(future)
 
@@ -76,6 +81,8 @@ class OverlapPolicy:
     name = "none"
     # whether units step during backward (step() then only finishes the window)
     steps_in_backward = False
+    # whether those steps are speculative (clipping or fp16: step() commits or redoes them)
+    speculative = False
 
     def on_grads_final(self, unit: UnitState) -> bool:
         """Main thread, backward: the unit's last gradients of the window were handed off.
@@ -102,12 +109,25 @@ class StepDuringBackward(OverlapPolicy):
     name = "backward"
     steps_in_backward = True
 
+    def __init__(self, speculative: bool = False) -> None:
+        self.speculative = speculative
+
     def on_grads_final(self, unit: UnitState) -> bool:
         return True
+
+    def on_window_end(self, stepping: Stepping) -> None:
+        """Speculative: what step() submits (the units that did not speculate, or all of them
+        after a redo) steps during the next forward, each unit's use waiting for its own step."""
+        if not self.speculative:
+            stepping.wait()
 
 
 POLICIES = {policy.name: policy for policy in (StepAfterBackward, StepDuringForward, StepDuringBackward)}
 
 
-def overlap_policy(name: str) -> OverlapPolicy:
+def overlap_policy(name: str, *, factor_needs_norm: bool = False) -> OverlapPolicy:
+    """The policy of config `overlap`. `factor_needs_norm`: the gradients' factor is known only
+    from every gradient (clipping, or fp16's overflow check): `backward` then speculates."""
+    if name == StepDuringBackward.name:
+        return StepDuringBackward(speculative=factor_needs_norm)
     return POLICIES[name]()

@@ -131,6 +131,37 @@ def slot_bytes_for(largest_state: int, buffer_count: int, sub_group_size: int) -
     return buffer_count * piece * STATE_BYTES_PER_ELEMENT + 4 * piece
 
 
+# A speculative step's spare state: master, exp_avg, exp_avg_sq (fp32), each in whole pages.
+SPARE_KIND_COUNT = 3
+
+
+def spare_state_bytes(numel: int) -> int:
+    """Host bytes of one unit's spare state (overlap 'backward' with clipping or fp16): its
+    master and moments once more, each buffer in whole pages."""
+    return SPARE_KIND_COUNT * -(-4 * numel // SWAP_PAGE) * SWAP_PAGE if numel else 0
+
+
+def plan_speculation(optimizer_numels: list[int], tiers: list[OptimizerTier], room: int) -> list[bool]:
+    """Which units step speculatively during backward (overlap 'backward' with clipping or fp16:
+    stepped into a spare state as soon as their gradients are final, the old state kept for an
+    exact redo if the global norm asks for clipping or an fp16 overflow skips the step).
+
+    Only units whose state is resident in RAM speculate (a DEVICE-tier unit steps on the device
+    at step() in far less time than backward; an NVMe one would need a second set of swap files).
+    Units are taken from the last (the first whose gradients are final in backward) to the root,
+    while their spare state (`spare_state_bytes`) fits in `room` bytes of RAM; a unit that does
+    not fit is passed over and smaller ones after it may still be taken. Units not taken step
+    once the norm is known, exactly as with overlap 'none'."""
+    chosen = [False] * len(optimizer_numels)
+    left = room
+    for index in reversed(range(len(optimizer_numels))):
+        need = spare_state_bytes(optimizer_numels[index])
+        if tiers[index] is OptimizerTier.HOST and optimizer_numels[index] and need <= left:
+            chosen[index] = True
+            left -= need
+    return chosen
+
+
 def plan_optimizer_tiers(
     shard_numels: list[int],
     step_order: list[int],

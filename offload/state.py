@@ -12,6 +12,10 @@ Buffers and who uses them:
   The transfer worker writes gradients into `grad32`; the optimizer worker reads and writes
   the rest; the engine makes sure the two never run on one unit at once (a step starts only
   after every gradient of its window has landed).
+- spare state (overlap `backward` with clipping or fp16, units with resident host state, as many
+  as RAM allows: plan.plan_speculation): the optimizer worker writes a speculative step's master
+  and moments into it, reading the resident ones; the main thread swaps the two
+  (`commit_spare`) in step(), after waiting for every step, when the step stands.
 - `OptimizerSlot`s (`optimizer: nvme`): `buffer_count` sets of (master, exp_avg, exp_avg_sq,
   grad32) buffers sized for one piece: a unit's state is streamed in pieces of at most
   `offload.sub_group_size` elements (`plan.piece_bounds`), so a 70B model's 856M-element blocks
@@ -37,6 +41,8 @@ from offload.plan import slot_numel
 from offload.units import FlatLayout, UnitSpec
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad32")
+# what a speculative step writes anew (the gradient is only read)
+SPARE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(repr=False)
@@ -56,6 +62,11 @@ class UnitState:
     # the four fp32 state tensors by kind when they are not streamed: host buffers (optimizer
     # tier HOST) or device tensors (tier DEVICE); empty for NVMe-resident state
     resident_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    # overlap 'backward' with clipping or fp16, a unit chosen by plan.plan_speculation: a second
+    # master / exp_avg / exp_avg_sq (host buffers) that the speculative step writes into while
+    # `resident_state` keeps the old values for an exact redo; `commit_spare` swaps the two once
+    # step() knows the global norm needs no clipping. Empty: the unit steps after the norm.
+    spare_state: dict[str, torch.Tensor] = field(default_factory=dict)
     # the 16-bit home copy (param: cpu, or none on CUDA)
     param16: torch.Tensor | None = None
     # params (indices into spec.params) that received a gradient in this accumulation window
@@ -111,6 +122,13 @@ class UnitState:
         self.grads_in_window.clear()
         self.window_started = False
         self.grad_sq_norm = None
+
+    def commit_spare(self) -> None:
+        """The speculative step stands: its results (in `spare_state`) become the unit's state,
+        and the old state's buffers the spare that the next speculative step overwrites."""
+        for kind, spare in self.spare_state.items():
+            self.spare_state[kind] = self.resident_state[kind]
+            self.resident_state[kind] = spare
 
     def __repr__(self) -> str:
         # no tensors: a freed device buffer (0-byte storage) must never be printed

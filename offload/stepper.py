@@ -9,10 +9,16 @@ is refilled only after its writes completed. As each unit's last piece finishes,
 weights go to their home tier and its `step_done` event is set: the next forward's fetch of
 that unit waits on exactly that. With param `nvme` the new weights are written from a staging
 buffer, and that write is waited for before the next unit takes one (one write behind).
+
+A run has a `StepMode`: the step in place; a speculative step (overlap 'backward' with
+clipping or fp16), which reads a unit's resident master and moments and writes the new ones into
+its spare state, leaving the old ones for an exact redo; or a restore, which casts the 16-bit
+weights again from the untouched master when a speculative step is taken back without a redo.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -26,7 +32,7 @@ from offload.device import Device
 from offload.optim import kernels
 from offload.optim.device_adam import device_adam_step
 from offload.placement import OptimizerTier, ParamTier
-from offload.state import StatePiece, UnitState
+from offload.state import SPARE_KINDS, StatePiece, UnitState
 from offload.tiers import TierStore
 from offload.units import FlatLayout
 
@@ -48,6 +54,19 @@ class AdamArguments(TypedDict):
     adamw_mode: bool
     bias_correction: bool
     grad_scale: float
+
+
+class StepMode(enum.Enum):
+    """What a run of the optimizer worker does to each unit it is given."""
+
+    # Adam in place; the unit's gradient window ends with it
+    STEP = "step"
+    # Adam from the resident state into the unit's spare state (overlap 'backward' with clipping
+    # or fp16): the old state stays for an exact redo; step() commits it or takes it back
+    SPECULATE = "speculate"
+    # a speculative step taken back without a redo (a non-finite norm or an fp16 overflow): the
+    # 16-bit weights are cast again from the untouched master; the step count is not advanced
+    RESTORE = "restore"
 
 
 @dataclass(frozen=True)
@@ -92,6 +111,19 @@ def group_ranges(layout: FlatLayout, rank: int, stepped: list[int], groups: Sequ
     ]
 
 
+def unstepped_ranges(ranges: list[tuple[int, int, int]], low: int, high: int) -> list[tuple[int, int]]:
+    """The parts of [low, high) that no (group, start, end) of `ranges` covers (sorted, disjoint)."""
+    gaps = []
+    position = low
+    for _, start, end in sorted(ranges, key=lambda r: r[1]):
+        if start > position:
+            gaps.append((position, start))
+        position = max(position, end)
+    if position < high:
+        gaps.append((position, high))
+    return gaps
+
+
 STEP_TIMING_KEYS = ("wait_read", "wait_write", "adam", "publish")
 
 
@@ -114,20 +146,23 @@ class UnitStepper:
         timings, self.timings = self.timings, dict.fromkeys(STEP_TIMING_KEYS, 0.0)
         return timings
 
-    def run(self, units: list[UnitState], hypers: Sequence[StepHyper]) -> None:
-        """Steps `units` in this order, each param with its group's `hypers[g]`, piece by piece
-        of their optimizer state (`TierStore.stream_optimizer_states`); each unit's `step_done`
-        is set as soon as its last piece is done."""
+    def run(self, units: list[UnitState], hypers: Sequence[StepHyper], mode: StepMode = StepMode.STEP) -> None:
+        """Steps `units` in this order (`mode` says how), each param with its group's
+        `hypers[g]`, piece by piece of their optimizer state
+        (`TierStore.stream_optimizer_states`); each unit's `step_done` is set as soon as its last
+        piece is done."""
         self._settle_publish()  # a write left pending by an interrupted run
         current: _UnitStep | None = None
         try:
             for piece in self.store.stream_optimizer_states(units, include_grad=True, timings=self.timings):
                 unit = piece.unit
                 if piece.start == 0:
-                    current = self._begin(unit)
+                    current = self._begin(unit, mode)
                 if current is not None:
-                    with record_function(f"offload::step[{unit.index}]"):
-                        self._step_piece(current, piece, hypers)
+                    with record_function(f"offload::{mode.value}[{unit.index}]"):
+                        self._step_piece(current, piece, hypers, mode)
+                elif mode is StepMode.SPECULATE:
+                    self._carry_over(piece, [])
                 if piece.slot is not None:
                     self.store.store_optimizer_state(piece)
                 if not piece.last:
@@ -135,9 +170,11 @@ class UnitStepper:
                 if current is not None:
                     step, current = current, None
                     self._publish(step, piece)
-                # only now: until the step is done, the unit's window is still open (a save that
-                # did not wait for it would be refused, not written with the old values)
-                unit.end_window()
+                if mode is StepMode.STEP:
+                    # only now: until the step is done, the unit's window is still open (a save
+                    # that did not wait for it would be refused, not written with the old values).
+                    # A speculative step leaves it open until step() commits or redoes it.
+                    unit.end_window()
                 unit.step_done.set()
                 if self.events is not None:
                     self.events.record("step_done", unit.index)
@@ -149,14 +186,15 @@ class UnitStepper:
             for unit in units:
                 unit.step_done.set()
 
-    def _begin(self, unit: UnitState) -> _UnitStep | None:
+    def _begin(self, unit: UnitState, mode: StepMode) -> _UnitStep | None:
         """A unit's first piece: counts its step and picks where its new weights go; None when
         this rank has nothing of it to step."""
         stepped = sorted(unit.grads_in_window)
         if not stepped:
             return None
-        # every rank counts the unit's step, whether or not its shard holds any of the params
-        unit.step_count += 1
+        if mode is not StepMode.RESTORE:
+            # every rank counts the unit's step, whether or not its shard holds any of the params
+            unit.step_count += 1
         work = group_ranges(unit.layout, self.rank, stepped, unit.param_groups)
         if not work:
             # this rank's shard is only padding (with `param: none` every rank still joins the
@@ -177,21 +215,35 @@ class UnitStepper:
                 raise
         return _UnitStep(unit, work, out)
 
-    def _step_piece(self, step: _UnitStep, piece: StatePiece, hypers: Sequence[StepHyper]) -> None:
-        """Adam over the stepped ranges of `step.work` that fall in `piece`."""
+    def _step_piece(self, step: _UnitStep, piece: StatePiece, hypers: Sequence[StepHyper], mode: StepMode) -> None:
+        """Adam (or, to restore, the cast) over the stepped ranges of `step.work` that fall in `piece`."""
         ranges = []
         for group, start, end in step.work:
             low, high = max(start, piece.start), min(end, piece.end)
             if low < high:
                 ranges.append((group, low, high))
+        started = time.perf_counter()
+        if mode is StepMode.SPECULATE:
+            self._carry_over(piece, ranges)
         if not ranges:
             return
-        started = time.perf_counter()
-        if step.unit.optimizer_tier is OptimizerTier.DEVICE:
+        if mode is StepMode.RESTORE:
+            master = piece.views["master"]
+            for _, start, end in ranges:
+                step.out[start:end].copy_(master[start - piece.start : end - piece.start])
+        elif step.unit.optimizer_tier is OptimizerTier.DEVICE:
             self._step_on_device(step.unit, piece, hypers, ranges, step.out)
         else:
-            self._step_on_host(step.unit, piece, hypers, ranges, step.out)
+            self._step_on_host(step.unit, piece, hypers, ranges, step.out, mode is StepMode.SPECULATE)
         self.timings["adam"] += time.perf_counter() - started
+
+    def _carry_over(self, piece: StatePiece, ranges: list[tuple[int, int, int]]) -> None:
+        """A speculative step leaves the whole spare state current: what it does not step (params
+        without a gradient this window, padding) is copied over from the resident state."""
+        spare = piece.unit.spare_state
+        for start, end in unstepped_ranges(ranges, piece.start, piece.end):
+            for kind in SPARE_KINDS:
+                spare[kind][start:end].copy_(piece.views[kind][start - piece.start : end - piece.start])
 
     def _step_on_host(
         self,
@@ -200,24 +252,30 @@ class UnitStepper:
         hypers: Sequence[StepHyper],
         ranges: list[tuple[int, int, int]],
         out: torch.Tensor,
+        speculative: bool,
     ) -> None:
         """The C++ Adam over host states, writing the new 16-bit weights into `out` in the same
-        pass. `ranges` are (group, start, end) in the shard, within the piece."""
+        pass. `ranges` are (group, start, end) in the shard, within the piece. `speculative`: the
+        new master and moments go to the unit's spare state; the resident ones are only read."""
         views, base = piece.views, piece.start
         sixteen_bit = out.dtype != torch.float32
         for group, start, end in ranges:
-            master = views["master"][start - base : end - base]
+            state_out = None
+            if speculative:
+                spare = unit.spare_state
+                state_out = (spare["master"][start:end], spare["exp_avg"][start:end], spare["exp_avg_sq"][start:end])
             kernels.adam_step(
-                master,
+                views["master"][start - base : end - base],
                 views["grad32"][start - base : end - base],
                 views["exp_avg"][start - base : end - base],
                 views["exp_avg_sq"][start - base : end - base],
                 step=unit.step_count,
                 param_out16=out[start:end] if sixteen_bit else None,
+                state_out=state_out,
                 **hypers[group].adam_arguments(),
             )
             if not sixteen_bit:
-                out[start:end].copy_(master)
+                out[start:end].copy_(state_out[0] if state_out else views["master"][start - base : end - base])
 
     def _step_on_device(
         self,

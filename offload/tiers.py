@@ -34,9 +34,12 @@ from offload.plan import (
     parse_size,
     piece_bounds,
     plan_optimizer_tiers,
+    plan_speculation,
     slot_numel,
+    spare_state_bytes,
 )
 from offload.state import (
+    SPARE_KINDS,
     STATE_KINDS,
     BufferRing,
     OptimizerSlot,
@@ -89,9 +92,7 @@ def plan_optimizer(
         staged_device_copies=staged_device_copies,
     )
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cap = parse_size(config.offload.max_host_memory)
-    if cap is None:
-        cap = int(psutil.virtual_memory().available * (1 - HOST_MARGIN)) // ranks_here
+    cap = host_cap(config)
     path = nvme_path_for_rank(config.offload.nvme_path, local_rank)
     nvme_free = shutil.disk_usage(path).free // ranks_here if os.path.isdir(path) else 0
     engine_bytes = engine_device_bytes(
@@ -126,6 +127,16 @@ def plan_optimizer(
     return plan
 
 
+def host_cap(config: Config) -> int:
+    """The RAM this rank's engine may use: `max_host_memory`, or what is available at start less
+    HOST_MARGIN, shared by the ranks of this node."""
+    cap = parse_size(config.offload.max_host_memory)
+    if cap is not None:
+        return cap
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return int(psutil.virtual_memory().available * (1 - HOST_MARGIN)) // ranks_here
+
+
 def squared_norm(values: torch.Tensor) -> float:
     """Sum of squares of an fp32 gradient, accumulated in fp64: the C++ kernel on host memory,
     torch's reduction for a DEVICE-tier gradient on an accelerator."""
@@ -156,9 +167,13 @@ class TierStore:
         run_name: str,
         optimizer_tiers: list[OptimizerTier] | None = None,
         device: torch.device | None = None,
+        speculate: bool = False,
     ) -> None:
         """`optimizer_tiers`: each unit's (the plan of `offload.optimizer: auto`); by default the
-        config's `offload.optimizer` for every unit."""
+        config's `offload.optimizer` for every unit. `speculate`: units step speculatively during
+        backward (overlap 'backward' with clipping or fp16); the units with resident host state
+        get a spare state, as many as the RAM left after everything else allows
+        (plan.plan_speculation)."""
         self.units = units
         self.param_tier = ParamTier(config.offload.param)
         if optimizer_tiers is None:
@@ -194,9 +209,12 @@ class TierStore:
             optimizer_numels=[unit.optimizer_numel for unit in units],
             sub_group_size=self.sub_group_size,
         )
-        total_budget = sum(self.budget.values())
         # Page-rounding per buffer: every buffer's capacity rounds up to 4 KiB.
         buffer_count_estimate = 8 * len(units) + 4 * config.offload.buffer_count + config.prefetch.depth + 8
+        self.speculating = [False] * len(units)
+        if speculate:
+            self._plan_speculation(config, sum(self.budget.values()) + 4096 * buffer_count_estimate)
+        total_budget = sum(self.budget.values())
         self.pool = HostBufferPool(
             total_budget + 4096 * buffer_count_estimate,
             pin=pin and config.offload.pin_memory,
@@ -238,9 +256,30 @@ class TierStore:
             self.close()
             raise
 
+    def _plan_speculation(self, config: Config, others: int) -> None:
+        """Chooses the units that get a spare state from the RAM left beside `others` bytes and
+        adds their spare states to the budget."""
+        numels = [unit.optimizer_numel for unit in self.units]
+        room = max(0, host_cap(config) - others)
+        self.speculating = plan_speculation(numels, [unit.optimizer_tier for unit in self.units], room)
+        spare = sum(spare_state_bytes(n) for n, chosen in zip(numels, self.speculating) if chosen)
+        if spare:
+            self.budget["spare_state"] = spare
+        host_units = sum(unit.optimizer_tier is OptimizerTier.HOST for unit in self.units)
+        logger.info(
+            "offload: overlap backward: %d of %d units (of %d with their state in RAM) step speculatively during "
+            "backward (%.2f GiB of spare state in RAM, %.2f GiB was free for it); the rest step once the global "
+            "gradient norm is known",
+            sum(self.speculating),
+            len(self.units),
+            host_units,
+            spare / 2**30,
+            room / 2**30,
+        )
+
     def _allocate_host(self) -> None:
         largest = self.largest_shard
-        for unit in self.units:
+        for unit, speculating in zip(self.units, self.speculating):
             if unit.optimizer_tier is OptimizerTier.DEVICE:
                 # on the accelerator, stepped there (offload.optimizer.device_adam)
                 for kind in STATE_KINDS:
@@ -256,6 +295,9 @@ class TierStore:
                         )
                     else:  # only frozen params in this shard: nothing to hold (not even a page)
                         unit.resident_state[kind] = torch.empty(0, dtype=torch.float32)
+                if speculating:
+                    for kind in SPARE_KINDS:
+                        unit.spare_state[kind] = self.pool.alloc(unit.optimizer_numel, torch.float32, category="spare_state")
         self.slots: list[OptimizerSlot] = []
         if self.streamed_units:
             self.slots = [self._allocate_slot(self.slot_numel) for _ in range(self.buffer_count)]

@@ -194,6 +194,7 @@ def train_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         out["losses"] = losses
         out["stepped"] = stepped
         out["skipped_steps"] = engine.skipped_steps
+        out["speculation"] = dict(engine.speculation_counts)
         out["loss_scale"] = engine.scaler.scale
         out["last_grad_norm"] = engine.last_grad_norm
         out["memory"] = engine.memory_report()

@@ -62,6 +62,20 @@ def _cases(swap_dirs: list[str]) -> list[dict]:
         # frozen params keep their 16-bit values when the 16-bit home is a shared NVMe slot
         {"name": "frozen-nvme-nvme", "config": make_config(swap_dirs, "nvme", "nvme", "forward"), "freeze": "blocks.1.up"},
         {"name": "overlap-backward-none-cpu", "config": make_config(swap_dirs, "none", "cpu", "backward")},
+        # speculative: every step clips, so every window's speculative steps are taken back and redone
+        {
+            "name": "clip-backward-cpu-cpu",
+            "config": make_config(swap_dirs, "cpu", "cpu", "backward", gradient_clipping=0.05),
+            "clip": 0.05,
+        },
+        {
+            "name": "fp16-overflow-backward",
+            "config": make_config(
+                swap_dirs, "none", "cpu", "backward", precision="fp16", loss_scale={"initial": 1024.0, "growth_interval": 1000}
+            ),
+            "overflow_at": 2,
+            "steps": 5,
+        },
         {
             "name": "fp16-overflow-on-rank1",
             "config": make_config(
@@ -110,7 +124,8 @@ def _reference(case):
 
 @pytest.mark.parametrize(
     "name",
-    [f"{p}-{o}" for p, o in PLACEMENTS] + ["clip-none-cpu", "clip-nvme-nvme", "frozen-nvme-nvme", "overlap-backward-none-cpu"],
+    [f"{p}-{o}" for p, o in PLACEMENTS]
+    + ["clip-none-cpu", "clip-nvme-nvme", "frozen-nvme-nvme", "overlap-backward-none-cpu", "clip-backward-cpu-cpu"],
 )
 def test_two_ranks_equal_plain_pytorch(two_ranks, name):
     case, ranks = two_ranks[name]
@@ -127,6 +142,8 @@ def test_two_ranks_equal_plain_pytorch(two_ranks, name):
         # the clip was active, with the global norm over both ranks' shards on both ranks
         assert ranks[0]["last_grad_norm"] > case["clip"]
         assert ranks[0]["last_grad_norm"] == ranks[1]["last_grad_norm"]
+    if case["config"]["overlap"] == "backward" and "clip" in case:
+        assert all(r["speculation"]["redone"] == STEPS for r in ranks)
 
 
 def test_two_ranks_accumulation_equals_larger_batch(two_ranks):
@@ -136,13 +153,23 @@ def test_two_ranks_accumulation_equals_larger_batch(two_ranks):
     assert max_weight_difference(ranks[0]["state"], reference) <= 1e-5
 
 
-def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(two_ranks):
-    _, ranks = two_ranks["fp16-overflow-on-rank1"]
+@pytest.mark.parametrize("name", ["fp16-overflow-on-rank1", "fp16-overflow-backward"])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(two_ranks, name):
+    _, ranks = two_ranks[name]
     for r in ranks:
         assert r["stepped"] == [True, True, False, True, True]
         assert r["skipped_steps"] == 1
         assert r["loss_scale"] == 512.0
     assert ranks[0]["digest"] == ranks[1]["digest"]
+
+
+def test_fp16_speculative_run_equals_the_run_stepped_after_the_norm(two_ranks):
+    """The same weights, bitwise, whether the units stepped speculatively during backward (and
+    were taken back at the overflow) or only once the norm was known."""
+    _, speculative = two_ranks["fp16-overflow-backward"]
+    _, plain = two_ranks["fp16-overflow-on-rank1"]
+    assert speculative[0]["digest"] == plain[0]["digest"]
+    assert speculative[0]["losses"] == plain[0]["losses"]
 
 
 def test_swap_files_per_rank_on_its_own_path_under_one_run(two_ranks, swap_dirs):

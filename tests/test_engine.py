@@ -316,11 +316,6 @@ def test_wrong_type_is_an_error():
         offload.initialize(TinyNet(), {"prefetch": {"depth": "two"}})
 
 
-def test_overlap_backward_with_clipping_is_refused():
-    with pytest.raises(offload.ConfigError, match="overlap"):
-        offload.initialize(TinyNet(), {"overlap": "backward", "gradient_clipping": 1.0})
-
-
 def test_model_without_parameters_is_an_error():
     with pytest.raises(offload.ConfigError, match="no parameters"):
         offload.initialize(torch.nn.ReLU(), {})
