@@ -10,12 +10,16 @@ and the PCIe rate each way times the bytes a step must move for the placement; t
 each offload run to that floor says how much of the hardware is left on the table.
 
     python benchmarks/bench_gpu.py --size 1.3b [--runs plain,none/cpu,cpu/cpu,ds2,ds3] [--steps 6]
+    python benchmarks/bench_gpu.py --size 1.3b --clip 1.0 --runs plain,none/cpu@forward,none/cpu@backward,ds2
     python benchmarks/bench_gpu.py --size 7b --checkpointing --batch 4 --runs none/cpu
     python benchmarks/bench_gpu.py --size tiny --runs plain,none/cpu    # seconds on a CPU: smoke
 
 DeepSpeed runs (ds2: ZeRO-2 with offload_optimizer cpu, pinned; ds3: ZeRO-3 with params and
 optimizer on the CPU) need `import deepspeed` to work; they are skipped with the reason
-otherwise. Sizes "7b" and larger build the model on the meta device for offload (materialised
+otherwise. An offload run is `param/optimizer`, optionally `@overlap` (`none/cpu@backward`: that
+run's overlap instead of --overlap). `--clip N` clips the global gradient norm at N in every
+run (plain PyTorch with clip_grad_norm_, DeepSpeed's gradient_clipping, offload's
+gradient_clipping: with overlap backward the step is then speculative). Sizes "7b" and larger build the model on the meta device for offload (materialised
 one unit at a time) and are not run for plain PyTorch (it does not fit).
 """
 
@@ -108,6 +112,8 @@ def run_plain(args, device) -> dict:
         loss.backward()
         sync(device)
         t1 = time.perf_counter()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(device)
@@ -116,7 +122,7 @@ def run_plain(args, device) -> dict:
     return {"times": times[2:], "fwd_bwd": statistics.median(fwd_bwd[2:]), "startup": startup}
 
 
-def run_offload(args, device, param: str, optimizer: str) -> dict:
+def run_offload(args, device, param: str, optimizer: str, overlap: str) -> dict:
     import offload
 
     started = time.perf_counter()
@@ -128,7 +134,8 @@ def run_offload(args, device, param: str, optimizer: str) -> dict:
             "precision": "bf16",
             "optimizer": {"lr": 1e-4},
             "offload": {"param": param, "optimizer": optimizer, "nvme_path": swap},
-            "overlap": args.overlap,
+            "overlap": overlap,
+            "gradient_clipping": args.clip,
         }
         engine = offload.initialize(model, config, device=device)
         startup = time.perf_counter() - started
@@ -146,6 +153,7 @@ def run_offload(args, device, param: str, optimizer: str) -> dict:
                 times.append(time.perf_counter() - t0)
                 breakdowns.append({**engine.pop_timings(), **{f"cpu_{k}": v for k, v in engine.stepper.pop_timings().items()}})
             report = engine.memory_report()
+            speculation = dict(engine.speculation_counts)
         finally:
             engine.close(restore_weights=False)
     median = sorted(range(2, len(times)), key=lambda i: times[i])[(len(times) - 2) // 2]
@@ -154,6 +162,7 @@ def run_offload(args, device, param: str, optimizer: str) -> dict:
         "breakdown": breakdowns[median],
         "startup": startup,
         "tiers": {tier: report[tier]["peak"] for tier in ("device", "host", "nvme")},
+        "speculation": speculation,
     }
 
 
@@ -176,6 +185,7 @@ def run_deepspeed(args, device, stage: int) -> dict:
         "bf16": {"enabled": True},
         "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "gradient_clipping": args.clip,
     }
     started = time.perf_counter()
     model = build(args.size, args.seq, meta=False)
@@ -252,8 +262,9 @@ def child(args) -> None:
     elif args.child == "limits":
         result = measure_limits(device)
     else:
-        param, optimizer = args.child.split("/")
-        result = run_offload(args, device, param, optimizer)
+        placement, _, overlap = args.child.partition("@")
+        param, optimizer = placement.split("/")
+        result = run_offload(args, device, param, optimizer, overlap or args.overlap)
     result.update(gpu_peak=gpu_peak(device), rss_peak=peak_rss_bytes(), device=str(device))
     with open(args.out, "w") as handle:
         json.dump(result, handle)
@@ -280,6 +291,8 @@ def spawn(args, run: str) -> dict:
         str(args.steps),
         "--overlap",
         args.overlap,
+        "--clip",
+        str(args.clip),
     ]
     if args.checkpointing:
         command.append("--checkpointing")
@@ -305,7 +318,7 @@ def floor_seconds(run: str, params: int, plain_fwd_bwd: float | None, limits: di
         return None
     parts = [plain_fwd_bwd, params / limits["adam_params_per_s"]]
     if "h2d_bytes_per_s" in limits:
-        param_passes = 2 if run.split("/")[0] != "none" else 1
+        param_passes = 2 if run.split("/")[0] != "none" else 1  # "none/cpu@backward" too
         parts.append(param_passes * 2 * params / limits["h2d_bytes_per_s"])
         parts.append(2 * params / limits["d2h_bytes_per_s"])
     return max(parts)
@@ -314,11 +327,12 @@ def floor_seconds(run: str, params: int, plain_fwd_bwd: float | None, limits: di
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1.3b", choices=sorted(SIZES))
-    parser.add_argument("--runs", default="plain,none/cpu,cpu/cpu,ds2,ds3")
+    parser.add_argument("--runs", default="plain,none/cpu,none/cpu@backward,cpu/cpu,ds2,ds3")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=6, help="timed steps, after 2 warm-up steps")
     parser.add_argument("--overlap", default="forward", choices=["none", "forward", "backward"])
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient clipping (global norm) in every run; 0: off")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--nvme-path", default=None)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -344,24 +358,25 @@ def main(argv=None) -> int:
             peer[run] = statistics.median(results[run]["times"])
     print(
         f"Llama-style {args.size} ({params / 1e9:.2f}B params), bf16, batch {args.batch}x{args.seq}, "
-        f"checkpointing {'on' if args.checkpointing else 'off'}, overlap {args.overlap}, device {limits.get('device')}"
+        f"checkpointing {'on' if args.checkpointing else 'off'}, overlap {args.overlap} (unless @), "
+        f"clip {args.clip or 'off'}, device {limits.get('device')}"
     )
     limit_text = f"CPU Adam {limits['adam_params_per_s'] / 1e9:.2f} G params/s"
     if "h2d_bytes_per_s" in limits:
         limit_text += f", PCIe host->device {limits['h2d_bytes_per_s'] / 1e9:.1f} GB/s, device->host {limits['d2h_bytes_per_s'] / 1e9:.1f} GB/s"
     print(f"measured here: {limit_text}; plain forward+backward {plain.get('fwd_bwd', float('nan')):.3f} s")
-    header = f"{'run':<10}{'s/step':>8}{'vs plain':>9}{'TFLOPS':>8}{'GPU GiB':>9}{'RSS GiB':>9}{'start s':>8}{'floor s':>8}{'/floor':>7}  breakdown / peers"
+    header = f"{'run':<19}{'s/step':>8}{'vs plain':>9}{'TFLOPS':>8}{'GPU GiB':>9}{'RSS GiB':>9}{'start s':>8}{'floor s':>8}{'/floor':>7}  breakdown / peers"
     print(header)
     print("-" * len(header))
     for run in runs:
         result = results[run]
         if "skipped" in result or "failed" in result:
-            print(f"{run:<10}  {result.get('skipped') or 'failed: ' + result['failed']}")
+            print(f"{run:<19}  {result.get('skipped') or 'failed: ' + result['failed']}")
             continue
         seconds = statistics.median(result["times"])
         floor = floor_seconds(run, params, plain.get("fwd_bwd"), limits)
         line = (
-            f"{run:<10}{seconds:>8.3f}{(seconds / plain_s if plain_s else float('nan')):>9.2f}"
+            f"{run:<19}{seconds:>8.3f}{(seconds / plain_s if plain_s else float('nan')):>9.2f}"
             f"{6 * params * tokens / seconds / 1e12:>8.1f}{result['gpu_peak'] / 2**30:>9.1f}"
             f"{result['rss_peak'] / 2**30:>9.1f}{result['startup']:>8.1f}"
             f"{(floor or float('nan')):>8.3f}{(seconds / floor if floor else float('nan')):>7.2f}"
@@ -372,6 +387,8 @@ def main(argv=None) -> int:
                 f"{k}={b[k]:.3f}" for k in ("forward", "backward", "step", "wait_fetch", "wait_step", "cpu_adam") if k in b
             )
             line += "  " + " ".join(f"{peer_run} {peer_s / seconds:.2f}x" for peer_run, peer_s in peer.items())
+            if any(result.get("speculation", {}).values()):
+                line += "  speculative windows " + " ".join(f"{k} {v}" for k, v in result["speculation"].items())
         print(line)
     return 0
 

@@ -7,6 +7,10 @@ step, waits for fetches and for the CPU step). The device is the GPU when there 
 CPU otherwise (then "device" memory is host memory too).
 
     python benchmarks/bench_step.py [--layers 12 --width 768 --batch 4 --seq 256 --steps 5]
+    python benchmarks/bench_step.py --clip 1.0 --runs none/cpu@forward,none/cpu@backward
+
+A run is `param/optimizer`, optionally `@overlap` (that run's overlap instead of --overlap).
+`--clip N` clips the global gradient norm at N in every run, plain PyTorch included.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 import offload
 
-PLACEMENTS = [("none", "cpu"), ("cpu", "cpu"), ("nvme", "cpu"), ("none", "nvme"), ("cpu", "nvme"), ("nvme", "nvme")]
+RUNS = "none/cpu,cpu/cpu,nvme/cpu,none/nvme,cpu/nvme,nvme/nvme"
 
 
 def build_model(layers: int, width: int, seq: int):
@@ -46,7 +50,7 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
-def time_plain(model, batches, device, precision):
+def time_plain(model, batches, device, precision, clip):
     model = copy.deepcopy(model).to(device)
     if precision == "bf16":
         model = model.to(torch.bfloat16)
@@ -58,6 +62,8 @@ def time_plain(model, batches, device, precision):
         started = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         synchronize(device)
@@ -65,12 +71,13 @@ def time_plain(model, batches, device, precision):
     return times
 
 
-def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision):
+def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision, clip):
     config = {
         "precision": precision,
         "optimizer": {"lr": 1e-4},
         "offload": {"param": param, "optimizer": optimizer, "nvme_path": nvme_path},
         "overlap": overlap,
+        "gradient_clipping": clip,
     }
     engine = offload.initialize(copy.deepcopy(model), config)
     times, breakdowns = [], []
@@ -100,6 +107,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--overlap", default="forward", choices=["none", "forward", "backward"])
+    parser.add_argument("--runs", default=RUNS, help="param/optimizer[@overlap], comma-separated")
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient clipping (global norm) in every run; 0: off")
     parser.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary one under the working directory)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -109,20 +118,22 @@ def main(argv=None) -> int:
     batches = [torch.randint(0, 50257, (args.batch, args.seq), generator=generator) for _ in range(args.steps + 2)]
     tokens = args.batch * args.seq
     print(
-        f"GPT-2 style, {count / 1e6:.0f}M params, batch {args.batch}x{args.seq}, {args.precision}, overlap {args.overlap}, device {device}, torch threads {torch.get_num_threads()}"
+        f"GPT-2 style, {count / 1e6:.0f}M params, batch {args.batch}x{args.seq}, {args.precision}, overlap {args.overlap} (unless @), clip {args.clip or 'off'}, device {device}, torch threads {torch.get_num_threads()}"
     )
 
-    plain_first = statistics.median(time_plain(model, batches, device, args.precision)[2:])
+    plain_first = statistics.median(time_plain(model, batches, device, args.precision, args.clip)[2:])
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-step-", dir=args.nvme_path or ".") as swap:
-        for param, optimizer in PLACEMENTS:
-            times, breakdowns, report = time_engine(model, batches, param, optimizer, args.overlap, swap, args.precision)
+        for run in args.runs.split(","):
+            placement, _, overlap = run.strip().partition("@")
+            param, optimizer = placement.split("/")
+            overlap = overlap or args.overlap
+            times, breakdowns, report = time_engine(model, batches, param, optimizer, overlap, swap, args.precision, args.clip)
             median_index = sorted(range(2, len(times)), key=lambda i: times[i])[(len(times) - 2) // 2]
-            rows.append(
-                (f"offload param={param:<4} optimizer={optimizer:<4}", times[median_index], breakdowns[median_index], report)
-            )
+            name = f"offload param={param:<4} optimizer={optimizer:<4} overlap={overlap}"
+            rows.append((name, times[median_index], breakdowns[median_index], report))
     # plain PyTorch again at the end: the ratios use the mean of both, and the two show the drift
-    plain_last = statistics.median(time_plain(model, batches, device, args.precision)[2:])
+    plain_last = statistics.median(time_plain(model, batches, device, args.precision, args.clip)[2:])
     plain = (plain_first + plain_last) / 2
     rows.insert(0, (f"plain PyTorch (AdamW fused), first {plain_first:.3f} last {plain_last:.3f}", plain, None, None))
 

@@ -18,7 +18,9 @@ def test_bench_gpu_smoke(tmp_path):
             "--size",
             "tiny",
             "--runs",
-            "plain,none/cpu,nvme/nvme",
+            "plain,none/cpu,nvme/nvme,none/cpu@backward",
+            "--clip",
+            "1.0",
             "--batch",
             "2",
             "--seq",
@@ -36,7 +38,7 @@ def test_bench_gpu_smoke(tmp_path):
     lines = result.stdout.splitlines()
     assert any(line.startswith("plain ") for line in lines), result.stdout
     offload_lines = [line for line in lines if line.startswith(("none/cpu", "nvme/nvme"))]
-    assert len(offload_lines) == 2 and all(
+    assert len(offload_lines) == 3 and all(
         "forward=" in line and "nan" not in line.split("forward=")[0] for line in offload_lines
     ), result.stdout
     assert "CPU Adam" in result.stdout
