@@ -65,11 +65,25 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.f
 TIMING_KEYS = ("forward", "backward", "step", "wait_fetch", "wait_step")
 
 
-def adam_threads(cpus: int, environ) -> int:
+# With the step overlapping the accelerator's compute, CPUs the C++ Adam leaves to the main
+# thread (it launches every kernel of forward and backward: starved, the accelerator idles) and
+# the transfer worker (it lands gradients and fetches weights meanwhile).
+CPUS_FOR_LAUNCHING = 2
+# ... but only from this many CPUs per rank: below, the Adam's share matters more.
+CPUS_BEFORE_RESERVING = 8
+
+
+def adam_threads(cpus: int, environ, *, overlaps_accelerator: bool = False) -> int:
     """Threads of the C++ Adam when `optimizer.threads` is 0: this process's CPUs, shared with the
-    other ranks of the node (torchrun's LOCAL_WORLD_SIZE), so ranks do not oversubscribe them."""
+    other ranks of the node (torchrun's LOCAL_WORLD_SIZE), so ranks do not oversubscribe them.
+    `overlaps_accelerator`: the step runs while an accelerator computes (overlap forward or
+    backward on CUDA); then CPUS_FOR_LAUNCHING of a rank's CPUs are left to the threads that
+    keep the accelerator busy (the Adam is memory-bound: fewer threads lose little of its rate)."""
     ranks_here = max(1, int(environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(1, cpus // ranks_here)
+    share = max(1, cpus // ranks_here)
+    if overlaps_accelerator and share >= CPUS_BEFORE_RESERVING:
+        return share - CPUS_FOR_LAUNCHING
+    return share
 
 
 def initialize(
@@ -130,7 +144,11 @@ class Engine:
         self.device = Device(device)
         self.compute_dtype = COMPUTE_DTYPES[self.config.precision]
         self.ledger = TierLedger()
-        kernels.set_num_threads(self.config.optimizer.threads or adam_threads(len(os.sched_getaffinity(0)), os.environ))
+        overlapped = self.device.is_cuda and self.config.overlap != "none"
+        threads = self.config.optimizer.threads or adam_threads(
+            len(os.sched_getaffinity(0)), os.environ, overlaps_accelerator=overlapped
+        )
+        kernels.set_num_threads(threads)
 
         world, rank = self.collectives.world_size, self.collectives.rank
         specs = build_units(model, self.config.wrap.module_classes, self.config.wrap.min_params)
@@ -151,13 +169,15 @@ class Engine:
         if warning:
             logger.warning(warning)
         logger.info(
-            "offload: %d units (largest %.1fM params), precision %s, param on %s, optimizer on %s, overlap %s, rank %d/%d",
+            "offload: %d units (largest %.1fM params), precision %s, param on %s, optimizer on %s, overlap %s, "
+            "CPU Adam threads %d, rank %d/%d",
             len(self.units),
             max(u.spec.numel for u in self.units) / 1e6,
             self.config.precision,
             self.config.offload.param,
             self.config.offload.optimizer,
             self.config.overlap,
+            kernels.get_num_threads(),
             rank,
             world,
         )

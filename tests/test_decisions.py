@@ -180,3 +180,15 @@ def test_adam_threads_are_shared_by_the_ranks_of_a_node():
     assert adam_threads(16, {}) == 16
     assert adam_threads(16, {"LOCAL_WORLD_SIZE": "4"}) == 4
     assert adam_threads(2, {"LOCAL_WORLD_SIZE": "4"}) == 1
+
+
+def test_adam_threads_leave_cpus_to_the_accelerator_s_threads_when_overlapped():
+    """A step overlapping the accelerator leaves 2 CPUs of a rank to the kernel-launching main
+    thread and the transfer worker, from 8 CPUs per rank on (below, every CPU steps)."""
+    from offload.engine import adam_threads
+
+    assert adam_threads(16, {}, overlaps_accelerator=True) == 14
+    assert adam_threads(16, {}, overlaps_accelerator=False) == 16
+    assert adam_threads(32, {"LOCAL_WORLD_SIZE": "4"}, overlaps_accelerator=True) == 6
+    assert adam_threads(7, {}, overlaps_accelerator=True) == 7
+    assert adam_threads(2, {}, overlaps_accelerator=True) == 2
