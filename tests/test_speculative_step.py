@@ -94,6 +94,29 @@ def test_speculative_steps_equal_overlap_none_bitwise(swap_dir, precision, clipp
         assert 0 < clipped < len(data)
 
 
+def test_accumulation_windows_speculate_once_per_window(swap_dir):
+    torch.manual_seed(0)
+    model = TinyNet()
+    data = batches(9, batch=8)
+
+    def accumulate(overlap):
+        engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, overlap, clip=0.5, gradient_accumulation_steps=3))
+        try:
+            stepped = []
+            for x, y in data:
+                engine.backward(mse(engine, x, y))
+                stepped.append(engine.step())
+            return engine.consolidated_state_dict(), stepped, dict(engine.speculation_counts)
+        finally:
+            engine.close()
+
+    expected, expected_stepped, _ = accumulate("none")
+    state, stepped, counts = accumulate("backward")
+    assert stepped == expected_stepped == [False, False, True] * 3
+    assert sum(counts.values()) == 3
+    assert_same(state, expected)
+
+
 @pytest.mark.parametrize("param", ["none", "cpu", "nvme"])
 def test_speculative_clipped_run_equals_clip_grad_norm(swap_dir, param):
     torch.manual_seed(0)
