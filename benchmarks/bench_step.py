@@ -93,6 +93,7 @@ def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision,
             times.append(time.perf_counter() - started)
             breakdowns.append(engine.pop_timings())
         report = engine.memory_report()
+        report["speculation"] = dict(engine.speculation_counts)
     finally:
         engine.close(restore_weights=False)
     return times, breakdowns, report
@@ -148,6 +149,8 @@ def main(argv=None) -> int:
                 for k in ("forward", "backward", "step", "wait_fetch", "wait_step")
             )
             line += "".join(f"{report[tier]['peak'] / 2**20:>8.0f}" for tier in ("device", "host", "nvme"))
+            if any(report["speculation"].values()):
+                line += "  speculative windows " + " ".join(f"{k} {v}" for k, v in report["speculation"].items())
         print(line)
     print("targets (2-core CPU as device): param none/optimizer cpu <= 1.15x plain; optimizer nvme <= 1.5x plain")
     return 0
