@@ -368,6 +368,19 @@ def test_extension_rejects_source_overlapping_destination():
             **scalars,
             exp_avg_in=buf[n // 2 :].data_ptr(),
         )
+    # a source in place (param_in is param) must still overlap no other destination
+    m = torch.zeros(n)
+    with pytest.raises(ValueError, match="adam_step: param_in overlaps exp_avg without being it"):
+        _adam_ext.adam_step(
+            buf.data_ptr(),
+            g.data_ptr(),
+            buf[n // 2 :].data_ptr(),
+            v.data_ptr(),
+            0,
+            **args,
+            **scalars,
+            exp_avg_in=m.data_ptr(),
+        )
     with pytest.raises(ValueError, match="adam_traffic: param_in overlaps exp_avg_sq without being it"):
         _adam_ext.adam_traffic(
             buf.data_ptr(),

@@ -161,18 +161,20 @@ bool overlap(const ByteRange& x, const ByteRange& y) {
   return x.size > 0 && y.size > 0 && x.begin < y.begin + y.size && y.begin < x.begin + x.size;
 }
 
-// An out-of-place source (one that is not its own destination) is read while this and other
-// threads write the destinations: it must overlap none of them, or the result would depend
-// on the order of the writes. (Sources in place are each read and then written element by
-// element: allowed, as before.)
+// A source is read while this and other threads write the destinations: it must overlap none
+// of them, or the result would depend on the order of the writes, except its own destination
+// when it is exactly that buffer (in place: each element read, then written).
 void check_sources(const char* op, const ByteRange (&sources)[3], const ByteRange (&destinations)[4]) {
   for (int s = 0; s < 3; ++s) {
-    if (sources[s].begin == destinations[s].begin) continue;  // in place
-    for (const ByteRange& d : destinations)
-      if (overlap(sources[s], d))
-        throw std::invalid_argument(std::string(op) + ": " + sources[s].what + " overlaps " + d.what +
+    const bool in_place = sources[s].begin == destinations[s].begin;
+    for (int d = 0; d < 4; ++d) {
+      if (in_place && d == s) continue;  // read, then written, element by element
+      if (overlap(sources[s], destinations[d]))
+        throw std::invalid_argument(std::string(op) + ": " + sources[s].what + " overlaps " +
+                                    destinations[d].what +
                                     " without being it (a source must be its own destination or overlap "
                                     "no destination)");
+    }
   }
 }
 
