@@ -118,6 +118,8 @@ class OffloadConfig(ReadOnlyOnceFrozen):
     """`auto`: device memory the optimizer state may take, bytes or a size like `"40GB"`; default on CUDA: the memory free at start less the engine's 16-bit weights and gradient buffers and a quarter of the device for activations; on the CPU standing in for the device: none (it is the host's RAM)."""
     max_host_memory: int | str | None = None
     """`auto`: RAM the optimizer state may take, bytes or a size like `"40GB"` / `"40GiB"`; default: the RAM available at start less 10% and the engine's other host buffers."""
+    speculation_memory: int | str | None = None
+    """`overlap: backward` with clipping or fp16: RAM the spare states of the speculative steps may take (12 bytes per param of each unit whose state is in RAM, last units first), bytes or a size like `"8GiB"`; `0` turns speculation off (units step once the global norm is known); default: what `max_host_memory` (or the RAM available at start less 10%) leaves after everything else."""
     nvme_path: str | list[str] = "./offload-swap"
     """Directory for swap files (must exist and be writable); a list spreads ranks over disks."""
     pin_memory: bool = True
@@ -428,7 +430,7 @@ def validate(config: Config) -> Config:
     config.precision = _choice("precision", config.precision, PRECISIONS)
     config.offload.param = _choice("offload.param", config.offload.param, PARAM_TIERS)
     config.offload.optimizer = _choice("offload.optimizer", config.offload.optimizer, OPTIMIZER_TIERS)
-    for key in ("max_device_memory", "max_host_memory"):
+    for key in ("max_device_memory", "max_host_memory", "speculation_memory"):
         value = getattr(config.offload, key)
         try:
             size = parse_size(value)

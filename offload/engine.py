@@ -264,9 +264,10 @@ class Engine:
         self._nonfinite_units: list[str] = []
         # overlap 'backward', speculative: units stepped into their spare state in this window,
         # appended by the transfer worker, committed or taken back by step() after it drained
-        self._speculated: list[UnitState] = []
-        # speculative windows step() committed, and those it stepped again (clipping) or skipped
-        self.speculation_counts = {"committed": 0, "redone": 0, "skipped": 0}
+        self._speculated: dict[int, UnitState] = {}
+        # speculative windows step() committed, stepped again (clipping acted, or the
+        # hyperparameters changed), skipped (fp16 overflow) or refused (non-finite gradients)
+        self.speculation_counts = {"committed": 0, "redone": 0, "skipped": 0, "refused": 0}
         # overlap 'backward': each group's hyperparameters for the window's steps, read on the main
         # thread when its last backward begins (the transfer worker submits the steps)
         self._window_hypers: list[StepHyper] | None = None
@@ -420,6 +421,9 @@ class Engine:
         started = time.perf_counter()
         try:
             self.schedule.backward(scaled, boundary=boundary)
+        except BaseException:
+            self._abandon_speculation("the backward that ends the window failed")
+            raise
         finally:
             self.timings["backward"] += time.perf_counter() - started
         self.micro_steps += 1
@@ -498,6 +502,7 @@ class Engine:
         if self.schedule.context.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1:
             logger.warning("offload: a loss.backward() failed before it finished; its unit holds are released")
             self.schedule.end_backward()
+            self._abandon_speculation("a loss.backward() failed before it finished")
 
     def _unclipped_multiplier(self) -> float:
         """What the stored gradients are multiplied by when clipping does not act: the loss scale
@@ -512,9 +517,9 @@ class Engine:
         # read when the window's last backward began, before any of its units could be final
         assert self._window_hypers is not None
         if self.policy.speculative:
-            if finite and unit.spare_state:
+            if finite and unit.spare_state and unit.grads_in_window and unit.index not in self._speculated:
                 self._begin_steps([unit])
-                self._speculated.append(unit)
+                self._speculated[unit.index] = unit
                 self.stepping.submit([unit], self._window_hypers, StepMode.SPECULATE)
             return
         if not finite:
@@ -577,20 +582,28 @@ class Engine:
         window = [unit for unit in self.units if unit.window_started]
         if self.policy.steps_in_backward and not self.policy.speculative:
             return self._finish_window_stepped_in_backward(window)
-        speculated, self._speculated = self._speculated, []
-        norms = {}
-        for unit in window:
-            if unit.grad_sq_norm is None:
-                unit.grad_sq_norm = self.store.grad_sq_norm(unit)
-            norms[unit.index] = unit.grad_sq_norm
-        local = sum(norms.values())
-        (total,) = self.collectives.sum_host([local], what="the global gradient norm")
+        try:
+            norms = {}
+            for unit in window:
+                if unit.grad_sq_norm is None:
+                    unit.grad_sq_norm = self.store.grad_sq_norm(unit)
+                norms[unit.index] = unit.grad_sq_norm
+            local = sum(norms.values())
+            (total,) = self.collectives.sum_host([local], what="the global gradient norm")
+        except BaseException:
+            # the window stays unstepped, as without speculation: so do its speculated units
+            self._abandon_speculation("step() failed before it knew the global norm")
+            raise
         multiplier, norm = gradient_multiplier(
             self.scaler.scale * self.collectives.world_size, total, self.config.gradient_clipping
         )
         self.last_grad_norm = norm
+        speculated, self._speculated = list(self._speculated.values()), {}
+        window_hypers, self._window_hypers = self._window_hypers, None
         if not math.isfinite(norm):
             bad = [unit.spec.name for unit in window if not math.isfinite(norms[unit.index])]
+            if speculated:
+                self.speculation_counts["skipped" if self.config.precision == "fp16" else "refused"] += 1
             self._take_back(speculated, restore=True)
             self._discard_window()
             if self.config.precision == "fp16":
@@ -606,17 +619,16 @@ class Engine:
                 f"non-finite gradients (norm {norm}) in {', '.join(bad) or 'other ranks'} at step {self.global_steps}: "
                 "the step was skipped and the weights are unchanged; lower the learning rate, check the data, or enable clipping"
             )
-        if self.policy.speculative:
-            # the hyperparameters the speculative steps used (read when the window's last backward began)
-            window_hypers = self._window_hypers or self.hyper.step_hypers(multiplier)
-            hypers = [dataclasses.replace(h, grad_multiplier=multiplier) for h in window_hypers]
-            self._window_hypers = None
-            if speculated and multiplier == self._unclipped_multiplier():
+        hypers = self.hyper.step_hypers(multiplier)
+        if speculated:
+            # the speculative steps stand if they used this very factor and hyperparameters
+            # (read when the window's last backward began: an lr set since is a redo too)
+            used = [dataclasses.replace(h, grad_multiplier=multiplier) for h in window_hypers or []]
+            if multiplier == self._unclipped_multiplier() and used == hypers:
                 self._commit(speculated)
             else:
                 self._take_back(speculated, restore=False)
-        else:
-            hypers = self.hyper.step_hypers(multiplier)
+                self._log_redo(len(speculated), clipped=multiplier != self._unclipped_multiplier())
         if self.config.precision == "fp16":
             self.scaler.update(overflow=False)
         self.global_steps += 1
@@ -636,11 +648,11 @@ class Engine:
         self.speculation_counts["committed"] += 1
 
     def _take_back(self, speculated: list[UnitState], *, restore: bool) -> None:
-        """The speculative steps do not stand (clipping acts, or the norm is not finite): their
-        states are left in the spare buffers and their step counts undone. `restore`: no step
-        follows (skipped, or refused), so the 16-bit weights they published are cast again from
-        the untouched masters (and waited for); otherwise the units stay in the window and
-        step again from their old state."""
+        """The speculative steps do not stand: their states are left in the spare buffers and
+        their step counts undone. `restore`: no step follows (skipped, refused, or the window
+        abandoned), so the 16-bit weights they published are cast again from the untouched
+        masters (and waited for); otherwise the units stay in the window and step again from
+        their old state."""
         if not speculated:
             return
         events = self.schedule.context.events
@@ -649,20 +661,38 @@ class Engine:
             unit.step_count -= 1
             events.record("step_take_back", unit.index)
         if restore:
-            self.speculation_counts["skipped"] += 1
             self._begin_steps(speculated)
-            self.stepping.submit(speculated, self._window_hypers or [], StepMode.RESTORE)
+            self.stepping.submit(speculated, (), StepMode.RESTORE)
             self.stepping.wait()
-        else:
-            self.speculation_counts["redone"] += 1
-            logger.info(
-                "offload: step %d clips the gradients: the %d units stepped during backward step again from their "
-                "old state (%d of %d speculative windows redone so far)",
-                self.global_steps,
-                len(speculated),
-                self.speculation_counts["redone"],
-                sum(self.speculation_counts.values()),
-            )
+
+    def _log_redo(self, count: int, *, clipped: bool) -> None:
+        self.speculation_counts["redone"] += 1
+        logger.info(
+            "offload: step %d %s: the %d units stepped during backward step again from their old state "
+            "(%d of %d speculative windows redone so far)",
+            self.global_steps,
+            "clips the gradients" if clipped else "has other hyperparameters than its backward began with",
+            count,
+            self.speculation_counts["redone"],
+            sum(self.speculation_counts.values()),
+        )
+
+    def _abandon_speculation(self, why: str) -> None:
+        """A window's speculative steps that will not be decided by step() (its backward, or
+        step() itself, failed; a checkpoint replaces everything): the work in flight is
+        settled and they are taken back, leaving the units as a run without speculation would
+        (not stepped). Errors of the settled work are logged: the failure being raised is
+        the one to report."""
+        if not self.policy.speculative:
+            return
+        # first every hand-off in flight: the transfer worker may still submit speculative steps
+        for failure in self._settle():
+            logger.warning("offload: %s; discarding failed work in flight: %s", why, failure)
+        if not self._speculated:
+            return
+        speculated, self._speculated = list(self._speculated.values()), {}
+        logger.warning("offload: %s; the %d units stepped speculatively are taken back", why, len(speculated))
+        self._take_back(speculated, restore=True)
 
     def _finish_window_stepped_in_backward(self, window: list[UnitState]) -> bool:
         nonfinite, self._nonfinite_units = self._nonfinite_units, []
@@ -757,8 +787,10 @@ class Engine:
         # a swap file whose write failed stays unreadable until the load rewrites it
         for failure in self._settle():
             logger.warning("offload: load_checkpoint discards failed work in flight: %s", failure)
-        # speculative steps of an unfinished window: the load replaces their weights and counts
-        self._speculated = []
+        # speculative steps of an unfinished window, taken back first: a load that fails leaves
+        # the engine as it would be without them
+        self._abandon_speculation("load_checkpoint in the middle of a window")
+        self._window_hypers = None
         return checkpoint.load(self, path, **kwargs)
 
     def _settle(self) -> list[BaseException]:

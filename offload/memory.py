@@ -130,8 +130,9 @@ class HostBufferPool:
                     "or free memory"
                 )
 
-    def alloc(self, numel: int, dtype: torch.dtype, category: str = "other") -> torch.Tensor:
-        """A 1-D zero-filled tensor of exactly `numel` elements; data_ptr 4096-aligned."""
+    def alloc(self, numel: int, dtype: torch.dtype, category: str = "other", *, pin: bool = True) -> torch.Tensor:
+        """A 1-D zero-filled tensor of exactly `numel` elements; data_ptr 4096-aligned. `pin`:
+        False leaves it pageable even in a pinned pool (a buffer never copied to the device)."""
         if self._closed:
             raise RuntimeError(f"{self.name} is closed")
         numel = int(numel)
@@ -160,7 +161,7 @@ class HostBufferPool:
             mm = mmap.mmap(-1, capacity)
             base = torch.frombuffer(mm, dtype=torch.uint8)
             registered = False
-            if self.pin:
+            if self.pin and pin:
                 rc = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), capacity, 0)
                 if int(rc) != 0:
                     raise InsufficientMemoryError(

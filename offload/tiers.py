@@ -261,6 +261,9 @@ class TierStore:
         adds their spare states to the budget."""
         numels = [unit.optimizer_numel for unit in self.units]
         room = max(0, host_cap(config) - others)
+        cap = parse_size(config.offload.speculation_memory)
+        if cap is not None:
+            room = min(room, cap)
         self.speculating = plan_speculation(numels, [unit.optimizer_tier for unit in self.units], room)
         spare = sum(spare_state_bytes(n) for n, chosen in zip(numels, self.speculating) if chosen)
         if spare:
@@ -297,7 +300,10 @@ class TierStore:
                         unit.resident_state[kind] = torch.empty(0, dtype=torch.float32)
                 if speculating:
                     for kind in SPARE_KINDS:
-                        unit.spare_state[kind] = self.pool.alloc(unit.optimizer_numel, torch.float32, category="spare_state")
+                        # pageable: only the CPU Adam reads and writes it, never a copy to the device
+                        unit.spare_state[kind] = self.pool.alloc(
+                            unit.optimizer_numel, torch.float32, category="spare_state", pin=False
+                        )
         self.slots: list[OptimizerSlot] = []
         if self.streamed_units:
             self.slots = [self._allocate_slot(self.slot_numel) for _ in range(self.buffer_count)]

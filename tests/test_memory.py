@@ -88,6 +88,15 @@ def test_pinned_buffers_with_cuda_are_pinned_and_aligned():
         assert pool.allocated_bytes == pool.capacity_of(t)
 
 
+@pytest.mark.cuda
+def test_a_buffer_asked_unpinned_stays_pageable_in_a_pinned_pool():
+    """The speculative steps' spare state is never copied to the device: it is not page-locked."""
+    with HostBufferPool(1 << 24, pin=True) as pool:
+        pageable = pool.alloc(1025, torch.float32, pin=False)
+        assert not pageable.is_pinned() and pageable.data_ptr() % 4096 == 0
+        pool.free(pageable)
+
+
 def test_ledger_threadsafe_and_validation():
     ledger = TierLedger()
 
