@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import TinyNet, batches, fp32_weight_tolerance, max_weight_difference, mse, reference_run
+from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, mse, reference_run
 from tier_caps import auto_config, shard_numels, split_caps
 from torch.utils import checkpoint
 
@@ -125,12 +125,7 @@ def test_speculative_clipped_run_equals_clip_grad_norm(swap_dir, param):
     reference, reference_losses = reference_run(model, data, clip=0.05)
     engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, "backward", param=param, clip=0.05))
     try:
-        losses = []
-        for x, y in data:
-            loss = mse(engine, x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = engine_run(engine, data)
         assert engine.speculation_counts["redone"] > 0  # clipping acted, the steps were redone
         assert max_weight_difference(engine.consolidated_state_dict(), reference) <= fp32_weight_tolerance(engine)
         assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
@@ -333,11 +328,16 @@ def test_a_forward_before_step_is_refused(swap_dir):
         engine.close()
 
 
-def test_event_order_speculate_during_backward_then_commit_or_redo(swap_dir):
+def traced_engine(swap_dir, *, clip):
+    """A speculative engine on a 3-unit TinyNet whose schedule records its events."""
     torch.manual_seed(0)
-    engine = offload.initialize(TinyNet(depth=2), make_config(swap_dir, "backward", clip=1e6))
-    events = engine.schedule.context.events
-    events.enabled = True
+    engine = offload.initialize(TinyNet(depth=2), make_config(swap_dir, "backward", clip=clip))
+    engine.schedule.context.events.enabled = True
+    return engine, engine.schedule.context.events
+
+
+def test_event_order_speculate_during_backward_then_commit(swap_dir):
+    engine, events = traced_engine(swap_dir, clip=1e6)
     try:
         (x, y), (x2, y2) = batches(2)
         engine.backward(mse(engine, x, y))
@@ -358,10 +358,7 @@ def test_event_order_speculate_during_backward_then_commit_or_redo(swap_dir):
 def test_a_redo_runs_during_the_next_forward(swap_dir, slow_adam):
     """Clipping acts: step() takes the speculative steps back and submits every unit again; it
     returns at once, and the next forward starts while the last block is still stepping."""
-    torch.manual_seed(0)
-    engine = offload.initialize(TinyNet(depth=2), make_config(swap_dir, "backward", clip=1e-3))
-    events = engine.schedule.context.events
-    events.enabled = True
+    engine, events = traced_engine(swap_dir, clip=1e-3)
     try:
         (x, y), (x2, _) = batches(2)
         engine.backward(mse(engine, x, y))
