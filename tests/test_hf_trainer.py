@@ -290,6 +290,28 @@ def test_fp16_overflow_skips_do_not_advance_the_schedule(tmp_path):
         trainer.end()
 
 
+def test_overlap_backward_with_max_grad_norm_equals_overlap_forward(tmp_path):
+    """The Trainer clips (max_grad_norm 1.0, every norm above it here) and its scheduler moves
+    the lr after each step: the speculative steps are redone each time, and the weights are
+    bitwise those of overlap 'forward'."""
+    results = {}
+    for overlap in ("forward", "backward"):
+        args = training_args(tmp_path / overlap, max_steps=6, gradient_accumulation_steps=1, eval_strategy="no")
+        trainer = OffloadTrainer(
+            model=tiny_llama(), args=args, train_dataset=dataset(), offload_config={**OFFLOAD_CONFIG, "overlap": overlap}
+        )
+        try:
+            trainer.train()
+            engine = trainer.offload_engine
+            results[overlap] = (weights(engine.consolidated_state_dict()), grad_norms(trainer), dict(engine.speculation_counts))
+        finally:
+            trainer.end()
+    (forward, forward_norms, _), (backward, backward_norms, counts) = results["forward"], results["backward"]
+    assert max_difference(backward, forward) == 0.0
+    assert backward_norms == forward_norms and min(forward_norms) > 1.0
+    assert counts == {"committed": 0, "redone": 6, "skipped": 0, "refused": 0}
+
+
 def test_prebuilt_optimizer_is_refused(tmp_path):
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters())
