@@ -377,13 +377,13 @@ class Engine:
     def __call__(self, *args, **kwargs):
         self._check_open()
         self._finish_abandoned_backward()
-        if self.policy.speculative and self._window_ended_without_step():
-            raise OffloadError(
-                "overlap 'backward' with gradient clipping or fp16: the last backward ended a gradient window and its "
-                "units were stepped speculatively, but engine.step() was not called; the weights count only once "
-                "step() has checked the global gradient norm. Call engine.step() after the backward that ends each window"
-            )
         if self.policy.steps_in_backward and self._window_ended_without_step():
+            if self.policy.speculative:
+                raise OffloadError(
+                    "overlap 'backward' with gradient clipping or fp16: the last backward ended a gradient window and its "
+                    "units were stepped speculatively, but engine.step() was not called; the weights count only once "
+                    "step() has checked the global gradient norm. Call engine.step() after the backward that ends each window"
+                )
             # overlap 'backward', a forward before step(): the window's steps are being scheduled
             # by the transfer worker as gradients land; let them be, so that the forward's fetches
             # ask for the weights they will get
@@ -624,11 +624,14 @@ class Engine:
             # the speculative steps stand if they used this very factor and hyperparameters
             # (read when the window's last backward began: an lr set since is a redo too)
             used = [dataclasses.replace(h, grad_multiplier=multiplier) for h in window_hypers or []]
-            if multiplier == self._unclipped_multiplier() and used == hypers:
+            clipped = multiplier != self._unclipped_multiplier()
+            if not clipped and used == hypers:
                 self._commit(speculated)
+                self.speculation_counts["committed"] += 1
             else:
                 self._take_back(speculated, restore=False)
-                self._log_redo(len(speculated), clipped=multiplier != self._unclipped_multiplier())
+                self.speculation_counts["redone"] += 1
+                self._log_redo(len(speculated), clipped=clipped)
         if self.config.precision == "fp16":
             self.scaler.update(overflow=False)
         self.global_steps += 1
@@ -645,7 +648,6 @@ class Engine:
             unit.commit_spare()
             unit.end_window()
             events.record("step_commit", unit.index)
-        self.speculation_counts["committed"] += 1
 
     def _take_back(self, speculated: list[UnitState], *, restore: bool) -> None:
         """The speculative steps do not stand: their states are left in the spare buffers and
@@ -666,7 +668,6 @@ class Engine:
             self.stepping.wait()
 
     def _log_redo(self, count: int, *, clipped: bool) -> None:
-        self.speculation_counts["redone"] += 1
         logger.info(
             "offload: step %d %s: the %d units stepped during backward step again from their old state "
             "(%d of %d speculative windows redone so far)",
@@ -679,8 +680,7 @@ class Engine:
 
     def _abandon_speculation(self, why: str) -> None:
         """A window's speculative steps that will not be decided by step() (its backward, or
-        step() itself, failed; a checkpoint replaces everything): the work in flight is
-        settled and they are taken back, leaving the units as a run without speculation would
+        step() itself, failed): the work in flight is settled and they are taken back, leaving the units as a run without speculation would
         (not stepped). Errors of the settled work are logged: the failure being raised is
         the one to report."""
         if not self.policy.speculative:
@@ -688,6 +688,11 @@ class Engine:
         # first every hand-off in flight: the transfer worker may still submit speculative steps
         for failure in self._settle():
             logger.warning("offload: %s; discarding failed work in flight: %s", why, failure)
+        self._take_back_undecided(why)
+
+    def _take_back_undecided(self, why: str) -> None:
+        """The speculative steps of a window step() will not decide (the work in flight is
+        settled already), taken back."""
         if not self._speculated:
             return
         speculated, self._speculated = list(self._speculated.values()), {}
@@ -704,7 +709,7 @@ class Engine:
                 f"non-finite gradients in {', '.join(nonfinite)} at step {self.global_steps}: those units were not "
                 "stepped (with overlap 'backward' the other units already were); lower the learning rate or check the data"
             )
-        hypers = self._window_hypers or self.hyper.step_hypers(1.0 / self.collectives.world_size)
+        hypers = self._window_hypers or self.hyper.step_hypers(self._unclipped_multiplier())
         self._window_hypers = None
         self.global_steps += 1
         self._submit_steps([unit for unit in window if unit.window_started], hypers)
@@ -789,7 +794,7 @@ class Engine:
             logger.warning("offload: load_checkpoint discards failed work in flight: %s", failure)
         # speculative steps of an unfinished window, taken back first: a load that fails leaves
         # the engine as it would be without them
-        self._abandon_speculation("load_checkpoint in the middle of a window")
+        self._take_back_undecided("load_checkpoint in the middle of a window")
         self._window_hypers = None
         return checkpoint.load(self, path, **kwargs)
 

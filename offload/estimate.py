@@ -46,6 +46,7 @@ from offload.errors import ConfigError
 from offload.placement import OptimizerTier
 from offload.plan import (
     MIN_SUB_GROUP_SIZE,
+    PAGE,
     Capacity,
     PlanError,
     device_room,
@@ -59,7 +60,6 @@ from offload.state import host_budget_bytes, host_bytes_beside_optimizer_state
 from offload.tiers import HOST_MARGIN
 from offload.units import plan_flat_layout, round_up
 
-PAGE = 4096
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # the engine's default piece of NVMe-streamed optimizer state (offload.sub_group_size)
 DEFAULT_SUB_GROUP_SIZE = OffloadConfig().sub_group_size

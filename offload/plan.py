@@ -22,11 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from offload.placement import OptimizerTier
+from offload.units import round_up
 
 STATE_BYTES_PER_ELEMENT = 16  # master, exp_avg, exp_avg_sq, grad32, fp32 each
 STATE_KIND_COUNT = 4
-# A swap file: a header page, then the data rounded up to whole pages (swap.py).
-SWAP_PAGE = 4096
+# Swap files (a header page, then the data in whole pages: swap.py) and host pool buffers
+# (memory.py) come in whole pages of this size.
+PAGE = 4096
 # The smallest `offload.sub_group_size` (elements): below it a piece's swap files are mostly
 # headers.
 MIN_SUB_GROUP_SIZE = 1024
@@ -115,7 +117,7 @@ def slot_numel(largest_state: int, sub_group_size: int) -> int:
 
 def swap_file_bytes(nbytes: int) -> int:
     """Disk bytes of one swap file of `nbytes` of data: a header page, the data in whole pages."""
-    return SWAP_PAGE + -(-nbytes // SWAP_PAGE) * SWAP_PAGE
+    return PAGE + round_up(nbytes, PAGE)
 
 
 def swap_bytes_for_state(numel: int, sub_group_size: int) -> int:
@@ -138,7 +140,7 @@ SPARE_KIND_COUNT = 3
 def spare_state_bytes(numel: int) -> int:
     """Host bytes of one unit's spare state (overlap 'backward' with clipping or fp16): its
     master and moments once more, each buffer in whole pages."""
-    return SPARE_KIND_COUNT * -(-4 * numel // SWAP_PAGE) * SWAP_PAGE if numel else 0
+    return SPARE_KIND_COUNT * round_up(4 * numel, PAGE)
 
 
 def plan_speculation(optimizer_numels: list[int], tiers: list[OptimizerTier], room: int) -> list[bool]:

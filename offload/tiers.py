@@ -26,6 +26,7 @@ from offload.memory import HostBufferPool, TierLedger
 from offload.optim import kernels
 from offload.placement import OptimizerTier, ParamTier
 from offload.plan import (
+    PAGE,
     Capacity,
     OptimizerPlan,
     PlanError,
@@ -213,10 +214,10 @@ class TierStore:
         buffer_count_estimate = 8 * len(units) + 4 * config.offload.buffer_count + config.prefetch.depth + 8
         self.speculating = [False] * len(units)
         if speculate:
-            self._plan_speculation(config, sum(self.budget.values()) + 4096 * buffer_count_estimate)
+            self._plan_speculation(config, sum(self.budget.values()) + PAGE * buffer_count_estimate)
         total_budget = sum(self.budget.values())
         self.pool = HostBufferPool(
-            total_budget + 4096 * buffer_count_estimate,
+            total_budget + PAGE * buffer_count_estimate,
             pin=pin and config.offload.pin_memory,
             ledger=ledger,
             name="offload host pool",
