@@ -10,6 +10,7 @@ clip_grad_norm_ checks the clipped run itself."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -328,16 +329,49 @@ def test_a_forward_before_step_is_refused(swap_dir):
         engine.close()
 
 
-def traced_engine(swap_dir, *, clip):
+def traced_engine(swap_dir, *, clip, model=None):
     """A speculative engine on a 3-unit TinyNet whose schedule records its events."""
     torch.manual_seed(0)
-    engine = offload.initialize(TinyNet(depth=2), make_config(swap_dir, "backward", clip=clip))
+    engine = offload.initialize(model or TinyNet(depth=2), make_config(swap_dir, "backward", clip=clip))
     engine.schedule.context.events.enabled = True
     return engine, engine.schedule.context.events
 
 
+class WaitsInBackward(TinyNet):
+    """TinyNet whose input layer's backward (the root's, the last in backward) waits, at most
+    20 s, until `until()` holds: there the rest of backward is still to come, whatever the
+    machine's speed."""
+
+    def __init__(self) -> None:
+        super().__init__(depth=2)
+        self.until = lambda: True
+
+    def forward(self, x):
+        h = _WaitInBackward.apply(self.inp(x), self)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+class _WaitInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, model):
+        ctx.model = model
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        deadline = time.monotonic() + 20
+        while not ctx.model.until() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return grad, None
+
+
 def test_event_order_speculate_during_backward_then_commit(swap_dir):
-    engine, events = traced_engine(swap_dir, clip=1e6)
+    model = WaitsInBackward()
+    engine, events = traced_engine(swap_dir, clip=1e6, model=model)
+    # the root's backward waits for block 2's speculative step: it happens during backward
+    model.until = lambda: ("step_done", 2) in events.events
     try:
         (x, y), (x2, y2) = batches(2)
         engine.backward(mse(engine, x, y))
