@@ -337,23 +337,22 @@ def traced_engine(swap_dir, *, clip, model=None):
     return engine, engine.schedule.context.events
 
 
-class WaitsInBackward(TinyNet):
-    """TinyNet whose input layer's backward (the root's, the last in backward) waits, at most
-    20 s, until `until()` holds: there the rest of backward is still to come, whatever the
-    machine's speed."""
+class CallsInBackward(TinyNet):
+    """TinyNet whose input layer's backward (the root's, the last of backward) first calls
+    `on_backward()`: a test's hook into backward after the blocks' gradients are final."""
 
-    def __init__(self) -> None:
-        super().__init__(depth=2)
-        self.until = lambda: True
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__(depth=depth)
+        self.on_backward = lambda: None
 
     def forward(self, x):
-        h = _WaitInBackward.apply(self.inp(x), self)
+        h = _CallInBackward.apply(self.inp(x), self)
         for block in self.blocks:
             h = block(h)
         return self.out(h)
 
 
-class _WaitInBackward(torch.autograd.Function):
+class _CallInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, model):
         ctx.model = model
@@ -361,17 +360,32 @@ class _WaitInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        deadline = time.monotonic() + 20
-        while not ctx.model.until() and time.monotonic() < deadline:
-            time.sleep(0.001)
+        ctx.model.on_backward()
         return grad, None
 
 
+def wait_until(condition, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def raise_once(model: CallsInBackward) -> None:
+    """The model's next backward fails (once), after the blocks' gradients are final."""
+
+    def fail():
+        model.on_backward = lambda: None
+        raise RuntimeError("injected failure in backward")
+
+    model.on_backward = fail
+
+
 def test_event_order_speculate_during_backward_then_commit(swap_dir):
-    model = WaitsInBackward()
+    model = CallsInBackward(depth=2)
     engine, events = traced_engine(swap_dir, clip=1e6, model=model)
-    # the root's backward waits for block 2's speculative step: it happens during backward
-    model.until = lambda: ("step_done", 2) in events.events
+    # the root's backward waits (at most 20 s) for block 2's speculative step: it happens
+    # during backward, however fast the rest of backward is
+    model.on_backward = lambda: wait_until(lambda: ("step_done", 2) in events.events)
     try:
         (x, y), (x2, y2) = batches(2)
         engine.backward(mse(engine, x, y))
@@ -480,40 +494,11 @@ def test_plan_speculation_properties(units, room):
 # ---- a window left undecided: the speculation is taken back, as if it never ran ------------
 
 
-class FailsInBackward(TinyNet):
-    """TinyNet whose input layer's backward raises once when `armed`: the blocks' gradients are
-    final (and step speculatively) before the failure."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed = False
-
-    def forward(self, x):
-        h = _RaiseInBackward.apply(self.inp(x), self)
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h)
-
-
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, model):
-        ctx.model = model
-        return h.view_as(h)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.model.armed:
-            ctx.model.armed = False
-            raise RuntimeError("injected failure in backward")
-        return grad, None
-
-
 def same_story(swap_dir, story, **config):
     """Runs `story(engine, model)` under overlap none and under the speculative backward; both
     must end bitwise equal (weights, step counts, and the next forward's output)."""
     torch.manual_seed(0)
-    model = FailsInBackward()
+    model = CallsInBackward()
     outcomes = []
     for overlap in ("none", "backward"):
         trained = copy.deepcopy(model)
@@ -537,7 +522,7 @@ def test_a_failed_backward_takes_the_speculation_back(swap_dir):
         data = batches(3)
         engine.backward(mse(engine, *data[0]))
         engine.step()
-        model.armed = True
+        raise_once(model)
         with pytest.raises(RuntimeError, match="injected"):
             engine.backward(mse(engine, *data[1]))
         engine.backward(mse(engine, *data[1]))  # the retry
