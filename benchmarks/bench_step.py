@@ -152,7 +152,7 @@ def main(argv=None) -> int:
             if any(report["speculation"].values()):
                 line += "  speculative windows " + " ".join(f"{k} {v}" for k, v in report["speculation"].items())
         print(line)
-    print("targets (2-core CPU as device): param none/optimizer cpu <= 1.15x plain; optimizer nvme <= 1.5x plain")
+    print("targets (issue 14, 2-core CPU as device): param none/optimizer cpu <= 1.10x plain; optimizer nvme <= 1.35x plain")
     return 0
 
 

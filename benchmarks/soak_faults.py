@@ -97,7 +97,9 @@ def child_main(args) -> int:
     config = {
         "precision": "fp32",
         "optimizer": {"lr": 1e-3, "weight_decay": 0.01},
-        "offload": {"param": "nvme", "optimizer": "nvme", "nvme_path": args.swap},
+        # the gradients on NVMe too (not kept in RAM): backward then writes swap files, so every
+        # phase has reads and writes for an armed fault to fail
+        "offload": {"param": "nvme", "optimizer": "nvme", "nvme_path": args.swap, "gradient_memory": 0},
         "io": {"block_size": 65536, "queue_depth": 4, "threads": 2},
     }
     rng = random.Random(args.fault_seed)

@@ -120,6 +120,8 @@ class OffloadConfig(ReadOnlyOnceFrozen):
     """`auto`: RAM the optimizer state may take, bytes or a size like `"40GB"` / `"40GiB"`; default: the RAM available at start less 10% and the engine's other host buffers."""
     speculation_memory: int | str | None = None
     """`overlap: backward` with clipping or fp16: RAM the spare states of the speculative steps may take (12 bytes per param of each unit whose state is in RAM, last units first), bytes or a size like `"8GiB"`; `0` turns speculation off (units step once the global norm is known); default: what `max_host_memory` (or the RAM available at start less 10%) leaves after everything else."""
+    gradient_memory: int | str | None = None
+    """Optimizer state on NVMe: RAM the fp32 gradients of those units may take instead of their swap files (4 bytes per param, first units first), so that the step reads and writes only the master and moments (24 bytes per param on the disk instead of 32), bytes or a size like `"4GiB"`; `0` keeps every such gradient on NVMe; default: what `max_host_memory` (or the RAM available at start less 10%) leaves after everything else."""
     nvme_path: str | list[str] = "./offload-swap"
     """Directory for swap files (must exist and be writable); a list spreads ranks over disks."""
     pin_memory: bool = True
@@ -430,7 +432,7 @@ def validate(config: Config) -> Config:
     config.precision = _choice("precision", config.precision, PRECISIONS)
     config.offload.param = _choice("offload.param", config.offload.param, PARAM_TIERS)
     config.offload.optimizer = _choice("offload.optimizer", config.offload.optimizer, OPTIMIZER_TIERS)
-    for key in ("max_device_memory", "max_host_memory", "speculation_memory"):
+    for key in ("max_device_memory", "max_host_memory", "speculation_memory", "gradient_memory"):
         value = getattr(config.offload, key)
         try:
             size = parse_size(value)

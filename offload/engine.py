@@ -415,6 +415,7 @@ class Engine:
         # agreed over ranks: a rank skipping backward alone would leave the others in its collectives
         nonfinite = self.config.precision != "fp16" and not math.isfinite(float(loss.detach()))
         self._agree_on_backward(nonfinite, float(loss.detach()) if nonfinite else None)
+        self._prefetch_step_states(boundary)
         scaled = loss.float() / self.config.gradient_accumulation_steps
         if self.config.precision == "fp16":
             scaled = scaled * self.scaler.scale
@@ -462,6 +463,18 @@ class Engine:
             )
         self.stepping.wait()
 
+    def _prefetch_step_states(self, boundary: bool) -> None:
+        """The window's last backward begins (the steps in flight are done): the optimizer worker
+        starts reading the master and moments of the first NVMe pieces the step will stream, in
+        its order, while backward computes (TierStore.prefetch_optimizer_states). Not with overlap
+        'backward' without speculation, whose units step one by one as their gradients land."""
+        if not boundary or not self.store.streamed_units:
+            return
+        if self.policy.steps_in_backward and not self.policy.speculative:
+            return
+        order = step_order(self.forward_order.recorded, len(self.units))
+        self.optimizer_worker.submit(self.store.prefetch_optimizer_states, [self.units[i] for i in order])
+
     def _window_ended_without_step(self) -> bool:
         """The last backward ended a gradient window and step() has not taken it yet."""
         steps = self.micro_steps
@@ -482,6 +495,7 @@ class Engine:
                 )
             boundary = self._before_backward()
             self._agree_on_backward(False, None)
+            self._prefetch_step_states(boundary)
             self.schedule.begin_backward(boundary=boundary)
         except BaseException:
             self.schedule.abort_backward()

@@ -164,6 +164,31 @@ def plan_speculation(optimizer_numels: list[int], tiers: list[OptimizerTier], ro
     return chosen
 
 
+def gradient_bytes(numel: int) -> int:
+    """Host bytes of one unit's fp32 gradient kept in RAM (whole pages)."""
+    return round_up(4 * numel, PAGE)
+
+
+def plan_gradients_in_ram(optimizer_numels: list[int], tiers: list[OptimizerTier], room: int) -> list[bool]:
+    """Which units whose optimizer state streams from NVMe keep their fp32 gradient in RAM.
+
+    Such a unit's gradient is otherwise written to its swap file as backward lands it and read
+    back by the step: 8 of the 32 bytes per param that cross the disk each step. Kept in RAM it
+    never touches the disk, and the step reads and writes only the master and moments. Units are
+    taken from the first (the root, whose step the next forward waits for first, and whose
+    gradients are final last in backward) on, while their gradient (`gradient_bytes`) fits in
+    `room` bytes; a unit that does not fit is passed over and smaller ones after it may still be
+    taken. The others keep their gradient on NVMe, as before."""
+    chosen = [False] * len(optimizer_numels)
+    left = room
+    for index, numel in enumerate(optimizer_numels):
+        need = gradient_bytes(numel)
+        if tiers[index].streamed and numel and need <= left:
+            chosen[index] = True
+            left -= need
+    return chosen
+
+
 def plan_optimizer_tiers(
     shard_numels: list[int],
     step_order: list[int],

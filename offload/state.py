@@ -26,6 +26,13 @@ Buffers and who uses them:
   before copying them to the device; one is reused once its device copy has completed.
 - `grad_slot` (`optimizer: nvme`): the transfer worker's buffer for read-add-write of the fp32
   gradient, one piece at a time; used by one task at a time (the transfer worker is one thread).
+  Made only when some NVMe unit keeps its gradient on NVMe: a unit with `gradient_in_ram` has
+  it in `resident_state["grad32"]` (the transfer worker adds into it, the step reads it, as for
+  resident state) and no gradient swap files.
+- prefetched pieces (`optimizer: nvme`): during the window's last backward the optimizer worker
+  reads the master and moments of the step's first pieces into the slots ahead of it
+  (`TierStore.prefetch_optimizer_states`); the next stream uses them, anyone else using the
+  slots waits them out first.
 """
 
 from __future__ import annotations
@@ -97,6 +104,10 @@ class UnitState:
     step_count: int = 0
     # where this unit's optimizer state lives (chosen per unit under `offload.optimizer: auto`)
     optimizer_tier: OptimizerTier = OptimizerTier.HOST
+    # optimizer state on NVMe, and the fp32 gradient kept in RAM instead of its swap files
+    # (`resident_state["grad32"]`; TierStore._plan_gradients): the step reads and writes only the
+    # master and moments through the slots
+    gradient_in_ram: bool = False
     # [start, end) of each piece the optimizer state is streamed in (TierStore sets it: pieces of
     # `offload.sub_group_size` elements when streamed from NVMe, else the whole state at once)
     state_pieces: list[tuple[int, int]] = field(default_factory=list)
@@ -111,6 +122,15 @@ class UnitState:
             self.optimizer_numel = self.layout.shard_numel
         if not self.param_groups:
             self.param_groups = (0,) * len(self.spec.params)
+
+    @property
+    def swap_kinds(self) -> tuple[str, ...]:
+        """The state kinds this unit keeps in swap files, piece by piece: every kind when its
+        optimizer state streams from NVMe, less the gradient when that is kept in RAM; none
+        when the state is resident."""
+        if not self.optimizer_tier.streamed:
+            return ()
+        return tuple(kind for kind in STATE_KINDS if not (kind == "grad32" and self.gradient_in_ram))
 
     def begin_step(self) -> None:
         """A step of this unit is scheduled: its weights change, and readers wait for `step_done`."""

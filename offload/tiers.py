@@ -32,8 +32,10 @@ from offload.plan import (
     PlanError,
     device_room,
     engine_device_bytes,
+    gradient_bytes,
     parse_size,
     piece_bounds,
+    plan_gradients_in_ram,
     plan_optimizer_tiers,
     plan_speculation,
     slot_numel,
@@ -215,6 +217,8 @@ class TierStore:
         self.speculating = [False] * len(units)
         if speculate:
             self._plan_speculation(config, sum(self.budget.values()) + PAGE * buffer_count_estimate)
+        if self.streamed_units:
+            self._plan_gradients(config, sum(self.budget.values()) + PAGE * buffer_count_estimate)
         total_budget = sum(self.budget.values())
         self.pool = HostBufferPool(
             total_budget + PAGE * buffer_count_estimate,
@@ -227,6 +231,12 @@ class TierStore:
         # held by whoever uses the optimizer slots (the optimizer worker's step, a checkpoint's
         # save or load, a read of the masters): one user at a time, whichever thread it is on
         self.slots_lock = threading.RLock()
+        # reads of the master and moments of the next step's first pieces, started into slots
+        # 0, 1, ... ahead of it (`prefetch_optimizer_states`, optimizer worker, during the
+        # boundary backward): (unit, piece index, read handles) per slot in that order. Taken by
+        # the next stream, which uses those that match its own first pieces and waits out the
+        # rest; dropped (waited out) by anything else that uses the slots. Under slots_lock.
+        self._prefetched: list[tuple[UnitState, int, list[SwapHandle]]] = []
         self._nvme_bytes_recorded = 0  # what this store put in the ledger's nvme tier
         try:
             if self.streamed_units or self.param_tier is ParamTier.NVME:
@@ -243,10 +253,9 @@ class TierStore:
                 )
                 specs = {}
                 for unit in units:
-                    if unit.optimizer_tier.streamed:
-                        for piece, (start, end) in enumerate(unit.state_pieces):
-                            for kind in STATE_KINDS:
-                                specs[unit.swap_name(kind, piece)] = (end - start, torch.float32)
+                    for piece, (start, end) in enumerate(unit.state_pieces):
+                        for kind in unit.swap_kinds:
+                            specs[unit.swap_name(kind, piece)] = (end - start, torch.float32)
                     if self.param_tier is ParamTier.NVME:
                         specs[unit.swap_name("param16")] = (unit.shard_numel, compute_dtype)
                 self.swap.reserve(specs)
@@ -281,6 +290,33 @@ class TierStore:
             room / 2**30,
         )
 
+    def _plan_gradients(self, config: Config, others: int) -> None:
+        """Chooses the NVMe-streamed units whose fp32 gradient stays in RAM, from the RAM left
+        beside `others` bytes (capped by `offload.gradient_memory`), and adds those gradients to
+        the budget; without a gradient left on NVMe, the transfer worker's `grad_slot` is not
+        needed."""
+        numels = [unit.optimizer_numel for unit in self.units]
+        room = max(0, host_cap(config) - others)
+        cap = parse_size(config.offload.gradient_memory)
+        if cap is not None:
+            room = min(room, cap)
+        chosen = plan_gradients_in_ram(numels, [unit.optimizer_tier for unit in self.units], room)
+        for unit, in_ram in zip(self.units, chosen):
+            unit.gradient_in_ram = in_ram
+        in_ram_bytes = sum(gradient_bytes(unit.optimizer_numel) for unit in self.units if unit.gradient_in_ram)
+        if in_ram_bytes:
+            self.budget["gradient"] = in_ram_bytes
+        if all(unit.gradient_in_ram for unit in self.streamed_units):
+            del self.budget["grad_slot"]
+        logger.info(
+            "offload: %d of %d units with their optimizer state on NVMe keep their fp32 gradient in RAM "
+            "(%.2f GiB, %.2f GiB was free for it); the step reads and writes only their master and moments",
+            sum(chosen),
+            len(self.streamed_units),
+            in_ram_bytes / 2**30,
+            room / 2**30,
+        )
+
     def _allocate_host(self) -> None:
         largest = self.largest_shard
         for unit, speculating in zip(self.units, self.speculating):
@@ -305,10 +341,17 @@ class TierStore:
                         unit.spare_state[kind] = self.pool.alloc(
                             unit.optimizer_numel, torch.float32, category="spare_state", pin=False
                         )
+            elif unit.gradient_in_ram:
+                # an NVMe-streamed unit's gradient, kept in RAM (_plan_gradients): the transfer
+                # worker adds into it, the step reads it in place of a slot's grad32
+                unit.resident_state["grad32"] = self.pool.alloc(
+                    unit.optimizer_numel, torch.float32, category="gradient", pin=False
+                )
         self.slots: list[OptimizerSlot] = []
         if self.streamed_units:
             self.slots = [self._allocate_slot(self.slot_numel) for _ in range(self.buffer_count)]
-            self.grad_slot = self.pool.alloc(self.slot_numel, torch.float32, category="grad_slot")
+            if "grad_slot" in self.budget:
+                self.grad_slot = self.pool.alloc(self.slot_numel, torch.float32, category="grad_slot")
         if "param16" in self.budget:
             for unit in self.units:
                 unit.param16 = self.pool.alloc(unit.shard_numel, self.compute_dtype, category="param16")
@@ -363,7 +406,8 @@ class TierStore:
             for piece, (start, end) in enumerate(unit.state_pieces):
                 views = slot.views(end - start)
                 views["master"].copy_(master_values[start:end])
-                for kind, buffer in views.items():
+                for kind in unit.swap_kinds:
+                    buffer = views[kind]
                     name = unit.swap_name(kind, piece)
                     if kind != "master":
                         if swap.never_written(name):
@@ -392,11 +436,42 @@ class TierStore:
         swap = self.require_swap()
         start, end = unit.state_pieces[piece]
         handles = []
-        for kind, buffer in slot.views(end - start).items():
+        views = slot.views(end - start)
+        for kind in unit.swap_kinds:
             if kind == "grad32" and not include_grad:
                 continue
-            handles.append(swap.read_into(unit.swap_name(kind, piece), buffer))
+            handles.append(swap.read_into(unit.swap_name(kind, piece), views[kind]))
         return handles
+
+    @staticmethod
+    def _streamed_pieces(units: list[UnitState]) -> list[tuple[UnitState, int]]:
+        """Every piece a stream over `units` reads into a slot, in order: (unit, its piece index)."""
+        return [(unit, j) for unit in units if unit.optimizer_tier.streamed for j in range(len(unit.state_pieces))]
+
+    def prefetch_optimizer_states(self, units: list[UnitState]) -> None:
+        """Optimizer worker, while the window's last backward computes: starts reading the master
+        and moments of the first pieces a stream over `units` (the next step, in its order) will
+        read, one per slot, so that the step finds them there. Never the gradient: backward is
+        still writing it. The state read does not change before the step (only a step or a
+        checkpoint load writes it, and the load drops these reads first). Best effort: a piece whose
+        read failed is read again by the step (a lasting error is met there)."""
+        with self.slots_lock:
+            self._drop_prefetch()
+            try:
+                for position, (unit, j) in enumerate(self._streamed_pieces(units)[: len(self.slots)]):
+                    slot = self.slots[position]
+                    slot.wait_writes()
+                    self._prefetched.append((unit, j, self._load_piece(unit, j, slot, include_grad=False)))
+            except Exception:
+                logger.debug("offload: prefetching the next step's optimizer state failed", exc_info=True)
+                self._drop_prefetch()
+
+    def _drop_prefetch(self) -> None:
+        """Waits out the prefetched reads (their slots are about to be used otherwise) and forgets
+        them; a failed one is the next reader's to meet. Under slots_lock."""
+        prefetched, self._prefetched = self._prefetched, []
+        for _, _, handles in prefetched:
+            _wait_quietly(handles)
 
     def stream_optimizer_states(
         self, units: list[UnitState], *, include_grad: bool, timings: dict[str, float] | None = None
@@ -430,16 +505,35 @@ class TierStore:
         self, all_units: list[UnitState], include_grad: bool, timings: dict[str, float] | None
     ) -> Iterator[StatePiece]:
         slots = self.slots
-        # every piece streamed, in order: (unit, its piece index)
-        pieces = [(unit, j) for unit in all_units if unit.optimizer_tier.streamed for j in range(len(unit.state_pieces))]
+        pieces = self._streamed_pieces(all_units)
         reads: dict[int, list[SwapHandle]] = {}
 
         def timed(key: str, started: float) -> None:
             if timings is not None:
                 timings[key] += time.perf_counter() - started
 
+        # the prefetched reads of pieces 0, 1, ... (one per slot) that are this stream's own and
+        # succeeded; a failed one is read again below, like any piece not prefetched
+        started = time.perf_counter()
+        prefetched, self._prefetched = self._prefetched, []
+        for position, (unit, j, handles) in enumerate(prefetched):
+            if not _wait_quietly(handles):
+                logger.warning(
+                    "offload: reading unit %s's optimizer state ahead of the step failed; it is read again", unit.spec.name
+                )
+            elif position < len(pieces) and pieces[position] == (unit, j):
+                reads[position] = []
+        timed("wait_read", started)
+
         def start_read(i: int) -> None:
             slot = slots[i % len(slots)]
+            if i in reads:
+                # prefetched (master and moments); the gradient, when wanted, is read now
+                unit, j = pieces[i]
+                if include_grad and "grad32" in unit.swap_kinds:
+                    start, end = unit.state_pieces[j]
+                    reads[i].append(self.require_swap().read_into(unit.swap_name("grad32", j), slot.grad32[: end - start]))
+                return
             started = time.perf_counter()
             slot.wait_writes()
             timed("wait_write", started)
@@ -462,17 +556,16 @@ class TierStore:
                         handle.wait()
                     timed("wait_read", started)
                     slot = slots[i % len(slots)]
-                    yield StatePiece(unit, j, start, slot.views(end - start), slot, last=j == len(unit.state_pieces) - 1)
+                    views = slot.views(end - start)
+                    if unit.gradient_in_ram:
+                        views["grad32"] = unit.resident_state["grad32"][start:end]
+                    yield StatePiece(unit, j, start, views, slot, last=j == len(unit.state_pieces) - 1)
                     i += 1
         finally:
             # reads still in flight when the consumer stops early, or fails, finish before their
             # slots can be reused; an error already propagating is the one raised
             for pending in reads.values():
-                for handle in pending:
-                    try:
-                        handle.wait()
-                    except Exception:
-                        logger.debug("a swap read abandoned with the stream failed too", exc_info=True)
+                _wait_quietly(pending)
             for slot in slots:
                 slot.wait_writes()
 
@@ -481,6 +574,7 @@ class TierStore:
         gradient), for the caller to fill completely (a checkpoint load); what it wrote is
         stored on the unit's tier before the next piece's slot is reused. Nothing is read first."""
         with self.slots_lock:
+            self._drop_prefetch()
             try:
                 streamed = 0
                 for unit in units:
@@ -513,10 +607,11 @@ class TierStore:
         """Queues the writes of a streamed piece's states from its slot back to their swap files."""
         assert piece.slot is not None, "only a piece read into a slot is stored back"
         swap = self.require_swap()
-        for kind, buffer in piece.slot.views(piece.end - piece.start).items():
+        views = piece.slot.views(piece.end - piece.start)
+        for kind in piece.unit.swap_kinds:
             if kind == "grad32" and not include_grad:
                 continue
-            piece.slot.pending_writes.append(swap.write_from(piece.unit.swap_name(kind, piece.index), buffer))
+            piece.slot.pending_writes.append(swap.write_from(piece.unit.swap_name(kind, piece.index), views[kind]))
 
     # ---- gradients (transfer worker only) --------------------------------------------------
     def accumulate_grad(
@@ -530,7 +625,7 @@ class TierStore:
         micro-batch (zero). An NVMe-resident gradient is read, added to and written back one
         piece of `state_pieces` at a time, through `grad_slot`."""
         pieces = sorted(pieces, key=lambda piece: piece[0])
-        if not unit.optimizer_tier.streamed:
+        if "grad32" not in unit.swap_kinds:
             return _accumulate(unit.resident_state["grad32"], 0, pieces, first_in_window, compute_norm)
         swap = self.require_swap()
         norm = 0.0
@@ -546,7 +641,7 @@ class TierStore:
 
     def grad_sq_norm(self, unit: UnitState) -> float:
         """Squared norm of the stored fp32 gradient (for a unit whose window ended early)."""
-        if not unit.optimizer_tier.streamed:
+        if "grad32" not in unit.swap_kinds:
             return squared_norm(unit.resident_state["grad32"])
         norm = 0.0
         for j, (start, end) in enumerate(unit.state_pieces):
@@ -590,9 +685,25 @@ class TierStore:
             self.ledger.release("nvme", self._nvme_bytes_recorded, "swap")
             self._nvme_bytes_recorded = 0
         if self.swap is not None:
+            with self.slots_lock:
+                self._drop_prefetch()
             self.swap.close()
             self.swap = None
         self.pool.close()
+
+
+def _wait_quietly(handles: list[SwapHandle]) -> bool:
+    """Waits for reads that may be abandoned; returns whether all succeeded. A failure is logged,
+    not raised: the piece is read again by whoever needs it (and a lasting error is met there),
+    or an error already propagating is the one to report."""
+    succeeded = True
+    for handle in handles:
+        try:
+            handle.wait()
+        except Exception:
+            succeeded = False
+            logger.debug("offload: a swap read that may be abandoned failed", exc_info=True)
+    return succeeded
 
 
 def default_run_name() -> str:

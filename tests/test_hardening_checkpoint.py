@@ -421,7 +421,14 @@ def test_swap_io_error_then_load_checkpoint_recovers_in_process(tmp_path, op, ph
         env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE])),
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert result.stdout.split() == ["ERROR", result.stdout.split()[1], "IDENTICAL"], result.stdout
+    words = result.stdout.split()
+    if (op, phase) == ("read", "backward") and words[:2] == ["NO", "ERROR"]:
+        # the failed read was the optimizer state's read ahead of the step (issued as the
+        # window's last backward begins, racing the backward's own reads), which the step reads
+        # again instead of failing (tests/test_nvme_step_io.py): nothing to recover from
+        assert words == ["NO", "ERROR", "IDENTICAL"], result.stdout
+    else:
+        assert words == ["ERROR", words[1], "IDENTICAL"], result.stdout
     assert os.listdir(swap) == []
 
 

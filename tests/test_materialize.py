@@ -271,8 +271,9 @@ RSS_SCRIPT = textwrap.dedent(
     with torch.device(build_on):
         model = Stack()
     numel = sum(p.numel() for p in model.parameters())
+    # gradient_memory 0: the fp32 gradients on NVMe too (in RAM they would be 4 bytes per param by design)
     config = {"precision": "bf16", "overlap": "none", "offload": {"param": "nvme", "optimizer": "nvme",
-              "nvme_path": swap_dir, "buffer_count": 2}}
+              "nvme_path": swap_dir, "buffer_count": 2, "gradient_memory": 0}}
     engine = offload.initialize(model, config)
     loss = engine(torch.randn(2, 256))
     engine.backward(loss)

@@ -38,10 +38,21 @@ PAGE = 4096
 
 
 def make_config(
-    swap_dir, *, param="cpu", optimizer="nvme", overlap="forward", precision="fp32", sub_group_size=PIECE, **extra
+    swap_dir,
+    *,
+    param="cpu",
+    optimizer="nvme",
+    overlap="forward",
+    precision="fp32",
+    sub_group_size=PIECE,
+    gradient_memory=0,
+    **extra,
 ) -> dict:
-    """sub_group_size None: the default (1 << 26), so every unit streams whole."""
+    """sub_group_size None: the default (1 << 26), so every unit streams whole. gradient_memory
+    0: the fp32 gradients stream in pieces too (None: the default, kept in RAM)."""
     section = {"param": param, "optimizer": optimizer, "nvme_path": swap_dir}
+    if gradient_memory is not None:
+        section["gradient_memory"] = gradient_memory
     if sub_group_size is not None:
         section["sub_group_size"] = sub_group_size
     config = {

@@ -1,0 +1,372 @@
+"""What crosses the disk in a step with the optimizer state on NVMe, and when.
+
+1. The fp32 gradients kept in RAM (`offload.gradient_memory`). A unit whose master and moments stream from NVMe keeps its fp32 gradient in a host buffer when
+the RAM left allows it: backward adds into it there, and the step reads it in place of a slot's
+gradient. Nothing about the arithmetic changes (the same fp32 additions in the same order), so
+training must be bit for bit what it is with the gradients on NVMe, in every overlap mode, with
+accumulation, clipping and pieces; and the disk must see 24 bytes per param and step instead of 32.
+
+2. The next step's first pieces read during backward (`TierStore.prefetch_optimizer_states`): the
+master and moments do not change between two steps, so the window's last backward starts reading
+those the step will stream first, one per slot; the step uses the reads that match its own first
+pieces, waits out the others, and anything else that uses the slots (a checkpoint's load) drops them.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import logging
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, mse, reference_run
+from test_state_pieces import DEPTH, PIECE, WIDTH, assert_same_state, make_config, pages, train
+
+import offload
+from offload.config import load_config
+from offload.errors import ConfigError
+from offload.placement import OptimizerTier
+from offload.plan import gradient_bytes, plan_gradients_in_ram
+from offload.prefetch import step_order
+
+STEPS = 4
+
+
+def grads_in_ram(engine) -> list[bool]:
+    return [unit.gradient_in_ram for unit in engine.units]
+
+
+def grad_swap_files(engine) -> list[str]:
+    return sorted(name for name in engine.store.swap.names() if ".grad32." in name)
+
+
+def check_all_in_ram(engine) -> None:
+    assert all(grads_in_ram(engine)), grads_in_ram(engine)
+    assert grad_swap_files(engine) == []
+    host = engine.memory_report()["host"]["by_category"]
+    assert host["gradient"]["current"] == sum(pages(4 * unit.optimizer_numel) for unit in engine.units)
+    assert "grad_slot" not in host  # no gradient left on NVMe: the read-add-write buffer is not made
+
+
+def check_all_on_nvme(engine) -> None:
+    assert not any(grads_in_ram(engine))
+    assert grad_swap_files(engine)
+    assert "gradient" not in engine.memory_report()["host"]["by_category"]
+
+
+# ---- training is bit-identical ------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_gradients_in_ram_train_bit_identical_to_gradients_on_nvme(swap_dir, param, overlap):
+    torch.manual_seed(0)
+    model = TinyNet(width=WIDTH, depth=DEPTH)
+    data = batches(STEPS)
+    reference, _ = reference_run(model, data)
+    losses, state, _, tolerance = train(
+        model, make_config(swap_dir, param=param, overlap=overlap, gradient_memory=None), data, check=check_all_in_ram
+    )
+    assert max_weight_difference(state, reference) <= tolerance
+    nvme_losses, nvme_state, _, _ = train(
+        model, make_config(swap_dir, param=param, overlap=overlap, gradient_memory=0), data, check=check_all_on_nvme
+    )
+    assert losses == nvme_losses
+    assert_same_state(state, nvme_state)
+
+
+CLIP = 0.05  # the gradient norms of these steps are 2..5: every step clips
+
+
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+def test_accumulation_and_clipping_with_gradients_in_ram(swap_dir, overlap):
+    """Two micro-batches per step (the second adds into the RAM gradient instead of reading the
+    swap file back), the global norm from the RAM gradients, clipping active, fp16-free; overlap
+    'backward' with clipping steps speculatively only the RAM-resident units, so here every unit
+    steps after the norm."""
+    torch.manual_seed(0)
+    model = TinyNet(width=WIDTH, depth=DEPTH)
+    data = batches(2 * STEPS, batch=8)
+    extra = {"gradient_accumulation_steps": 2, "gradient_clipping": CLIP}
+    reference, _ = reference_run(model, data, clip=CLIP, accumulation=2)
+    losses, state, norm, tolerance = train(
+        model, make_config(swap_dir, overlap=overlap, gradient_memory=None, **extra), data, check=check_all_in_ram
+    )
+    assert norm > CLIP
+    assert max_weight_difference(state, reference) <= tolerance
+    nvme_losses, nvme_state, nvme_norm, _ = train(
+        model, make_config(swap_dir, overlap=overlap, gradient_memory=0, **extra), data, check=check_all_on_nvme
+    )
+    assert norm == nvme_norm
+    assert losses == nvme_losses
+    assert_same_state(state, nvme_state)
+
+
+def test_a_gradient_memory_cap_keeps_the_first_units_gradients_in_ram(swap_dir):
+    """Room for the root unit's gradient and not one more: the root keeps it in RAM, the blocks
+    on NVMe; the mixed run trains as both others do."""
+    torch.manual_seed(0)
+    model = TinyNet(width=WIDTH, depth=DEPTH)
+    data = batches(STEPS)
+    probe = offload.initialize(copy.deepcopy(model), make_config(swap_dir, gradient_memory=0))
+    try:
+        numels = [unit.optimizer_numel for unit in probe.units]
+    finally:
+        probe.close()
+    cap = gradient_bytes(numels[0])
+    assert cap < gradient_bytes(numels[0]) + min(gradient_bytes(n) for n in numels[1:])
+
+    def check_mixed(engine):
+        assert grads_in_ram(engine) == [True] + [False] * (len(numels) - 1)
+        assert not any("unit0.grad32." in name for name in grad_swap_files(engine))
+        assert len(grad_swap_files(engine)) == sum(len(unit.state_pieces) for unit in engine.units[1:])
+        host = engine.memory_report()["host"]["by_category"]
+        assert host["gradient"]["current"] == cap
+        assert "grad_slot" in host  # the blocks' gradients still pass through it
+
+    losses, state, _, _ = train(model, make_config(swap_dir, gradient_memory=cap), data, check=check_mixed)
+    nvme_losses, nvme_state, _, _ = train(model, make_config(swap_dir, gradient_memory=0), data, check=check_all_on_nvme)
+    ram_losses, ram_state, _, _ = train(model, make_config(swap_dir, gradient_memory=None), data, check=check_all_in_ram)
+    assert losses == nvme_losses == ram_losses
+    assert_same_state(state, nvme_state)
+    assert_same_state(state, ram_state)
+
+
+# ---- what crosses the disk --------------------------------------------------------------------
+def _steady_step_bytes(swap_dir, gradient_memory) -> tuple[int, int]:
+    """(bytes read, bytes written) by the swap store over steps 2 and 3 (step 1 reads the moments
+    as implicit zeros, without I/O); param cpu, so only optimizer state crosses the disk."""
+    torch.manual_seed(0)
+    engine = offload.initialize(
+        TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, overlap="none", gradient_memory=gradient_memory)
+    )
+    try:
+        data = batches(3)
+        engine_run(engine, data[:1])
+        swap = engine.store.swap
+        read, written = swap.bytes_read, swap.bytes_written
+        engine_run(engine, data[1:])
+        return swap.bytes_read - read, swap.bytes_written - written
+    finally:
+        engine.close()
+
+
+def test_the_disk_sees_the_master_and_moments_only(swap_dir):
+    """With the gradients in RAM a step reads and writes the three fp32 states (as many bytes each
+    way); with them on NVMe, backward also writes each gradient and the step reads it back: a
+    quarter more each way. Every piece's four files have the same size, so the gradient's share
+    is exactly a third of the other three."""
+    ram_read, ram_written = _steady_step_bytes(swap_dir, None)
+    nvme_read, nvme_written = _steady_step_bytes(swap_dir, 0)
+    assert ram_read == ram_written > 0
+    gradient = nvme_read - ram_read
+    assert gradient > 0
+    assert nvme_written - ram_written == gradient
+    assert 3 * gradient == ram_read
+
+
+# ---- the plan (plain logic) --------------------------------------------------------------------
+NVME, HOST = OptimizerTier.NVME, OptimizerTier.HOST
+
+
+def test_plan_takes_streamed_units_from_the_first_while_they_fit():
+    numels = [1000, 3000, 1000, 1000]
+    tiers = [NVME, NVME, HOST, NVME]
+    each = [gradient_bytes(n) for n in numels]
+    assert plan_gradients_in_ram(numels, tiers, 0) == [False] * 4
+    assert plan_gradients_in_ram(numels, tiers, each[0]) == [True, False, False, False]
+    # unit 1 does not fit beside unit 0; unit 3 does (passed over, not stopped at)
+    assert plan_gradients_in_ram(numels, tiers, each[0] + each[3]) == [True, False, False, True]
+    assert plan_gradients_in_ram(numels, tiers, 10**9) == [True, True, False, True]
+    # a unit with only frozen params has no gradient to keep
+    assert plan_gradients_in_ram([0, 1000], [NVME, NVME], 10**9) == [False, True]
+
+
+@given(
+    units=st.lists(st.tuples(st.integers(0, 10**7), st.sampled_from(list(OptimizerTier))), max_size=12),
+    room=st.integers(0, 2 * 10**8),
+)
+def test_plan_properties(units, room):
+    numels = [n for n, _ in units]
+    tiers = [tier for _, tier in units]
+    chosen = plan_gradients_in_ram(numels, tiers, room)
+    assert len(chosen) == len(units)
+    assert sum(gradient_bytes(n) for n, c in zip(numels, chosen) if c) <= room
+    for (numel, tier), taken in zip(units, chosen):
+        if taken:
+            assert tier.streamed and numel > 0
+    eligible = [gradient_bytes(n) for n, tier in units if tier.streamed and n]
+    if sum(eligible) <= room:
+        assert sum(chosen) == len(eligible)
+    # greedy in unit order: a unit passed over did not fit beside the ones taken before it
+    used = 0
+    for (numel, tier), taken in zip(units, chosen):
+        if taken:
+            used += gradient_bytes(numel)
+        elif tier.streamed and numel:
+            assert used + gradient_bytes(numel) > room
+
+
+# ---- config ----------------------------------------------------------------------------------
+def test_gradient_memory_is_checked_and_parsed(swap_dir):
+    with pytest.raises(ConfigError, match="offload.gradient_memory"):
+        load_config(make_config(swap_dir, gradient_memory=-1))
+    with pytest.raises(ConfigError, match="offload.gradient_memory"):
+        load_config(make_config(swap_dir, gradient_memory="lots"))
+    engine = offload.initialize(TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, gradient_memory="1GiB"))
+    try:
+        check_all_in_ram(engine)
+    finally:
+        engine.close()
+
+
+def test_pieces_of_a_ram_gradient_are_its_slices(swap_dir):
+    """Pieces (sub_group_size 1024): each piece the step sees takes its gradient from the unit's
+    RAM buffer at the piece's offset, not from the slot."""
+    torch.manual_seed(0)
+    engine = offload.initialize(
+        TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, sub_group_size=PIECE, gradient_memory=None)
+    )
+    try:
+        engine_run(engine, batches(1))
+        engine.stepping.wait()
+        seen = []
+        for piece in engine.store.stream_optimizer_states(engine.units, include_grad=True):
+            gradient = piece.unit.resident_state["grad32"]
+            assert piece.views["grad32"].data_ptr() == gradient[piece.start :].data_ptr()
+            assert piece.views["grad32"].numel() == piece.end - piece.start
+            seen.append((piece.unit.index, piece.index))
+        assert len(seen) > len(engine.units)  # really in pieces
+    finally:
+        engine.close()
+
+
+# ---- 2. the next step's first pieces, read during backward ---------------------------------------
+def _store_values(engine) -> dict:
+    """Every streamed piece's master and moments as the stream gives them (a copy per piece)."""
+    values = {}
+    for piece in engine.store.stream_optimizer_states(engine.units, include_grad=False):
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            values[(piece.unit.index, piece.index, kind)] = piece.views[kind].clone()
+    return values
+
+
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+def test_the_boundary_backward_reads_the_first_pieces_of_the_step(swap_dir, overlap):
+    """During the window's last backward, one piece per slot (the first the step streams, in its
+    order) is read, master and moments: exactly those bytes; the step then reads only the rest,
+    and the run is exact."""
+    torch.manual_seed(0)
+    model = TinyNet(width=WIDTH, depth=DEPTH)
+    data = batches(3)
+    engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, overlap=overlap, gradient_memory=None))
+    try:
+        tolerance = fp32_weight_tolerance(engine)
+        losses = engine_run(engine, data[:2])  # the forward order is recorded; the moments are on disk
+        x, y = data[2]
+        loss = mse(engine, x, y)
+        engine.stepping.wait()  # overlap forward: the last step is done before the backward begins
+        store = engine.store
+        before_backward = store.swap.bytes_read
+        engine.backward(loss)
+        engine.optimizer_worker.submit(lambda: None).result()  # the prefetch task has run
+        with store.slots_lock:
+            prefetched = [(unit.index, j) for unit, j, _ in store._prefetched]
+        order = [engine.units[i] for i in step_order(engine.forward_order.recorded, len(engine.units))]
+        pieces = [(unit, j) for unit in order for j in range(len(unit.state_pieces))]
+        assert len(pieces) > len(store.slots)
+        assert prefetched == [(unit.index, j) for unit, j in pieces[: len(store.slots)]]
+
+        def state_bytes(chosen):
+            return sum(3 * pages(4 * (unit.state_pieces[j][1] - unit.state_pieces[j][0])) for unit, j in chosen)
+
+        assert store.swap.bytes_read - before_backward == state_bytes(pieces[: len(store.slots)])
+        before_step = store.swap.bytes_read
+        engine.step()
+        engine.stepping.wait()
+        with store.slots_lock:
+            assert store._prefetched == []  # taken by the step's stream
+        assert store.swap.bytes_read - before_step == state_bytes(pieces[len(store.slots) :])
+        losses.append(loss.item())
+        state = engine.consolidated_state_dict()
+    finally:
+        engine.close()
+    reference, reference_losses = reference_run(model, data)
+    assert max_weight_difference(state, reference) <= tolerance
+    assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+
+
+def test_a_prefetch_in_another_order_is_waited_out_and_the_stream_reads_its_own(swap_dir):
+    """Pieces prefetched for an order the stream does not follow are not used: every value the
+    stream gives is the one on disk."""
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, gradient_memory=None))
+    try:
+        engine_run(engine, batches(2))
+        engine.stepping.wait()
+        expected = _store_values(engine)
+        engine.store.prefetch_optimizer_states(list(reversed(engine.units)))
+        assert engine.store._prefetched
+        got = _store_values(engine)
+        assert engine.store._prefetched == []
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[key], expected[key]) for key in expected)
+        # and in the same order: used, with the same values
+        engine.store.prefetch_optimizer_states(engine.units)
+        got = _store_values(engine)
+        assert all(torch.equal(got[key], expected[key]) for key in expected)
+    finally:
+        engine.close()
+
+
+def test_a_checkpoint_load_drops_the_prefetched_pieces(tmp_path, swap_dir):
+    """Prefetched states read before a load are the old ones: the load drops them, and the next
+    step streams the loaded state (the run resumes exactly as from the checkpoint)."""
+    torch.manual_seed(0)
+    model = TinyNet(width=WIDTH, depth=DEPTH)
+    data = batches(4)
+    config = make_config(swap_dir, gradient_memory=None)
+    engine = offload.initialize(copy.deepcopy(model), config)
+    try:
+        engine_run(engine, data[:2])
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = _store_values(engine)
+        engine_run(engine, data[2:3])  # the state moves on
+        engine.stepping.wait()
+        engine.store.prefetch_optimizer_states(engine.units)  # reads of the moved-on state
+        assert engine.store._prefetched
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        assert engine.store._prefetched == []
+        loaded = _store_values(engine)
+        assert all(torch.equal(loaded[key], saved[key]) for key in saved)
+        resumed = engine_run(engine, data[2:])
+        resumed_state = engine.consolidated_state_dict()
+    finally:
+        engine.close()
+    straight = offload.initialize(copy.deepcopy(model), config)
+    try:
+        straight_losses = engine_run(straight, data)
+        assert resumed == straight_losses[2:]
+        assert_same_state(resumed_state, straight.consolidated_state_dict())
+    finally:
+        straight.close()
+
+
+def test_a_failed_prefetch_read_is_read_again_by_the_step(swap_dir, caplog):
+    """An I/O error on a read ahead of the step is not the step's failure: the step reads the
+    piece again, says so, and gives the values on disk."""
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, gradient_memory=None))
+    try:
+        engine_run(engine, batches(2))
+        engine.stepping.wait()
+        expected = _store_values(engine)
+        engine.store.swap.engine.set_fault("read", errno.EIO, count=1)
+        engine.store.prefetch_optimizer_states(engine.units)
+        with caplog.at_level(logging.WARNING, logger="offload.tiers"):
+            got = _store_values(engine)
+        assert "ahead of the step failed; it is read again" in caplog.text
+        assert all(torch.equal(got[key], expected[key]) for key in expected)
+    finally:
+        engine.close()
