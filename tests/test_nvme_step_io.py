@@ -76,33 +76,6 @@ def test_gradients_in_ram_train_bit_identical_to_gradients_on_nvme(swap_dir, par
     assert_same_state(state, nvme_state)
 
 
-CLIP = 0.05  # the gradient norms of these steps are 2..5: every step clips
-
-
-@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
-def test_accumulation_and_clipping_with_gradients_in_ram(swap_dir, overlap):
-    """Two micro-batches per step (the second adds into the RAM gradient instead of reading the
-    swap file back), the global norm from the RAM gradients, clipping active, fp16-free; overlap
-    'backward' with clipping steps speculatively only the RAM-resident units, so here every unit
-    steps after the norm."""
-    torch.manual_seed(0)
-    model = TinyNet(width=WIDTH, depth=DEPTH)
-    data = batches(2 * STEPS, batch=8)
-    extra = {"gradient_accumulation_steps": 2, "gradient_clipping": CLIP}
-    reference, _ = reference_run(model, data, clip=CLIP, accumulation=2)
-    losses, state, norm, tolerance = train(
-        model, make_config(swap_dir, overlap=overlap, gradient_memory=None, **extra), data, check=check_all_in_ram
-    )
-    assert norm > CLIP
-    assert max_weight_difference(state, reference) <= tolerance
-    nvme_losses, nvme_state, nvme_norm, _ = train(
-        model, make_config(swap_dir, overlap=overlap, gradient_memory=0, **extra), data, check=check_all_on_nvme
-    )
-    assert norm == nvme_norm
-    assert losses == nvme_losses
-    assert_same_state(state, nvme_state)
-
-
 def test_a_gradient_memory_cap_keeps_the_first_units_gradients_in_ram(swap_dir):
     """Room for the root unit's gradient and not one more: the root keeps it in RAM, the blocks
     on NVMe; the mixed run trains as both others do."""
@@ -297,27 +270,33 @@ def test_the_boundary_backward_reads_the_first_pieces_of_the_step(swap_dir, over
     assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
 
 
-def test_a_prefetch_in_another_order_is_waited_out_and_the_stream_reads_its_own(swap_dir):
-    """Pieces prefetched for an order the stream does not follow are not used: every value the
-    stream gives is the one on disk."""
+@pytest.fixture
+def stepped(swap_dir):
+    """An engine with its optimizer state on NVMe after two steps, and that state (_store_values)."""
     torch.manual_seed(0)
     engine = offload.initialize(TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, gradient_memory=None))
     try:
         engine_run(engine, batches(2))
         engine.stepping.wait()
-        expected = _store_values(engine)
-        engine.store.prefetch_optimizer_states(list(reversed(engine.units)))
-        assert engine.store._prefetched
-        got = _store_values(engine)
-        assert engine.store._prefetched == []
-        assert got.keys() == expected.keys()
-        assert all(torch.equal(got[key], expected[key]) for key in expected)
-        # and in the same order: used, with the same values
-        engine.store.prefetch_optimizer_states(engine.units)
-        got = _store_values(engine)
-        assert all(torch.equal(got[key], expected[key]) for key in expected)
+        yield engine, _store_values(engine)
     finally:
         engine.close()
+
+
+def test_a_prefetch_in_another_order_is_waited_out_and_the_stream_reads_its_own(stepped):
+    """Pieces prefetched for an order the stream does not follow are not used: every value the
+    stream gives is the one on disk."""
+    engine, expected = stepped
+    engine.store.prefetch_optimizer_states(list(reversed(engine.units)))
+    assert engine.store._prefetched
+    got = _store_values(engine)
+    assert engine.store._prefetched == []
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[key], expected[key]) for key in expected)
+    # and in the same order: used, with the same values
+    engine.store.prefetch_optimizer_states(engine.units)
+    got = _store_values(engine)
+    assert all(torch.equal(got[key], expected[key]) for key in expected)
 
 
 def test_a_checkpoint_load_drops_the_prefetched_pieces(tmp_path, swap_dir):
@@ -353,20 +332,13 @@ def test_a_checkpoint_load_drops_the_prefetched_pieces(tmp_path, swap_dir):
         straight.close()
 
 
-def test_a_failed_prefetch_read_is_read_again_by_the_step(swap_dir, caplog):
+def test_a_failed_prefetch_read_is_read_again_by_the_step(stepped, caplog):
     """An I/O error on a read ahead of the step is not the step's failure: the step reads the
     piece again, says so, and gives the values on disk."""
-    torch.manual_seed(0)
-    engine = offload.initialize(TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, gradient_memory=None))
-    try:
-        engine_run(engine, batches(2))
-        engine.stepping.wait()
-        expected = _store_values(engine)
-        engine.store.swap.engine.set_fault("read", errno.EIO, count=1)
-        engine.store.prefetch_optimizer_states(engine.units)
-        with caplog.at_level(logging.WARNING, logger="offload.tiers"):
-            got = _store_values(engine)
-        assert "ahead of the step failed; it is read again" in caplog.text
-        assert all(torch.equal(got[key], expected[key]) for key in expected)
-    finally:
-        engine.close()
+    engine, expected = stepped
+    engine.store.swap.engine.set_fault("read", errno.EIO, count=1)
+    engine.store.prefetch_optimizer_states(engine.units)
+    with caplog.at_level(logging.WARNING, logger="offload.tiers"):
+        got = _store_values(engine)
+    assert "ahead of the step failed; it is read again" in caplog.text
+    assert all(torch.equal(got[key], expected[key]) for key in expected)

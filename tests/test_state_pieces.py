@@ -137,10 +137,11 @@ def test_pieces_train_like_adamw_and_bit_identical_to_whole_units(swap_dir, para
 CLIP = 0.05  # the gradient norms of these steps are 2..5: every step clips
 
 
-@pytest.mark.parametrize("param,overlap", [("nvme", "none"), ("cpu", "forward")])
+@pytest.mark.parametrize("param,overlap", [("nvme", "none"), ("cpu", "forward"), ("cpu", "backward")])
 def test_accumulation_and_clipping_in_pieces_equal_whole_units(swap_dir, param, overlap):
     """Two micro-batches per step (the second is read, added to and written back piece by piece)
-    and the global norm, summed over the pieces' squared norms.
+    and the global norm, summed over the pieces' squared norms. Overlap 'backward' with clipping
+    steps NVMe units after the norm (only units with their state in RAM speculate).
 
     Tolerance: none. The squared norm of a unit in pieces is a sum of per-piece fp64 sums where
     whole units make one fp64 sum, so the norm could in principle differ in its last fp64 bit;
@@ -164,6 +165,14 @@ def test_accumulation_and_clipping_in_pieces_equal_whole_units(swap_dir, param, 
     assert norm == whole_norm
     assert losses == whole_losses
     assert_same_state(state, whole_state)
+    # the gradients kept in RAM (the second micro-batch adds into them instead of reading the
+    # swap files back; the norm is taken from them): the same bits (tests/test_nvme_step_io.py)
+    ram_losses, ram_state, ram_norm, _ = train(
+        model, make_config(swap_dir, param=param, overlap=overlap, gradient_memory=None, **extra), data
+    )
+    assert ram_norm == norm
+    assert ram_losses == losses
+    assert_same_state(ram_state, state)
 
 
 # ---- 3. frozen parameters --------------------------------------------------------------------
