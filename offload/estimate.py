@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from offload import sizes
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.placement import OptimizerTier
@@ -928,43 +929,21 @@ def estimate_report(
 
 
 # ---- sizes as text -----------------------------------------------------------------------
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 10**3,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 10**6,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 10**9,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tb": 10**12,
-    "tib": 1 << 40,
-}
-_DECIMAL = {"kb": "kib", "mb": "mib", "gb": "gib", "tb": "tib"}
-
-
 def parse_bytes(text: str, *, binary: bool = False) -> int:
-    """'24GB' (10^9; 2^30 with `binary`), '24GiB' or '24G' (2^30), '512M', '1e9' -> bytes.
+    """'24GB' (10^9; 2^30 with `binary`), '24GiB' or '24G' (2^30), '512M', '1e9' -> bytes
+    (sizes.parse_bytes), or a ConfigError.
 
     `binary=True` reads KB/MB/GB/TB as GPU and RAM makers mean them (a "24GB" GPU has 24 GiB);
     disks are sold in decimal units, so sizes of disks are read with `binary=False`."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{text!r} is not a size; write it like 24GB, 24GiB, 512M or 1e9 (bytes)")
-    unit = match.group(2).lower()
-    if binary:
-        unit = _DECIMAL.get(unit, unit)
-    return int(float(match.group(1)) * _UNITS[unit])
+    try:
+        return sizes.parse_bytes(text, binary=binary)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def size_note(option: str, text: str, nbytes: int, *, binary: bool) -> str | None:
     """How a size given as text was read, when its unit is ambiguous (KB/MB/GB/TB), else None."""
-    unit = re.sub(r"[0-9.e\s]", "", str(text)).lower()
-    if unit not in _DECIMAL:
+    if sizes.unit_of(text) not in sizes.DECIMAL_TO_BINARY:
         return None
     how = "binary units, as GPU and RAM makers mean them" if binary else "decimal units, as disk makers mean them"
     return f"{option} {text} read as {nbytes:,} bytes = {format_bytes(nbytes)} ({how})"

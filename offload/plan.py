@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from offload.placement import OptimizerTier
+from offload.sizes import parse_bytes
 from offload.units import round_up
 
 STATE_BYTES_PER_ELEMENT = 16  # master, exp_avg, exp_avg_sq, grad32, fp32 each
@@ -271,16 +272,8 @@ def _finish(tiers, reasons, need, slots) -> OptimizerPlan:
 
 
 def parse_size(value: int | str | None) -> int | None:
-    """Bytes from a cap as a user writes it: an int, or "40GB" (10^9), "40GiB" (2^30), "512MB"."""
+    """Bytes from a cap as a user writes it: an int, or text like "40GB" (10^9), "40GiB" or "40G"
+    (2^30), "512MB", "1e9" (sizes.parse_bytes); None stays None."""
     if value is None or isinstance(value, int):
         return value
-    text = value.strip().upper().replace(" ", "")
-    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10, "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
-    for suffix, factor in units.items():
-        if text.endswith(suffix):
-            number = text[: -len(suffix)]
-            try:
-                return int(float(number) * factor)
-            except ValueError:
-                break
-    raise ValueError(f'{value!r} is not a size: write bytes as an integer, or like "40GB" or "40GiB"')
+    return parse_bytes(value)

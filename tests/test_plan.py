@@ -190,6 +190,34 @@ def test_parse_size_reads_gpu_buyer_and_binary_units():
         parse_size("forty gigs")
 
 
+@pytest.mark.parametrize(
+    "text,decimal,binary",
+    [
+        ("40GB", 40 * 10**9, 40 * GiB),
+        ("40gb", 40 * 10**9, 40 * GiB),
+        ("40G", 40 * GiB, 40 * GiB),
+        ("40GiB", 40 * GiB, 40 * GiB),
+        ("512M", 512 << 20, 512 << 20),
+        ("512KiB", 512 << 10, 512 << 10),
+        ("1e9", 10**9, 10**9),
+        (" 1048576 ", 1 << 20, 1 << 20),
+        ("2 TB", 2 * 10**12, 2 << 40),
+    ],
+)
+def test_one_size_grammar_for_config_estimate_and_bench_io(text, decimal, binary):
+    """A cap in the config, a size given to `offload estimate` and a block size given to
+    `offload bench-io` are read by one grammar (offload.sizes): "40G" or "1e9" in a config is no
+    longer an error where the estimate accepted it. KB/MB/GB/TB are powers of 10 in the config
+    and for disks, powers of 2 for RAM and GPU sizes and block sizes."""
+    from offload import estimate
+    from offload.cli import bench_io
+
+    assert parse_size(text) == decimal
+    assert estimate.parse_bytes(text) == decimal
+    assert estimate.parse_bytes(text, binary=True) == binary
+    assert bench_io.parse_size(text) == binary
+
+
 def test_offload_estimate_plans_the_split_the_engine_makes():
     """`offload estimate` on a machine with too little RAM for the whole state: the auto rows
     hold the slots and the first units in RAM, the rest on NVMe, and say so."""

@@ -26,25 +26,10 @@ import torch
 
 from offload.aio import AioEngine, probe_o_direct, round_up
 from offload.memory import HostBufferPool
+from offload.sizes import parse_bytes
 
 log = logging.getLogger(__name__)
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1 << 10,
-    "KB": 1 << 10,
-    "KIB": 1 << 10,
-    "M": 1 << 20,
-    "MB": 1 << 20,
-    "MIB": 1 << 20,
-    "G": 1 << 30,
-    "GB": 1 << 30,
-    "GIB": 1 << 30,
-    "T": 1 << 40,
-    "TB": 1 << 40,
-    "TIB": 1 << 40,
-}
 NETWORK_FS = {
     "nfs",
     "nfs4",
@@ -68,17 +53,12 @@ CHUNK_BYTES = 64 << 20  # one request per 64 MiB of the file; the engine splits 
 
 
 def parse_size(text: str) -> int:
-    """'4M', '512KiB', '2G', '1048576' -> bytes (binary units)."""
-    s = text.strip().upper()
-    num = s.rstrip("BKMGTI")
-    unit = s[len(num) :]
-    if unit not in _UNITS or not num:
-        raise argparse.ArgumentTypeError(f"cannot read size {text!r}; use e.g. 1048576, 512K, 4M, 2G")
+    """'4M', '512KiB', '2G', '1048576' -> bytes; KB/MB/GB read as powers of 2, as block sizes are
+    meant (sizes.parse_bytes)."""
     try:
-        value = float(num) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"cannot read size {text!r}; use e.g. 1048576, 512K, 4M, 2G") from None
-    return int(value)
+        return parse_bytes(text, binary=True)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"cannot read size {text!r}; use e.g. 1048576, 512K, 4M, 2G") from error
 
 
 def _size_list(text: str) -> list[int]:

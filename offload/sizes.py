@@ -1,0 +1,49 @@
+"""Sizes written as text, read as bytes: one grammar for config caps, `offload estimate` and
+`offload bench-io` (plain logic, no torch).
+
+A number (`1048576`, `1.5`, `1e9`), then a unit: none or `B` (bytes), `K`/`M`/`G`/`T` and
+`KiB`/`MiB`/`GiB`/`TiB` (powers of 2), `KB`/`MB`/`GB`/`TB` (powers of 10, as disks are sold; with
+`binary=True` powers of 2, as RAM and GPU makers mean them). Case and spaces do not matter.
+"""
+
+from __future__ import annotations
+
+import re
+
+UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 10**3,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
+# the units whose meaning depends on who wrote them, and their binary reading
+DECIMAL_TO_BINARY = {"kb": "kib", "mb": "mib", "gb": "gib", "tb": "tib"}
+
+
+def parse_bytes(text: str, *, binary: bool = False) -> int:
+    """Bytes from `text` (see the module docstring); ValueError naming the text otherwise."""
+    match = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)([a-z]*)", str(text).strip().lower().replace(" ", ""))
+    if not match or match.group(2) not in UNITS:
+        raise ValueError(f"{text!r} is not a size; write bytes as an integer, or like 40GB, 40GiB, 512M or 1e9")
+    unit = match.group(2)
+    if binary:
+        unit = DECIMAL_TO_BINARY.get(unit, unit)
+    try:
+        return int(float(match.group(1)) * UNITS[unit])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size; write bytes as an integer, or like 40GB, 40GiB, 512M or 1e9") from None
+
+
+def unit_of(text: str) -> str:
+    """The unit part of a size as text, lower case (`"24 GB"` -> `"gb"`)."""
+    return re.sub(r"[0-9.e\s]", "", str(text)).lower()
