@@ -28,20 +28,21 @@ UNITS = {
 }
 # the units whose meaning depends on who wrote them, and their binary reading
 DECIMAL_TO_BINARY = {"kb": "kib", "mb": "mib", "gb": "gib", "tb": "tib"}
+HOW_TO_WRITE = "write bytes as an integer, or like 40GB, 40GiB, 512M or 1e9"
 
 
 def parse_bytes(text: str, *, binary: bool = False) -> int:
     """Bytes from `text` (see the module docstring); ValueError naming the text otherwise."""
     match = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)([a-z]*)", str(text).strip().lower().replace(" ", ""))
     if not match or match.group(2) not in UNITS:
-        raise ValueError(f"{text!r} is not a size; write bytes as an integer, or like 40GB, 40GiB, 512M or 1e9")
+        raise ValueError(f"{text!r} is not a size; {HOW_TO_WRITE}")
     unit = match.group(2)
     if binary:
         unit = DECIMAL_TO_BINARY.get(unit, unit)
     try:
         return int(float(match.group(1)) * UNITS[unit])
     except ValueError:
-        raise ValueError(f"{text!r} is not a size; write bytes as an integer, or like 40GB, 40GiB, 512M or 1e9") from None
+        raise ValueError(f"{text!r} is not a size; {HOW_TO_WRITE}") from None
 
 
 def unit_of(text: str) -> str:

@@ -140,6 +140,14 @@ def host_cap(config: Config) -> int:
     return int(psutil.virtual_memory().available * (1 - HOST_MARGIN)) // ranks_here
 
 
+def room_left(config: Config, others: int, cap: int | str | None) -> int:
+    """The RAM this rank's engine may still take beside `others` bytes (`host_cap`), at most `cap`
+    (a size from the config, like `offload.speculation_memory`; None: no cap)."""
+    room = max(0, host_cap(config) - others)
+    limit = parse_size(cap)
+    return room if limit is None else min(room, limit)
+
+
 def squared_norm(values: torch.Tensor) -> float:
     """Sum of squares of an fp32 gradient, accumulated in fp64: the C++ kernel on host memory,
     torch's reduction for a DEVICE-tier gradient on an accelerator."""
@@ -270,10 +278,7 @@ class TierStore:
         """Chooses the units that get a spare state from the RAM left beside `others` bytes and
         adds their spare states to the budget."""
         numels = [unit.optimizer_numel for unit in self.units]
-        room = max(0, host_cap(config) - others)
-        cap = parse_size(config.offload.speculation_memory)
-        if cap is not None:
-            room = min(room, cap)
+        room = room_left(config, others, config.offload.speculation_memory)
         self.speculating = plan_speculation(numels, [unit.optimizer_tier for unit in self.units], room)
         spare = sum(spare_state_bytes(n) for n, chosen in zip(numels, self.speculating) if chosen)
         if spare:
@@ -296,10 +301,7 @@ class TierStore:
         the budget; without a gradient left on NVMe, the transfer worker's `grad_slot` is not
         needed."""
         numels = [unit.optimizer_numel for unit in self.units]
-        room = max(0, host_cap(config) - others)
-        cap = parse_size(config.offload.gradient_memory)
-        if cap is not None:
-            room = min(room, cap)
+        room = room_left(config, others, config.offload.gradient_memory)
         chosen = plan_gradients_in_ram(numels, [unit.optimizer_tier for unit in self.units], room)
         for unit, in_ram in zip(self.units, chosen):
             unit.gradient_in_ram = in_ram
