@@ -36,6 +36,18 @@ def test_crc32c_known_values_and_paths_agree():
     assert crc32c(t) == crc32c(data)
 
 
+def test_crc32c_combine_joins_any_split_like_the_portable_checksum_of_the_whole():
+    """combine(crc(a), crc(b), len(b)) == crc(a + b) for every bit of len(b) up to 2^21 and for
+    empty parts; the reference is the table-driven portable CRC of the joined bytes."""
+    data = os.urandom((1 << 21) + 4099)
+    lengths = [0, 1, 2, 3, 7, 8, 4096, 65535, 1 << 20, (1 << 21) + 4099] + [(1 << k) + k for k in range(21)]
+    for n in lengths:
+        a, b = data[: len(data) - n], data[len(data) - n :]
+        whole = _aio_ext.crc32c_bytes(data, portable=True)
+        assert _aio_ext.crc32c_combine(crc32c(a), crc32c(b), len(b)) == whole, n
+    assert _aio_ext.crc32c_combine(0x12345678, 0, 0) == 0x12345678
+
+
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 * 65536 + 17])
 def test_round_trip_by_path_checksummed(tmp_path, pool, nbytes):
     f = tmp_path / "data.bin"

@@ -58,6 +58,24 @@ void gf2_square(uint32_t* out, const uint32_t* mat) {
   for (int n = 0; n < 32; ++n) out[n] = gf2_times(mat, mat[n]);
 }
 
+// op[k]: the operator that appends 2^k zero bytes to a CRC register (k < 64), built once.
+struct ZeroOperators {
+  uint32_t op[64][32];
+  ZeroOperators() {
+    uint32_t one_bit[32], two_bits[32], four_bits[32];
+    one_bit[0] = kPoly;  // one zero bit
+    for (int n = 1; n < 32; ++n) one_bit[n] = 1u << (n - 1);
+    gf2_square(two_bits, one_bit);
+    gf2_square(four_bits, two_bits);
+    gf2_square(op[0], four_bits);  // eight zero bits: one byte
+    for (int k = 1; k < 64; ++k) gf2_square(op[k], op[k - 1]);
+  }
+};
+const ZeroOperators& zero_operators() {
+  static const ZeroOperators ops;
+  return ops;
+}
+
 #ifdef OFFLOAD_X86
 __attribute__((target("sse4.2"))) uint32_t hw_raw(uint32_t c32, const uint8_t* p, size_t n) {
   uint64_t c = c32;
@@ -112,22 +130,11 @@ const bool g_hw = detect_hw();
 bool crc32c_hardware() { return g_hw; }
 
 uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
-  if (len_b == 0) return crc_a;
-  uint32_t even[32], odd[32];
-  odd[0] = kPoly;  // operator for one zero bit
-  uint32_t row = 1;
-  for (int n = 1; n < 32; ++n, row <<= 1) odd[n] = row;
-  gf2_square(even, odd);  // two zero bits
-  gf2_square(odd, even);  // four zero bits
-  do {                    // one zero byte first, then doubling
-    gf2_square(even, odd);
-    if (len_b & 1) crc_a = gf2_times(even, crc_a);
-    len_b >>= 1;
-    if (!len_b) break;
-    gf2_square(odd, even);
-    if (len_b & 1) crc_a = gf2_times(odd, crc_a);
-    len_b >>= 1;
-  } while (len_b);
+  // One operator per set bit of len_b (a few dozen XORs each) instead of squaring matrices on
+  // every call: the I/O engine joins a checksum per block of every read and write.
+  const ZeroOperators& zeros = zero_operators();
+  for (int k = 0; len_b; ++k, len_b >>= 1)
+    if (len_b & 1) crc_a = gf2_times(zeros.op[k], crc_a);
   return crc_a ^ crc_b;
 }
 
