@@ -126,10 +126,10 @@ class OffloadConfig(ReadOnlyOnceFrozen):
     """Directory for swap files (must exist and be writable); a list spreads ranks over disks."""
     pin_memory: bool = True
     """Pin host buffers when CUDA is present (faster copies; counts against locked RAM)."""
-    buffer_count: int = 3
-    """Host buffers per state kind for streaming NVMe-resident units (read next, step this, write last)."""
-    sub_group_size: int = 1 << 26
-    """Elements of one unit's optimizer state streamed from NVMe and stepped as one piece: the host slots hold `buffer_count` pieces of 16 bytes per element (1 GiB each by default) however large a unit is (DeepSpeed's `zero_optimization.sub_group_size`); at least 1024."""
+    buffer_count: int | None = None
+    """Host slots that stream NVMe-resident optimizer state, a piece per slot of 16 bytes per element (read ahead, step, write back), at least 2; default: as many as fit in the RAM of 3 slots of the largest piece (at most 32)."""
+    sub_group_size: int | None = None
+    """Elements of one unit's optimizer state streamed from NVMe and stepped as one piece (DeepSpeed's `zero_optimization.sub_group_size`), at least 1024; default: a typical streamed unit, so most units are one piece (at most 2^26, 1 GiB of state)."""
 
 
 @dataclass
@@ -460,9 +460,9 @@ def validate(config: Config) -> Config:
         raise _fail("gradient_clipping", f"must be >= 0 (0 turns clipping off), got {config.gradient_clipping}")
     if config.prefetch.depth < 0:
         raise _fail("prefetch.depth", f"must be >= 0, got {config.prefetch.depth}")
-    if config.offload.buffer_count < 2:
+    if config.offload.buffer_count is not None and config.offload.buffer_count < 2:
         raise _fail("offload.buffer_count", f"must be >= 2, got {config.offload.buffer_count}")
-    if config.offload.sub_group_size < MIN_SUB_GROUP_SIZE:
+    if config.offload.sub_group_size is not None and config.offload.sub_group_size < MIN_SUB_GROUP_SIZE:
         raise _fail("offload.sub_group_size", f"must be >= {MIN_SUB_GROUP_SIZE} elements, got {config.offload.sub_group_size}")
     io = config.io
     if io.block_size <= 0 or io.block_size % 4096:

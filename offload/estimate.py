@@ -15,8 +15,8 @@ records), so an estimate can be checked against a real run:
   the weights offloaded that makes `prefetch.depth + 2` units beside the root.
 - host: `offload.state.host_budget_bytes` (fp32 master, Adam moments and fp32 gradient at 16
   bytes per element of this rank's shard when the optimizer lives on `cpu`; streaming slots when
-  it lives on `nvme`: `buffer_count` slots of one piece of at most `offload.sub_group_size`
-  elements per fp32 state kind, and the fp32 gradient piece; the 16-bit home copy or its staging
+  it lives on `nvme`: slots of one piece per fp32 state kind, as many and as large as
+  `plan.shape_slots` makes them, and the fp32 gradient piece; the 16-bit home copy or its staging
   ring), each buffer rounded up to 4 KiB.
 - nvme: one swap file per state kind and piece of a streamed unit (`plan.piece_bounds`), and one
   per unit for the weights on `nvme` (each a 4 KiB header + data rounded up to 4 KiB): 16 bytes
@@ -37,12 +37,11 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
 from offload import sizes
-from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.placement import OptimizerTier
 from offload.plan import (
@@ -53,7 +52,7 @@ from offload.plan import (
     device_room,
     engine_device_bytes,
     plan_optimizer_tiers,
-    slot_numel,
+    shape_slots,
     swap_bytes_for_state,
     swap_file_bytes,
 )
@@ -62,8 +61,6 @@ from offload.tiers import HOST_MARGIN
 from offload.units import plan_flat_layout, round_up
 
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-# the engine's default piece of NVMe-streamed optimizer state (offload.sub_group_size)
-DEFAULT_SUB_GROUP_SIZE = OffloadConfig().sub_group_size
 DEVICE_KINDS = ("cuda", "cpu")
 # Placements (offload.param, offload.optimizer), fastest first. The order is the cost per step:
 # weights on the device move nothing; the optimizer on cpu moves 2 B/param of gradients down and
@@ -500,8 +497,8 @@ def _page(nbytes: int) -> int:
     return max(PAGE, round_up(nbytes, PAGE))
 
 
-def _check_sub_group_size(sub_group_size: int) -> None:
-    if sub_group_size < MIN_SUB_GROUP_SIZE:  # as offload.config validates offload.sub_group_size
+def _check_sub_group_size(sub_group_size: int | None) -> None:
+    if sub_group_size is not None and sub_group_size < MIN_SUB_GROUP_SIZE:  # as offload.config validates offload.sub_group_size
         raise ConfigError(
             f"sub_group_size must be >= {MIN_SUB_GROUP_SIZE} elements, got {sub_group_size}", key="offload.sub_group_size"
         )
@@ -515,10 +512,10 @@ def estimate_tiers(
     precision: str = "bf16",
     world_size: int = 1,
     prefetch_depth: int = 2,
-    buffer_count: int = 3,
+    buffer_count: int | None = None,
     device: str = "cuda",
     optimizer_tiers: list[str] | None = None,
-    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+    sub_group_size: int | None = None,
 ) -> TierEstimate:
     """Peak bytes of one rank on each tier for this placement (see the module docstring).
 
@@ -550,8 +547,8 @@ def estimate_tiers(
     device_shards = [n for n, tier in zip(shards, tiers) if tier == "device"]
     host_shards = [n for n, tier in zip(shards, tiers) if tier == "cpu"]
     nvme_shards = [n for n, tier in zip(shards, tiers) if tier == "nvme"]
-    # one slot buffer holds the largest piece of any streamed unit (plan.slot_numel)
-    piece = slot_numel(max(nvme_shards, default=0), sub_group_size)
+    # the slots' count and piece, as the engine shapes them (plan.shape_slots)
+    slots = shape_slots(nvme_shards, buffer_count=buffer_count, sub_group_size=sub_group_size)
 
     # device
     # a gradient on its way off the device: the full unit at world 1, this rank's shard after the
@@ -594,8 +591,8 @@ def estimate_tiers(
         result.host["optimizer_state"] = 4 * sum(_page(4 * n) for n in host_shards)
     if "optimizer_slots" in budget:
         # per slot one fp32 buffer of a piece per state kind (master, exp_avg, exp_avg_sq, grad32)
-        result.host["optimizer_slots"] = buffer_count * 4 * _page(4 * piece)
-        result.host["grad_slot"] = _page(4 * piece)
+        result.host["optimizer_slots"] = slots.count * 4 * _page(4 * slots.piece)
+        result.host["grad_slot"] = _page(4 * slots.piece)
     if "param16" in budget:
         result.host["param16"] = sum(_page(cb * n) for n in shards)
     if "param_staging" in budget:
@@ -604,7 +601,7 @@ def estimate_tiers(
         result.host["grad_staging"] = 2 * _page(cb * largest_shard)
 
     # nvme: swap files
-    swap = sum(swap_bytes_for_state(n, sub_group_size) for n in nvme_shards)  # four fp32 kinds, a file per piece
+    swap = sum(swap_bytes_for_state(n, slots.piece) for n in nvme_shards)  # four fp32 kinds, a file per piece
     if param == "nvme":
         swap += sum(swap_file_bytes(cb * n) for n in shards)
     if swap:
@@ -620,9 +617,9 @@ def plan_auto(
     precision: str,
     world_size: int,
     prefetch_depth: int,
-    buffer_count: int,
+    buffer_count: int | None,
     activations: int | None = None,
-    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+    sub_group_size: int | None = None,
     max_device_memory: int | None = None,
     max_host_memory: int | None = None,
 ) -> tuple[list[str] | None, str]:
@@ -792,16 +789,17 @@ def recommended_config(
     precision: str = "bf16",
     nvme_path: str = "./offload-swap",
     prefetch_depth: int = 2,
-    buffer_count: int = 3,
-    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+    buffer_count: int | None = None,
+    sub_group_size: int | None = None,
 ) -> dict:
     """An offload config (every key valid for `offload.load_config`) for this placement."""
     param, optimizer = placement
     offload: dict[str, str | int] = {"param": param, "optimizer": optimizer}
     if "nvme" in placement or optimizer == "auto":
         offload["nvme_path"] = nvme_path
-        offload["buffer_count"] = buffer_count
-    if optimizer in ("nvme", "auto"):  # the piece the estimate sized the NVMe slots with
+        if buffer_count is not None:
+            offload["buffer_count"] = buffer_count
+    if optimizer in ("nvme", "auto") and sub_group_size is not None:  # the piece the estimate sized the slots with
         offload["sub_group_size"] = sub_group_size
     config = {"precision": precision, "offload": offload, "overlap": "forward"}
     if param != "none":
@@ -816,11 +814,11 @@ def estimate_report(
     precision: str = "bf16",
     world_size: int = 1,
     prefetch_depth: int = 2,
-    buffer_count: int = 3,
+    buffer_count: int | None = None,
     micro_batch: int = 1,
     seq_len: int = 2048,
     checkpointing: bool = False,
-    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+    sub_group_size: int | None = None,
     max_device_memory: int | None = None,
     max_host_memory: int | None = None,
 ) -> dict:
@@ -898,6 +896,10 @@ def estimate_report(
             "prefetch_depth": prefetch_depth,
             "buffer_count": buffer_count,
             "sub_group_size": sub_group_size,
+            # the slots with every unit's optimizer state on NVMe (the keys above: None is unset)
+            "nvme_slots": asdict(
+                shape_slots(shape.shard_numels(world_size), buffer_count=buffer_count, sub_group_size=sub_group_size)
+            ),
             "micro_batch": micro_batch,
             "seq_len": seq_len,
             "checkpointing": checkpointing,

@@ -7,8 +7,8 @@ element of this rank's shard) goes to the fastest tier with room, in the order t
   weights, the gradient buffers and an activation reserve; never on a machine whose "device" is
   the CPU itself (there the device and the host are the same memory);
 - then host RAM (resident buffers, stepped in place by the C++ Adam);
-- then NVMe (swap files streamed through `buffer_count` host slots during the step, a piece of
-  at most `sub_group_size` elements at a time).
+- then NVMe (swap files streamed through host slots during the step, a piece at a time:
+  `shape_slots` says how many slots and how large a piece).
 
 Units step in the next forward's order, and with overlap 'forward' a unit's step only has to
 finish before its own next use: the first units to step are the ones the next forward waits
@@ -103,17 +103,73 @@ def device_room(*, cap: int | None, memory: tuple[int, int] | None, engine_bytes
     return room if cap is None else max(0, min(cap, room))
 
 
-def piece_bounds(numel: int, sub_group_size: int) -> list[tuple[int, int]]:
-    """[start, end) of each piece a unit's optimizer state of `numel` elements is streamed in
-    (`offload.sub_group_size`); one empty piece for an empty state (the unit still steps)."""
+def piece_bounds(numel: int, piece: int) -> list[tuple[int, int]]:
+    """[start, end) of each piece of at most `piece` elements (`SlotShape.piece`) a unit's
+    optimizer state of `numel` elements is streamed in; one empty piece for an empty state (the
+    unit still steps)."""
     if numel == 0:
         return [(0, 0)]
-    return [(start, min(start + sub_group_size, numel)) for start in range(0, numel, sub_group_size)]
+    return [(start, min(start + piece, numel)) for start in range(0, numel, piece)]
 
 
-def slot_numel(largest_state: int, sub_group_size: int) -> int:
-    """Elements of one slot buffer: the largest piece any streamed unit's state is cut into."""
-    return min(largest_state, sub_group_size)
+# What unset `offload.buffer_count` and `offload.sub_group_size` are measured against
+# (shape_slots): the RAM of this many slots of the largest piece, a piece of at most this many
+# elements (1 GiB of fp32 state per slot).
+DEFAULT_BUFFER_COUNT = 3
+DEFAULT_SUB_GROUP_SIZE = 1 << 26
+# The most slots the engine makes on its own: each is four pool buffers and one read ahead.
+MAX_AUTO_SLOTS = 32
+# Pieces the engine chooses are whole multiples of this many elements (a 4 KiB page of fp32).
+PIECE_ALIGN = 1024
+
+
+@dataclass(frozen=True)
+class SlotShape:
+    """How NVMe-streamed optimizer state passes through RAM: `count` host slots, each holding one
+    piece of at most `piece` elements of a unit's state (fp32 master, moments and gradient)."""
+
+    piece: int
+    count: int
+
+
+def weighted_median(numels: list[int]) -> int:
+    """The size of unit that the middle element of all of them belongs to: half the elements are
+    in units at most this large (0 for none). Many tiny units do not pull it down."""
+    half, seen = sum(numels) / 2, 0
+    for numel in sorted(numels):
+        seen += numel
+        if seen >= half:
+            return numel
+    return 0
+
+
+def shape_slots(streamed_numels: list[int], *, buffer_count: int | None, sub_group_size: int | None) -> SlotShape:
+    """The piece and the slot count for units whose optimizer states of `streamed_numels`
+    elements stream from NVMe; `buffer_count` / `sub_group_size`: the config's, None when unset.
+
+    A set key is taken as it is (a piece never exceeds the largest state). Unset ones are chosen
+    to hold more pieces in the RAM that DEFAULT_BUFFER_COUNT slots of the largest piece (at most
+    DEFAULT_SUB_GROUP_SIZE) would take: the piece is a typical streamed unit (the
+    numel-weighted median, so the units holding half the elements are one piece each), and the
+    count is as many such pieces as that RAM holds (at least DEFAULT_BUFFER_COUNT, at most
+    MAX_AUTO_SLOTS). Three slots sized for a large root unit would hold three small blocks at
+    a time; more, smaller ones let the step's reads run further ahead (the first `count` pieces
+    are read while backward runs: tiers.TierStore.prefetch_optimizer_states)."""
+    largest = max(streamed_numels, default=0)
+    cap = DEFAULT_SUB_GROUP_SIZE if sub_group_size is None else sub_group_size
+    footprint = DEFAULT_BUFFER_COUNT * min(largest, cap)
+    if sub_group_size is not None:
+        piece = min(largest, sub_group_size)
+    else:
+        typical = round_up(weighted_median(streamed_numels), PIECE_ALIGN)
+        piece = min(largest, cap, max(MIN_SUB_GROUP_SIZE, typical, round_up(-(-footprint // MAX_AUTO_SLOTS), PIECE_ALIGN)))
+    if buffer_count is not None:
+        count = buffer_count
+    elif piece == 0:
+        count = DEFAULT_BUFFER_COUNT
+    else:
+        count = max(DEFAULT_BUFFER_COUNT, min(MAX_AUTO_SLOTS, footprint // piece))
+    return SlotShape(piece=piece, count=count)
 
 
 def swap_file_bytes(nbytes: int) -> int:
@@ -121,17 +177,28 @@ def swap_file_bytes(nbytes: int) -> int:
     return PAGE + round_up(nbytes, PAGE)
 
 
-def swap_bytes_for_state(numel: int, sub_group_size: int) -> int:
+def swap_bytes_for_state(numel: int, piece: int) -> int:
     """Disk bytes of one unit's NVMe-resident state: a swap file per state kind and piece (small
     pieces pay a page each for headers)."""
-    return sum(STATE_KIND_COUNT * swap_file_bytes(4 * (end - start)) for start, end in piece_bounds(numel, sub_group_size))
+    return sum(STATE_KIND_COUNT * swap_file_bytes(4 * (end - start)) for start, end in piece_bounds(numel, piece))
 
 
-def slot_bytes_for(largest_state: int, buffer_count: int, sub_group_size: int) -> int:
-    """Host bytes of the slots that stream NVMe-resident units: `buffer_count` sets of master,
+def slot_bytes(shape: SlotShape) -> int:
+    """Host bytes of the slots that stream NVMe-resident units: `shape.count` sets of master,
     moments and gradient (fp32) for one piece, plus the transfer worker's fp32 gradient piece."""
-    piece = slot_numel(largest_state, sub_group_size)
-    return buffer_count * piece * STATE_BYTES_PER_ELEMENT + 4 * piece
+    return shape.count * shape.piece * STATE_BYTES_PER_ELEMENT + 4 * shape.piece
+
+
+def slot_bytes_for(largest_state: int, buffer_count: int | None, sub_group_size: int | None) -> int:
+    """At most the host bytes of the slots (`slot_bytes`) when the largest streamed state has
+    `largest_state` elements, whichever units stream beside it: what `auto` sets aside for them
+    before it knows which units those are (an unset key's choice never takes more RAM)."""
+    return slot_bytes(
+        SlotShape(
+            piece=min(largest_state, DEFAULT_SUB_GROUP_SIZE if sub_group_size is None else sub_group_size),
+            count=DEFAULT_BUFFER_COUNT if buffer_count is None else buffer_count,
+        )
+    )
 
 
 # A speculative step's spare state: master, exp_avg, exp_avg_sq (fp32), each in whole pages.
@@ -195,8 +262,8 @@ def plan_optimizer_tiers(
     step_order: list[int],
     capacity: Capacity,
     *,
-    buffer_count: int,
-    sub_group_size: int,
+    buffer_count: int | None,
+    sub_group_size: int | None,
 ) -> OptimizerPlan:
     """Per unit (indexed as `shard_numels`), the tier of its optimizer state; see the module
     docstring. `step_order` lists every unit once, in the order they step."""
@@ -246,7 +313,8 @@ def plan_optimizer_tiers(
             break
         slots_for = streamed
     slots = slot_bytes_for(slots_for, buffer_count, sub_group_size)
-    nvme_need = sum(swap_bytes_for_state(shard_numels[u], sub_group_size) for u in nvme_units)
+    piece = shape_slots([shard_numels[u] for u in nvme_units], buffer_count=buffer_count, sub_group_size=sub_group_size).piece
+    nvme_need = sum(swap_bytes_for_state(shard_numels[u], piece) for u in nvme_units)
     if nvme_need > capacity.nvme:
         total = sum(need)
         raise PlanError(

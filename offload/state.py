@@ -16,11 +16,11 @@ Buffers and who uses them:
   as RAM allows: plan.plan_speculation): the optimizer worker writes a speculative step's master
   and moments into it, reading the resident ones; the main thread swaps the two
   (`commit_spare`) in step(), after waiting for every step, when the step stands.
-- `OptimizerSlot`s (`optimizer: nvme`): `buffer_count` sets of (master, exp_avg, exp_avg_sq,
-  grad32) buffers sized for one piece: a unit's state is streamed in pieces of at most
-  `offload.sub_group_size` elements (`plan.piece_bounds`), so a 70B model's 856M-element blocks
-  do not cost 41 GB of slots. Only the optimizer worker uses them; a slot is reused for piece
-  i + buffer_count after piece i's writes have completed. A streamed unit's new 16-bit weights
+- `OptimizerSlot`s (`optimizer: nvme`): `SlotShape.count` sets of (master, exp_avg,
+  exp_avg_sq, grad32) buffers sized for one piece: a unit's state is streamed in pieces of at
+  most `SlotShape.piece` elements (`plan.shape_slots`, `plan.piece_bounds`), so a 70B model's
+  856M-element blocks do not cost 41 GB of slots. Only the optimizer worker uses them; a slot is
+  reused for piece i + count after piece i's writes have completed. A streamed unit's new 16-bit weights
   are written into their home (`param: cpu`, `none`), or into a staging buffer (`param: nvme`).
 - `staging` ring (`param: nvme`): host buffers the transfer worker reads 16-bit shards into
   before copying them to the device; one is reused once its device copy has completed.
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.placement import OptimizerTier, ParamTier
-from offload.plan import slot_numel
+from offload.plan import shape_slots
 from offload.units import FlatLayout, UnitSpec
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad32")
@@ -109,7 +109,7 @@ class UnitState:
     # master and moments through the slots
     gradient_in_ram: bool = False
     # [start, end) of each piece the optimizer state is streamed in (TierStore sets it: pieces of
-    # `offload.sub_group_size` elements when streamed from NVMe, else the whole state at once)
+    # `SlotShape.piece` elements when streamed from NVMe, else the whole state at once)
     state_pieces: list[tuple[int, int]] = field(default_factory=list)
     # param tier `none`: the copy-stream event after which `device_flat` holds the new weights,
     # and whether the shards of the other ranks still have to be gathered
@@ -247,7 +247,7 @@ def host_budget_bytes(
     param_tier: ParamTier | str,
     optimizer_tier: OptimizerTier | str | list[OptimizerTier],
     compute_bytes: int,
-    buffer_count: int,
+    buffer_count: int | None,
     prefetch_depth: int,
     staged_device_copies: bool,
     optimizer_numels: list[int] | None = None,
@@ -260,7 +260,8 @@ def host_budget_bytes(
     staged_device_copies: gradients pass through a host staging ring (CUDA); on the CPU the
     device buffers are host memory already. optimizer_numels: the part of each shard with
     optimizer state (its trainable params; frozen ones have none); the whole shard by default.
-    sub_group_size: the largest piece of a streamed unit's state in a slot (None: whole units).
+    buffer_count, sub_group_size: the config's `offload.buffer_count` and
+    `offload.sub_group_size` (None: unset, chosen by `plan.shape_slots`).
     """
     param_tier = ParamTier(param_tier)
     if isinstance(optimizer_tier, list):
@@ -276,11 +277,10 @@ def host_budget_bytes(
     if resident:
         need["optimizer_state"] = 16 * resident  # master, exp_avg, exp_avg_sq, grad32
     if streamed:
-        largest_state = max(state for _, state in streamed)
-        piece = largest_state if sub_group_size is None else slot_numel(largest_state, sub_group_size)
+        shape = shape_slots([state for _, state in streamed], buffer_count=buffer_count, sub_group_size=sub_group_size)
         # per slot: the four fp32 states of the largest piece
-        need["optimizer_slots"] = buffer_count * 16 * piece
-        need["grad_slot"] = 4 * piece
+        need["optimizer_slots"] = shape.count * 16 * shape.piece
+        need["grad_slot"] = 4 * shape.piece
     if param_tier.host_copy or (param_tier is ParamTier.DEVICE and staged_device_copies):
         # the weights' home (cpu), or the pinned source of their copy to the device (none, CUDA);
         # with `none` on the CPU the step writes the device buffer, host memory, in place

@@ -38,7 +38,7 @@ from offload.plan import (
     plan_gradients_in_ram,
     plan_optimizer_tiers,
     plan_speculation,
-    slot_numel,
+    shape_slots,
     spare_state_bytes,
 )
 from offload.state import (
@@ -189,11 +189,16 @@ class TierStore:
         self.param_tier = ParamTier(config.offload.param)
         if optimizer_tiers is None:
             optimizer_tiers = [OptimizerTier(config.offload.optimizer)] * len(units)
-        self.sub_group_size = config.offload.sub_group_size
+        # the fp32 states cover each shard's trainable part only (state.py); a slot holds one piece
+        self.slot_shape = shape_slots(
+            [unit.optimizer_numel for unit, tier in zip(units, optimizer_tiers) if tier.streamed],
+            buffer_count=config.offload.buffer_count,
+            sub_group_size=config.offload.sub_group_size,
+        )
         for unit, tier in zip(units, optimizer_tiers):
             unit.optimizer_tier = tier
             if tier.streamed:
-                unit.state_pieces = piece_bounds(unit.optimizer_numel, self.sub_group_size)
+                unit.state_pieces = piece_bounds(unit.optimizer_numel, self.slot_shape.piece)
             else:
                 unit.state_pieces = [(0, unit.optimizer_numel)]
         self.streamed_units = [unit for unit in units if unit.optimizer_tier.streamed]
@@ -202,13 +207,10 @@ class TierStore:
         self.device = torch.device("cpu") if device is None else device
         self._device_state_bytes = 0  # what this store put in the ledger's device tier
         self.ledger = ledger
-        self.buffer_count = config.offload.buffer_count
         self.prefetch_depth = config.prefetch.depth
         compute_bytes = torch.empty(0, dtype=compute_dtype).element_size()
         shard_numels = [unit.shard_numel for unit in units]
         self.largest_shard = max(shard_numels, default=0)
-        # the fp32 states cover each shard's trainable part only (state.py); a slot holds one piece
-        self.slot_numel = slot_numel(max((unit.optimizer_numel for unit in self.streamed_units), default=0), self.sub_group_size)
         self.budget = host_budget_bytes(
             shard_numels,
             param_tier=self.param_tier,
@@ -218,10 +220,10 @@ class TierStore:
             prefetch_depth=config.prefetch.depth,
             staged_device_copies=staged_device_copies,
             optimizer_numels=[unit.optimizer_numel for unit in units],
-            sub_group_size=self.sub_group_size,
+            sub_group_size=config.offload.sub_group_size,
         )
         # Page-rounding per buffer: every buffer's capacity rounds up to 4 KiB.
-        buffer_count_estimate = 8 * len(units) + 4 * config.offload.buffer_count + config.prefetch.depth + 8
+        buffer_count_estimate = 8 * len(units) + 4 * self.slot_shape.count + config.prefetch.depth + 8
         self.speculating = [False] * len(units)
         if speculate:
             self._plan_speculation(config, sum(self.budget.values()) + PAGE * buffer_count_estimate)
@@ -351,9 +353,16 @@ class TierStore:
                 )
         self.slots: list[OptimizerSlot] = []
         if self.streamed_units:
-            self.slots = [self._allocate_slot(self.slot_numel) for _ in range(self.buffer_count)]
+            self.slots = [self._allocate_slot(self.slot_shape.piece) for _ in range(self.slot_shape.count)]
+            logger.info(
+                "offload: the optimizer state on NVMe streams through %d slots of %s elements (%.2f GiB of RAM; "
+                "offload.buffer_count, offload.sub_group_size)",
+                self.slot_shape.count,
+                f"{self.slot_shape.piece:,}",
+                self.budget["optimizer_slots"] / 2**30,
+            )
             if "grad_slot" in self.budget:
-                self.grad_slot = self.pool.alloc(self.slot_numel, torch.float32, category="grad_slot")
+                self.grad_slot = self.pool.alloc(self.slot_shape.piece, torch.float32, category="grad_slot")
         if "param16" in self.budget:
             for unit in self.units:
                 unit.param16 = self.pool.alloc(unit.shard_numel, self.compute_dtype, category="param16")
@@ -482,7 +491,7 @@ class TierStore:
         resident unit (host or device) as one piece of its own buffers (slot None); an
         NVMe-resident one as the pieces of `state_pieces`, each read into a slot.
 
-        Piece i is read into slot i % buffer_count while piece i + 1 is already being read into
+        Piece i is read into slot i % (slot count) while piece i + 1 is already being read into
         the next slot; a slot is refilled only after the writes queued on it
         (`store_optimizer_state`) completed. The consumer may modify the views and queue writes
         before asking for the next piece. `timings`, if given, accumulates the seconds spent in

@@ -141,6 +141,7 @@ def test_loss_scaler_backs_off_and_grows():
     slots=st.integers(2, 5),
 )
 def test_nvme_host_budget_depends_on_the_largest_unit_not_the_model(shards, depth, slots):
+    whole = 2**62  # a piece above every unit
     kwargs = dict(
         param_tier="nvme",
         optimizer_tier="nvme",
@@ -149,11 +150,13 @@ def test_nvme_host_budget_depends_on_the_largest_unit_not_the_model(shards, dept
         prefetch_depth=depth,
         staged_device_copies=True,
     )
-    budget = sum(host_budget_bytes(shards, **kwargs).values())
-    doubled = sum(host_budget_bytes(shards + shards, **kwargs).values())
-    assert budget == doubled  # twice the units, same host bytes
+    # twice the units, same host bytes, whether the slots' piece is set or unset (shape_slots)
+    for sub_group_size in (None, 1024, whole):
+        budget = sum(host_budget_bytes(shards, **kwargs, sub_group_size=sub_group_size).values())
+        doubled = sum(host_budget_bytes(shards + shards, **kwargs, sub_group_size=sub_group_size).values())
+        assert budget == doubled
     largest = max(shards)
-    # whole units in the slots (no sub_group_size): four fp32 states per slot, the fp32 gradient
+    # whole units in the slots (a piece above every unit): four fp32 states per slot, the fp32 gradient
     assert budget == slots * largest * 16 + 4 * largest + (depth + 2) * largest * 2 + 2 * largest * 2
     # pieces of at most sub_group_size elements: the slots no longer grow with the largest unit
     pieces = sum(host_budget_bytes(shards, **kwargs, sub_group_size=1024).values())

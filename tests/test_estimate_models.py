@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from offload import estimate as est
 from offload.cli import main as cli_main
 from offload.errors import ConfigError
+from offload.plan import shape_slots
 from offload.state import host_budget_bytes
 from offload.units import round_up
 
@@ -218,18 +219,19 @@ def pages(nbytes: int) -> int:
     width=st.integers(1, 40),
     world=st.integers(1, 4),
     depth=st.integers(0, 4),
-    buffers=st.integers(2, 5),
+    buffers=st.one_of(st.none(), st.integers(2, 5)),
     placement=st.sampled_from(est.FIXED_PLACEMENTS),
     precision=st.sampled_from(["bf16", "fp32"]),
     device=st.sampled_from(["cuda", "cpu"]),
-    sub_group_size=st.sampled_from([1024, 5000, est.DEFAULT_SUB_GROUP_SIZE]),
+    sub_group_size=st.sampled_from([1024, 5000, 1 << 26, None]),
 )
 def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(
     layers, width, world, depth, buffers, placement, precision, device, sub_group_size
 ):
     """Every category of host_budget_bytes (called with staged_device_copies and sub_group_size as
     the engine does on that device) appears in the estimate, each buffer rounded up to whole 4 KiB
-    pages; the NVMe slots hold one piece of the largest unit (each state kind one buffer)."""
+    pages; the NVMe slots are shaped as the engine shapes them (None: an unset key), each state
+    kind one buffer of a piece."""
     shape = est.ModelShape("t", (1000 * width, 7), (333 * width, 5, 17 * width), layers)
     param, optimizer = placement
     cb = est.COMPUTE_BYTES[precision]
@@ -257,18 +259,18 @@ def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(
     )
     assert set(estimate.host) == set(budget)
     largest = max(shards)
-    piece = min(largest, sub_group_size)
+    slots = shape_slots(shards, buffer_count=buffers, sub_group_size=sub_group_size)
     rounded = {
         "optimizer_state": sum(4 * pages(4 * n) for n in shards),
-        "optimizer_slots": buffers * 4 * pages(4 * piece),
-        "grad_slot": pages(4 * piece),
+        "optimizer_slots": slots.count * 4 * pages(4 * slots.piece),
+        "grad_slot": pages(4 * slots.piece),
         "param16": sum(pages(cb * n) for n in shards),
         "param_staging": (depth + 2) * pages(cb * largest),
         "grad_staging": 2 * pages(cb * largest),
     }
     for category, nbytes in budget.items():
         assert estimate.host[category] == rounded[category]
-        assert 0 <= estimate.host[category] - nbytes < 4096 * (5 * len(shards) + 4 * buffers + depth + 8)
+        assert 0 <= estimate.host[category] - nbytes < 4096 * (5 * len(shards) + 4 * slots.count + depth + 8)
     # the staged copies exist on CUDA only
     assert ("grad_staging" in estimate.host) == (device == "cuda")
 
@@ -297,6 +299,7 @@ def test_report_and_recommended_config_carry_the_sub_group_size(tmp_path):
     machine = est.Machine(gpu_bytes=24 << 30, ram_bytes=24 << 30, disk_bytes=200 * 10**9, device="cuda", nvme_path=str(tmp_path))
     report = est.estimate_report(shape, machine, sub_group_size=1 << 20)
     assert report["settings"]["sub_group_size"] == 1 << 20
+    assert report["settings"]["nvme_slots"] == {"piece": 1 << 20, "count": 3}
     rows = {(r["param"], r["optimizer"]): r for r in report["placements"]}
     assert rows[("none", "nvme")]["host"]["by_category"]["grad_slot"] == 4 << 20
     assert report["recommended"]["optimizer"] == "auto"

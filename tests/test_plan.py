@@ -8,17 +8,23 @@ from hypothesis import strategies as st
 
 from offload.placement import OptimizerTier
 from offload.plan import (
+    DEFAULT_BUFFER_COUNT,
+    DEFAULT_SUB_GROUP_SIZE,
     DEVICE_ACTIVATION_SHARE,
+    MAX_AUTO_SLOTS,
     Capacity,
     PlanError,
+    SlotShape,
     device_room,
     engine_device_bytes,
     parse_size,
     piece_bounds,
     plan_optimizer_tiers,
+    shape_slots,
+    slot_bytes,
     slot_bytes_for,
-    slot_numel,
     swap_bytes_for_state,
+    weighted_median,
 )
 
 GiB = 2**30
@@ -112,18 +118,84 @@ def test_pieces_cover_the_unit_exactly_in_order(numel, data):
     assert all(0 < size <= sub_group_size for size in sizes) or numel == 0
     assert all(size == sub_group_size for size in sizes[:-1])  # only the last may be shorter
     assert len(pieces) == max(1, -(-numel // sub_group_size))
-    assert max(sizes) == slot_numel(numel, sub_group_size)  # a slot holds the largest piece
+    # a slot holds the largest piece
+    assert max(sizes) == shape_slots([numel], buffer_count=3, sub_group_size=sub_group_size).piece
 
 
 def test_slot_bytes_are_buffer_count_pieces_of_16_bytes_and_a_4_byte_gradient_piece():
-    assert slot_numel(10**9, 1 << 26) == 1 << 26
-    assert slot_numel(1000, 1 << 26) == 1000  # a small unit: a piece is the whole unit, no more
+    assert shape_slots([10**9], buffer_count=3, sub_group_size=1 << 26) == SlotShape(piece=1 << 26, count=3)
+    # a small unit: a piece is the whole unit, no more
+    assert shape_slots([1000], buffer_count=3, sub_group_size=1 << 26) == SlotShape(piece=1000, count=3)
+    assert slot_bytes(SlotShape(piece=1000, count=3)) == 3 * 16 * 1000 + 4 * 1000
     assert slot_bytes_for(1000, 3, 1 << 26) == 3 * 16 * 1000 + 4 * 1000
     assert slot_bytes_for(10**9, 3, 1 << 26) == 3 * 16 * (1 << 26) + 4 * (1 << 26)  # 3.25 GiB
     assert slot_bytes_for(10**9, 3, 1 << 26) == 3.25 * GiB
     # Llama-2-13B's largest unit (the embedding and the head, 327.7M elements): 15.9 GiB whole
     assert slot_bytes_for(327_685_120, 3, WHOLE) == 52 * 327_685_120
     assert slot_bytes_for(327_685_120, 2, 1 << 26) == 36 * (1 << 26)
+
+
+# ---- the slots' shape when offload.buffer_count / offload.sub_group_size are unset ------------
+GPT2_SMALL = [39_383_808] + [7_087_872] * 12  # the root (tied embedding) and 12 blocks, 124M
+
+
+def test_unset_keys_give_more_slots_of_a_typical_unit_in_the_same_ram():
+    """GPT-2 small on NVMe: three slots sized for the 39M-element root held three 7M blocks at
+    a time; the same RAM holds sixteen block-sized pieces (the root is cut into six)."""
+    before = SlotShape(piece=39_383_808, count=3)
+    shape = shape_slots(GPT2_SMALL, buffer_count=None, sub_group_size=None)
+    assert shape.piece == 7_088_128  # the blocks' size, in whole 1024-element pages
+    assert shape.count == 16
+    assert shape.count * shape.piece <= before.count * before.piece
+    assert len(piece_bounds(GPT2_SMALL[0], shape.piece)) == 6
+    assert all(len(piece_bounds(n, shape.piece)) == 1 for n in GPT2_SMALL[1:])
+    # a key that is set is taken as it is, the other still fills the same RAM
+    assert shape_slots(GPT2_SMALL, buffer_count=5, sub_group_size=None) == SlotShape(piece=7_088_128, count=5)
+    assert shape_slots(GPT2_SMALL, buffer_count=None, sub_group_size=1 << 22) == SlotShape(piece=1 << 22, count=3)
+    # a large model's blocks are cut at the default piece, three slots as before
+    llama_7b = [262_148_096] + [202_383_360] * 32
+    assert shape_slots(llama_7b, buffer_count=None, sub_group_size=None) == SlotShape(DEFAULT_SUB_GROUP_SIZE, 3)
+
+
+def test_tiny_units_do_not_shrink_the_piece_and_the_slot_count_is_capped():
+    # many norm-sized units beside big ones: the median by elements is a big one
+    assert weighted_median([1000] * 50 + [10**6] * 4) == 10**6
+    shape = shape_slots([1000] * 50 + [10**6] * 4, buffer_count=None, sub_group_size=None)
+    assert shape == SlotShape(piece=10**6, count=3)
+    # a huge root beside small blocks: at most MAX_AUTO_SLOTS, so the piece grows instead
+    numels = [50_000_000] + [1_000_000] * 60
+    assert weighted_median(numels) == 1_000_000
+    shape = shape_slots(numels, buffer_count=None, sub_group_size=None)
+    assert shape.piece * MAX_AUTO_SLOTS >= 3 * 50_000_000 >= shape.piece * shape.count
+    assert MAX_AUTO_SLOTS - 1 <= shape.count <= MAX_AUTO_SLOTS
+    assert shape_slots([], buffer_count=None, sub_group_size=None).piece == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    numels=st.lists(st.integers(min_value=0, max_value=10**9), min_size=1, max_size=40),
+    buffer_count=st.one_of(st.none(), st.integers(min_value=2, max_value=8)),
+    sub_group_size=st.one_of(st.none(), st.integers(min_value=1024, max_value=2 * 10**9)),
+)
+def test_slot_shape_properties(numels, buffer_count, sub_group_size):
+    shape = shape_slots(numels, buffer_count=buffer_count, sub_group_size=sub_group_size)
+    largest = max(numels)
+    cap = DEFAULT_SUB_GROUP_SIZE if sub_group_size is None else sub_group_size
+    assert 0 <= shape.piece <= min(largest, cap)  # never more than a piece can hold
+    if sub_group_size is not None:
+        assert shape.piece == min(largest, sub_group_size)
+    if buffer_count is not None:
+        assert shape.count == buffer_count
+    else:
+        assert DEFAULT_BUFFER_COUNT <= shape.count <= MAX_AUTO_SLOTS
+        # never more RAM than the default count of the largest piece
+        assert shape.count * shape.piece <= DEFAULT_BUFFER_COUNT * min(largest, cap)
+    # what `auto` sets aside before it knows the streamed units covers whatever they turn out to be
+    assert slot_bytes(shape) <= slot_bytes_for(largest, buffer_count, sub_group_size)
+    if sub_group_size is None and largest:
+        # the units holding half the elements are one piece each (up to the default piece)
+        half = sorted(n for n in numels if n <= min(weighted_median(numels), cap))
+        assert all(len(piece_bounds(n, shape.piece)) == 1 for n in half)
 
 
 def test_a_small_sub_group_size_keeps_more_units_in_ram():

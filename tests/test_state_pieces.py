@@ -24,7 +24,7 @@ import offload
 from offload import checkpoint, checkpoint_format
 from offload.checkpoint import CheckpointCorruptError, CheckpointReader
 from offload.errors import ConfigError
-from offload.plan import piece_bounds, slot_bytes_for
+from offload.plan import SlotShape, piece_bounds, shape_slots, slot_bytes_for
 from offload.state import host_bytes_beside_optimizer_state
 from offload.units import build_units, plan_flat_layout
 
@@ -33,6 +33,7 @@ from offload.units import build_units, plan_flat_layout
 WIDTH = 48
 DEPTH = 2
 PIECE = 1024  # the smallest sub_group_size allowed
+WHOLE = 1 << 30  # a sub_group_size above every unit's state: each unit streams whole
 STEPS = 4
 PAGE = 4096
 
@@ -48,8 +49,9 @@ def make_config(
     gradient_memory=0,
     **extra,
 ) -> dict:
-    """sub_group_size None: the default (1 << 26), so every unit streams whole. gradient_memory
-    0: the fp32 gradients stream in pieces too (None: the default, kept in RAM)."""
+    """sub_group_size WHOLE: every unit streams whole; None: unset, the engine shapes the slots
+    (plan.shape_slots). gradient_memory 0: the fp32 gradients stream in pieces too (None: the
+    default, kept in RAM)."""
     section = {"param": param, "optimizer": optimizer, "nvme_path": swap_dir}
     if gradient_memory is not None:
         section["gradient_memory"] = gradient_memory
@@ -127,7 +129,7 @@ def test_pieces_train_like_adamw_and_bit_identical_to_whole_units(swap_dir, para
     assert max_weight_difference(state, reference) <= tolerance
     assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
     whole_losses, whole_state, _, _ = train(
-        model, make_config(swap_dir, param=param, overlap=overlap, sub_group_size=None), data, check=assert_whole_units
+        model, make_config(swap_dir, param=param, overlap=overlap, sub_group_size=WHOLE), data, check=assert_whole_units
     )
     assert losses == whole_losses
     assert_same_state(state, whole_state)
@@ -160,7 +162,7 @@ def test_accumulation_and_clipping_in_pieces_equal_whole_units(swap_dir, param, 
     assert norm > CLIP  # clipping was active
     assert max_weight_difference(state, reference) <= tolerance
     whole_losses, whole_state, whole_norm, _ = train(
-        model, make_config(swap_dir, param=param, overlap=overlap, sub_group_size=None, **extra), data, check=assert_whole_units
+        model, make_config(swap_dir, param=param, overlap=overlap, sub_group_size=WHOLE, **extra), data, check=assert_whole_units
     )
     assert norm == whole_norm
     assert losses == whole_losses
@@ -203,7 +205,7 @@ def test_frozen_params_with_pieces_and_param_nvme(swap_dir, overlap):
     for name in FROZEN:
         assert torch.equal(state[name], initial[name]), name
     _, whole_state, _, _ = train(
-        model, make_config(swap_dir, param="nvme", overlap=overlap, sub_group_size=None), data, check=assert_whole_units
+        model, make_config(swap_dir, param="nvme", overlap=overlap, sub_group_size=WHOLE), data, check=assert_whole_units
     )
     assert_same_state(state, whole_state)
 
@@ -219,7 +221,7 @@ def test_bf16_in_pieces_is_bit_identical_to_whole_units(swap_dir, param):
         model, make_config(swap_dir, param=param, precision="bf16"), data, check=assert_streamed_in_pieces
     )
     whole_losses, whole_state, _, _ = train(
-        model, make_config(swap_dir, param=param, precision="bf16", sub_group_size=None), data, check=assert_whole_units
+        model, make_config(swap_dir, param=param, precision="bf16", sub_group_size=WHOLE), data, check=assert_whole_units
     )
     assert losses[-1] < losses[0]
     assert losses == whole_losses
@@ -228,7 +230,7 @@ def test_bf16_in_pieces_is_bit_identical_to_whole_units(swap_dir, param):
 
 # ---- 5. checkpoints --------------------------------------------------------------------------
 PIECES_NVME = {"param": "nvme", "optimizer": "nvme", "sub_group_size": PIECE}
-WHOLE_CPU = {"param": "cpu", "optimizer": "cpu", "sub_group_size": None}
+WHOLE_CPU = {"param": "cpu", "optimizer": "cpu", "sub_group_size": WHOLE}
 
 
 @pytest.mark.parametrize(
@@ -304,7 +306,7 @@ def test_checkpoint_saved_in_uneven_pieces_reads_back_verified(tmp_path, swap_di
     pieced_path, pieced_state = _save(
         model, make_config(swap_dir, param="nvme", sub_group_size=ODD_PIECE), data, tmp_path / "pieces"
     )
-    whole_path, whole_state = _save(model, make_config(swap_dir, param="nvme", sub_group_size=None), data, tmp_path / "whole")
+    whole_path, whole_state = _save(model, make_config(swap_dir, param="nvme", sub_group_size=WHOLE), data, tmp_path / "whole")
     assert_same_state(pieced_state, whole_state)
 
     with CheckpointReader(pieced_path) as pieced, CheckpointReader(whole_path) as whole:
@@ -358,8 +360,7 @@ def test_slots_hold_one_piece(swap_dir, sub_group_size, buffer_count):
             assert_streamed_in_pieces(engine, sub_group_size)
         else:
             assert_whole_units(engine)
-        assert engine.store.buffer_count == buffer_count
-        assert engine.store.slot_numel == numel
+        assert engine.store.slot_shape == SlotShape(piece=numel, count=buffer_count)
         assert len(engine.store.slots) == buffer_count
         for slot in engine.store.slots:
             assert all(buffer.numel() == numel for buffer in slot.tensors().values())
@@ -372,12 +373,12 @@ def test_slots_hold_one_piece(swap_dir, sub_group_size, buffer_count):
     finally:
         engine.close()
 
-    whole_config = make_config(swap_dir, param="nvme", sub_group_size=None)
+    whole_config = make_config(swap_dir, param="nvme", sub_group_size=WHOLE)
     whole_config["offload"]["buffer_count"] = buffer_count
     whole = offload.initialize(copy.deepcopy(model), whole_config)
     try:
         whole_host = whole.memory_report()["host"]["by_category"]
-        assert whole.store.slot_numel == largest
+        assert whole.store.slot_shape.piece == largest
         assert whole_host["optimizer_slots"]["current"] == buffer_count * 4 * pages(4 * largest)
         if sub_group_size < largest:
             assert slots < whole_host["optimizer_slots"]["current"]
@@ -386,6 +387,32 @@ def test_slots_hold_one_piece(swap_dir, sub_group_size, buffer_count):
             assert slots == whole_host["optimizer_slots"]["current"]
     finally:
         whole.close()
+
+
+def test_unset_keys_shape_more_slots_of_a_block_and_train_bit_for_bit(swap_dir):
+    """Neither offload.buffer_count nor offload.sub_group_size set, a root unit ten times a block
+    (a wide input layer): the slots are plan.shape_slots of the streamed units, a block's size
+    each and many more than three, in the RAM that three root-sized slots took; the root is cut
+    into pieces, the blocks are whole, and training equals whole-unit slots bit for bit."""
+    torch.manual_seed(0)
+    inputs = 2000
+    model = TinyNet(width=WIDTH, depth=12, inputs=inputs)
+    data = batches(STEPS, inputs=inputs)
+
+    def check(engine):
+        root, *blocks = engine.units
+        shape = shape_slots([unit.optimizer_numel for unit in engine.units], buffer_count=None, sub_group_size=None)
+        assert engine.store.slot_shape == shape and len(engine.store.slots) == shape.count
+        assert shape.piece == blocks[0].optimizer_numel and shape.count > 3
+        assert shape.count * shape.piece <= 3 * root.optimizer_numel
+        assert len(root.state_pieces) > 1 and all(len(unit.state_pieces) == 1 for unit in blocks)
+        host = engine.memory_report()["host"]["by_category"]
+        assert host["optimizer_slots"]["current"] == shape.count * 4 * pages(4 * shape.piece)
+
+    losses, state, _, _ = train(model, make_config(swap_dir, param="nvme", sub_group_size=None), data, check=check)
+    whole_losses, whole_state, _, _ = train(model, make_config(swap_dir, param="nvme", sub_group_size=WHOLE), data)
+    assert losses == whole_losses
+    assert_same_state(state, whole_state)
 
 
 def test_resident_state_has_one_piece_and_no_slots(swap_dir):
@@ -455,7 +482,7 @@ def _train_two_ranks(rank: int, world_size: int, config: dict) -> dict:
             "weights": engine.consolidated_state_dict(),
             "pieces": pieces,
             "numels": numels,
-            "slot_numel": engine.store.slot_numel,
+            "slot_numel": engine.store.slot_shape.piece,
         }
 
 

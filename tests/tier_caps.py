@@ -15,8 +15,10 @@ from offload.state import host_bytes_beside_optimizer_state
 from offload.units import build_units, plan_flat_layout
 
 BUFFER_COUNT = 2
-# auto_config leaves offload.sub_group_size at its default: these small units stream whole
+# auto_config leaves offload.sub_group_size unset: the plan sets aside BUFFER_COUNT slots of the
+# largest streamed unit, what any piece the engine then picks fits in (plan.slot_bytes_for)
 SUB_GROUP_SIZE = OffloadConfig().sub_group_size
+assert SUB_GROUP_SIZE is None
 
 
 def shard_numels(model, world: int = 1) -> list[int]:

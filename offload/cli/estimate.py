@@ -145,7 +145,9 @@ def format_report(report: dict) -> str:
         (
             f"settings: {settings['precision']} on {settings['device']}, world size {settings['world_size']} "
             f"({settings['ranks_per_node']} per node), prefetch depth {settings['prefetch_depth']}, "
-            f"buffer count {settings['buffer_count']}, sub-group size {settings['sub_group_size']:,} elements"
+            f"optimizer on NVMe through {settings['nvme_slots']['count']} slots of "
+            f"{settings['nvme_slots']['piece']:,} elements (buffer count {settings['buffer_count'] or 'auto'}, "
+            f"sub-group size {settings['sub_group_size'] or 'auto'})"
         ),
         (
             f"machine: GPU {gpu}, RAM {f(machine['ram_bytes'])} available, disk {f(machine['disk_bytes'])} free at "
