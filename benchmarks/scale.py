@@ -362,8 +362,8 @@ def run(args) -> dict:
             "param": "nvme",
             "optimizer": args.optimizer,
             "nvme_path": args.path,
-            "buffer_count": args.buffer_count,
             "max_host_memory": args.max_host_memory,
+            **({"buffer_count": args.buffer_count} if args.buffer_count is not None else {}),
         },
         "prefetch": {"depth": args.prefetch},
         "overlap": "none",
@@ -505,7 +505,7 @@ def markdown(report: dict, args) -> str:
         f"{report['shape']['depth']} blocks, {report['shape']['heads']} heads, tied embedding; built on the meta device "
         f"and materialised unit by unit. fp32 weights {fmt_gb(4 * report['params'])}; fp32 master + Adam + fp32 grads "
         f"{fmt_gb(16 * report['params'])}. Batch {report['batch']} x {report['seq']} tokens, {args.precision}, overlap none, "
-        f"io {report['config']['io']}, buffer_count {report['config']['offload']['buffer_count']}, prefetch depth "
+        f"io {report['config']['io']}, buffer_count {report['config']['offload'].get('buffer_count', 'auto')}, prefetch depth "
         f"{report['config']['prefetch']['depth']}.",
         "",
         f"Disk: swap needed {fmt_gb(report['swap_needed'])}, free before the run {fmt_gb(report['disk_free'])}.",
@@ -617,7 +617,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--buffer-count", type=int, default=3)
+    parser.add_argument(
+        "--buffer-count", type=int, default=None, help="offload.buffer_count (default: unset, the engine shapes the slots)"
+    )
     parser.add_argument(
         "--precision",
         default="bf16",
