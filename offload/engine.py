@@ -694,9 +694,9 @@ class Engine:
 
     def _abandon_speculation(self, why: str) -> None:
         """A window's speculative steps that will not be decided by step() (its backward, or
-        step() itself, failed): the work in flight is settled and they are taken back, leaving the units as a run without speculation would
-        (not stepped). Errors of the settled work are logged: the failure being raised is
-        the one to report."""
+        step() itself, failed): the work in flight is settled and they are taken back, leaving
+        the units as a run without speculation would (not stepped). Errors of the settled work
+        are logged: the failure being raised is the one to report."""
         if not self.policy.speculative:
             return
         # first every hand-off in flight: the transfer worker may still submit speculative steps

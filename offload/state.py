@@ -48,8 +48,9 @@ from offload.plan import shape_slots
 from offload.units import FlatLayout, UnitSpec
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad32")
-# what a speculative step writes anew (the gradient is only read)
-SPARE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+# what a step writes anew (the gradient is only read): a speculative step's spare state, and
+# what is read ahead of a step during backward
+STEPPED_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(repr=False)

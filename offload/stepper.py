@@ -32,7 +32,7 @@ from offload.device import Device
 from offload.optim import kernels
 from offload.optim.device_adam import device_adam_step
 from offload.placement import OptimizerTier, ParamTier
-from offload.state import SPARE_KINDS, StatePiece, UnitState
+from offload.state import STEPPED_KINDS, StatePiece, UnitState
 from offload.tiers import TierStore
 from offload.units import FlatLayout
 
@@ -242,7 +242,7 @@ class UnitStepper:
         without a gradient this window, padding) is copied over from the resident state."""
         spare = piece.unit.spare_state
         for start, end in unstepped_ranges(ranges, piece.start, piece.end):
-            for kind in SPARE_KINDS:
+            for kind in STEPPED_KINDS:
                 spare[kind][start:end].copy_(piece.views[kind][start - piece.start : end - piece.start])
 
     def _step_on_host(

@@ -42,8 +42,8 @@ from offload.plan import (
     spare_state_bytes,
 )
 from offload.state import (
-    SPARE_KINDS,
     STATE_KINDS,
+    STEPPED_KINDS,
     BufferRing,
     OptimizerSlot,
     StatePiece,
@@ -340,7 +340,7 @@ class TierStore:
                     else:  # only frozen params in this shard: nothing to hold (not even a page)
                         unit.resident_state[kind] = torch.empty(0, dtype=torch.float32)
                 if speculating:
-                    for kind in SPARE_KINDS:
+                    for kind in STEPPED_KINDS:
                         # pageable: only the CPU Adam reads and writes it, never a copy to the device
                         unit.spare_state[kind] = self.pool.alloc(
                             unit.optimizer_numel, torch.float32, category="spare_state", pin=False
@@ -443,16 +443,12 @@ class TierStore:
             self.param_staging.give(staging)
 
     # ---- optimizer slots (optimizer: nvme; optimizer worker only) --------------------------
-    def _load_piece(self, unit: UnitState, piece: int, slot: OptimizerSlot, include_grad: bool) -> list[SwapHandle]:
+    def _load_piece(self, unit: UnitState, piece: int, slot: OptimizerSlot, kinds: tuple[str, ...]) -> list[SwapHandle]:
+        """Starts reading those of `kinds` that the unit keeps in swap files, of one piece, into `slot`."""
         swap = self.require_swap()
         start, end = unit.state_pieces[piece]
-        handles = []
         views = slot.views(end - start)
-        for kind in unit.swap_kinds:
-            if kind == "grad32" and not include_grad:
-                continue
-            handles.append(swap.read_into(unit.swap_name(kind, piece), views[kind]))
-        return handles
+        return [swap.read_into(unit.swap_name(kind, piece), views[kind]) for kind in unit.swap_kinds if kind in kinds]
 
     @staticmethod
     def _streamed_pieces(units: list[UnitState]) -> list[tuple[UnitState, int]]:
@@ -472,7 +468,7 @@ class TierStore:
                 for position, (unit, j) in enumerate(self._streamed_pieces(units)[: len(self.slots)]):
                     slot = self.slots[position]
                     slot.wait_writes()
-                    self._prefetched.append((unit, j, self._load_piece(unit, j, slot, include_grad=False)))
+                    self._prefetched.append((unit, j, self._load_piece(unit, j, slot, STEPPED_KINDS)))
             except Exception:
                 logger.debug("offload: prefetching the next step's optimizer state failed", exc_info=True)
                 self._drop_prefetch()
@@ -536,20 +532,19 @@ class TierStore:
                 reads[position] = []
         timed("wait_read", started)
 
+        kinds = STATE_KINDS if include_grad else STEPPED_KINDS
+
         def start_read(i: int) -> None:
             slot = slots[i % len(slots)]
+            unit, j = pieces[i]
             if i in reads:
                 # prefetched (master and moments); the gradient, when wanted, is read now
-                unit, j = pieces[i]
-                if include_grad and "grad32" in unit.swap_kinds:
-                    start, end = unit.state_pieces[j]
-                    reads[i].append(self.require_swap().read_into(unit.swap_name("grad32", j), slot.grad32[: end - start]))
+                reads[i] += self._load_piece(unit, j, slot, ("grad32",) if include_grad else ())
                 return
             started = time.perf_counter()
             slot.wait_writes()
             timed("wait_write", started)
-            unit, j = pieces[i]
-            reads[i] = self._load_piece(unit, j, slot, include_grad)
+            reads[i] = self._load_piece(unit, j, slot, kinds)
 
         try:
             if pieces:
