@@ -24,6 +24,7 @@ Threads, and what each owns:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -46,6 +47,7 @@ from offload.model_state import OPEN_ENGINES, RELEASED, StateDictHooks
 from offload.optim import kernels
 from offload.optim.engine_optimizer import EngineOptimizer
 from offload.overlap import Stepping, overlap_policy
+from offload.param_access import held_on_device
 from offload.param_groups import resolve_param_groups
 from offload.placement import ParamTier
 from offload.precision import DynamicLossScaler, gradient_multiplier
@@ -376,6 +378,37 @@ class Engine:
     # ---- forward and backward ----------------------------------------------------------
     def __call__(self, *args, **kwargs):
         self._check_open()
+        self._settle_before_use()
+        args, kwargs = _prepare_inputs((args, kwargs), self.device.torch_device, self.compute_dtype)
+        started = time.perf_counter()
+        try:
+            return self.schedule.forward(*args, **kwargs)
+        finally:
+            self.timings["forward"] += time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def params_on_device(self, module: nn.Module | None = None):
+        """A block inside which the parameters of `module` (the whole model by default) can be
+        read between steps: on the device, whole, with the weights of the latest step. Outside
+        it an offloaded parameter's storage is freed between uses (reading it reads freed
+        memory), and with overlap `forward` a step may still be writing the weights. For reading
+        only (EMA, weight norms, copies): a write is refused when the block ends. With several
+        ranks, every rank enters it with the same module (the weights are gathered). A large
+        model can be read block by block: `for layer in model.layers: with
+        engine.params_on_device(layer): ...`."""
+        self._check_open()
+        self._settle_before_use()
+        with held_on_device(self.schedule.context, self.model if module is None else module, self._undo_write):
+            yield
+
+    def _undo_write(self, unit: UnitState) -> None:
+        """A write inside params_on_device: `param: none` device weights are written again from
+        this rank's fp32 weights (an offloaded unit's written copy was freed with its hold)."""
+        self.residency.replace_weights(unit, self.weights.weights_shard(unit).to(self.device.torch_device))
+
+    def _settle_before_use(self) -> None:
+        """Before a forward or a read of the weights: a failed plain backward's holds are given
+        back; with overlap `backward`, the steps of a window that ended wait to be scheduled."""
         self._finish_abandoned_backward()
         if self.policy.steps_in_backward and self._window_ended_without_step():
             if self.policy.speculative:
@@ -388,12 +421,6 @@ class Engine:
             # by the transfer worker as gradients land; let them be, so that the forward's fetches
             # ask for the weights they will get
             self.gradients.wait_all()
-        args, kwargs = _prepare_inputs((args, kwargs), self.device.torch_device, self.compute_dtype)
-        started = time.perf_counter()
-        try:
-            return self.schedule.forward(*args, **kwargs)
-        finally:
-            self.timings["forward"] += time.perf_counter() - started
 
     @property
     def forward_order(self):

@@ -200,6 +200,10 @@ def train_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         out["memory"] = engine.memory_report()
         state = engine.consolidated_state_dict()
         out["state"] = state if rank == 0 else None
+        # every rank reads the whole 16-bit device weights: the master weights, cast
+        with engine.params_on_device():
+            read = {name: p.detach().to("cpu", copy=True) for name, p in engine.model.named_parameters()}
+        out["read_differs"] = sorted(name for name, value in read.items() if not torch.equal(value, state[name].to(value.dtype)))
         # every rank gathers the same weights: a digest tells the test they agree
         out["digest"] = float(sum(v.double().sum() * (i + 1) for i, v in enumerate(state.values())))
         engine.close(restore_weights=False)

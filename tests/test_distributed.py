@@ -132,8 +132,9 @@ def test_two_ranks_equal_plain_pytorch(two_ranks, name):
     reference, reference_losses = _reference(case)
     # rank 0's gathered fp32 weights equal torch AdamW on the full batch (and so the 1-process run)
     assert max_weight_difference(ranks[0]["state"], reference) <= 1e-5
-    # every rank gathers the same weights
+    # every rank gathers the same weights, and reads them whole inside params_on_device
     assert ranks[0]["digest"] == ranks[1]["digest"]
+    assert [r["read_differs"] for r in ranks] == [[], []]
     # the mean of the two halves' losses is the full batch's loss, step by step
     mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
     assert mean_losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
@@ -161,6 +162,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(two_ranks, name)
         assert r["skipped_steps"] == 1
         assert r["loss_scale"] == 512.0
     assert ranks[0]["digest"] == ranks[1]["digest"]
+    # the fp16 device weights read whole are the fp32 master weights rounded to fp16
+    assert [r["read_differs"] for r in ranks] == [[], []]
 
 
 def test_fp16_speculative_run_equals_the_run_stepped_after_the_norm(two_ranks):
