@@ -273,6 +273,12 @@ class Engine:
         # overlap 'backward': each group's hyperparameters for the window's steps, read on the main
         # thread when its last backward begins (the transfer worker submits the steps)
         self._window_hypers: list[StepHyper] | None = None
+        # overlap 'backward' without speculation: units stepped in place during the window's last
+        # backward (appended by the transfer worker, read by the main thread once settled). A
+        # backward that fails after some stepped leaves the weights partly stepped: their names,
+        # and every use is refused until load_checkpoint
+        self._stepped_in_backward: list[UnitState] = []
+        self._partly_stepped: list[str] = []
         self._outside_backward_began_at = 0.0
         self.hyper = GroupHyperparameters(groups, self.config.optimizer, self.config.scheduler)
         self.weights = WeightsReader(self.units, self.store, self.collectives, settle=self._drain)
@@ -410,6 +416,7 @@ class Engine:
         """Before a forward or a read of the weights: a failed plain backward's holds are given
         back; with overlap `backward`, the steps of a window that ended wait to be scheduled."""
         self._finish_abandoned_backward()
+        self._refuse_partly_stepped()
         if self.policy.steps_in_backward and self._window_ended_without_step():
             if self.policy.speculative:
                 raise OffloadError(
@@ -434,6 +441,7 @@ class Engine:
         """Backward of `loss` / gradient_accumulation_steps (times the loss scale in fp16)."""
         self._check_open()
         self._finish_abandoned_backward()
+        self._refuse_partly_stepped()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise OffloadError("engine.backward needs the scalar loss tensor (e.g. out.loss)")
         if not loss.requires_grad:
@@ -449,8 +457,8 @@ class Engine:
         started = time.perf_counter()
         try:
             self.schedule.backward(scaled, boundary=boundary)
-        except BaseException:
-            self._abandon_speculation("the backward that ends the window failed")
+        except BaseException as error:
+            self._after_failed_backward("the backward that ends the window failed", error)
             raise
         finally:
             self.timings["backward"] += time.perf_counter() - started
@@ -471,6 +479,7 @@ class Engine:
         if boundary and self.policy.steps_in_backward:
             self.hyper.check_untouched()
             self._window_hypers = self.hyper.step_hypers(self._unclipped_multiplier())
+            self._stepped_in_backward = []
         return boundary
 
     def _agree_on_backward(self, nonfinite: bool, loss_value: float | None) -> None:
@@ -542,8 +551,43 @@ class Engine:
         runs only on success): its holds are given back here, as engine.backward's would be."""
         if self.schedule.context.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1:
             logger.warning("offload: a loss.backward() failed before it finished; its unit holds are released")
+            self.schedule.context.backward_failed = True
             self.schedule.end_backward()
-            self._abandon_speculation("a loss.backward() failed before it finished")
+            self._after_failed_backward("a loss.backward() failed before it finished")
+
+    def _after_failed_backward(self, why: str, error: BaseException | None = None) -> None:
+        """A backward that failed. Speculative steps are taken back. Steps taken in place during a
+        window's last backward (overlap 'backward' without clipping or fp16) cannot be: the units
+        that stepped are named, the failure (`error`) says so, and the engine refuses to go on
+        from weights partly stepped until a checkpoint is loaded. Units whose gradients were
+        handed off after the failure did not step (`_step_during_backward`)."""
+        if self.policy.speculative:
+            self._abandon_speculation(why)
+            return
+        if not (self.policy.steps_in_backward and self.schedule.context.boundary_backward):
+            return
+        for failure in self._settle():
+            logger.warning("offload: %s; work in flight failed too: %s", why, failure)
+        stepped, self._stepped_in_backward = self._stepped_in_backward, []
+        if not stepped:
+            return
+        self._partly_stepped = [unit.spec.name for unit in sorted(stepped, key=lambda unit: unit.index)]
+        message = (
+            f"offload: {why} after {len(stepped)} of {len(self.units)} units had stepped in place with overlap "
+            f"'backward' ({', '.join(self._partly_stepped[:4])}{' …' if len(stepped) > 4 else ''}); the others did not "
+            "step, and steps taken in place cannot be taken back, so the weights are partly stepped. Load a checkpoint "
+            "(engine.load_checkpoint) to go on; until then the engine refuses to train"
+        )
+        logger.error(message)
+        if error is not None:
+            error.add_note(message)
+
+    def _refuse_partly_stepped(self) -> None:
+        if self._partly_stepped:
+            raise OffloadError(
+                f"a backward failed after units {', '.join(self._partly_stepped[:4])} had stepped in place (overlap "
+                "'backward'): the weights are partly stepped. Load a checkpoint (engine.load_checkpoint) to go on"
+            )
 
     def _unclipped_multiplier(self) -> float:
         """What the stored gradients are multiplied by when clipping does not act: the loss scale
@@ -554,6 +598,8 @@ class Engine:
         """overlap 'backward' (transfer worker): the unit's gradients are final, step it now
         (speculatively, into its spare state, when the factor needs the global norm: a unit
         without a spare state, or with non-finite gradients, waits for step())."""
+        if self.schedule.context.backward_failed:
+            return  # its gradients may be incomplete: the failure decides what becomes of the window
         finite = unit.grad_sq_norm is not None and math.isfinite(unit.grad_sq_norm)
         # read when the window's last backward began, before any of its units could be final
         assert self._window_hypers is not None
@@ -567,6 +613,7 @@ class Engine:
             self._nonfinite_units.append(unit.spec.name)
             return
         self._begin_steps([unit])
+        self._stepped_in_backward.append(unit)
         self.stepping.submit([unit], self._window_hypers)
 
     # ---- step --------------------------------------------------------------------------
@@ -610,6 +657,7 @@ class Engine:
     def _step(self) -> bool:
         self._check_open()
         self._finish_abandoned_backward()
+        self._refuse_partly_stepped()
         self._refuse_stray_grads()
         if self.micro_steps == 0 or self.micro_steps % self.config.gradient_accumulation_steps != 0:
             return False
@@ -820,6 +868,7 @@ class Engine:
         from offload import checkpoint
 
         self._check_open()
+        self._refuse_partly_stepped()
         self._drain()
         return checkpoint.save(self, path, client_state=client_state, **kwargs)
 
@@ -837,7 +886,9 @@ class Engine:
         # the engine as it would be without them
         self._take_back_undecided("load_checkpoint in the middle of a window")
         self._window_hypers = None
-        return checkpoint.load(self, path, **kwargs)
+        client_state = checkpoint.load(self, path, **kwargs)
+        self._partly_stepped = []
+        return client_state
 
     def _settle(self) -> list[BaseException]:
         """Waits for every gradient transfer, optimizer step and swap operation in flight (also

@@ -145,6 +145,10 @@ class ScheduleContext:
     root_holds_for_backward: int = 0
     # whether the running backward ends a gradient window
     boundary_backward: bool = False
+    # the running backward failed: gradients handed off from here on may be incomplete (set by
+    # the main thread before the backward's end hands off what is left, read by the transfer
+    # worker's overlap 'backward' steps; cleared when the next backward begins)
+    backward_failed: bool = False
     # every unit's schedule, by unit index (set by Schedule)
     schedules: list = field(default_factory=list)
     events: EventLog = field(default_factory=EventLog)
@@ -558,6 +562,9 @@ class Schedule:
         try:
             self.begin_backward(boundary=boundary)
             scaled_loss.backward()
+        except BaseException:
+            self.context.backward_failed = True
+            raise
         finally:
             self.end_backward()
 
@@ -572,6 +579,7 @@ class Schedule:
         the backward's phase and order; with several ranks, the reductions agreed to come first."""
         context = self.context
         context.boundary_backward = boundary
+        context.backward_failed = False
         context.phase = Phase.BACKWARD
         context.backward_order.begin()
         if context.reduce_order is not None:

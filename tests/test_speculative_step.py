@@ -21,6 +21,7 @@ from tier_caps import auto_config, shard_numels, split_caps
 from torch.utils import checkpoint
 
 import offload
+from offload.errors import OffloadError
 from offload.placement import OptimizerTier
 from offload.plan import plan_speculation, spare_state_bytes
 
@@ -531,6 +532,83 @@ def test_a_failed_backward_takes_the_speculation_back(swap_dir):
         engine.step()
 
     same_story(swap_dir, story, clip=1e6)
+
+
+def test_a_backward_failing_before_any_step_in_place_goes_on_as_overlap_none(swap_dir):
+    """Overlap 'backward' without speculation: the backward fails in the last block, after the
+    output layer's gradients reached the root unit and before any unit's gradients are final.
+    The root's partial gradients, handed off as the failed backward ends, step nothing (they
+    stay in the window, as under overlap 'none'), and the retry trains as overlap 'none' does."""
+
+    def story(engine, model):
+        data = batches(3)
+        engine.backward(mse(engine, *data[0]))
+        engine.step()
+        failures = [RuntimeError("injected failure in backward")]
+
+        def fail_once(module, grad_output):
+            if failures:
+                raise failures.pop()
+
+        handle = model.blocks[3].register_full_backward_pre_hook(fail_once)
+        loss = mse(engine, *data[1])
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.backward(loss)
+        handle.remove()
+        engine.backward(mse(engine, *data[1]))
+        engine.step()
+        engine.backward(mse(engine, *data[2]))
+        engine.step()
+
+    same_story(swap_dir, story, clip=0.0)
+
+
+@pytest.mark.parametrize("backward", ["engine", "plain"])
+def test_a_backward_failing_after_steps_in_place_refuses_to_train_until_a_load(swap_dir, tmp_path, backward):
+    """Overlap 'backward' without speculation: the backward fails after the blocks stepped in
+    place (the root did not). Those steps cannot be taken back: the failure says which units
+    stepped, every use that would train on the mixed weights is refused, and a checkpoint load
+    is the way on, after which training equals plain PyTorch."""
+    torch.manual_seed(0)
+    model = CallsInBackward()
+    data = batches(3)
+    engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, "backward", clip=0.0))
+    events = engine.schedule.context.events
+    events.enabled = True
+    try:
+        engine.backward(mse(engine, *data[0]))
+        engine.step()
+        engine.save_checkpoint(tmp_path / "after-1")
+        blocks_stepped = [("step_done", index) for index in range(1, 5)]
+
+        def fail_after_the_blocks_stepped():
+            engine.model.on_backward = lambda: None
+            wait_until(lambda: all(event in events.events for event in blocks_stepped))
+            raise RuntimeError("injected failure in backward")
+
+        engine.model.on_backward = fail_after_the_blocks_stepped
+        events.take()
+        loss = mse(engine, *data[1])
+        with pytest.raises(RuntimeError, match="injected") as failure:
+            engine.backward(loss) if backward == "engine" else loss.backward()
+        refused = "weights are partly stepped"
+        if backward == "engine":
+            assert "4 of 5 units had stepped in place" in "".join(failure.value.__notes__)
+        with pytest.raises(OffloadError, match=refused):
+            engine.step()  # a plain backward's failure is seen here, as the engine finishes it
+        assert [u.step_count for u in engine.units] == [1, 2, 2, 2, 2]
+        with pytest.raises(OffloadError, match=refused):
+            engine(data[1][0])
+        with pytest.raises(OffloadError, match=refused):
+            engine.save_checkpoint(tmp_path / "mixed")
+        engine.load_checkpoint(tmp_path / "after-1")
+        for batch in data[1:]:
+            engine.backward(mse(engine, *batch))
+            engine.step()
+        reference, _ = reference_run(model, data)
+        assert max_weight_difference(engine.consolidated_state_dict(), reference) <= fp32_weight_tolerance(engine)
+    finally:
+        engine.close()
 
 
 def test_a_failed_load_checkpoint_between_backward_and_step_takes_the_speculation_back(swap_dir, tmp_path):
