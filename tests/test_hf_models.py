@@ -185,3 +185,39 @@ def test_hf_model_bf16_trains(swap_dir, name):
     for got, want in zip(losses, reference_losses):
         assert abs(got - want) <= 0.05 * abs(want)
     engine.close()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_an_ema_of_the_weights_read_between_steps(swap_dir, name):
+    """An exponential moving average of the weights, updated after every step from inside
+    engine.params_on_device() with the 16-bit weights offloaded to NVMe (between uses they have
+    no storage), equals the same average over plain PyTorch's weights."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    data = token_batches(3)
+    decay = 0.5
+
+    def update(ema, module):
+        for key, param in module.named_parameters():
+            ema[key] = decay * ema[key] + (1 - decay) * param.detach().to("cpu", torch.float32)
+
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    expected = {key: p.detach().clone() for key, p in reference.named_parameters()}
+    for ids in data:
+        reference(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        update(expected, reference)
+
+    engine = offload.initialize(copy.deepcopy(model), config_for(swap_dir, "nvme", "cpu"))
+    ema = {key: p.detach().to("cpu", copy=True) for key, p in model.named_parameters()}
+    try:
+        for ids in data:
+            train(engine, [ids])
+            with engine.params_on_device():
+                update(ema, engine.model)
+        assert ema.keys() == expected.keys()
+        assert max((ema[k] - expected[k]).abs().max().item() for k in ema) <= fp32_weight_tolerance(engine)
+    finally:
+        engine.close()
