@@ -11,6 +11,11 @@ CPU otherwise (then "device" memory is host memory too).
 
 A run is `param/optimizer`, optionally `@overlap` (that run's overlap instead of --overlap).
 `--clip N` clips the global gradient norm at N in every run, plain PyTorch included.
+
+Plain PyTorch runs before the first engine run and again after each one: each engine run's
+ratio is against the mean of the two plain runs around it, so a machine whose speed drifts
+over the minutes of the benchmark (a shared 2-core VM drifts by 20%) compares like with like.
+`--plain-once` times plain PyTorch only first and last (quicker; ratios against their mean).
 """
 
 from __future__ import annotations
@@ -111,6 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", default=RUNS, help="param/optimizer[@overlap], comma-separated")
     parser.add_argument("--clip", type=float, default=0.0, help="gradient clipping (global norm) in every run; 0: off")
     parser.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary one under the working directory)")
+    parser.add_argument("--plain-once", action="store_true", help="plain PyTorch first and last only, not around every run")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.layers, args.width, args.seq)
@@ -122,27 +128,38 @@ def main(argv=None) -> int:
         f"GPT-2 style, {count / 1e6:.0f}M params, batch {args.batch}x{args.seq}, {args.precision}, overlap {args.overlap} (unless @), clip {args.clip or 'off'}, device {device}, torch threads {torch.get_num_threads()}"
     )
 
-    plain_first = statistics.median(time_plain(model, batches, device, args.precision, args.clip)[2:])
+    def plain_step() -> float:
+        return statistics.median(time_plain(model, batches, device, args.precision, args.clip)[2:])
+
+    runs = [run.strip() for run in args.runs.split(",")]
+    plains = [plain_step()]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-step-", dir=args.nvme_path or ".") as swap:
-        for run in args.runs.split(","):
-            placement, _, overlap = run.strip().partition("@")
+        for index, run in enumerate(runs):
+            placement, _, overlap = run.partition("@")
             param, optimizer = placement.split("/")
             overlap = overlap or args.overlap
             times, breakdowns, report = time_engine(model, batches, param, optimizer, overlap, swap, args.precision, args.clip)
             median_index = sorted(range(2, len(times)), key=lambda i: times[i])[(len(times) - 2) // 2]
             name = f"offload param={param:<4} optimizer={optimizer:<4} overlap={overlap}"
+            if not args.plain_once or index == len(runs) - 1:
+                plains.append(plain_step())
             rows.append((name, times[median_index], breakdowns[median_index], report))
-    # plain PyTorch again at the end: the ratios use the mean of both, and the two show the drift
-    plain_last = statistics.median(time_plain(model, batches, device, args.precision, args.clip)[2:])
-    plain = (plain_first + plain_last) / 2
-    rows.insert(0, (f"plain PyTorch (AdamW fused), first {plain_first:.3f} last {plain_last:.3f}", plain, None, None))
+    if args.plain_once:
+        around = [(plains[0] + plains[-1]) / 2] * len(rows)
+    else:
+        around = [(plains[i] + plains[i + 1]) / 2 for i in range(len(rows))]
+    plain = statistics.mean(plains)
+    drift = " ".join(f"{t:.3f}" for t in plains)
+    rows.insert(0, (f"plain PyTorch (AdamW fused), mean of {len(plains)}", plain, None, None))
+    around.insert(0, plain)
 
-    header = f"{'run':<58}{'step s':>8}{'ratio':>7}{'tok/s':>8}{'fwd':>7}{'bwd':>7}{'step':>7}{'w.fetch':>8}{'w.step':>8}{'dev MB':>8}{'host MB':>8}{'nvme MB':>8}"
+    print(f"plain PyTorch runs, in order (s/step): {drift}")
+    header = f"{'run':<58}{'step s':>8}{'plain':>7}{'ratio':>7}{'tok/s':>8}{'fwd':>7}{'bwd':>7}{'step':>7}{'w.fetch':>8}{'w.step':>8}{'dev MB':>8}{'host MB':>8}{'nvme MB':>8}"
     print(header)
     print("-" * len(header))
-    for name, seconds, breakdown, report in rows:
-        line = f"{name:<58}{seconds:>8.3f}{seconds / plain:>7.2f}{tokens / seconds:>8.0f}"
+    for (name, seconds, breakdown, report), reference in zip(rows, around, strict=True):
+        line = f"{name:<58}{seconds:>8.3f}{reference:>7.3f}{seconds / reference:>7.2f}{tokens / seconds:>8.0f}"
         if breakdown:
             line += "".join(
                 f"{breakdown[k]:>7.3f}" if k in ("forward", "backward", "step") else f"{breakdown[k]:>8.3f}"
@@ -152,7 +169,10 @@ def main(argv=None) -> int:
             if any(report["speculation"].values()):
                 line += "  speculative windows " + " ".join(f"{k} {v}" for k, v in report["speculation"].items())
         print(line)
-    print("targets (issue 14, 2-core CPU as device): param none/optimizer cpu <= 1.10x plain; optimizer nvme <= 1.35x plain")
+    print(
+        "ratio: against the plain PyTorch runs just before and after each run (--plain-once: the first and last)\n"
+        "targets (issue 14, 2-core CPU as device): param none/optimizer cpu <= 1.10x plain; optimizer nvme <= 1.35x plain"
+    )
     return 0
 
 
