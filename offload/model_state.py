@@ -39,8 +39,8 @@ class StateDictHooks:
         for module in model.modules():
             names = [name for name, param in module._parameters.items() if param is not None and id(param) in owned]
             if names:
-                self.handles.append(module.register_state_dict_post_hook(_fill(names, fp32_of)))
-        self.handles.append(model.register_state_dict_post_hook(_at_end(done)))
+                self.handles.append(module.register_state_dict_post_hook(_fill(names, fp32_of, module)))
+        self.handles.append(model.register_state_dict_post_hook(_at_end(done, model)))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -48,8 +48,14 @@ class StateDictHooks:
         self.handles.clear()
 
 
-def _fill(names: list[str], fp32_of):
+# The hooks act only for the module they were registered on (`owner`): a copy of the model
+# (copy.deepcopy, an EMA's AveragedModel) carries them, and its state_dict holds its own weights.
+
+
+def _fill(names: list[str], fp32_of, owner: nn.Module):
     def hook(module, state_dict, prefix, local_metadata) -> None:
+        if module is not owner:
+            return
         for name in names:
             key = prefix + name
             value = state_dict.get(key)
@@ -61,9 +67,10 @@ def _fill(names: list[str], fp32_of):
     return hook
 
 
-def _at_end(done):
+def _at_end(done, owner: nn.Module):
     def hook(module, state_dict, prefix, local_metadata) -> None:
-        done()
+        if module is owner:
+            done()
 
     return hook
 

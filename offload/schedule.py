@@ -493,10 +493,10 @@ class Schedule:
         hooks = self.hooks
         for schedule in self.schedules:
             module = self.model if schedule.index == 0 else schedule.unit.spec.module
-            hooks.append(module.register_forward_pre_hook(_call(schedule.pre_forward)))
+            hooks.append(module.register_forward_pre_hook(_call(schedule.pre_forward, module)))
             if schedule.has_frozen and schedule.index != 0:  # the root is held for all of backward
-                hooks.append(module.register_forward_pre_hook(_inputs(schedule.watch_inputs), with_kwargs=True))
-            hooks.append(module.register_forward_hook(_post(schedule.post_forward), always_call=True))
+                hooks.append(module.register_forward_pre_hook(_inputs(schedule.watch_inputs, module), with_kwargs=True))
+            hooks.append(module.register_forward_hook(_post(schedule.post_forward, module), always_call=True))
             for index, param in enumerate(schedule.unit.spec.params):
                 if param.requires_grad:
                     hooks.append(param.register_post_accumulate_grad_hook(_grad(schedule.on_param_grad, index)))
@@ -623,29 +623,37 @@ class Schedule:
             self.schedules[index].grads_final()
 
 
-def _call(transition):
+# The module hooks act only for the module they were registered on (`owner`): a copy of the
+# model (copy.deepcopy, torch.optim.swa_utils.AveragedModel for an EMA) carries the hooks in its
+# modules' hook dicts, and its forward, over weights of its own, must not drive the engine's units.
+
+
+def _call(transition, owner: nn.Module):
     """A forward pre-hook: returns None, so the module's inputs are left as they are."""
 
     def hook(module, args) -> None:
-        transition()
+        if module is owner:
+            transition()
 
     return hook
 
 
-def _inputs(watch):
+def _inputs(watch, owner: nn.Module):
     """A forward pre-hook (with kwargs) that passes the inputs on, leaving them as they are."""
 
     def hook(module, args, kwargs) -> None:
-        watch((args, kwargs))
+        if module is owner:
+            watch((args, kwargs))
 
     return hook
 
 
-def _post(transition):
+def _post(transition, owner: nn.Module):
     """A forward hook: returns None, so the module's output is left as it is."""
 
     def hook(module, args, output) -> None:
-        transition(output)
+        if module is owner:
+            transition(output)
 
     return hook
 

@@ -14,7 +14,7 @@ import itertools
 
 import pytest
 import torch
-from reference import TinyNet, batches, fp32_weight_tolerance, mse, reference_run
+from reference import ENGINE_DEVICE, TinyNet, batches, fp32_weight_tolerance, mse, reference_run
 from torch import nn
 
 import offload
@@ -168,5 +168,52 @@ def test_units_with_params_under_finds_tied_owner():
         assert [u.index for u in units_with_params_under(engine.units, engine.model.blocks[1])] == [2]
         with engine.params_on_device(engine.model.head):
             assert torch.equal(engine.model.head.weight.detach().cpu(), engine.consolidated_state_dict()["embed.weight"])
+    finally:
+        engine.close(restore_weights=False)
+
+
+@pytest.mark.parametrize("param", ["none", "cpu"])
+def test_an_ema_copy_made_inside_is_a_model_of_its_own(swap_dir, param):
+    """torch.optim.swa_utils.AveragedModel deep-copies the model, hooks included: built inside
+    params_on_device and updated there after every step, its forward and state_dict are those of
+    the same EMA over plain PyTorch, and running it neither holds nor fetches the engine's units."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    data = batches(3)
+    plain = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.01)
+    expected = AveragedModel(plain, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    for x, y in data:
+        mse(plain, x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.update_parameters(plain)
+
+    engine = offload.initialize(copy.deepcopy(model), config(swap_dir, param, "cpu"))
+    engine.schedule.context.events.enabled = True
+    tolerance = fp32_weight_tolerance(engine)
+    try:
+        with engine.params_on_device():
+            ema = AveragedModel(engine.model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+        for x, y in data:
+            engine.backward(mse(engine, x, y))
+            engine.step()
+            with engine.params_on_device():
+                ema.update_parameters(engine.model)
+            engine.schedule.context.events.take()
+            ema(x).sum().backward()
+            # the optimizer worker may still record its steps' ends; no unit's schedule moved
+            moved = [event for event in engine.schedule.context.events.take() if not event[0].startswith("step_")]
+            assert moved == []
+            assert all(unit.holders == 0 for unit in engine.units)
+        probe = data[0][0]
+        assert (ema(probe.to(ENGINE_DEVICE)).cpu() - expected(probe)).abs().max().item() <= tolerance
+        ema_state, expected_state = ema.state_dict(), expected.state_dict()
+        assert ema_state.keys() == expected_state.keys()
+        assert all((ema_state[k].cpu() - expected_state[k]).abs().max().item() <= tolerance for k in ema_state)
+        master = engine.consolidated_state_dict()
+        assert all((master[k] - v.detach()).abs().max().item() <= tolerance for k, v in plain.state_dict().items())
     finally:
         engine.close(restore_weights=False)
