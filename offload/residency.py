@@ -193,6 +193,8 @@ class Residency:
     # ---- holding ------------------------------------------------------------------------
     def acquire(self, unit: UnitState) -> None:
         """Adds a holder; the unit's weights are on the device, current, when this returns."""
+        if unit.holders == 0:
+            _check_params_view_buffer(unit)
         if not self.offloaded:
             self._refresh_resident(unit)
         else:
@@ -270,6 +272,24 @@ class Residency:
                 if unit.fetch_future is not None:
                     self._abandon_fetch(unit)
                 self.free(unit)
+
+
+def _check_params_view_buffer(unit: UnitState) -> None:
+    """Every param of the unit still views its device buffer. `model.to(...)`, `.half()`,
+    `.cpu()` or an assignment to `param.data` after initialize replaces a param's storage: the
+    engine would go on updating a buffer the model no longer reads (and with the weights
+    offloaded, the conversion itself read freed storage). Out of the sight of torch function
+    modes: `ExternalParamReads` would take these looks at the params for reads."""
+    with torch._C.DisableTorchFunction():
+        storage = _device_flat(unit).untyped_storage()._cdata
+        for name, param in zip(unit.spec.param_names, unit.spec.params, strict=True):
+            if param.untyped_storage()._cdata != storage:
+                raise OffloadError(
+                    f"parameter {name!r} no longer holds the engine's weights ({param.dtype} on {param.device}): it "
+                    "was replaced after offload.initialize (model.to(), .half(), .cpu(), or an assignment to "
+                    "param.data). The engine places the weights itself; for CPU copies use model.state_dict(), "
+                    "engine.consolidated_state_dict() or engine.close(). Remove the call, or rebuild the engine"
+                )
 
 
 def tensors_in(value) -> list[torch.Tensor]:

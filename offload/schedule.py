@@ -534,8 +534,9 @@ class Schedule:
         logger.debug(
             "offload: unit %s read outside its forward; held until the end of backward", context.units[unit_index].spec.name
         )
-        context.external_holds.add(unit_index)
+        # held first, then recorded: a failed acquire (a fetch's I/O error) leaves no hold to give back
         context.residency.acquire(context.units[unit_index])
+        context.external_holds.add(unit_index)
         if torch.is_grad_enabled():
             context.uses[unit_index] += 1
 

@@ -217,3 +217,28 @@ def test_an_ema_copy_made_inside_is_a_model_of_its_own(swap_dir, param):
         assert all((master[k] - v.detach()).abs().max().item() <= tolerance for k, v in plain.state_dict().items())
     finally:
         engine.close(restore_weights=False)
+
+
+@pytest.mark.parametrize(
+    "param,replace",
+    [
+        ("none", lambda model: model.double()),
+        ("none", lambda model: model.blocks[1].to(torch.float16)),
+        ("cpu", lambda model: setattr(model.blocks[2].up.weight, "data", torch.zeros(64, 32))),
+    ],
+)
+def test_parameters_replaced_after_initialize_are_refused_at_the_next_forward(swap_dir, param, replace):
+    """model.to() / .half() / an assignment to param.data after initialize leaves the engine
+    updating buffers the model no longer reads: the next forward names the parameter instead."""
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyNet(), config(swap_dir, param, "cpu"))
+    try:
+        x, y = batches(1)[0]
+        engine.backward(mse(engine, x, y))
+        engine.step()
+        replace(engine.model)
+        with pytest.raises(OffloadError, match=r"parameter 'blocks\.\d\.up\.weight' no longer holds|replaced after offload"):
+            mse(engine, x, y)
+        assert all(unit.holders == 0 for unit in engine.units)
+    finally:
+        engine.close(restore_weights=False)
