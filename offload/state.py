@@ -24,6 +24,11 @@ Buffers and who uses them:
   are written into their home (`param: cpu`, `none`), or into a staging buffer (`param: nvme`).
 - `staging` ring (`param: nvme`): host buffers the transfer worker reads 16-bit shards into
   before copying them to the device; one is reused once its device copy has completed.
+- fresh 16-bit weights (`param: nvme`, `FreshWeights`): the staging buffer a step wrote a
+  unit's new weights into, offered by the optimizer worker while their write-back is in flight.
+  A fetch (transfer worker) borrows it instead of reading back the file being written; the
+  optimizer worker withdraws it once the write is settled, waiting until no borrow is out, and
+  only then gives the buffer back to the ring.
 - `grad_slot` (`optimizer: nvme`): the transfer worker's buffer for read-add-write of the fp32
   gradient, one piece at a time; used by one task at a time (the transfer worker is one thread).
   Made only when some NVMe unit keeps its gradient on NVMe: a unit with `gradient_in_ram` has
@@ -184,6 +189,73 @@ class BufferRing:
 
     def give(self, buffer: torch.Tensor) -> None:
         self._free.put(buffer)
+
+
+@dataclass
+class _Fresh:
+    buffer: torch.Tensor
+    version: int
+    borrows: int = 0
+    # being withdrawn: lent no more, kept (so that borrows can end) until none is out
+    withdrawn: bool = False
+
+
+class FreshWeights:
+    """Units' new 16-bit weights still in the staging buffers their steps wrote them to (see the
+    module docstring). `offer` and `withdraw`: the optimizer worker; `borrow` and `give_back`:
+    any reader (the transfer worker's fetches, a weights reader). One condition guards it all."""
+
+    def __init__(self) -> None:
+        self._by_unit: dict[int, _Fresh] = {}
+        self._changed = threading.Condition()
+        self.borrowed = 0  # borrows so far (how many reads of the swap file they saved)
+
+    def offer(self, unit: UnitState, buffer: torch.Tensor) -> None:
+        """`buffer` holds `unit`'s weights of its current version (its step just wrote them)."""
+        with self._changed:
+            self._by_unit[unit.index] = _Fresh(buffer, unit.weights_version)
+
+    def borrow(self, unit: UnitState) -> torch.Tensor | None:
+        """The unit's current weights if a staging buffer still holds them (give it back with
+        `give_back`), else None (read the file)."""
+        with self._changed:
+            fresh = self._by_unit.get(unit.index)
+            if fresh is None or fresh.withdrawn or fresh.version != unit.weights_version:
+                return None
+            fresh.borrows += 1
+            self.borrowed += 1
+            return fresh.buffer
+
+    def give_back(self, buffer: torch.Tensor) -> bool:
+        """Ends a borrow of `buffer`; False when `buffer` is not a borrowed one."""
+        with self._changed:
+            for fresh in self._by_unit.values():
+                if fresh.borrows and fresh.buffer.data_ptr() == buffer.data_ptr():
+                    fresh.borrows -= 1
+                    self._changed.notify_all()
+                    return True
+        return False
+
+    def withdraw(self, buffer: torch.Tensor) -> None:
+        """`buffer` is about to be reused: no one may borrow it from now on, and this returns
+        once every borrow of it has ended (each is one host or device copy)."""
+        with self._changed:
+            for index in [i for i, fresh in self._by_unit.items() if fresh.buffer.data_ptr() == buffer.data_ptr()]:
+                self._end(index)
+
+    def _end(self, index: int) -> None:
+        """(Condition held.) Lends the unit's copy no more, waits for its borrows, forgets it."""
+        fresh = self._by_unit[index]
+        fresh.withdrawn = True
+        while fresh.borrows:
+            self._changed.wait()
+        del self._by_unit[index]
+
+    def clear(self, unit: UnitState) -> None:
+        """The unit's weights were replaced by other means (a checkpoint load): no fresh copy."""
+        with self._changed:
+            if unit.index in self._by_unit:
+                self._end(unit.index)
 
 
 @dataclass

@@ -331,11 +331,13 @@ class UnitStepper:
             except BaseException:
                 self.store.give_back_staging(out)
                 raise
-            # The unit counts as stepped without waiting for this write: the swap store orders
-            # the next fetch's read of the same file after it. Its staging buffer goes back once
-            # it completes, which the next unit's step (or the end of the run) waits for.
+            # The unit counts as stepped without waiting for this write: a fetch until then
+            # borrows `out` itself (FreshWeights), a later one reads the file, which the swap
+            # store orders after the write. The staging buffer goes back once the write completed
+            # and no borrow is out, which the next unit's step (or the end of the run) waits for.
             assert self._pending_publish is None  # settled before this unit took `out` (_begin)
             self._pending_publish = (out, handle)
+            self.store.fresh_param16.offer(unit, out)
         elif tier is ParamTier.DEVICE:
             self._publish_to_device(
                 unit, out, last_piece.views["master"] if unit.optimizer_tier is OptimizerTier.DEVICE else None
@@ -361,11 +363,13 @@ class UnitStepper:
         try:
             handle.wait()
         except Exception:
+            self.store.fresh_param16.withdraw(buffer)
             self.store.give_back_staging(buffer)
             raise
         except BaseException:
             self._pending_publish = (buffer, handle)
             raise
+        self.store.fresh_param16.withdraw(buffer)
         self.store.give_back_staging(buffer)
 
     def _settle_publish(self, quiet: bool = False) -> None:

@@ -45,6 +45,7 @@ from offload.state import (
     STATE_KINDS,
     STEPPED_KINDS,
     BufferRing,
+    FreshWeights,
     OptimizerSlot,
     StatePiece,
     UnitState,
@@ -363,6 +364,8 @@ class TierStore:
             )
             if "grad_slot" in self.budget:
                 self.grad_slot = self.pool.alloc(self.slot_shape.piece, torch.float32, category="grad_slot")
+        # param nvme: new 16-bit weights a fetch may borrow while their write-back is in flight
+        self.fresh_param16 = FreshWeights()
         if "param16" in self.budget:
             for unit in self.units:
                 unit.param16 = self.pool.alloc(unit.shard_numel, self.compute_dtype, category="param16")
@@ -435,6 +438,7 @@ class TierStore:
             if unit.param16 is not None:  # `none` on the CPU has no host copy: the device buffer is it
                 unit.param16.copy_(values32)
             return
+        self.fresh_param16.clear(unit)
         staging = self.param_staging.take()
         try:
             staging[: unit.shard_numel].copy_(values32)
@@ -665,6 +669,10 @@ class TierStore:
             # (weights_out.param16_shard reads the device buffer, a fetch only runs when offloaded)
             assert unit.param16 is not None, f"unit {unit.spec.name} has no 16-bit host copy"
             return unit.param16, False
+        fresh = self.fresh_param16.borrow(unit)
+        if fresh is not None:
+            # the step's staging buffer still holds them: no read back of the file being written
+            return fresh, True
         staging = self.param_staging.take()
         try:
             self.require_swap().read_into(unit.swap_name("param16"), staging[: unit.shard_numel]).wait()
@@ -674,6 +682,9 @@ class TierStore:
         return staging[: unit.shard_numel], True
 
     def give_back_staging(self, tensor: torch.Tensor) -> None:
+        """A staging buffer `read_param16` returned, or one the stepper took, is free again."""
+        if self.fresh_param16.give_back(tensor):
+            return
         for buffer in self.param_staging.buffers:
             if buffer.data_ptr() == tensor.data_ptr():
                 self.param_staging.give(buffer)

@@ -1,0 +1,104 @@
+"""`param: nvme`: a fetch right after a unit's step borrows the new 16-bit weights from the
+staging buffer the step wrote them to, instead of reading back the file being written.
+
+`FreshWeights` directly (lending, versions, a withdraw that waits for the borrows out), then the
+engine: the fetches do borrow, and training equals plain PyTorch AdamW bit for bit against the
+same run with every weight read back from its swap file.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, reference_run
+
+import offload
+from offload.state import FreshWeights
+
+
+class FakeUnit:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.weights_version = 1
+
+
+def test_a_copy_is_lent_for_its_version_only_until_withdrawn():
+    fresh = FreshWeights()
+    unit, other = FakeUnit(3), FakeUnit(4)
+    buffer = torch.arange(8.0)
+    assert fresh.borrow(unit) is None
+    fresh.offer(unit, buffer)
+    assert fresh.borrow(other) is None
+    lent = fresh.borrow(unit)
+    assert lent is buffer and fresh.borrowed == 1
+    assert fresh.give_back(lent)
+    assert not fresh.give_back(lent)  # no borrow of it is out any more
+    unit.weights_version += 1  # another step was scheduled: the copy is of the old weights
+    assert fresh.borrow(unit) is None
+    unit.weights_version -= 1
+    fresh.withdraw(buffer)
+    assert fresh.borrow(unit) is None
+
+
+def test_withdraw_waits_for_the_borrows_out():
+    fresh = FreshWeights()
+    unit = FakeUnit(0)
+    buffer = torch.zeros(4)
+    fresh.offer(unit, buffer)
+    lent = fresh.borrow(unit)
+    assert lent is not None
+    withdrawn = threading.Event()
+
+    def withdraw():
+        fresh.withdraw(buffer)
+        withdrawn.set()
+
+    thread = threading.Thread(target=withdraw)
+    thread.start()
+    time.sleep(0.05)
+    assert not withdrawn.is_set()  # the borrow is still out: the buffer must not be reused yet
+    assert fresh.borrow(unit) is None  # and nobody new may borrow it meanwhile
+    assert fresh.give_back(lent)
+    thread.join(timeout=5)
+    assert withdrawn.is_set()
+
+
+def _config(swap_dir, overlap):
+    return {
+        "precision": "fp32",
+        "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
+        "offload": {"param": "nvme", "optimizer": "cpu", "nvme_path": swap_dir},
+        "overlap": overlap,
+    }
+
+
+@pytest.mark.parametrize("overlap", ["forward", "none"])
+def test_fetches_borrow_the_new_weights_and_train_exactly(swap_dir, overlap, monkeypatch):
+    torch.manual_seed(0)
+    model = TinyNet(depth=6)
+    data = batches(4)
+    reference, _ = reference_run(model, data)
+
+    def train(borrow: bool):
+        engine = offload.initialize(copy.deepcopy(model), _config(swap_dir, overlap))
+        try:
+            if not borrow:
+                monkeypatch.setattr(engine.store.fresh_param16, "borrow", lambda unit: None)
+            engine_run(engine, data)
+            return engine.consolidated_state_dict(), engine.store.fresh_param16.borrowed, fp32_weight_tolerance(engine)
+        finally:
+            engine.close(restore_weights=False)
+            monkeypatch.undo()
+
+    borrowed_state, borrowed, tolerance = train(borrow=True)
+    read_state, not_borrowed, _ = train(borrow=False)
+    if overlap == "forward":
+        # the forward fetches units right after their steps, while the write-backs are in flight
+        assert borrowed > 0
+    assert not_borrowed == 0
+    assert all(torch.equal(borrowed_state[k], read_state[k]) for k in read_state)
+    assert max_weight_difference(borrowed_state, reference) <= tolerance
