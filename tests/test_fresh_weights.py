@@ -67,6 +67,19 @@ def test_withdraw_waits_for_the_borrows_out():
     assert withdrawn.is_set()
 
 
+class _SlowHandle:
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def wait(self):
+        time.sleep(0.02)
+        return self.handle.wait()
+
+
+def slow_writes(write_from):
+    return lambda *args, **kwargs: _SlowHandle(write_from(*args, **kwargs))
+
+
 def _config(swap_dir, overlap):
     return {
         "precision": "fp32",
@@ -86,6 +99,9 @@ def test_fetches_borrow_the_new_weights_and_train_exactly(swap_dir, overlap, mon
     def train(borrow: bool):
         engine = offload.initialize(copy.deepcopy(model), _config(swap_dir, overlap))
         try:
+            # every write-back settles 20 ms late, so that the forward's fetch, woken by the
+            # step's end, finds the staging buffer still offered however loaded the machine is
+            monkeypatch.setattr(engine.store.swap, "write_from", slow_writes(engine.store.swap.write_from))
             if not borrow:
                 monkeypatch.setattr(engine.store.fresh_param16, "borrow", lambda unit: None)
             engine_run(engine, data)
@@ -97,8 +113,10 @@ def test_fetches_borrow_the_new_weights_and_train_exactly(swap_dir, overlap, mon
     borrowed_state, borrowed, tolerance = train(borrow=True)
     read_state, not_borrowed, _ = train(borrow=False)
     if overlap == "forward":
-        # the forward fetches units right after their steps, while the write-backs are in flight
-        assert borrowed > 0
+        # the forward fetches units right after their steps, while the write-backs are in flight:
+        # 7 units fetched right after their steps in each of 3 forwards: 21 here, a bound with room
+        # for a loaded machine where a woken fetch is late for some
+        assert borrowed >= 6
     assert not_borrowed == 0
     assert all(torch.equal(borrowed_state[k], read_state[k]) for k in read_state)
     assert max_weight_difference(borrowed_state, reference) <= tolerance
