@@ -409,8 +409,10 @@ class Engine:
 
     def _undo_write(self, unit: UnitState) -> None:
         """A write inside params_on_device: `param: none` device weights are written again from
-        this rank's fp32 weights (an offloaded unit's written copy was freed with its hold)."""
-        self.residency.replace_weights(unit, self.weights.weights_shard(unit).to(self.device.torch_device))
+        this rank's fp32 weights (an offloaded unit's written copy was freed with its hold, so
+        its master is not read)."""
+        if not self.residency.offloaded:
+            self.residency.replace_weights(unit, self.weights.weights_shard(unit))
 
     def _settle_before_use(self) -> None:
         """Before a forward or a read of the weights: a failed plain backward's holds are given

@@ -79,16 +79,15 @@ def held_on_device(context: ScheduleContext, module: nn.Module, undo_write: Call
         for unit in reversed(held):
             residency.release(unit)
         residency.release_idle()
-    written = [unit for unit, old, new in zip(units, before, after, strict=True) if old != new]
+    written = [
+        (unit, [name for name, a, b in zip(unit.spec.param_names, old, new, strict=True) if a != b])
+        for unit, old, new in zip(units, before, after, strict=True)
+        if old != new
+    ]
     if written:
-        for unit in written:
+        for unit, _ in written:
             undo_write(unit)
-        names = [
-            name
-            for unit, old, new in zip(units, before, after, strict=True)
-            for name, a, b in zip(unit.spec.param_names, old, new, strict=True)
-            if a != b
-        ]
+        names = [name for _, unit_names in written for name in unit_names]
         raise OffloadError(
             f"parameter(s) {', '.join(names[:3])}{' …' if len(names) > 3 else ''} were written inside "
             "engine.params_on_device(), which is for reading: the device weights are a copy of the engine's fp32 "

@@ -363,14 +363,12 @@ class UnitStepper:
         try:
             handle.wait()
         except Exception:
-            self.store.fresh_param16.withdraw(buffer)
-            self.store.give_back_staging(buffer)
+            self.store.give_back_published(buffer)
             raise
         except BaseException:
             self._pending_publish = (buffer, handle)
             raise
-        self.store.fresh_param16.withdraw(buffer)
-        self.store.give_back_staging(buffer)
+        self.store.give_back_published(buffer)
 
     def _settle_publish(self, quiet: bool = False) -> None:
         """The last write-back still pending, settled. `quiet`: a failure is logged, not raised

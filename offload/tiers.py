@@ -681,6 +681,12 @@ class TierStore:
             raise
         return staging[: unit.shard_numel], True
 
+    def give_back_published(self, buffer: torch.Tensor) -> None:
+        """The staging buffer a step's new 16-bit weights were written from, its write settled:
+        lent to fetches no more (once the borrows out have ended), then free for the ring."""
+        self.fresh_param16.withdraw(buffer)
+        self.give_back_staging(buffer)
+
     def give_back_staging(self, tensor: torch.Tensor) -> None:
         """A staging buffer `read_param16` returned, or one the stepper took, is free again."""
         if self.fresh_param16.give_back(tensor):
