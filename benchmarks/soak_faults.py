@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -137,6 +138,7 @@ def child_main(args) -> int:
             engine.backward(loss)
             _arm(engine, fault, "step")
             engine.step()
+            emit("stepped", step=engine.global_steps)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             if fault is not None:
@@ -187,34 +189,86 @@ def _child_command(args, swap: str, ckpt: str, result: str, fault_seed: int, ref
     return cmd + (["--reference"] if reference else [])
 
 
-def _run_child(cmd: list[str], signals, counts: dict, timeout: float) -> tuple[int, list, str]:
-    """Runs one trainer child; `signals()` gives (seconds to wait, signal or None) again and
-    again while the child lives (a SIGKILL ends it)."""
+POLL_SECONDS = 0.02  # how often the parent looks at the child's output and its signal schedule
+
+
+def _run_child(cmd: list[str], due_signal, counts: dict, timeout: float) -> tuple[int, list, str]:
+    """Runs one trainer child. `due_signal(now, steps)` is asked every POLL_SECONDS while the
+    child lives, with the monotonic time and how many steps the child has reported; it answers
+    the signal to send now, or None (a SIGKILL ends the child).
+
+    A reader thread fills `lines` with the child's output as it comes; the parent only reads
+    the list (appends are atomic), and joins the thread once the child has exited."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
-        deadline = time.monotonic() + timeout
-        while proc.poll() is None:
-            wait, sig = signals()
-            try:
-                proc.wait(timeout=min(wait, max(deadline - time.monotonic(), 0)))
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if time.monotonic() >= deadline:
-                proc.kill()
-                proc.wait()
-                raise RuntimeError(f"a trainer child hung for {timeout} s")
-            if sig is not None:
-                proc.send_signal(sig)
-                counts["sigkill_sent" if sig == signal.SIGKILL else "sigint_sent"] += 1
-        rc = proc.wait()
-        out.seek(0)
-        text = out.read()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+
+    def read_output() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read_output, name="soak-child-output", daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    seen, steps = 0, 0
+    while proc.poll() is None:
+        now = time.monotonic()
+        if now >= deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"a trainer child hung for {timeout} s")
+        for line in lines[seen:]:
+            steps += line.startswith('EVENT {"kind": "stepped"')
+        seen = len(lines)
+        sig = due_signal(now, steps)
+        if sig is not None:
+            proc.send_signal(sig)
+            counts["sigkill_sent" if sig == signal.SIGKILL else "sigint_sent"] += 1
+        time.sleep(POLL_SECONDS)
+    rc = proc.wait()
+    reader.join()
+    proc.stdout.close()
+    text = "".join(lines)
     events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("EVENT ")]
     if rc not in (0, -signal.SIGKILL) and not any(e["kind"] == "interrupted" for e in events):
         log.info("child exited with %s (a SIGINT outside the training loop):\n%s", rc, text[-1500:])
     return rc, events, text
+
+
+def random_signals(rng: random.Random, p_kill: float, p_int: float, max_delay: float):
+    """Every uniform(0.3, max_delay) seconds: SIGKILL with chance p_kill, SIGINT with p_int,
+    else nothing. Time-driven, so a signal can land anywhere: start-up, a save, a load."""
+    due = [time.monotonic() + rng.uniform(0.3, max_delay)]
+
+    def due_signal(now: float, steps: int):
+        if now < due[0]:
+            return None
+        due[0] = now + rng.uniform(0.3, max_delay)
+        draw = rng.random()
+        return signal.SIGKILL if draw < p_kill else signal.SIGINT if draw < p_kill + p_int else None
+
+    return due_signal
+
+
+def scripted_signals(rng: random.Random, script: list, step_seconds: float):
+    """`script`: (steps, signal) pairs: send `signal` once the child has reported `steps` steps
+    (counted over its whole life, recoveries included), a further uniform(0, step_seconds) later
+    so that it lands at different points of a step. Progress-driven, so a slow or fast machine
+    sends the same signals: none is lost to a child that finished first."""
+    pending = [(steps, sig) for steps, sig in script]
+    at = [None]
+
+    def due_signal(now: float, steps: int):
+        if not pending or steps < pending[0][0]:
+            return None
+        if at[0] is None:
+            at[0] = now + rng.uniform(0.0, step_seconds)
+        if now < at[0]:
+            return None
+        at[0] = None
+        return pending.pop(0)[1]
+
+    return due_signal
 
 
 def _swap_leftovers(swap: str) -> list[str]:
@@ -241,10 +295,11 @@ def soak(
     """Runs the soak in `workdir`; returns the counts (see the module docstring).
 
     While a child lives, every uniform(0.3, max_delay) seconds the parent sends it SIGKILL
-    (chance p_kill), SIGINT (p_int) or nothing; each step arms one injected I/O error with
-    chance p_io. `plan`: for the first children, the (seconds after the previous, signal)
-    to send instead of random ones (then none). `step_sleep`: seconds each step sleeps (so
-    that short runs are still training when the signals come)."""
+    (chance p_kill), SIGINT (p_int) or nothing (`random_signals`); each step arms one injected
+    I/O error with chance p_io. `plan`: for the first children, the (steps the child has
+    reported, signal) pairs to send instead (`scripted_signals`); later children get none.
+    `step_sleep`: seconds each step sleeps (a step is then long enough for a signal to land
+    at different points of it)."""
     import torch
     from safetensors.torch import load_file
 
@@ -278,17 +333,12 @@ def soak(
     while True:
         counts["children"] += 1
 
-        scripted = plan.pop(0) if plan else [] if plan is not None else None
-
-        def signals(scripted=scripted):
-            if scripted is not None:
-                return scripted.pop(0) if scripted else (child_timeout, None)
-            draw = rng.random()
-            sig = signal.SIGKILL if draw < p_kill else signal.SIGINT if draw < p_kill + p_int else None
-            return rng.uniform(0.3, max_delay), sig
-
+        if plan is None:
+            due_signal = random_signals(rng, p_kill, p_int, max_delay)
+        else:
+            due_signal = scripted_signals(rng, plan.pop(0) if plan else [], max(step_sleep, 0.05))
         cmd = _child_command(args, swap, ckpt, result, rng.randrange(1 << 30), reference=False)
-        rc, events, text = _run_child(cmd, signals, counts, child_timeout)
+        rc, events, text = _run_child(cmd, due_signal, counts, child_timeout)
         signalled = rc in (-signal.SIGKILL, -signal.SIGINT)
         stillborn = 0 if signalled or any(e["kind"] == "started" for e in events) else stillborn + 1
         if stillborn >= 3:
@@ -319,7 +369,7 @@ def soak(
     ref_result = os.path.join(workdir, "reference.safetensors")
     rc, _, text = _run_child(
         _child_command(args, ref_swap, ref_ckpt, ref_result, 0, reference=True),
-        lambda: (child_timeout, None),
+        lambda now, steps: None,
         counts,
         child_timeout,
     )

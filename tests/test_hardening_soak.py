@@ -21,9 +21,11 @@ def test_soak_with_kills_interrupts_and_io_errors_ends_bit_identical_with_no_swa
 
     from soak_faults import soak
 
-    # the first child is interrupted, then killed, mid-training; the second interrupted; after
-    # that none is signalled. EIO and ENOSPC are injected at random steps throughout.
-    plan = [[(4.0, signal.SIGINT), (2.0, signal.SIGKILL)], [(4.5, signal.SIGINT)]]
+    # the first child is interrupted after its 8th step and killed after its 14th; the second
+    # interrupted after its 5th; after that none is signalled. The signals follow the children's
+    # progress, not the clock, so none is lost to a child that got through first. EIO and ENOSPC
+    # are injected at random steps throughout.
+    plan = [[(8, signal.SIGINT), (14, signal.SIGKILL)], [(5, signal.SIGINT)]]
     counts = soak(steps=40, every=10, seed=7, workdir=str(tmp_path), p_io=0.15, step_sleep=0.1, plan=plan, child_timeout=300)
     assert counts["bit_identical"], counts
     assert counts["swap_left_after_soak"] == [] and counts["swap_left_after_reference"] == [], counts
