@@ -59,9 +59,14 @@ def test_withdraw_waits_for_the_borrows_out():
 
     thread = threading.Thread(target=withdraw)
     thread.start()
+    deadline = time.monotonic() + 30
+    while (again := fresh.borrow(unit)) is not None:  # until the withdraw has begun
+        fresh.give_back(again)
+        assert time.monotonic() < deadline, "the withdraw never began"
+        time.sleep(0.001)
+    assert fresh.borrow(unit) is None  # from then on nobody new may borrow it
     time.sleep(0.05)
-    assert not withdrawn.is_set()  # the borrow is still out: the buffer must not be reused yet
-    assert fresh.borrow(unit) is None  # and nobody new may borrow it meanwhile
+    assert not withdrawn.is_set()  # the first borrow is still out: the buffer must not be reused yet
     assert fresh.give_back(lent)
     thread.join(timeout=5)
     assert withdrawn.is_set()
