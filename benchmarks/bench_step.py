@@ -16,6 +16,8 @@ Plain PyTorch runs before the first engine run and again after each one: each en
 ratio is against the mean of the two plain runs around it, so a machine whose speed drifts
 over the minutes of the benchmark (a shared 2-core VM drifts by 20%) compares like with like.
 `--plain-once` times plain PyTorch only first and last (quicker; ratios against their mean).
+`--rounds N` repeats the whole sequence N times and prints each run's ratio per round and
+their median: on a noisy machine one round's ratio moves by about 0.15x with nothing changed.
 """
 
 from __future__ import annotations
@@ -104,34 +106,9 @@ def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision,
     return times, breakdowns, report
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--width", type=int, default=768)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--overlap", default="forward", choices=["none", "forward", "backward"])
-    parser.add_argument("--runs", default=RUNS, help="param/optimizer[@overlap], comma-separated")
-    parser.add_argument("--clip", type=float, default=0.0, help="gradient clipping (global norm) in every run; 0: off")
-    parser.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary one under the working directory)")
-    parser.add_argument("--plain-once", action="store_true", help="plain PyTorch first and last only, not around every run")
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(args.layers, args.width, args.seq)
-    count = sum(p.numel() for p in model.parameters())
-    generator = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 50257, (args.batch, args.seq), generator=generator) for _ in range(args.steps + 2)]
-    tokens = args.batch * args.seq
-    print(
-        f"GPT-2 style, {count / 1e6:.0f}M params, batch {args.batch}x{args.seq}, {args.precision}, overlap {args.overlap} (unless @), clip {args.clip or 'off'}, device {device}, torch threads {torch.get_num_threads()}"
-    )
-
-    def plain_step() -> float:
-        return statistics.median(time_plain(model, batches, device, args.precision, args.clip)[2:])
-
-    runs = [run.strip() for run in args.runs.split(",")]
+def one_round(args, runs, model, batches, plain_step, tokens) -> list[tuple[str, float, float]]:
+    """Times plain PyTorch and every run once, prints the table, and returns (run, s/step, the
+    plain s/step it is compared with) for each engine run."""
     plains = [plain_step()]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-step-", dir=args.nvme_path or ".") as swap:
@@ -149,6 +126,7 @@ def main(argv=None) -> int:
         around = [(plains[0] + plains[-1]) / 2] * len(rows)
     else:
         around = [(plains[i] + plains[i + 1]) / 2 for i in range(len(rows))]
+    engine_rows = [(name, seconds, reference) for (name, seconds, _, _), reference in zip(rows, around, strict=True)]
     plain = statistics.mean(plains)
     drift = " ".join(f"{t:.3f}" for t in plains)
     rows.insert(0, (f"plain PyTorch (AdamW fused), mean of {len(plains)}", plain, None, None))
@@ -168,7 +146,51 @@ def main(argv=None) -> int:
             line += "".join(f"{report[tier]['peak'] / 2**20:>8.0f}" for tier in ("device", "host", "nvme"))
             if any(report["speculation"].values()):
                 line += "  speculative windows " + " ".join(f"{k} {v}" for k, v in report["speculation"].items())
-        print(line)
+        print(line, flush=True)
+    return engine_rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--overlap", default="forward", choices=["none", "forward", "backward"])
+    parser.add_argument("--runs", default=RUNS, help="param/optimizer[@overlap], comma-separated")
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient clipping (global norm) in every run; 0: off")
+    parser.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary one under the working directory)")
+    parser.add_argument("--plain-once", action="store_true", help="plain PyTorch first and last only, not around every run")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="repeat the whole sequence; prints each run's ratio per round and the median"
+    )
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(args.layers, args.width, args.seq)
+    count = sum(p.numel() for p in model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 50257, (args.batch, args.seq), generator=generator) for _ in range(args.steps + 2)]
+    tokens = args.batch * args.seq
+    print(
+        f"GPT-2 style, {count / 1e6:.0f}M params, batch {args.batch}x{args.seq}, {args.precision}, overlap {args.overlap} (unless @), clip {args.clip or 'off'}, device {device}, torch threads {torch.get_num_threads()}"
+    )
+
+    def plain_step() -> float:
+        return statistics.median(time_plain(model, batches, device, args.precision, args.clip)[2:])
+
+    runs = [run.strip() for run in args.runs.split(",")]
+    ratios: dict[str, list[float]] = {}
+    for round_index in range(args.rounds):
+        if args.rounds > 1:
+            print(f"\nround {round_index + 1} of {args.rounds}")
+        for name, seconds, reference in one_round(args, runs, model, batches, plain_step, tokens):
+            ratios.setdefault(name, []).append(seconds / reference)
+    if args.rounds > 1:
+        print(f"\nratio to plain PyTorch in each of {args.rounds} rounds, and their median")
+        for name, values in ratios.items():
+            print(f"{name:<58}" + "".join(f"{v:>7.2f}" for v in values) + f"   median {statistics.median(values):.2f}")
     print(
         "ratio: against the plain PyTorch runs just before and after each run (--plain-once: the first and last)\n"
         "targets (issue 14, 2-core CPU as device): param none/optimizer cpu <= 1.10x plain; optimizer nvme <= 1.35x plain"
