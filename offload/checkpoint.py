@@ -39,6 +39,7 @@ from offload.checkpoint_format import (  # noqa: F401 (re-exported: the format's
     check_tag,
     checkpoints_to_remove,
     chunk_bounds,
+    created_file,
     export,
     fsync_dir,
     json_with_checksum,
@@ -54,7 +55,6 @@ from offload.checkpoint_format import (  # noqa: F401 (re-exported: the format's
     safetensors_header,
     save_error,
     set_rng_state,
-    space_error,
     tensor_bytes,
     write_all,
     write_replacing,
@@ -119,47 +119,38 @@ def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> 
     for s, offset in zip(slices, offsets):
         by_unit.setdefault(s.unit, []).append((s, offset))
     writer = _SliceWriter(len(prefix), progress, total)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            write_all(fd, prefix, path)
-            # pieces come in the slices' order (a unit's in increasing shard position), so a
-            # slice's bytes, and their checksums, are produced in order
-            for piece in engine.store.stream_optimizer_states_on_host(engine.units):
-                unit = piece.unit
-                unit_slices = by_unit.get(unit.index, [])
+    with created_file(path, needed=total, advice="the previous checkpoint is untouched") as fd:
+        write_all(fd, prefix, path)
+        # pieces come in the slices' order (a unit's in increasing shard position), so a
+        # slice's bytes, and their checksums, are produced in order
+        for piece in engine.store.stream_optimizer_states_on_host(engine.units):
+            unit = piece.unit
+            unit_slices = by_unit.get(unit.index, [])
+            for s, offset in unit_slices:
+                if _frozen_piece(unit, s.shard_pos):
+                    continue
+                low = max(s.shard_pos, piece.start)
+                high = min(s.shard_pos + s.end - s.start, piece.end)
+                if low < high:
+                    data = piece.views[s.kind][low - piece.start : high - piece.start]
+                    writer.write(fd, path, s, offset, low - s.shard_pos, data)
+            if piece.last and any(_frozen_piece(unit, s.shard_pos) for s, _ in unit_slices):
+                frozen = engine.param16_shard(unit).float()
                 for s, offset in unit_slices:
                     if _frozen_piece(unit, s.shard_pos):
-                        continue
-                    low = max(s.shard_pos, piece.start)
-                    high = min(s.shard_pos + s.end - s.start, piece.end)
-                    if low < high:
-                        data = piece.views[s.kind][low - piece.start : high - piece.start]
-                        writer.write(fd, path, s, offset, low - s.shard_pos, data)
-                if piece.last and any(_frozen_piece(unit, s.shard_pos) for s, _ in unit_slices):
-                    frozen = engine.param16_shard(unit).float()
-                    for s, offset in unit_slices:
-                        if _frozen_piece(unit, s.shard_pos):
-                            writer.write(fd, path, s, offset, 0, frozen[s.shard_pos : s.shard_pos + s.end - s.start])
-            records = [
-                {
-                    "key": s.key,
-                    "param": s.param,
-                    "kind": s.kind,
-                    "start": s.start,
-                    "end": s.end,
-                    "offset": len(prefix) + offset,
-                    "crc32c": writer.checksums(s),
-                }
-                for s, offset in zip(slices, offsets)
-            ]
-            os.fsync(fd)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise space_error(path, e, total) from None
-            raise CheckpointError(f"checkpoint write of {path} failed: {e.strerror}; the previous checkpoint is untouched") from e
-    finally:
-        os.close(fd)
+                        writer.write(fd, path, s, offset, 0, frozen[s.shard_pos : s.shard_pos + s.end - s.start])
+        records = [
+            {
+                "key": s.key,
+                "param": s.param,
+                "kind": s.kind,
+                "start": s.start,
+                "end": s.end,
+                "offset": len(prefix) + offset,
+                "crc32c": writer.checksums(s),
+            }
+            for s, offset in zip(slices, offsets)
+        ]
     return {
         "rank": rank,
         "world_size": engine.collectives.world_size,

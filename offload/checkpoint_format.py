@@ -54,6 +54,7 @@ versions could execute code from a crafted file).
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import fcntl
 import json
@@ -204,18 +205,41 @@ def space_error(path: str, err: OSError, needed: int | None = None) -> OffloadEr
     )
 
 
-def write_small(path: str, data: bytes) -> dict:
+SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # the disk, a quota or the file size limit is full
+
+
+@contextlib.contextmanager
+def created_file(path: str, *, mode: int = 0o600, needed: int | None = None, advice: str | None = None):
+    """Creates `path` (O_EXCL, never through a symlink) and yields its descriptor; fsyncs and
+    closes it when the block ends. A full disk, quota or size limit, at any point, becomes the
+    `space_error` naming `path`. Another OSError: with `advice`, a CheckpointError naming `path`
+    and ending with the advice; without, it passes through (the save's `save_error` names it)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            write_all(fd, data, path)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            raise space_error(path, e, len(data)) from None
+        raise _write_error(path, e, needed, advice) from None
+    try:
+        yield fd
+        os.fsync(fd)
+    except OffloadError:
         raise
+    except OSError as e:
+        raise _write_error(path, e, needed, advice) from None
+    finally:
+        os.close(fd)
+
+
+def _write_error(path: str, error: OSError, needed: int | None, advice: str | None) -> OSError | OffloadError:
+    if error.errno in SPACE_ERRNOS:
+        return space_error(path, error, needed)
+    if advice is None:
+        return error
+    return CheckpointError(f"cannot write {path}: {error.strerror}; {advice}")
+
+
+def write_small(path: str, data: bytes) -> dict:
+    with created_file(path, needed=len(data)) as fd:
+        write_all(fd, data, path)
     return {"bytes": len(data), "crc32c": crc32c(data)}
 
 
@@ -420,7 +444,7 @@ def save_error(error: BaseException, root: str) -> BaseException:
     if isinstance(error, OffloadError) or not isinstance(error, OSError):
         return error
     where = error.filename or root
-    if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+    if error.errno in SPACE_ERRNOS:
         return space_error(where, error)
     if error.errno in (errno.ENOTDIR, errno.EEXIST) and os.path.exists(root) and not os.path.isdir(root):
         return CheckpointError(
@@ -795,22 +819,11 @@ def write_replacing(path: str, pieces, *, hold_lock: bool = False) -> str:
     directory, name = os.path.split(path)
     temp = os.path.join(directory, f".tmp-{name}-{os.getpid()}-{os.urandom(4).hex()}")
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        raise CheckpointError(f"cannot write {path}: {e.strerror} ({temp}); choose a directory you can write to") from None
-    try:
-        try:
+        with created_file(temp, mode=0o644, advice="choose a directory you can write to") as fd:
             if hold_lock:
                 lock_held(fd)
             for piece in pieces:
                 write_all(fd, piece, temp)
-            os.fsync(fd)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise space_error(temp, e) from None
-            raise CheckpointError(f"cannot write {path}: {e.strerror}") from None
-        finally:
-            os.close(fd)
         os.replace(temp, path)
     except BaseException:
         try:
