@@ -489,11 +489,12 @@ def test_ctrl_c_during_a_swap_write_then_read_gives_the_data(swap_dir):
         import os, signal, sys, threading, torch
         from offload.memory import HostBufferPool
         from offload.swap import SwapStore
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with it ignored
         s = SwapStore(sys.argv[1], block_size=8192, queue_depth=1, threads=1)
         pool = HostBufferPool(1 << 24, pin=False)
         s.create("w", 1 << 16, torch.float32)
         src = pool.alloc(1 << 16, torch.float32).copy_(torch.arange(1 << 16, dtype=torch.float32))
-        s.engine.set_delay(0.02)
+        s.engine.set_delay(0.2)  # 32 blocks one at a time: the write is still in flight when the timer fires
         h = s.write_from("w", src)
         threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
         try:
