@@ -217,9 +217,9 @@ def _run_child(cmd: list[str], due_signal, counts: dict, timeout: float) -> tupl
             proc.kill()
             proc.wait()
             raise RuntimeError(f"a trainer child hung for {timeout} s")
-        for line in lines[seen:]:
-            steps += line.startswith('EVENT {"kind": "stepped"')
-        seen = len(lines)
+        arrived = lines[seen:]
+        seen += len(arrived)
+        steps += sum(line.startswith('EVENT {"kind": "stepped"') for line in arrived)
         sig = due_signal(now, steps)
         if sig is not None:
             proc.send_signal(sig)
