@@ -50,6 +50,7 @@ from offload.overlap import Stepping, overlap_policy
 from offload.param_access import held_on_device
 from offload.param_groups import resolve_param_groups
 from offload.placement import ParamTier
+from offload.plan import factor_needs_norm
 from offload.precision import DynamicLossScaler, gradient_multiplier
 from offload.prefetch import step_order
 from offload.rank_order import Op
@@ -187,7 +188,7 @@ class Engine:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         self.policy = overlap_policy(
             self.config.overlap,
-            factor_needs_norm=self.config.gradient_clipping > 0 or self.config.precision == "fp16",
+            factor_needs_norm=factor_needs_norm(self.config.gradient_clipping, self.config.precision),
         )
         self.optimizer_plan = plan_optimizer(
             self.config,

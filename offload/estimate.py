@@ -51,13 +51,16 @@ from offload.plan import (
     PlanError,
     device_room,
     engine_device_bytes,
+    factor_needs_norm,
+    host_cap_bytes,
+    piece_bounds,
+    plan_leftover_ram,
     plan_optimizer_tiers,
     shape_slots,
     swap_bytes_for_state,
     swap_file_bytes,
 )
-from offload.state import host_budget_bytes, host_bytes_beside_optimizer_state
-from offload.tiers import HOST_MARGIN
+from offload.state import host_budget_bytes, host_bytes_beside_optimizer_state, pool_page_slack
 from offload.units import plan_flat_layout, round_up
 
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -478,6 +481,12 @@ class TierEstimate:
     nvme: dict[str, int] = field(default_factory=dict)
     # optimizer `auto`: the split the engine would make on the machine (OptimizerPlan.summary)
     plan: str | None = None
+    # what the engine measures the RAM left over against (`leftover_ram`): its host budget
+    # (state.host_budget_bytes) and the page slack of its pool, before anything left over is taken
+    engine_host_request: int = 0
+    # each unit's optimizer tier, and the piece its streamed state is read and written in
+    optimizer_tiers: list[str] = field(default_factory=list)
+    piece: int = 0
 
     def total(self, tier: str) -> int:
         return sum(getattr(self, tier).values())
@@ -587,6 +596,9 @@ def estimate_tiers(
         staged_device_copies=staged_device_copies,
         sub_group_size=sub_group_size,
     )
+    result.engine_host_request = sum(budget.values()) + pool_page_slack(len(shards), slots.count, prefetch_depth)
+    result.optimizer_tiers = list(tiers)
+    result.piece = slots.piece
     if "optimizer_state" in budget:
         result.host["optimizer_state"] = 4 * sum(_page(4 * n) for n in host_shards)
     if "optimizer_slots" in budget:
@@ -607,6 +619,81 @@ def estimate_tiers(
     if swap:
         result.nvme["swap"] = swap
     return result
+
+
+@dataclass(frozen=True)
+class LeftoverUse:
+    """What the engine takes, beside a placement's needs (`estimate_tiers`), from the RAM that
+    placement leaves within the host cap (plan.plan_leftover_ram). It only ever takes what is left
+    over, so it never makes a placement not fit; `offload.speculation_memory` and
+    `offload.gradient_memory` cap it (0 turns it off)."""
+
+    # spare states of the units that step speculatively during backward (overlap 'backward' with
+    # clipping or fp16), of the units whose state is in RAM
+    spare_state: int
+    speculating_units: int
+    resident_units: int
+    # fp32 gradients kept in RAM, of the units whose optimizer state streams from NVMe
+    gradient: int
+    gradient_units: int
+    streamed_units: int
+    # the transfer worker's gradient slot, not made when every such gradient is in RAM
+    grad_slot_freed: int
+    # the swap files of the gradients kept in RAM, not made
+    nvme_saved: int
+
+    @property
+    def host(self) -> int:
+        """Host bytes on top of the placement's."""
+        return self.spare_state + self.gradient - self.grad_slot_freed
+
+
+def leftover_ram(
+    shape: ModelShape,
+    estimate: TierEstimate,
+    machine: Machine,
+    *,
+    world_size: int = 1,
+    speculate: bool = False,
+    max_host_memory: int | None = None,
+    speculation_memory: int | None = None,
+    gradient_memory: int | None = None,
+) -> LeftoverUse:
+    """What the engine would take from the RAM `estimate`'s placement leaves on `machine`, as it
+    decides at start (tiers.TierStore): the host cap (`max_host_memory`, or the RAM available
+    less HOST_MARGIN, shared by the node's ranks) less the placement's host budget. `speculate`:
+    overlap 'backward' with clipping or fp16 (`speculates`)."""
+    shards = shape.shard_numels(world_size)
+    tiers = [OptimizerTier(tier) for tier in estimate.optimizer_tiers]
+    cap = host_cap_bytes(max_host_memory, machine.ram_bytes, machine.ranks_per_node)
+    plan = plan_leftover_ram(
+        shards,
+        tiers,
+        room=cap - estimate.engine_host_request,
+        speculate=speculate,
+        speculation_cap=speculation_memory,
+        gradient_cap=gradient_memory,
+    )
+    streamed = [index for index, tier in enumerate(tiers) if tier.streamed]
+    in_ram = [index for index in streamed if plan.gradients_in_ram[index]]
+    every_gradient_in_ram = bool(streamed) and len(in_ram) == len(streamed)
+    return LeftoverUse(
+        spare_state=plan.spare_bytes,
+        speculating_units=sum(plan.speculating),
+        resident_units=sum(tier is OptimizerTier.HOST for tier in tiers),
+        gradient=plan.gradient_bytes,
+        gradient_units=len(in_ram),
+        streamed_units=len(streamed),
+        grad_slot_freed=estimate.host.get("grad_slot", 0) if every_gradient_in_ram else 0,
+        nvme_saved=sum(
+            swap_file_bytes(4 * (end - start)) for index in in_ram for start, end in piece_bounds(shards[index], estimate.piece)
+        ),
+    )
+
+
+def speculates(overlap: str, gradient_clipping: float, precision: str) -> bool:
+    """Whether the engine steps speculatively during backward (overlap.overlap_policy)."""
+    return overlap == "backward" and factor_needs_norm(gradient_clipping, precision)
 
 
 def plan_auto(
@@ -652,10 +739,9 @@ def plan_auto(
         memory = (int(machine.gpu_bytes * DEVICE_HEADROOM), machine.gpu_bytes)
         reserve = None if activations is None else activations + int(machine.gpu_bytes * ACTIVATION_SLACK)
         device = device_room(cap=max_device_memory, memory=memory, engine_bytes=engine_bytes, reserve=reserve)
-    host_cap = max_host_memory if max_host_memory is not None else int(machine.ram_bytes * (1 - HOST_MARGIN)) // ranks
     capacity = Capacity(
         device=device,
-        host=max(0, host_cap - others),
+        host=max(0, host_cap_bytes(max_host_memory, machine.ram_bytes, ranks) - others),
         # with param nvme, the 16-bit weights' swap files take their share of the disk first
         nvme=max(0, machine.disk_bytes // ranks - (sum(cb * n for n in shards) if param == "nvme" else 0)),
     )
@@ -821,10 +907,16 @@ def estimate_report(
     sub_group_size: int | None = None,
     max_device_memory: int | None = None,
     max_host_memory: int | None = None,
+    overlap: str = "forward",
+    gradient_clipping: float = 0.0,
+    speculation_memory: int | None = None,
+    gradient_memory: int | None = None,
 ) -> dict:
-    """Every placement's bytes per tier, whether it fits `machine`, and the recommended config
-    (a JSON-able dict; the CLI prints it as a table or as JSON). The engine's device kind is
-    `machine.device`. `max_device_memory`, `max_host_memory`: the config's caps for `auto`."""
+    """Every placement's bytes per tier, whether it fits `machine`, what the engine would take
+    beside them from the RAM left over (`leftover_ram`), and the recommended config (a JSON-able
+    dict; the CLI prints it as a table or as JSON). The engine's device kind is `machine.device`.
+    `max_device_memory`, `max_host_memory`: the config's caps for `auto` and for what is left
+    over; `overlap`, `gradient_clipping`, `speculation_memory`, `gradient_memory`: the config's."""
     activations = activation_bytes(
         shape, micro_batch=micro_batch, seq_len=seq_len, precision=precision, checkpointing=checkpointing
     )
@@ -875,7 +967,24 @@ def estimate_report(
         estimate.plan = plan
         problems = fit_problems(estimate, machine, activations or 0)
         fits[placement] = not problems
-        rows.append({**estimate.as_dict(), "fits": not problems, "problems": problems})
+        leftover = leftover_ram(
+            shape,
+            estimate,
+            machine,
+            world_size=world_size,
+            speculate=speculates(overlap, gradient_clipping, precision),
+            max_host_memory=max_host_memory,
+            speculation_memory=speculation_memory,
+            gradient_memory=gradient_memory,
+        )
+        rows.append(
+            {
+                **estimate.as_dict(),
+                "fits": not problems,
+                "problems": problems,
+                "leftover_ram": {**asdict(leftover), "host": leftover.host},
+            }
+        )
         if tiers is not None and "device" in tiers and "nvme" not in tiers:
             device_only_auto.add(placement[0])
     choice = recommend(fits, device_only_auto)
@@ -903,6 +1012,10 @@ def estimate_report(
             "micro_batch": micro_batch,
             "seq_len": seq_len,
             "checkpointing": checkpointing,
+            "overlap": overlap,
+            "gradient_clipping": gradient_clipping,
+            "speculation_memory": speculation_memory,
+            "gradient_memory": gradient_memory,
         },
         "machine": {
             "gpu_bytes": machine.gpu_bytes,

@@ -38,6 +38,9 @@ MIN_SUB_GROUP_SIZE = 1024
 DEVICE_ACTIVATION_SHARE = 0.25
 # Units whose gradients may wait on the device at once (gradients.MAX_GRADS_IN_FLIGHT).
 GRADS_IN_FLIGHT = 2
+# Of the RAM available at start, what the engine leaves to everything else when no
+# `offload.max_host_memory` caps it (`host_cap_bytes`).
+HOST_MARGIN = 0.10
 
 
 class PlanError(ValueError):
@@ -255,6 +258,61 @@ def plan_gradients_in_ram(optimizer_numels: list[int], tiers: list[OptimizerTier
             chosen[index] = True
             left -= need
     return chosen
+
+
+def factor_needs_norm(gradient_clipping: float, precision: str) -> bool:
+    """Whether the factor the stored gradients are multiplied by is known only from every
+    gradient (clipping, or fp16's overflow check): overlap 'backward' then steps speculatively."""
+    return gradient_clipping > 0 or precision == "fp16"
+
+
+def host_cap_bytes(max_host_memory: int | None, available: int, ranks_per_node: int) -> int:
+    """The RAM one rank's engine may use: `max_host_memory`, or the RAM `available` at start less
+    HOST_MARGIN, shared by the `ranks_per_node` ranks of this node."""
+    if max_host_memory is not None:
+        return max_host_memory
+    return int(available * (1 - HOST_MARGIN)) // ranks_per_node
+
+
+@dataclass(frozen=True)
+class LeftoverRam:
+    """What the engine takes from the RAM its placement leaves within the host cap: spare states
+    for speculative steps (overlap 'backward' with clipping or fp16), then the fp32 gradients of
+    units whose optimizer state streams from NVMe. Per unit, whether it got one."""
+
+    speculating: list[bool]
+    gradients_in_ram: list[bool]
+    # host bytes of the spare states and of the gradients taken
+    spare_bytes: int
+    gradient_bytes: int
+
+
+def plan_leftover_ram(
+    optimizer_numels: list[int],
+    tiers: list[OptimizerTier],
+    *,
+    room: int,
+    speculate: bool,
+    speculation_cap: int | None,
+    gradient_cap: int | None,
+) -> LeftoverRam:
+    """Spends `room` bytes of RAM (the host cap less everything the placement needs): first on
+    spare states (`plan_speculation`, at most `speculation_cap` bytes, only when `speculate`),
+    then, out of what is still left, on fp32 gradients kept in RAM (`plan_gradients_in_ram`, at
+    most `gradient_cap` bytes). The engine (tiers.TierStore) and `offload estimate` both decide
+    with this."""
+    room = max(0, room)
+    speculating = [False] * len(optimizer_numels)
+    if speculate:
+        speculating = plan_speculation(optimizer_numels, tiers, _capped(room, speculation_cap))
+    spare = sum(spare_state_bytes(n) for n, chosen in zip(optimizer_numels, speculating) if chosen)
+    in_ram = plan_gradients_in_ram(optimizer_numels, tiers, _capped(room - spare, gradient_cap))
+    gradients = sum(gradient_bytes(n) for n, chosen in zip(optimizer_numels, in_ram) if chosen)
+    return LeftoverRam(speculating=speculating, gradients_in_ram=in_ram, spare_bytes=spare, gradient_bytes=gradients)
+
+
+def _capped(room: int, cap: int | None) -> int:
+    return room if cap is None else min(room, cap)
 
 
 def plan_optimizer_tiers(

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.placement import OptimizerTier, ParamTier
-from offload.plan import shape_slots
+from offload.plan import PAGE, shape_slots
 from offload.units import FlatLayout, UnitSpec
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad32")
@@ -312,6 +312,13 @@ class StatePiece:
     @property
     def end(self) -> int:
         return self.start + self.views["master"].numel()
+
+
+def pool_page_slack(unit_count: int, slot_count: int, prefetch_depth: int) -> int:
+    """What the host pool holds beside the budget (`host_budget_bytes`) for rounding each buffer
+    up to a page: a page for each of at most 8 buffers per unit, 4 per optimizer slot, and the
+    staging buffers."""
+    return PAGE * (8 * unit_count + 4 * slot_count + prefetch_depth + 8)
 
 
 def host_budget_bytes(

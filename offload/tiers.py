@@ -26,20 +26,17 @@ from offload.memory import HostBufferPool, TierLedger
 from offload.optim import kernels
 from offload.placement import OptimizerTier, ParamTier
 from offload.plan import (
-    PAGE,
     Capacity,
     OptimizerPlan,
     PlanError,
     device_room,
     engine_device_bytes,
-    gradient_bytes,
+    host_cap_bytes,
     parse_size,
     piece_bounds,
-    plan_gradients_in_ram,
+    plan_leftover_ram,
     plan_optimizer_tiers,
-    plan_speculation,
     shape_slots,
-    spare_state_bytes,
 )
 from offload.state import (
     STATE_KINDS,
@@ -51,16 +48,13 @@ from offload.state import (
     UnitState,
     host_budget_bytes,
     host_bytes_beside_optimizer_state,
+    pool_page_slack,
 )
 
 if TYPE_CHECKING:
     from offload.swap import SwapHandle, SwapStore
 
 logger = logging.getLogger(__name__)
-
-
-# Of the RAM available at start, what `offload.optimizer: auto` leaves to everything else.
-HOST_MARGIN = 0.10
 
 
 def plan_optimizer(
@@ -134,19 +128,11 @@ def plan_optimizer(
 def host_cap(config: Config) -> int:
     """The RAM this rank's engine may use: `max_host_memory`, or what is available at start less
     HOST_MARGIN, shared by the ranks of this node."""
-    cap = parse_size(config.offload.max_host_memory)
-    if cap is not None:
-        return cap
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return int(psutil.virtual_memory().available * (1 - HOST_MARGIN)) // ranks_here
-
-
-def room_left(config: Config, others: int, cap: int | str | None) -> int:
-    """The RAM this rank's engine may still take beside `others` bytes (`host_cap`), at most `cap`
-    (a size from the config, like `offload.speculation_memory`; None: no cap)."""
-    room = max(0, host_cap(config) - others)
-    limit = parse_size(cap)
-    return room if limit is None else min(room, limit)
+    return host_cap_bytes(
+        parse_size(config.offload.max_host_memory),
+        psutil.virtual_memory().available,
+        int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    )
 
 
 def squared_norm(values: torch.Tensor) -> float:
@@ -224,15 +210,12 @@ class TierStore:
             sub_group_size=config.offload.sub_group_size,
         )
         # Page-rounding per buffer: every buffer's capacity rounds up to 4 KiB.
-        buffer_count_estimate = 8 * len(units) + 4 * self.slot_shape.count + config.prefetch.depth + 8
+        page_slack = pool_page_slack(len(units), self.slot_shape.count, config.prefetch.depth)
         self.speculating = [False] * len(units)
-        if speculate:
-            self._plan_speculation(config, sum(self.budget.values()) + PAGE * buffer_count_estimate)
-        if self.streamed_units:
-            self._plan_gradients(config, sum(self.budget.values()) + PAGE * buffer_count_estimate)
+        self._plan_leftover_ram(config, sum(self.budget.values()) + page_slack, speculate)
         total_budget = sum(self.budget.values())
         self.pool = HostBufferPool(
-            total_budget + PAGE * buffer_count_estimate,
+            total_budget + page_slack,
             pin=pin and config.offload.pin_memory,
             ledger=ledger,
             name="offload host pool",
@@ -277,50 +260,50 @@ class TierStore:
             self.close()
             raise
 
-    def _plan_speculation(self, config: Config, others: int) -> None:
-        """Chooses the units that get a spare state from the RAM left beside `others` bytes and
-        adds their spare states to the budget."""
-        numels = [unit.optimizer_numel for unit in self.units]
-        room = room_left(config, others, config.offload.speculation_memory)
-        self.speculating = plan_speculation(numels, [unit.optimizer_tier for unit in self.units], room)
-        spare = sum(spare_state_bytes(n) for n, chosen in zip(numels, self.speculating) if chosen)
-        if spare:
-            self.budget["spare_state"] = spare
-        host_units = sum(unit.optimizer_tier is OptimizerTier.HOST for unit in self.units)
-        logger.info(
-            "offload: overlap backward: %d of %d units (of %d with their state in RAM) step speculatively during "
-            "backward (%.2f GiB of spare state in RAM, %.2f GiB was free for it); the rest step once the global "
-            "gradient norm is known",
-            sum(self.speculating),
-            len(self.units),
-            host_units,
-            spare / 2**30,
-            room / 2**30,
+    def _plan_leftover_ram(self, config: Config, others: int, speculate: bool) -> None:
+        """Spends the RAM left beside `others` bytes (plan.plan_leftover_ram): spare states for the
+        units that step speculatively during backward (when `speculate`), then fp32 gradients in
+        RAM for units whose state streams from NVMe; both join the budget. Without a gradient
+        left on NVMe, the transfer worker's `grad_slot` is not needed."""
+        room = max(0, host_cap(config) - others)
+        tiers = [unit.optimizer_tier for unit in self.units]
+        leftover = plan_leftover_ram(
+            [unit.optimizer_numel for unit in self.units],
+            tiers,
+            room=room,
+            speculate=speculate,
+            speculation_cap=parse_size(config.offload.speculation_memory),
+            gradient_cap=parse_size(config.offload.gradient_memory),
         )
-
-    def _plan_gradients(self, config: Config, others: int) -> None:
-        """Chooses the NVMe-streamed units whose fp32 gradient stays in RAM, from the RAM left
-        beside `others` bytes (capped by `offload.gradient_memory`), and adds those gradients to
-        the budget; without a gradient left on NVMe, the transfer worker's `grad_slot` is not
-        needed."""
-        numels = [unit.optimizer_numel for unit in self.units]
-        room = room_left(config, others, config.offload.gradient_memory)
-        chosen = plan_gradients_in_ram(numels, [unit.optimizer_tier for unit in self.units], room)
-        for unit, in_ram in zip(self.units, chosen):
+        self.speculating = leftover.speculating
+        for unit, in_ram in zip(self.units, leftover.gradients_in_ram):
             unit.gradient_in_ram = in_ram
-        in_ram_bytes = sum(gradient_bytes(unit.optimizer_numel) for unit in self.units if unit.gradient_in_ram)
-        if in_ram_bytes:
-            self.budget["gradient"] = in_ram_bytes
-        if all(unit.gradient_in_ram for unit in self.streamed_units):
+        if leftover.spare_bytes:
+            self.budget["spare_state"] = leftover.spare_bytes
+        if leftover.gradient_bytes:
+            self.budget["gradient"] = leftover.gradient_bytes
+        if self.streamed_units and all(unit.gradient_in_ram for unit in self.streamed_units):
             del self.budget["grad_slot"]
-        logger.info(
-            "offload: %d of %d units with their optimizer state on NVMe keep their fp32 gradient in RAM "
-            "(%.2f GiB, %.2f GiB was free for it); the step reads and writes only their master and moments",
-            sum(chosen),
-            len(self.streamed_units),
-            in_ram_bytes / 2**30,
-            room / 2**30,
-        )
+        if speculate:
+            logger.info(
+                "offload: overlap backward: %d of %d units (of %d with their state in RAM) step speculatively during "
+                "backward (%.2f GiB of spare state in RAM, %.2f GiB was free for it); the rest step once the global "
+                "gradient norm is known",
+                sum(leftover.speculating),
+                len(self.units),
+                sum(tier is OptimizerTier.HOST for tier in tiers),
+                leftover.spare_bytes / 2**30,
+                room / 2**30,
+            )
+        if self.streamed_units:
+            logger.info(
+                "offload: %d of %d units with their optimizer state on NVMe keep their fp32 gradient in RAM "
+                "(%.2f GiB, %.2f GiB was free for it); the step reads and writes only their master and moments",
+                sum(leftover.gradients_in_ram),
+                len(self.streamed_units),
+                leftover.gradient_bytes / 2**30,
+                (room - leftover.spare_bytes) / 2**30,
+            )
 
     def _allocate_host(self) -> None:
         largest = self.largest_shard

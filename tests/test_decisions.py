@@ -195,3 +195,41 @@ def test_adam_threads_leave_cpus_to_the_accelerator_s_threads_when_overlapped():
     assert adam_threads(32, {"LOCAL_WORLD_SIZE": "4"}, overlaps_accelerator=True) == 6
     assert adam_threads(7, {}, overlaps_accelerator=True) == 7
     assert adam_threads(2, {}, overlaps_accelerator=True) == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    units=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(["cpu", "nvme", "device"])), max_size=10),
+    room=st.integers(-(10**6), 10**8),
+    speculate=st.booleans(),
+    speculation_cap=st.none() | st.integers(0, 10**8),
+    gradient_cap=st.none() | st.integers(0, 10**8),
+)
+def test_leftover_ram_spends_only_what_is_left_within_each_cap(units, room, speculate, speculation_cap, gradient_cap):
+    """Spare states first, then gradients from what they leave: each within its cap, both
+    together within the room; spare states only for units whose state is in RAM (and only when
+    speculating), gradients only for units whose state streams from NVMe; and nothing is left
+    that the next unit in each plan's order would have fitted in."""
+    from offload.placement import OptimizerTier
+    from offload.plan import gradient_bytes, plan_leftover_ram, spare_state_bytes
+
+    numels = [n for n, _ in units]
+    tiers = [OptimizerTier(t) for _, t in units]
+    plan = plan_leftover_ram(
+        numels, tiers, room=room, speculate=speculate, speculation_cap=speculation_cap, gradient_cap=gradient_cap
+    )
+    room = max(0, room)
+    assert plan.spare_bytes == sum(spare_state_bytes(n) for n, c in zip(numels, plan.speculating) if c)
+    assert plan.gradient_bytes == sum(gradient_bytes(n) for n, c in zip(numels, plan.gradients_in_ram) if c)
+    assert plan.spare_bytes + plan.gradient_bytes <= room
+    assert plan.spare_bytes <= (room if speculation_cap is None else speculation_cap)
+    assert plan.gradient_bytes <= (room if gradient_cap is None else gradient_cap)
+    assert speculate or not any(plan.speculating)
+    for numel, tier, spare, gradient in zip(numels, tiers, plan.speculating, plan.gradients_in_ram):
+        assert not spare or (tier is OptimizerTier.HOST and numel)
+        assert not gradient or (tier.streamed and numel)
+    # greedy: a streamed unit left out did not fit in what was left for gradients
+    gradient_room = min(room - plan.spare_bytes, room if gradient_cap is None else gradient_cap)
+    for numel, tier, gradient in zip(numels, tiers, plan.gradients_in_ram):
+        if tier.streamed and numel and not gradient:
+            assert gradient_bytes(numel) > gradient_room - plan.gradient_bytes

@@ -130,19 +130,16 @@ MEASURED = dict(
 )
 
 
-def measured_peaks(
-    param: str, optimizer: str, precision: str, swap_dir: str, depth: int = 2, sub_group_size: int | None = None
-) -> dict:
+def measured_report(param: str, optimizer: str, precision: str, swap_dir: str, *, depth: int = 2, **settings) -> dict:
+    """The engine's memory report after two steps of the MEASURED model; `settings` are offload
+    keys, and `overlap` / `gradient_clipping` at the top of the config."""
     torch.manual_seed(0)
     model = hf_model(MEASURED)
-    # gradient_memory 0: the estimate is what the placement needs; the engine keeps NVMe units'
-    # gradients in RAM only out of the RAM left over (tests/test_gradients_in_ram.py)
-    placement = {"param": param, "optimizer": optimizer, "nvme_path": swap_dir, "gradient_memory": 0}
-    if sub_group_size is not None:
-        placement["sub_group_size"] = sub_group_size
+    top = {key: settings.pop(key) for key in ("overlap", "gradient_clipping") if key in settings}
+    placement = {"param": param, "optimizer": optimizer, "nvme_path": swap_dir, **settings}
     engine = offload.initialize(
         model,
-        {"precision": precision, "optimizer": {"lr": 1e-3}, "prefetch": {"depth": depth}, "offload": placement},
+        {"precision": precision, "optimizer": {"lr": 1e-3}, "prefetch": {"depth": depth}, "offload": placement, **top},
     )
     ids = torch.randint(0, MEASURED["vocab_size"], (4, 64), generator=torch.Generator().manual_seed(0))
     for _ in range(2):  # the second step prefetches along the order the first recorded
@@ -151,6 +148,18 @@ def measured_peaks(
         engine.step()
     report = engine.memory_report()
     engine.close(restore_weights=False)
+    return report
+
+
+def measured_peaks(
+    param: str, optimizer: str, precision: str, swap_dir: str, depth: int = 2, sub_group_size: int | None = None
+) -> dict:
+    # gradient_memory 0: the estimate is what the placement needs; the engine keeps NVMe units'
+    # gradients in RAM only out of the RAM left over (test_leftover_ram_is_what_the_engine_takes)
+    settings: dict = {"gradient_memory": 0}
+    if sub_group_size is not None:
+        settings["sub_group_size"] = sub_group_size
+    report = measured_report(param, optimizer, precision, swap_dir, depth=depth, **settings)
     return {tier: report[tier]["peak"] for tier in ("device", "host", "nvme")}
 
 
@@ -217,6 +226,69 @@ def test_estimate_plans_the_engines_auto_split_under_the_configs_caps(swap_dir, 
     assert {"device", "cpu", "nvme"} <= set(tiers)  # the caps split it over all three tiers
     uncapped, _ = est.plan_auto(shape, param, machine, precision="fp32", world_size=1, prefetch_depth=2, buffer_count=3)
     assert uncapped == ["cpu"] * len(tiers)
+
+
+def _category_peak(report: dict, tier: str, category: str) -> int:
+    return report[tier]["by_category"].get(category, {}).get("peak", 0)
+
+
+@pytest.mark.parametrize(
+    "param, optimizer, precision, settings, taken",
+    [
+        # every NVMe unit's gradient fits in what is left: the gradient slot is not made either
+        ("none", "nvme", "bf16", {}, "all gradients"),
+        # room for some gradients (the first units), the rest on NVMe
+        ("nvme", "nvme", "fp32", {"share": 0.5}, "some gradients"),
+        # overlap backward with clipping: spare states for the last units whose state is in RAM
+        ("cpu", "cpu", "fp32", {"share": 0.4, "overlap": "backward", "gradient_clipping": 1.0}, "some spare states"),
+        ("none", "nvme", "bf16", {"gradient_memory": 0}, "nothing"),
+    ],
+)
+def test_leftover_ram_is_what_the_engine_takes(swap_dir, param, optimizer, precision, settings, taken):
+    """What `offload estimate` says the engine takes beside a placement from the RAM left over
+    (spare states, fp32 gradients of NVMe units) is what the engine's ledger shows, byte for
+    byte, on host and nvme, under a `max_host_memory` cap that leaves all, some or none of it."""
+    settings = dict(settings)
+    shape = est.shape_from_hf_config(MEASURED)
+    estimate = est.estimate_tiers(shape, param, optimizer, precision=precision, device=ENGINE_DEVICE)
+    speculate = est.speculates(settings.get("overlap", "forward"), settings.get("gradient_clipping", 0.0), precision)
+    full = est.leftover_ram(
+        shape, estimate, est.Machine(None, 0, 0, device=ENGINE_DEVICE), speculate=speculate, max_host_memory=10**12
+    )
+    share = settings.pop("share", 1.0)
+    cap = estimate.engine_host_request + int(share * (full.spare_state + full.gradient))
+    machine = est.Machine(gpu_bytes=None, ram_bytes=0, disk_bytes=10**12, device=ENGINE_DEVICE)
+    leftover = est.leftover_ram(
+        shape,
+        estimate,
+        machine,
+        speculate=speculate,
+        max_host_memory=cap,
+        gradient_memory=settings.get("gradient_memory"),
+    )
+    report = measured_report(param, optimizer, precision, swap_dir, max_host_memory=cap, **settings)
+
+    assert report["host"]["peak"] == estimate.total("host") + leftover.host
+    assert report["nvme"]["peak"] == estimate.total("nvme") - leftover.nvme_saved
+    assert _category_peak(report, "host", "spare_state") == leftover.spare_state
+    assert _category_peak(report, "host", "gradient") == leftover.gradient
+    units = len(shape.shard_numels())
+    expected = {
+        "all gradients": (0, units, True),
+        "some gradients": (0, None, False),
+        "some spare states": (None, 0, False),
+        "nothing": (0, 0, False),
+    }[taken]
+    speculating, gradient_units, slot_freed = expected
+    if speculating is None:
+        assert 0 < leftover.speculating_units < units
+    else:
+        assert leftover.speculating_units == speculating
+    if gradient_units is None:
+        assert 0 < leftover.gradient_units < units
+    else:
+        assert leftover.gradient_units == gradient_units
+    assert (leftover.grad_slot_freed > 0) == slot_freed
 
 
 def test_depth_changes_device_bytes_as_the_engine_does(swap_dir):
@@ -325,6 +397,24 @@ def test_cli_table_reads_a_deepspeed_config(tmp_path, capsys):
     assert cli_main(["estimate", "1.3B", "--config", str(ds), "--gpu-memory", "none", "--ram", "1TB", "--disk", "1TB"]) == 0
     out = capsys.readouterr().out
     assert "settings: fp16" in out and "recommended: param none, optimizer cpu" in out
+
+
+def test_cli_says_what_the_engine_takes_from_the_ram_left_over(tmp_path, capsys):
+    """The config's overlap, clipping and caps of the RAM left over reach the report: with
+    overlap backward and clipping, rows with state in RAM show spare states; NVMe rows show
+    gradients kept in RAM, at most `gradient_memory`."""
+    config = tmp_path / "offload.json"
+    config.write_text(json.dumps({"overlap": "backward", "gradient_clipping": 1.0, "offload": {"gradient_memory": "1GiB"}}))
+    args = ["estimate", "1.3B", "--config", str(config), "--gpu-memory", "none", "--ram", "256GB", "--disk", "1TB"]
+    assert cli_main([*args, "--json"]) == 0
+    rows = {(r["param"], r["optimizer"]): r["leftover_ram"] for r in json.loads(capsys.readouterr().out)["placements"]}
+    assert rows[("none", "cpu")]["speculating_units"] == rows[("none", "cpu")]["resident_units"] > 0
+    assert rows[("none", "nvme")]["spare_state"] == 0  # no state in RAM to step speculatively
+    assert 0 < rows[("none", "nvme")]["gradient"] <= 2**30
+    assert 0 < rows[("none", "nvme")]["gradient_units"] < rows[("none", "nvme")]["streamed_units"]
+    assert cli_main(args) == 0
+    table = capsys.readouterr().out
+    assert "spare states for" in table and "fp32 gradients of" in table and "offload.gradient_memory caps it" in table
 
 
 def test_cli_errors_name_the_input(capsys):

@@ -22,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         help="an offload, DeepSpeed JSON or accelerate YAML config: precision, prefetch depth, buffer count, sub-group "
-        "size (offload.sub_group_size, DeepSpeed's zero_optimization.sub_group_size) and the caps of optimizer auto "
-        "(offload.max_device_memory, offload.max_host_memory) are read from it",
+        "size (offload.sub_group_size, DeepSpeed's zero_optimization.sub_group_size), overlap, gradient clipping, the "
+        "caps of optimizer auto (offload.max_device_memory, offload.max_host_memory) and of the RAM left over "
+        "(offload.gradient_memory, offload.speculation_memory) are read from it",
     )
     parser.add_argument(
         "--precision", choices=sorted(est.COMPUTE_BYTES), help="compute precision (default: the config's, else bf16)"
@@ -125,6 +126,10 @@ def build_report(args) -> dict:
         sub_group_size=config.offload.sub_group_size,
         max_device_memory=parse_size(config.offload.max_device_memory),
         max_host_memory=parse_size(config.offload.max_host_memory),
+        overlap=config.overlap,
+        gradient_clipping=config.gradient_clipping,
+        speculation_memory=parse_size(config.offload.speculation_memory),
+        gradient_memory=parse_size(config.offload.gradient_memory),
         micro_batch=args.micro_batch,
         seq_len=args.seq_len,
         checkpointing=args.checkpointing,
@@ -166,6 +171,7 @@ def format_report(report: dict) -> str:
         )
         if row.get("plan"):
             lines.append(f"{'':<18} optimizer state split: {row['plan']}")
+        lines.extend(f"{'':<18} {line}" for line in leftover_lines(row.get("leftover_ram")))
     activations = report["activations_bytes"]
     lines.append("")
     lines.append(
@@ -180,6 +186,29 @@ def format_report(report: dict) -> str:
         lines.append(f"recommended: param {recommended['param']}, optimizer {recommended['optimizer']}; config:")
         lines.append(json.dumps(recommended["config"], indent=2))
     return "\n".join(lines)
+
+
+def leftover_lines(leftover: dict | None) -> list[str]:
+    """What the engine takes beside a placement's row from the RAM left over, in words."""
+    if not leftover:
+        return []
+    f = est.format_bytes
+    lines = []
+    if leftover["spare_state"]:
+        lines.append(
+            f"+ {f(leftover['spare_state'])} of the RAM left over: spare states for {leftover['speculating_units']} of "
+            f"{leftover['resident_units']} units in RAM to step during backward (offload.speculation_memory caps it)"
+        )
+    if leftover["gradient"]:
+        freed = (
+            f" (less the {f(leftover['grad_slot_freed'])} gradient slot then not needed)" if leftover["grad_slot_freed"] else ""
+        )
+        lines.append(
+            f"+ {f(leftover['gradient'])} of the RAM left over{freed}: fp32 gradients of {leftover['gradient_units']} of "
+            f"{leftover['streamed_units']} NVMe units; {f(leftover['nvme_saved'])} less on nvme, and those units' steps "
+            "move 24 disk bytes per param instead of 32 (offload.gradient_memory caps it)"
+        )
+    return lines
 
 
 def run(args) -> int:
