@@ -94,12 +94,22 @@ def gpu_peak(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
 
 
+def enable_checkpointing(model) -> None:
+    """Every decoder layer checkpointed (non-reentrant), through transformers'
+    `activation_checkpointing_enable` where it exists (5.23 on), else its older name."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 # ---- one run, in its own process ---------------------------------------------------------
 def run_plain(args, device) -> dict:
     started = time.perf_counter()
     model = build(args.size, args.seq, meta=False).to(device)
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     startup = time.perf_counter() - started
     times, fwd_bwd = [], []
@@ -128,7 +138,7 @@ def run_offload(args, device, param: str, optimizer: str, overlap: str) -> dict:
     started = time.perf_counter()
     model = build(args.size, args.seq, meta=args.size not in ("tiny", "1.3b"))
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     with tempfile.TemporaryDirectory(prefix="bench-gpu-", dir=args.nvme_path) as swap:
         config = {
             "precision": "bf16",
@@ -190,7 +200,7 @@ def run_deepspeed(args, device, stage: int) -> dict:
     started = time.perf_counter()
     model = build(args.size, args.seq, meta=False)
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     startup = time.perf_counter() - started
     times = []

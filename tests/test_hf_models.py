@@ -8,6 +8,7 @@ when present); the references run on the CPU, and weights are compared there."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -154,15 +155,32 @@ def test_tied_weight_shared_by_two_units(swap_dir):
     engine.close()
 
 
+def enable_activation_checkpointing(model, reentrant: bool, every_n_layers: int = 1) -> None:
+    """transformers' own checkpointing: `activation_checkpointing_enable` where it exists (5.23:
+    `every_n_layers` checkpoints only some layers), else `gradient_checkpointing_enable` (its
+    older name, deprecated in 5.23), which checkpoints every layer."""
+    kwargs = {"use_reentrant": reentrant}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None and "every_n_layers" in inspect.signature(enable).parameters:
+        enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
+    elif every_n_layers == 1:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        pytest.skip("this transformers checkpoints every layer or none (no every_n_layers)")
+
+
+@pytest.mark.parametrize("every_n_layers", [1, 2])
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_activation_checkpointing(swap_dir, name, reentrant):
+def test_activation_checkpointing(swap_dir, name, reentrant, every_n_layers):
+    """transformers checkpointing every layer, or every other one (the units in between keep
+    their activations): training equals plain PyTorch with the same checkpointing."""
     torch.manual_seed(0)
     model = MODELS[name]()
     data = token_batches(3)
     reference, _ = reference_weights(model, data)
     model = copy.deepcopy(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_activation_checkpointing(model, reentrant, every_n_layers)
     model.train()
     engine = offload.initialize(model, config_for(swap_dir, "nvme", "cpu"))
     train(engine, data)

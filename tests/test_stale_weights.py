@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from reference import TinyNet, batches, max_weight_difference, mse, reference_run
+from reference import Block, TinyNet, batches, max_weight_difference, mse, reference_run
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
@@ -91,6 +91,90 @@ def test_checkpointed_units_equal_plain_pytorch(swap_dir, caplog, param, optimiz
             engine.step()
             losses.append(loss.item())
     try:
+        assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
+        assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+    finally:
+        engine.close()
+
+
+class InnerCheckpointBlock(Block):
+    """A block (a unit) that checkpoints part of itself: the recompute runs inside the unit's
+    own backward and reads its norm and up-projection again."""
+
+    def __init__(self, width: int, reentrant: bool) -> None:
+        super().__init__(width)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():
+            return super().forward(x)
+        inner = torch_checkpoint.checkpoint(lambda t: torch.relu(self.up(self.norm(t))), x, use_reentrant=self.reentrant)
+        return x + self.down(inner)
+
+
+class LayoutNet(TinyNet):
+    """TinyNet (four blocks, the units) checkpointed in layouts other than one unit per call:
+
+    - `every_other`: blocks 0 and 2 checkpointed, 1 and 3 not (transformers' `every_n_layers=2`);
+    - `pairs`: blocks 0-1 in one checkpoint call, 2-3 in another (a recompute re-enters two units);
+    - `all_blocks`: every block in one call (the recompute re-enters all four before any backward
+      of theirs runs);
+    - `inside`: each block checkpoints part of itself (InnerCheckpointBlock).
+    """
+
+    def __init__(self, layout: str, reentrant: bool) -> None:
+        super().__init__()
+        self.layout = layout
+        self.reentrant = reentrant
+        if layout == "inside":
+            self.blocks = nn.ModuleList(InnerCheckpointBlock(32, reentrant) for _ in range(4))
+
+    def _checkpointed(self, blocks, h):
+        def run(t):
+            for block in blocks:
+                t = block(t)
+            return t
+
+        return torch_checkpoint.checkpoint(run, h, use_reentrant=self.reentrant)
+
+    def forward(self, x):
+        h = self.inp(x)
+        blocks = list(self.blocks)
+        if self.layout == "inside" or not torch.is_grad_enabled():
+            for block in blocks:
+                h = block(h)
+        elif self.layout == "every_other":
+            for index, block in enumerate(blocks):
+                h = self._checkpointed([block], h) if index % 2 == 0 else block(h)
+        elif self.layout == "pairs":
+            for start in range(0, len(blocks), 2):
+                h = self._checkpointed(blocks[start : start + 2], h)
+        else:
+            h = self._checkpointed(blocks, h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("layout", ["every_other", "pairs", "all_blocks", "inside"])
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+@pytest.mark.parametrize("param,optimizer", [("none", "cpu"), ("cpu", "cpu"), ("nvme", "cpu"), ("cpu", "nvme")])
+def test_checkpoint_layouts_equal_plain_pytorch(swap_dir, caplog, param, optimizer, overlap, layout, reentrant):
+    """Checkpoints that cover several units, some units, or part of one: every recompute reads
+    the weights of the step before (never a later step's, never freed storage), and training
+    matches plain PyTorch AdamW to fp32 rounding."""
+    torch.manual_seed(0)
+    model = LayoutNet(layout, reentrant)
+    data = batches(5)
+    reference, reference_losses = reference_run(model, data)
+    engine = offload.initialize(copy.deepcopy(model), config(swap_dir, param, optimizer, overlap))
+    losses = []
+    try:
+        for x, y in data:
+            loss = mse(engine, x, y)
+            engine.backward(loss)
+            assert_no_unit_held(engine, caplog)
+            engine.step()
+            losses.append(loss.item())
         assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
         assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
     finally:
