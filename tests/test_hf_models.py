@@ -155,32 +155,36 @@ def test_tied_weight_shared_by_two_units(swap_dir):
     engine.close()
 
 
-def enable_activation_checkpointing(model, reentrant: bool, every_n_layers: int = 1) -> None:
+def enable_activation_checkpointing(model, reentrant: bool, every_n_layers: int = 1, offload_activations: bool = False) -> None:
     """transformers' own checkpointing: `activation_checkpointing_enable` where it exists (5.23:
-    `every_n_layers` checkpoints only some layers), else `gradient_checkpointing_enable` (its
-    older name, deprecated in 5.23), which checkpoints every layer."""
+    `every_n_layers` checkpoints only some layers, `offload` keeps the saved activations in host
+    memory through torch's save_on_cpu hooks), else `gradient_checkpointing_enable` (its older
+    name, deprecated in 5.23), which checkpoints every layer."""
+    if offload_activations and not torch.cuda.is_available():
+        pytest.skip("transformers' activation offload pins host memory, which needs CUDA (plain PyTorch fails too)")
     kwargs = {"use_reentrant": reentrant}
     enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None and "every_n_layers" in inspect.signature(enable).parameters:
-        enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers)
-    elif every_n_layers == 1:
+    if enable is not None and {"every_n_layers", "offload"} <= set(inspect.signature(enable).parameters):
+        enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n_layers, offload=offload_activations)
+    elif every_n_layers == 1 and not offload_activations:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     else:
-        pytest.skip("this transformers checkpoints every layer or none (no every_n_layers)")
+        pytest.skip("this transformers has no every_n_layers or offload for its checkpointing")
 
 
-@pytest.mark.parametrize("every_n_layers", [1, 2])
+@pytest.mark.parametrize("every_n_layers, offload_activations", [(1, False), (2, False), (1, True)])
 @pytest.mark.parametrize("reentrant", [True, False])
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_activation_checkpointing(swap_dir, name, reentrant, every_n_layers):
-    """transformers checkpointing every layer, or every other one (the units in between keep
-    their activations): training equals plain PyTorch with the same checkpointing."""
+def test_activation_checkpointing(swap_dir, name, reentrant, every_n_layers, offload_activations):
+    """transformers checkpointing every layer, every other one (the units in between keep their
+    activations), or every layer with the saved activations offloaded to host memory: training
+    equals plain PyTorch."""
     torch.manual_seed(0)
     model = MODELS[name]()
     data = token_batches(3)
     reference, _ = reference_weights(model, data)
     model = copy.deepcopy(model)
-    enable_activation_checkpointing(model, reentrant, every_n_layers)
+    enable_activation_checkpointing(model, reentrant, every_n_layers, offload_activations)
     model.train()
     engine = offload.initialize(model, config_for(swap_dir, "nvme", "cpu"))
     train(engine, data)

@@ -181,6 +181,36 @@ def test_checkpoint_layouts_equal_plain_pytorch(swap_dir, caplog, param, optimiz
         engine.close()
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+@pytest.mark.parametrize("param,optimizer", [("none", "cpu"), ("cpu", "cpu"), ("nvme", "nvme")])
+def test_saved_tensors_copied_away_equal_plain_pytorch(swap_dir, caplog, param, optimizer, overlap, checkpointed):
+    """Activation offloading (torch.autograd.graph.save_on_cpu, transformers'
+    `activation_checkpointing_enable(offload=True)`) packs every tensor saved for backward into a
+    copy elsewhere, the weights a unit's ops save among them. Here the copy is a clone (on a GPU
+    it is the host copy): backward then computes with the weights as they were in the forward,
+    whatever the engine did to the unit's device buffer since, and training still equals plain
+    PyTorch AdamW."""
+    torch.manual_seed(0)
+    model = CheckpointedNet("non_reentrant" if checkpointed else "off")
+    data = batches(5)
+    reference, reference_losses = reference_run(model, data)
+    engine = offload.initialize(copy.deepcopy(model), config(swap_dir, param, optimizer, overlap))
+    losses = []
+    try:
+        for x, y in data:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t):
+                loss = mse(engine, x, y)
+            engine.backward(loss)
+            assert_no_unit_held(engine, caplog)
+            engine.step()
+            losses.append(loss.item())
+        assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
+        assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+    finally:
+        engine.close()
+
+
 class FailingOnce(nn.Module):
     """Raises (like a CUDA out-of-memory) the first time it runs with `armed` set."""
 
