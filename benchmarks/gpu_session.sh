@@ -1,0 +1,65 @@
+#!/bin/bash
+# A lent GPU machine's half hour, in three calls of the device tool (each at most 10 minutes),
+# from the checkout's root there. Beforehand, here: `cp -r ../shared/gpu gpu-peers` (PEERS, a
+# folder .gitignore leaves out) and `gpu-peers/fetch-peers.sh gpu-peers/peers` (DeepSpeed, its
+# wheels and libaio); then each call carries gpu-peers:
+#
+#   bash benchmarks/gpu_session.sh tests gpu-peers    the whole suite on the GPU, then tests/test_cuda.py
+#   bash benchmarks/gpu_session.sh bench gpu-peers    bench_gpu at 1.35B against DeepSpeed ZeRO-2 and 3
+#   bash benchmarks/gpu_session.sh 7b gpu-peers       bench_gpu at 7B with checkpointing (TFLOPS, start-up)
+#
+# Each phase installs what it needs first (safe to repeat: a warm machine keeps /tmp for 30 s
+# only), writes its logs into $OUT (the device tool brings them back) and stops its parts at
+# the time given, so that one slow part leaves the rest their turn.
+set -uo pipefail
+phase=${1:?usage: gpu_session.sh tests|bench|7b PEERS}
+peers=${2:?usage: gpu_session.sh tests|bench|7b PEERS}
+out=${OUT:-/tmp/gpu-session}
+mkdir -p "$out"
+
+setup() {
+  local ds=()
+  [ -d "$peers/peers/whl" ] && ds=("$peers/peers")
+  bash "$peers/setup-on-device.sh" "${ds[@]}" >"$out/setup.log" 2>&1 || {
+    tail -20 "$out/setup.log"
+    exit 1
+  }
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-} TORCH_CUDA_ARCH_LIST=9.0
+  local aio=$peers/peers/aio/root
+  if [ -d "$aio" ]; then
+    export CPATH=$aio/usr/include LIBRARY_PATH=$aio/usr/lib/x86_64-linux-gnu LD_LIBRARY_PATH=$aio/usr/lib/x86_64-linux-gnu
+  fi
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/machine.txt" 2>&1
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+    >>"$out/machine.txt" 2>&1
+}
+
+case "$phase" in
+tests)
+  setup
+  timeout 420 python3 -m pytest tests -q -p no:cacheprovider \
+    --junitxml="$out/junit.xml" >"$out/suite.log" 2>&1
+  echo "suite exit $?" >>"$out/suite.log"
+  timeout 90 python3 -m pytest tests/test_cuda.py -v -p no:cacheprovider >"$out/cuda.log" 2>&1
+  echo "test_cuda exit $?" >>"$out/cuda.log"
+  tail -3 "$out/suite.log" "$out/cuda.log"
+  ;;
+bench)
+  setup
+  timeout 540 python3 benchmarks/bench_gpu.py --size 1.3b --clip 1.0 \
+    --runs plain,none/cpu@forward,none/cpu@backward,cpu/cpu,ds2,ds3 >"$out/bench_1.3b.log" 2>&1
+  echo "bench 1.3b exit $?" >>"$out/bench_1.3b.log"
+  tail -25 "$out/bench_1.3b.log"
+  ;;
+7b)
+  setup
+  timeout 540 python3 benchmarks/bench_gpu.py --size 7b --checkpointing --batch 4 --runs none/cpu \
+    >"$out/bench_7b.log" 2>&1
+  echo "bench 7b exit $?" >>"$out/bench_7b.log"
+  tail -25 "$out/bench_7b.log"
+  ;;
+*)
+  echo "unknown phase $phase: tests, bench or 7b" >&2
+  exit 2
+  ;;
+esac
