@@ -9,6 +9,7 @@ held, whatever re-entered or abandoned its forward.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import time
@@ -73,28 +74,35 @@ def assert_no_unit_held(engine, caplog) -> None:
     assert not leaks, leaks
 
 
+def assert_trains_like_plain_pytorch(model, engine_config, caplog, *, steps: int, forward_context=contextlib.nullcontext):
+    """Trains `model` with plain PyTorch AdamW and a copy with the engine on the same batches
+    (each engine forward inside `forward_context()`): no unit held after any backward, and the
+    losses and final weights equal to fp32 rounding."""
+    data = batches(steps)
+    reference, reference_losses = reference_run(model, data)
+    engine = offload.initialize(copy.deepcopy(model), engine_config)
+    losses = []
+    try:
+        for x, y in data:
+            with forward_context():
+                loss = mse(engine, x, y)
+            engine.backward(loss)
+            assert_no_unit_held(engine, caplog)
+            engine.step()
+            losses.append(loss.item())
+        assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
+        assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("mode", CHECKPOINTING)
 @pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
 @pytest.mark.parametrize("param,optimizer", PLACEMENTS)
 def test_checkpointed_units_equal_plain_pytorch(swap_dir, caplog, param, optimizer, overlap, mode):
     torch.manual_seed(0)
-    model = CheckpointedNet(mode)
-    data = batches(6)
     with early_stop_context(mode):
-        reference, reference_losses = reference_run(model, data)
-        engine = offload.initialize(copy.deepcopy(model), config(swap_dir, param, optimizer, overlap))
-        losses = []
-        for x, y in data:
-            loss = mse(engine, x, y)
-            engine.backward(loss)
-            assert_no_unit_held(engine, caplog)
-            engine.step()
-            losses.append(loss.item())
-    try:
-        assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
-        assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
-    finally:
-        engine.close()
+        assert_trains_like_plain_pytorch(CheckpointedNet(mode), config(swap_dir, param, optimizer, overlap), caplog, steps=6)
 
 
 class InnerCheckpointBlock(Block):
@@ -163,22 +171,7 @@ def test_checkpoint_layouts_equal_plain_pytorch(swap_dir, caplog, param, optimiz
     the weights of the step before (never a later step's, never freed storage), and training
     matches plain PyTorch AdamW to fp32 rounding."""
     torch.manual_seed(0)
-    model = LayoutNet(layout, reentrant)
-    data = batches(5)
-    reference, reference_losses = reference_run(model, data)
-    engine = offload.initialize(copy.deepcopy(model), config(swap_dir, param, optimizer, overlap))
-    losses = []
-    try:
-        for x, y in data:
-            loss = mse(engine, x, y)
-            engine.backward(loss)
-            assert_no_unit_held(engine, caplog)
-            engine.step()
-            losses.append(loss.item())
-        assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
-        assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
-    finally:
-        engine.close()
+    assert_trains_like_plain_pytorch(LayoutNet(layout, reentrant), config(swap_dir, param, optimizer, overlap), caplog, steps=5)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
@@ -192,23 +185,13 @@ def test_saved_tensors_copied_away_equal_plain_pytorch(swap_dir, caplog, param, 
     whatever the engine did to the unit's device buffer since, and training still equals plain
     PyTorch AdamW."""
     torch.manual_seed(0)
-    model = CheckpointedNet("non_reentrant" if checkpointed else "off")
-    data = batches(5)
-    reference, reference_losses = reference_run(model, data)
-    engine = offload.initialize(copy.deepcopy(model), config(swap_dir, param, optimizer, overlap))
-    losses = []
-    try:
-        for x, y in data:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t):
-                loss = mse(engine, x, y)
-            engine.backward(loss)
-            assert_no_unit_held(engine, caplog)
-            engine.step()
-            losses.append(loss.item())
-        assert max_weight_difference(engine.consolidated_state_dict(), reference) <= 1e-5
-        assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
-    finally:
-        engine.close()
+    assert_trains_like_plain_pytorch(
+        CheckpointedNet("non_reentrant" if checkpointed else "off"),
+        config(swap_dir, param, optimizer, overlap),
+        caplog,
+        steps=5,
+        forward_context=lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t),
+    )
 
 
 class FailingOnce(nn.Module):
