@@ -47,13 +47,13 @@ from offload.placement import OptimizerTier
 from offload.plan import (
     MIN_SUB_GROUP_SIZE,
     PAGE,
+    STATE_KIND_COUNT,
     Capacity,
     PlanError,
     device_room,
     engine_device_bytes,
     factor_needs_norm,
     host_cap_bytes,
-    piece_bounds,
     plan_leftover_ram,
     plan_optimizer_tiers,
     shape_slots,
@@ -685,9 +685,8 @@ def leftover_ram(
         gradient_units=len(in_ram),
         streamed_units=len(streamed),
         grad_slot_freed=estimate.host.get("grad_slot", 0) if every_gradient_in_ram else 0,
-        nvme_saved=sum(
-            swap_file_bytes(4 * (end - start)) for index in in_ram for start, end in piece_bounds(shards[index], estimate.piece)
-        ),
+        # one of the four state kinds' swap files, piece by piece
+        nvme_saved=sum(swap_bytes_for_state(shards[index], estimate.piece) // STATE_KIND_COUNT for index in in_ram),
     )
 
 

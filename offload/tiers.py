@@ -211,7 +211,6 @@ class TierStore:
         )
         # Page-rounding per buffer: every buffer's capacity rounds up to 4 KiB.
         page_slack = pool_page_slack(len(units), self.slot_shape.count, config.prefetch.depth)
-        self.speculating = [False] * len(units)
         self._plan_leftover_ram(config, sum(self.budget.values()) + page_slack, speculate)
         total_budget = sum(self.budget.values())
         self.pool = HostBufferPool(
