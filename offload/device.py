@@ -1,10 +1,17 @@
-"""The accelerator abstraction: CUDA streams and events, or the CPU standing in.
+"""The accelerator abstraction: CUDA streams and events, the CPU standing in, or the checked
+stand-in (offload.checked_device) that runs the CPU like an asynchronous accelerator.
 
-One code path for both. On CUDA, copies between host and device run on two copy streams, one
-per direction (PCIe is full duplex: a unit's weights coming in need not queue behind another
-unit's gradients going out); each copy records an event that its consumer waits on. On the
+One code path for all three. On CUDA, copies between host and device run on two copy streams,
+one per direction (PCIe is full duplex: a unit's weights coming in need not queue behind another
+unit's gradients going out); each copy records an event that its consumer waits on. On the plain
 CPU, a copy is done when the call returns, there are no streams and every event has already
-happened, so the same engine code runs (and is tested) without a GPU.
+happened, so the same engine code runs without a GPU. `make_device` picks one: the `device`
+argument of `initialize`, else `OFFLOAD_DEVICE` in the environment, else CUDA when present.
+
+The engine issues side-stream work only through `CopyStream.copy` and `CopyStream.launch`, and
+tells the device what it does with memory around them (`allocated`, `releasing`,
+`compute_reads`, `host_reads`). On CUDA and the plain CPU those declarations cost nothing; the
+checked device turns each into a rule it enforces (offload.checked_device).
 
 Streams and events, who fills them and who waits:
 - `host_to_device`: the transfer worker copies fetched 16-bit weights into a unit's device
@@ -27,8 +34,16 @@ Streams and events, who fills them and who waits:
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
+
+from offload.errors import ConfigError
+
+# what OFFLOAD_DEVICE (and initialize's `device` string) accepts, besides "cuda:N"
+DEVICE_KINDS = ("cpu", "cuda", "checked")
 
 
 class CompletedEvent:
@@ -41,6 +56,19 @@ class CompletedEvent:
         return True
 
 
+class Launched:
+    """The result of work launched on a side stream. On CUDA and the plain CPU the function ran
+    when launched (its kernels queued, a value it returned already read back); the checked
+    device's version holds it until the stream ran it (offload.checked_device)."""
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def value(self) -> Any:
+        """What the launched function returned; read it only after waiting for the stream."""
+        return self._result
+
+
 class CopyStream:
     """A side stream (one direction of host/device copies, or the device-tier optimizer's
     work): a CUDA stream, or nothing on the CPU."""
@@ -49,14 +77,33 @@ class CopyStream:
         self.name = name
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def context(self):
-        """Copies issued inside run on this stream."""
+    def _context(self):
         if self.stream is None:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.stream)
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, what: str, unit: int | None = None) -> None:
+        """Queues `dst.copy_(src)` on this stream. `what` names the buffer for errors and the
+        timeline ("weights of unit layers.3"), `unit` its index."""
+        with self._context():
+            dst.copy_(src, non_blocking=self.stream is not None)
+
+    def launch(
+        self,
+        fn: Callable[[], Any],
+        *,
+        what: str,
+        unit: int | None = None,
+        reads: Sequence[torch.Tensor] = (),
+        writes: Sequence[torch.Tensor] = (),
+    ) -> Launched:
+        """Runs `fn` with this stream current: its kernels queue here. `reads` and `writes` are
+        the tensors it reads and writes (the checked device checks them)."""
+        with self._context():
+            return Launched(fn())
+
     def record_event(self):
-        """An event completed when the copies issued so far on this stream are done."""
+        """An event completed when the work issued so far on this stream is done."""
         if self.stream is None:
             return CompletedEvent()
         event = torch.cuda.Event()
@@ -69,7 +116,8 @@ class CopyStream:
             self.stream.wait_event(event)
 
     def keep_alive(self, tensor: torch.Tensor) -> None:
-        """Tells the caching allocator that this stream still uses `tensor`."""
+        """Tells the caching allocator that this stream still uses `tensor` (compute made it:
+        the stream reads it after waiting on a compute event recorded once it was final)."""
         if self.stream is not None and tensor.is_cuda:
             tensor.record_stream(self.stream)
 
@@ -77,14 +125,23 @@ class CopyStream:
 class Device:
     """The compute device, its side streams, and the host-side settings that follow from it."""
 
+    kind = "device"
+
     def __init__(self, device: torch.device | str | None = None) -> None:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.torch_device = torch.device(device)
         self.is_cuda = self.torch_device.type == "cuda"
+        self.kind = "cuda" if self.is_cuda else "cpu"
         self.host_to_device = CopyStream(self.torch_device, "host-to-device")
         self.device_to_host = CopyStream(self.torch_device, "device-to-host")
         self.optimizer = CopyStream(self.torch_device, "optimizer")
+
+    @property
+    def separate_memory(self) -> bool:
+        """Whether device memory is apart from host memory, so that weights and gradients cross
+        between them through copies and staging buffers (CUDA, and the checked stand-in)."""
+        return self.is_cuda
 
     @property
     def pin_host_memory(self) -> bool:
@@ -117,5 +174,51 @@ class Device:
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.torch_device)
 
+    # ---- what the engine does with memory (rules only the checked device enforces) ----------
+    def allocated(self, tensor: torch.Tensor) -> None:
+        """Device memory for `tensor` was just allocated (it may be memory compute freed while
+        kernels that read it are still queued)."""
+
+    def releasing(self, tensor: torch.Tensor, what: str) -> None:
+        """`tensor` is about to go back to its pool, or its storage to be freed."""
+
+    def compute_reads(self, tensor: torch.Tensor, what: str) -> None:
+        """Compute is about to read `tensor` (after its waits)."""
+
+    def host_reads(self, tensor: torch.Tensor, what: str) -> None:
+        """The host is about to read `tensor` (after its waits)."""
+
+    def close(self) -> None:
+        """Stops what the device runs of its own (the checked device's stream workers)."""
+
     def __repr__(self) -> str:
         return f"Device({self.torch_device})"
+
+
+def device_choice(device: torch.device | str | None, environ: Mapping[str, str]) -> str | torch.device | None:
+    """What to build: `device` when given, else `OFFLOAD_DEVICE` from `environ`, else None (CUDA
+    when present). An unknown string is a ConfigError listing the accepted ones."""
+    choice: torch.device | str | None = device
+    source = "initialize(device=...)"
+    if choice is None and environ.get("OFFLOAD_DEVICE"):
+        choice, source = environ["OFFLOAD_DEVICE"].strip(), "OFFLOAD_DEVICE"
+    if isinstance(choice, str):
+        kind = choice.split(":", 1)[0]
+        if kind not in DEVICE_KINDS or (kind != "cuda" and ":" in choice):
+            raise ConfigError(
+                f"{source}={choice!r} is not a device offload runs on: use one of "
+                f"{', '.join(DEVICE_KINDS)} or cuda:N ('checked' is the CPU standing in for an "
+                "asynchronous accelerator, for tests)"
+            )
+    return choice
+
+
+def make_device(device: torch.device | str | None = None, environ: Mapping[str, str] | None = None) -> Device:
+    """The engine's device: `device` (a torch device, "cpu", "cuda[:N]" or "checked"), else
+    `OFFLOAD_DEVICE`, else CUDA when present, else the CPU."""
+    choice = device_choice(device, os.environ if environ is None else environ)
+    if choice == "checked":
+        from offload.checked_device import CheckedDevice
+
+        return CheckedDevice.from_environ(os.environ if environ is None else environ)
+    return Device(choice)

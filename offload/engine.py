@@ -37,7 +37,7 @@ from torch import nn
 
 from offload.collectives import Collectives
 from offload.config import Config, freeze, load_config
-from offload.device import Device
+from offload.device import device_choice, make_device
 from offload.errors import ConfigError, NonFiniteError, OffloadError
 from offload.gradients import GradientOffload
 from offload.hyperparameters import GroupHyperparameters
@@ -143,8 +143,9 @@ class Engine:
         self._closed = False
         # the process group first: started from torchrun's environment if needed (which also
         # picks this rank's CUDA device before Device reads the current one)
-        self.collectives = Collectives(process_group, device=device)
-        self.device = Device(device)
+        choice = device_choice(device, os.environ)
+        self.collectives = Collectives(process_group, device="cpu" if choice == "checked" else choice)
+        self.device = make_device(choice)
         self.compute_dtype = COMPUTE_DTYPES[self.config.precision]
         self.ledger = TierLedger()
         overlapped = self.device.is_cuda and self.config.overlap != "none"
@@ -194,7 +195,7 @@ class Engine:
             self.config,
             self.units,
             compute_dtype=self.compute_dtype,
-            staged_device_copies=self.device.is_cuda,
+            staged_device_copies=self.device.separate_memory,
             local_rank=local_rank,
             device_memory=self.device.memory(),
         )
@@ -203,7 +204,7 @@ class Engine:
             self.config,
             compute_dtype=self.compute_dtype,
             pin=self.device.pin_host_memory,
-            staged_device_copies=self.device.is_cuda,
+            staged_device_copies=self.device.separate_memory,
             ledger=self.ledger,
             rank=rank,
             local_rank=local_rank,
@@ -249,6 +250,7 @@ class Engine:
             self.transfer.shutdown(wait=True)
             self.optimizer_worker.shutdown(wait=True)
             self.store.close()
+            self.device.close()
             raise
 
         self.scaler = DynamicLossScaler(
@@ -965,6 +967,7 @@ class Engine:
             self.transfer.shutdown(wait=True)
             self.optimizer_worker.shutdown(wait=True)
             self.store.close()
+            self.device.close()
         if final is not None:
             params = dict(self.model.named_parameters(remove_duplicate=False))
             with torch.no_grad():

@@ -40,3 +40,18 @@ class SwapCorruptError(SwapError):
 
 class NonFiniteError(OffloadError, FloatingPointError):
     """A loss or gradient is NaN or infinite where training cannot skip it."""
+
+
+class OrderingError(OffloadError, RuntimeError):
+    """The checked stand-in device (`OFFLOAD_DEVICE=checked`) caught an ordering an accelerator
+    does not guarantee: a read before its wait, a source written while its copy was queued, a
+    buffer reused while a stream still works on it. `rule`, `stream` and `what` name it."""
+
+    def __init__(self, message: str, rule: str = "", stream: str = "", what: str = "") -> None:
+        super().__init__(message)
+        self.rule = rule
+        self.stream = stream
+        self.what = what
+
+    def __reduce__(self):
+        return type(self), (str(self), self.rule, self.stream, self.what)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
@@ -69,7 +70,7 @@ class GradientOffload:
         params = unit.spec.params
         self._bound_in_flight()
         on_device = unit.optimizer_tier is OptimizerTier.DEVICE
-        if self.collectives.is_distributed or (self.device.is_cuda and not on_device):
+        if self.collectives.is_distributed or (self.device.separate_memory and not on_device):
             shard = self._flat_shard(unit, pending)
             device_bytes = shard.numel() * shard.element_size()
             # the shard's frozen tail has no fp32 gradient to land in (state.py)
@@ -155,24 +156,33 @@ class GradientOffload:
                 # after the compute that produced the gradient; nothing crosses PCIe
                 stream = self.device.optimizer
                 stream.waits(event)
-                with stream.context():
-                    norm = self.store.accumulate_grad(unit, pieces, first, compute_norm=boundary)
+                launched = stream.launch(
+                    functools.partial(self.store.accumulate_grad, unit, pieces, first, compute_norm=boundary),
+                    what=f"gradient of unit {unit.spec.name} (added on the device)",
+                    unit=unit.index,
+                    reads=[grad for _, grad in pieces],
+                    writes=[unit.resident_state["grad32"]],
+                )
                 stream.record_event().synchronize()
                 if boundary:
-                    unit.grad_sq_norm = norm
+                    unit.grad_sq_norm = launched.value()
+                else:
+                    launched.value()
                 return
-            if self.device.is_cuda and pieces:
+            if self.device.separate_memory and pieces:
                 ((offset, flat),) = pieces
                 to_host = self.device.device_to_host
                 to_host.waits(event)
                 staging = self.store.grad_staging.take()
-                with to_host.context():
-                    staging[: flat.numel()].copy_(flat, non_blocking=True)
+                to_host.copy(staging[: flat.numel()], flat, what=f"gradient of unit {unit.spec.name}", unit=unit.index)
                 to_host.record_event().synchronize()
                 pieces = [(offset, staging[: flat.numel()])]
+                self.device.host_reads(pieces[0][1], f"the staged gradient of unit {unit.spec.name}")
             norm = self.store.accumulate_grad(unit, pieces, first, compute_norm=boundary)
             if boundary:
                 unit.grad_sq_norm = norm
+            if staging is not None:
+                self.device.releasing(staging, f"the gradient staging buffer of unit {unit.spec.name}")
         finally:
             if staging is not None:
                 self.store.grad_staging.give(staging)

@@ -83,11 +83,13 @@ class Residency:
         storage = _device_flat(unit).untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self._nbytes(unit))
+            self.device.allocated(_device_flat(unit))
             self.ledger.allocate("device", self._nbytes(unit), "param")
 
     def free(self, unit: UnitState) -> None:
         storage = _device_flat(unit).untyped_storage()
         if storage.nbytes() != 0:
+            self.device.releasing(_device_flat(unit), f"the device buffer of unit {unit.spec.name}")
             storage.resize_(0)
             self.ledger.release("device", self._nbytes(unit), "param")
         unit.resident = False
@@ -101,6 +103,7 @@ class Residency:
         device_flat = _device_flat(unit)
         if self.collectives.is_distributed:
             unit.fetch_target = self.device.empty(unit.shard_numel, device_flat.dtype)
+            self.device.allocated(unit.fetch_target)
             self.ledger.allocate("device", unit.shard_numel * self.element_size, "param_shard")
         else:
             unit.fetch_target = device_flat
@@ -118,13 +121,14 @@ class Residency:
     def _fetch_shard(self, unit: UnitState, target: torch.Tensor, compute_done):
         unit.step_done.wait()
         source, staged = self.store.read_param16(unit)
+        to_device = self.device.host_to_device
         try:
-            with self.device.host_to_device.context():
-                self.device.host_to_device.waits(compute_done)
-                target[: unit.shard_numel].copy_(source, non_blocking=True)
-            event = self.device.host_to_device.record_event()
+            to_device.waits(compute_done)
+            to_device.copy(target[: unit.shard_numel], source, what=f"weights of unit {unit.spec.name}", unit=unit.index)
+            event = to_device.record_event()
             if staged:
                 event.synchronize()  # the staging buffer is reused by the next fetch
+                self.device.releasing(source, f"the staging buffer of unit {unit.spec.name}'s weights")
         finally:
             if staged:
                 self.store.give_back_staging(source)
@@ -212,6 +216,8 @@ class Residency:
                 if unit.fetch_future is None:
                     self.prefetch(unit)
                 self._complete_fetch(unit)
+        if unit.holders == 0:
+            self.device.compute_reads(_device_flat(unit), f"weights of unit {unit.spec.name}")
         unit.holders += 1
 
     def release(self, unit: UnitState) -> None:

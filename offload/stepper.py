@@ -291,7 +291,8 @@ class UnitStepper:
         unit counts as stepped."""
         views = piece.views
         stream = self.device.optimizer
-        with stream.context():
+
+        def step() -> None:
             for group, start, end in ranges:
                 device_adam_step(
                     views["master"][start:end],
@@ -302,12 +303,21 @@ class UnitStepper:
                     **hypers[group].adam_arguments(),
                 )
                 out[start:end].copy_(views["master"][start:end])
+
+        launched = stream.launch(
+            step,
+            what=f"the Adam step of unit {unit.spec.name} on the device",
+            unit=unit.index,
+            reads=[views["grad32"]],
+            writes=[views["master"], views["exp_avg"], views["exp_avg_sq"], out],
+        )
         stream.record_event().synchronize()
+        launched.value()
 
     def _param16_target(self, unit: UnitState) -> torch.Tensor:
         """Where the kernel writes the new 16-bit weights (with param nvme, a staging buffer the
         caller gives back once its write-back completed)."""
-        if self.store.param_tier is ParamTier.DEVICE and not self.device.is_cuda:
+        if self.store.param_tier is ParamTier.DEVICE and not self.device.separate_memory:
             # the CPU device's buffer is host memory: the kernel writes the weights in place
             assert unit.device_flat is not None  # made for every unit at start (engine.py)
             start, end = unit.layout.shard_range(self.rank)
@@ -349,13 +359,14 @@ class UnitStepper:
         start, end = unit.layout.shard_range(self.rank)
         if out.data_ptr() == unit.device_flat[start:end].data_ptr():
             return
-        with self.device.host_to_device.context():
-            if device_master is not None:
-                # the frozen tail past the master never changes on the device
-                unit.device_flat[start : start + device_master.numel()].copy_(device_master)
-            else:
-                unit.device_flat[start:end].copy_(out, non_blocking=True)
-        unit.device_update_event = self.device.host_to_device.record_event()
+        to_device = self.device.host_to_device
+        what = f"new weights of unit {unit.spec.name}"
+        if device_master is not None:
+            # the frozen tail past the master never changes on the device
+            to_device.copy(unit.device_flat[start : start + device_master.numel()], device_master, what=what, unit=unit.index)
+        else:
+            to_device.copy(unit.device_flat[start:end], out, what=what, unit=unit.index)
+        unit.device_update_event = to_device.record_event()
 
     def _settle(self, buffer: torch.Tensor, handle: SwapHandle) -> None:
         """Waits for a 16-bit write-back and gives its staging buffer back. An interrupt leaves
