@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -44,6 +44,15 @@ from offload.errors import ConfigError
 
 # what OFFLOAD_DEVICE (and initialize's `device` string) accepts, besides "cuda:N"
 DEVICE_KINDS = ("cpu", "cuda", "checked")
+
+
+class StreamEvent(Protocol):
+    """What the engine keeps of an event: a torch.cuda.Event, a CompletedEvent, or the checked
+    device's event."""
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool: ...
 
 
 class CompletedEvent:
@@ -189,15 +198,19 @@ class Device:
         """The host is about to read `tensor` (after its waits)."""
 
     def close(self) -> None:
-        """Stops what the device runs of its own (the checked device's stream workers)."""
+        """Waits for every stream's work (it reads and writes host buffers the engine frees
+        next) and stops what the device runs of its own (the checked device's workers)."""
+        self.synchronize()
 
     def __repr__(self) -> str:
         return f"Device({self.torch_device})"
 
 
-def device_choice(device: torch.device | str | None, environ: Mapping[str, str]) -> str | torch.device | None:
+def device_choice(device: Device | torch.device | str | None, environ: Mapping[str, str]) -> Device | str | torch.device | None:
     """What to build: `device` when given, else `OFFLOAD_DEVICE` from `environ`, else None (CUDA
     when present). An unknown string is a ConfigError listing the accepted ones."""
+    if isinstance(device, Device):
+        return device
     choice: torch.device | str | None = device
     source = "initialize(device=...)"
     if choice is None and environ.get("OFFLOAD_DEVICE"):
@@ -213,10 +226,13 @@ def device_choice(device: torch.device | str | None, environ: Mapping[str, str])
     return choice
 
 
-def make_device(device: torch.device | str | None = None, environ: Mapping[str, str] | None = None) -> Device:
-    """The engine's device: `device` (a torch device, "cpu", "cuda[:N]" or "checked"), else
-    `OFFLOAD_DEVICE`, else CUDA when present, else the CPU."""
+def make_device(device: Device | torch.device | str | None = None, environ: Mapping[str, str] | None = None) -> Device:
+    """The engine's device: `device` (a torch device, "cpu", "cuda[:N]", "checked", or a Device
+    built beforehand, e.g. a CheckedDevice with its own bandwidths), else `OFFLOAD_DEVICE`, else
+    CUDA when present, else the CPU."""
     choice = device_choice(device, os.environ if environ is None else environ)
+    if isinstance(choice, Device):
+        return choice
     if choice == "checked":
         from offload.checked_device import CheckedDevice
 

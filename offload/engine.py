@@ -37,7 +37,7 @@ from torch import nn
 
 from offload.collectives import Collectives
 from offload.config import Config, freeze, load_config
-from offload.device import device_choice, make_device
+from offload.device import Device, device_choice, make_device
 from offload.errors import ConfigError, NonFiniteError, OffloadError
 from offload.gradients import GradientOffload
 from offload.hyperparameters import GroupHyperparameters
@@ -112,6 +112,10 @@ class Engine:
 
     `param_groups`: torch-style groups (see offload.param_groups); `engine.optimizer` is a
     torch.optim.Optimizer over them that LR schedulers drive. `engine.config` is read-only.
+
+    `device`: "cuda[:N]", "cpu", "checked" (the CPU standing in for an asynchronous accelerator,
+    every stream ordering checked: offload.checked_device), or a Device built beforehand; by
+    default `OFFLOAD_DEVICE` from the environment, else CUDA when present, else the CPU.
     """
 
     def __init__(
@@ -120,7 +124,7 @@ class Engine:
         config: Config | dict | str | os.PathLike | None = None,
         *,
         process_group=None,
-        device: torch.device | str | None = None,
+        device: Device | torch.device | str | None = None,
         run_name: str | None = None,
         strict: bool = True,
         param_groups: list[dict] | None = None,
@@ -144,7 +148,10 @@ class Engine:
         # the process group first: started from torchrun's environment if needed (which also
         # picks this rank's CUDA device before Device reads the current one)
         choice = device_choice(device, os.environ)
-        self.collectives = Collectives(process_group, device="cpu" if choice == "checked" else choice)
+        if isinstance(choice, Device):
+            self.collectives = Collectives(process_group, device=choice.torch_device)
+        else:
+            self.collectives = Collectives(process_group, device="cpu" if choice == "checked" else choice)
         self.device = make_device(choice)
         self.compute_dtype = COMPUTE_DTYPES[self.config.precision]
         self.ledger = TierLedger()
@@ -249,8 +256,10 @@ class Engine:
             # nothing half-built outlives a failed start: threads stop, host buffers and swap files go
             self.transfer.shutdown(wait=True)
             self.optimizer_worker.shutdown(wait=True)
-            self.store.close()
-            self.device.close()
+            try:
+                self.device.close()
+            finally:
+                self.store.close()
             raise
 
         self.scaler = DynamicLossScaler(
@@ -966,8 +975,11 @@ class Engine:
             self._state_dict_hooks.remove()
             self.transfer.shutdown(wait=True)
             self.optimizer_worker.shutdown(wait=True)
-            self.store.close()
-            self.device.close()
+            try:
+                # the streams' queued copies read and write host buffers the store frees
+                self.device.close()
+            finally:
+                self.store.close()
         if final is not None:
             params = dict(self.model.named_parameters(remove_duplicate=False))
             with torch.no_grad():

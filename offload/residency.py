@@ -230,8 +230,14 @@ class Residency:
     def drop_device_copies(self) -> None:
         """Between steps (a checkpoint load replaces every weight): no offloaded unit keeps, or
         is fetching, a device copy. A fetch that failed is discarded with a warning (its weights
-        are being replaced: recovery after an I/O error)."""
+        are being replaced: recovery after an I/O error). With param none, the steps' copies of
+        new weights to the device are waited for: they read the host copies the load rewrites,
+        and would land over the loaded weights (found by the checked device)."""
         if not self.offloaded:
+            for unit in self.units:
+                if unit.device_update_event is not None:
+                    unit.device_update_event.synchronize()
+                    unit.device_update_event = None
             return
         for unit in self.units:
             if unit.holders:
@@ -250,9 +256,13 @@ class Residency:
         several ranks the whole unit is gathered at its next use."""
         if self.offloaded:
             return
+        if unit.device_update_event is not None:
+            # a step's copy of its new weights still queued would land over the loaded ones
+            # (found by the checked device)
+            self.device.compute_waits(unit.device_update_event)
+            unit.device_update_event = None
         start, end = unit.layout.shard_range(self.collectives.rank)
         _device_flat(unit)[start:end].copy_(shard32)
-        unit.device_update_event = None
         unit.needs_gather = self.collectives.is_distributed
 
     def reset_leaked_holds(self) -> None:

@@ -61,23 +61,31 @@ logger = logging.getLogger(__name__)
 
 
 class EventLog:
-    """The order of transitions, for tests that pin it (FSDP2's expected-events style): off
-    unless `enabled`. Appended from the main thread and the two workers."""
+    """The order of transitions, for tests that pin it (FSDP2's expected-events style) and for
+    benchmarks/bench_pipeline.py, which reads their times: off unless `enabled`. Appended from
+    the main thread and the two workers."""
 
     def __init__(self) -> None:
         self.enabled = False
         self.events: list[tuple[str, int]] = []
+        self.times: list[float] = []  # time.perf_counter() of each event
         self._lock = threading.Lock()
 
     def record(self, name: str, unit: int) -> None:
         if self.enabled:
             with self._lock:
                 self.events.append((name, unit))
+                self.times.append(time.perf_counter())
 
     def take(self) -> list[tuple[str, int]]:
+        return [event for event, _ in self.take_timed()]
+
+    def take_timed(self) -> list[tuple[tuple[str, int], float]]:
+        """The events so far with their times, and forgets them."""
         with self._lock:
             events, self.events = self.events, []
-        return events
+            times, self.times = self.times, []
+        return list(zip(events, times))
 
 
 class Phase(enum.Enum):

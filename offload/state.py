@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload.device import StreamEvent
 from offload.placement import OptimizerTier, ParamTier
 from offload.plan import PAGE, shape_slots
 from offload.units import FlatLayout, UnitSpec
@@ -119,7 +120,7 @@ class UnitState:
     state_pieces: list[tuple[int, int]] = field(default_factory=list)
     # param tier `none`: the copy-stream event after which `device_flat` holds the new weights,
     # and whether the shards of the other ranks still have to be gathered
-    device_update_event: object | None = None
+    device_update_event: StreamEvent | None = None
     needs_gather: bool = False
 
     def __post_init__(self) -> None:

@@ -205,6 +205,12 @@ class UnitStepper:
             # so the fetches keep the rest of the ring (prefetch.depth + 1)
             self._settle_publish()
         out = self._param16_target(unit)
+        published = unit.device_update_event
+        if published is not None:
+            # param none: the copy of this unit's last new weights to the device may still read
+            # `out` (a speculative step redone or taken back before the unit's next use): the
+            # kernel must not write it before that copy read it (found by the checked device)
+            published.synchronize()
         if self.store.param_tier is ParamTier.NVME and not set(unit.layout.params_in_shard(self.rank)) <= set(stepped):
             # some params are not stepped (frozen, or no gradient this window): the staging buffer
             # must start from this unit's 16-bit values, which are written back whole

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # passed as offload.initialize(..., device=RANK_DEVICE) by every function run under launch()
-RANK_DEVICE = "cpu"
+RANK_DEVICE = os.environ.get("OFFLOAD_DEVICE") or "cpu"
 
 
 def free_port() -> int:

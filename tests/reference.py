@@ -7,6 +7,7 @@ comparisons happen on the CPU."""
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from torch import nn
@@ -14,6 +15,11 @@ from torch import nn
 # The device offload.initialize computes on when none is given. Built without touching CUDA
 # (no context is created at import: spawned or forked test processes stay clean).
 ENGINE_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# The kind offload.initialize builds when none is given (OFFLOAD_DEVICE, else CUDA when present),
+# and whether its memory is apart from the host's (weights and gradients then cross through host
+# staging buffers, which count in the host budget): CUDA and the checked stand-in
+ENGINE_KIND = (os.environ.get("OFFLOAD_DEVICE") or ENGINE_DEVICE.type).split(":")[0]
+ENGINE_STAGES_COPIES = ENGINE_KIND in ("cuda", "checked")
 
 # Largest weight difference, after a few fp32 steps, between the engine and plain PyTorch AdamW.
 # Adam divides by sqrt(v), so rounding differences in the gradients reach the weights nearly

@@ -7,7 +7,7 @@ half of the next unit (so it just does not fit); the device cap likewise for the
 
 from __future__ import annotations
 
-import torch
+from reference import ENGINE_STAGES_COPIES
 
 from offload.config import OffloadConfig
 from offload.plan import slot_bytes_for
@@ -30,7 +30,7 @@ def split_caps(model, param: str, *, device_units: int, host_units: int, world: 
     the next `host_units` in RAM, the rest on NVMe (fp32 compute; all params trainable)."""
     shards = shard_numels(model, world)
     others = host_bytes_beside_optimizer_state(
-        shards, param_tier=param, compute_bytes=4, prefetch_depth=2, staged_device_copies=torch.cuda.is_available()
+        shards, param_tier=param, compute_bytes=4, prefetch_depth=2, staged_device_copies=ENGINE_STAGES_COPIES
     )
     device = 16 * sum(shards[:device_units]) + 8 * shards[device_units]
     rest = shards[device_units:]
