@@ -4,8 +4,10 @@
 # folder .gitignore leaves out) and `gpu-peers/fetch-peers.sh gpu-peers/peers` (DeepSpeed, its
 # wheels and libaio); then each call carries gpu-peers:
 #
-#   bash benchmarks/gpu_session.sh tests gpu-peers    the whole suite on the GPU, then tests/test_cuda.py
-#   bash benchmarks/gpu_session.sh bench gpu-peers    bench_gpu at 1.35B against DeepSpeed ZeRO-2 and 3
+#   bash benchmarks/gpu_session.sh tests gpu-peers    the whole suite on the GPU, then tests/test_cuda.py,
+#                                                     then the CUDA tests under the stream sanitizer
+#   bash benchmarks/gpu_session.sh bench gpu-peers    bench_gpu at 1.35B against DeepSpeed ZeRO-2 and 3,
+#                                                     beside bench_pipeline's prediction of the same runs
 #   bash benchmarks/gpu_session.sh 7b gpu-peers       bench_gpu at 7B with checkpointing (TFLOPS, start-up)
 #
 # Each phase installs what it needs first (safe to repeat: a warm machine keeps /tmp for 30 s
@@ -42,14 +44,23 @@ tests)
   echo "suite exit $?" >>"$out/suite.log"
   timeout 90 python3 -m pytest tests/test_cuda.py -v -p no:cacheprovider >"$out/cuda.log" 2>&1
   echo "test_cuda exit $?" >>"$out/cuda.log"
-  tail -3 "$out/suite.log" "$out/cuda.log"
+  # PyTorch's CUDA stream sanitizer: a kernel that reads or writes memory another stream uses
+  # without an event between them is reported (the GPU side of what the checked device checks)
+  TORCH_CUDA_SANITIZER=1 timeout 120 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider \
+    >"$out/sanitizer.log" 2>&1
+  echo "sanitizer exit $?" >>"$out/sanitizer.log"
+  tail -3 "$out/suite.log" "$out/cuda.log" "$out/sanitizer.log"
   ;;
 bench)
   setup
   timeout 540 python3 benchmarks/bench_gpu.py --size 1.3b --clip 1.0 \
     --runs plain,none/cpu@forward,none/cpu@backward,cpu/cpu,ds2,ds3 >"$out/bench_1.3b.log" 2>&1
   echo "bench 1.3b exit $?" >>"$out/bench_1.3b.log"
-  tail -25 "$out/bench_1.3b.log"
+  # the replay's prediction for the same workload, to set beside the measured s/step above
+  timeout 60 python3 benchmarks/bench_pipeline.py --sizes 1.3b --placements none/cpu,cpu/cpu \
+    --machine h100-pcie5 >"$out/pipeline_1.3b.log" 2>&1
+  echo "bench_pipeline exit $?" >>"$out/pipeline_1.3b.log"
+  tail -25 "$out/bench_1.3b.log" "$out/pipeline_1.3b.log"
   ;;
 7b)
   setup
