@@ -1,0 +1,1053 @@
+"""Predicted step time of a Llama shape on a named machine: a real step's schedule, recorded
+here, replayed under that machine's rates (offload/pipeline_model.py).
+
+    python benchmarks/bench_pipeline.py --sizes 1.3b,7b --machine h100-pcie5
+    python benchmarks/bench_pipeline.py --sizes 1.3b --placements none/cpu --h2d-gbps 25 --trace out.json
+    python benchmarks/bench_pipeline.py --sizes tiny --placements cpu/cpu --overlap none    # seconds: smoke
+
+For each placement (`param/optimizer`) it prints one line: the predicted seconds per step; the
+floor, the busiest resource's seconds per step (no schedule of this work beats it:
+max(compute, host->device bytes / bandwidth, device->host bytes / bandwidth, CPU Adam, NVMe
+each way)) and which resource sets it; step / floor; the share of each stream's busy time
+hidden behind compute; and the critical path's share per resource, i.e. what the schedule
+fails to hide. Before them, the plain-PyTorch compute-only time of the workload (forward and
+backward flops / device TFLOPS). `--trace out.json` writes the replay as a Chrome trace
+(Perfetto opens it; one file per run, `out.1.3b.none-cpu.json`, when there are several).
+
+Method
+------
+1. Record. The engine trains a Llama with the target's layer count (24 for 1.3b, 32 for 7b) but
+   a tiny width (hidden 64, intermediate 176, 4 heads, batch 2 x seq 32; the vocabulary chosen so
+   that the root unit is as large relative to a layer as at the target) on the checked device
+   (offload/checked_device.py, `record=True`): the CPU standing in for an asynchronous
+   accelerator, whose copy and optimizer streams are threads. It runs 1 warm-up step and
+   `--steps` (3) recorded ones, in bf16 with the placement and overlap asked. Recorded: the
+   device timeline (each copy and launch with its stream, bytes, the events the stream waited
+   on before it and when it was queued; each event recorded and each host wait, with its
+   thread), the engine's EventLog (pre_forward / post_forward / pre_backward / grads_final /
+   step_begin / step_done ... per unit, with time and thread), and, through small wrappers
+   around the engine's own objects, each CPU Adam piece (unit, elements, start, end) and each
+   swap file read and write (unit, kind, bytes, issuing thread, and who waited on it when).
+   Optimizer `nvme`: the recording's `offload.sub_group_size` and `buffer_count` are set so that
+   every unit splits into as many pieces, through as many slots, as the engine picks at the
+   target shape. The fp32 gradients of NVMe units stay in RAM (as the engine decides when RAM
+   allows; `--nvme-gradients nvme` keeps them on the drive).
+2. Build the op graph, in recorded order. Ops:
+   - compute, from the main thread's EventLog spans: forward of a layer pre_forward ->
+     post_forward, its backward pre_backward -> grads_final (after its recompute, if any), a
+     recompute pre_recompute -> post_recompute; the root unit (embeddings, final norm, lm_head)
+     as embedding forward (pre_forward 0 -> the first layer), head forward (the last layer ->
+     post_forward 0), head backward (engine.backward called -> the first pre_backward) and
+     embedding backward (the last layer's hand-off of gradients -> the root's grads_final);
+   - host_to_device: "weights of unit" copies (fetches) and "new weights of unit" copies
+     (param none: publishing a step's weights); device_to_host: gradient copies; optimizer:
+     device-tier Adam launches and on-device gradient adds;
+   - cpu_adam: one op per recorded Adam piece;
+   - nvme_read / nvme_write: one op per recorded swap read / write.
+   Dependencies (each op waits for these to end, and for the op before it on its resource):
+   - stream waits: a copy or launch depends on the op each event in its `after` marks: a
+     compute event marks the compute op last started when it was recorded (running or last
+     finished: what the compute stream had been given), a stream event the last op on that
+     stream before it;
+   - host waits: after a thread waited on an event (or on a swap read or write), the next op
+     that thread issues depends on the op waited on (the main thread issues compute; the
+     transfer worker fetches, gradient copies and weight reads; the optimizer worker Adam
+     pieces, published weights and state reads and writes);
+   - the optimizer worker is serial: what it issues depends on the Adam piece it last ran;
+     what it issues while idle (no step pending: the next step's first state reads, which
+     engine.backward hands it) depends on the compute op last started then;
+   - a fetch (its copy, and with param nvme its read of the weights) depends on the unit's last
+     Adam op whose step_done came before it (the transfer worker waits on step_done);
+   - a unit's first Adam piece depends on the unit's gradient copy; when step() submitted it
+     (step_begin on the main thread), also on the last gradient copy and the last compute op
+     before step_begin (step() runs after backward and drains every gradient first);
+   - a swap read or write depends on the previous one of the same file (the swap store orders
+     them);
+   - what engine calls wait for: the head backward depends on the last Adam op before
+     engine.backward (backward waits for the steps in flight: they read the fp32 gradients it
+     writes); with overlap none (and backward, not speculative), the first compute op after
+     step() on the last Adam op of the step (step() waits); after step(), on the last gradient copy (the drain); at each hand-off
+     of gradients, the compute after it on the gradient copy MAX_GRADS_IN_FLIGHT hand-offs back
+     (the main thread waits for it: offload/gradients.py).
+   An op belongs to the step in which it was issued (the optimizer worker's: the step whose
+   step_begin came last before it). The warm-up step's ops are left out (and dependencies on
+   them); the rest is put in an order where every dependency comes first and each resource
+   keeps its recorded order.
+3. Price at the target shape. Per unit, P_u parameters of the target Llama (per layer
+   2h^2 + 2h*kv_dim + 3hi + 2h, root 2*vocab*h + h); T = batch x seq tokens of the target
+   workload (8 x 1024 by default). Compute: forward 2 x P x T for the matmul parameters (a
+   layer's, and lm_head's; the embedding is a lookup) plus attention scores 4 x seq x h x T per
+   layer (QK^T and AV, no causal halving), backward twice the forward, recompute one forward;
+   that is 6ND (N without the embedding) plus the attention term. Every per-unit copy, swap
+   read or write and Adam piece scales by P_u over the recorded unit's elements (of its 16-bit
+   buffer for copies and weight files, of its optimizer state for Adam and state files): 16-bit
+   weights and gradients 2 bytes per parameter, swap files 4 (fp32) or 2 (16-bit), Adam P_u
+   elements per unit (a device-tier Adam P_u, a gradient added on the device P_u / 4).
+4. Replay with `pipeline_model.replay` under `--machine` with the rate flags in place of its
+   numbers. The predicted step is the steady-state period: from the start of the second
+   recorded step's first compute op to the start of the third's (the second step is the first
+   that overlaps a previous one as it does in a long run; with more steps recorded, the later
+   periods replay the same: to the microsecond for none/cpu, within 0.2% for nvme/nvme). The floor, hidden shares and
+   busy times are those of the second step's ops (hidden under any compute of the replay); the
+   critical path is the chain ending at the third step's first compute op, cut to the period:
+   its shares per resource add up to the step time.
+
+Calibration (h100-pcie5: 270 TFLOPS, PCIe 48 GB/s each way, CPU Adam 2.5 Gparams/s)
+-------------------------------------------------------------------------------------
+The one GPU measurement: 1.35B Llama, bf16, 8 x 1024 tokens, one H100, param none / optimizer
+cpu, overlap forward (older code than this): 0.585 s/step; plain PyTorch 0.247 s/step.
+`--sizes 1.3b --placements none/cpu --machine h100-pcie5` prints:
+
+    1.3b: 1.364B params (...), 8x1024 tokens, 68.8 TFLOP/step; plain PyTorch (compute only): 0.2548 s/step
+    1.3b none/cpu forward: step 0.7327 s, floor 0.5457 s (cpu_adam), 1.34x floor; hidden h2d 0%
+      d2h 87% cpu_adam 14% nvme_r - nvme_w -; critical path compute 24% h2d 1% d2h 1% cpu_adam 74%
+
+- Plain compute: 0.255 s against 0.247 s measured, 3% over: the preset's 270 TFLOPS was taken
+  as 6 x 1.35e9 x 8192 / 0.247 s, while this count leaves the embedding out and adds the
+  attention scores (6.88e13 flop per step against 6.64e13); `--device-tflops 278` gives 0.247.
+- The step: 0.733 s predicted against 0.585 s measured, 25% over. The replayed step is the
+  whole CPU Adam (1.364e9 parameters at 2.5 Gparams/s: 0.546 s), the backward (0.170 s) and
+  about 15 ms of forward tail and copies in series, because in the recorded schedule only the
+  next forward can hide the Adam: each unit's forward waits for its own step (overlap forward),
+  and the next backward waits for every step (they read the fp32 gradients it writes); the
+  critical path is 74% CPU Adam, 24% compute. With that schedule, 0.585 s needs a CPU Adam of
+  3.4 Gparams/s (`--cpu-adam-gparams 3.4` predicts 0.588 s): the preset's 2.5 is an estimate
+  for a 2-socket server, not a measurement of the machine that ran the 0.585 s, whose code may
+  also have scheduled differently. What differs cannot be told apart without a GPU run of this
+  code that also measures its CPU Adam (bench_gpu.py prints the rate).
+- Over 1.3x the floor: none/cpu and cpu/cpu (1.34x at 1.3b, 1.33x at 7b) lose the backward to
+  the Adam as above; `--overlap backward` (each unit steps as its gradients land) replays at
+  1.20x (1.3b) and 1.18x (7b). nvme/nvme at 1.3b (1.35x) has the drive's writes on 73% of its
+  critical path and the Adam and state reads on the rest: the optimizer worker waits for a
+  unit's 16-bit write-back (queued behind that unit's state writes) before the next unit's
+  Adam, so Adam, reads and writes run in series; without that wait the replay gives 1.22x.
+
+Not modelled: the transfer worker's host-side work on gradients (adding the staged 16-bit
+gradient into the fp32 one, its squared norm), Python and launch overheads on the host, the
+drive's queue depth and its sharing between reads and writes (each direction is one serial
+queue at its own rate), and kernels' memory-bound costs beyond flops (embedding, norms).
+Timing on this machine changes a recording only where the engine races: with param nvme,
+whether a forward's fetch borrows the step's staging buffer or reads the file (NVMe reads per
+step vary by about 2% between runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import dataclasses
+import heapq
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_gpu import SIZES  # noqa: E402
+
+from offload.pipeline_model import (  # noqa: E402
+    MACHINES,
+    RESOURCES,
+    Machine,
+    Op,
+    Replay,
+    machine_from_args,
+    replay,
+    write_chrome_trace,
+)
+
+PLACEMENTS = "none/cpu,cpu/cpu,nvme/nvme"
+
+# the recording's width (the target's layer count): seconds per step on a 2-core CPU
+RECORD_HIDDEN, RECORD_INTERMEDIATE, RECORD_HEADS = 64, 176, 4
+RECORD_BATCH, RECORD_SEQ = 2, 32
+
+# resources as the printed line names them
+SHORT = {
+    "compute": "compute",
+    "host_to_device": "h2d",
+    "device_to_host": "d2h",
+    "optimizer": "dev_adam",
+    "cpu_adam": "cpu_adam",
+    "nvme_read": "nvme_r",
+    "nvme_write": "nvme_w",
+}
+
+
+# ---- shapes --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """A Llama shape (untied embeddings): what bench_gpu.SIZES holds."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    @classmethod
+    def named(cls, size: str) -> Shape:
+        if size not in SIZES:
+            raise ValueError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
+        return cls(*SIZES[size])
+
+    def layer_params(self) -> int:
+        """q, k, v, o projections (k and v as wide as the kv heads), the MLP's three, two norms."""
+        h = self.hidden
+        kv_dim = self.kv_heads * (h // self.heads)
+        return 2 * h * h + 2 * h * kv_dim + 3 * h * self.intermediate + 2 * h
+
+    def root_params(self) -> int:
+        """Embedding, lm_head and the final norm: the root unit's parameters."""
+        return 2 * self.vocab * self.hidden + self.hidden
+
+    def total_params(self) -> int:
+        return self.layers * self.layer_params() + self.root_params()
+
+
+def recording_shape(target: Shape) -> Shape:
+    """The small Llama whose step is recorded for `target`: its layer count, a tiny width, the kv
+    heads in the same proportion, and a vocabulary that makes the root unit as large relative to
+    a layer as at the target (so the recorded order of pieces and copies has the same proportions)."""
+    kv = max(1, RECORD_HEADS * target.kv_heads // target.heads)
+    small = Shape(RECORD_HIDDEN, RECORD_INTERMEDIATE, target.layers, RECORD_HEADS, kv, 64)
+    ratio = target.root_params() / target.layer_params()
+    vocab = max(64, round(ratio * small.layer_params() / (2 * RECORD_HIDDEN)))
+    return dataclasses.replace(small, vocab=vocab)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step of the target computes: `batch` x `seq` tokens."""
+
+    shape: Shape
+    batch: int
+    seq: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def layer_forward_flops(self) -> float:
+        """Matmuls (2 flops per parameter per token; norms are counted, negligibly) plus the
+        attention scores QK^T and AV (4 x seq x hidden per token)."""
+        return 2.0 * self.shape.layer_params() * self.tokens + 4.0 * self.seq * self.shape.hidden * self.tokens
+
+    def head_forward_flops(self) -> float:
+        """lm_head (the embedding is a lookup: no flops)."""
+        return 2.0 * self.shape.vocab * self.shape.hidden * self.tokens
+
+    def step_flops(self) -> float:
+        """Forward and backward (twice the forward) of the whole model: 6ND plus attention."""
+        return 3.0 * (self.shape.layers * self.layer_forward_flops() + self.head_forward_flops())
+
+
+# ---- recording -----------------------------------------------------------------------------
+@dataclass
+class Recording:
+    """What a run on the checked device recorded (times in seconds from the device's time_zero)."""
+
+    placement: str
+    overlap: str
+    unit_names: list[str]
+    unit_numel: list[int]  # parameters of each unit
+    unit_shard: list[int]  # elements of its 16-bit flat buffer (copies, param16 swap file)
+    unit_state: list[int]  # elements of its optimizer state (Adam, state swap files)
+    optimizer_on_device: list[bool]
+    timeline: list[dict]  # CheckedDevice.timeline
+    events: list[tuple[str, int, str, float]]  # EventLog: (name, unit, thread, time)
+    adam: list[dict]  # CPU Adam pieces: unit, elements, start, end, thread
+    io: list[dict]  # swap reads and writes: id, op, name, unit, kind, nbytes, thread, issued
+    io_waits: list[dict]  # waits on them: io, thread, start, end
+    step_starts: list[float]  # engine(...) called, per step (step 0 is the warm-up)
+    backward_starts: list[float]  # engine.backward(...) called
+    step_calls: list[tuple[float, float]]  # engine.step(): called, returned
+    main_thread: str = "MainThread"  # the thread that ran forward, backward and step()
+    seconds: float = 0.0  # how long the recorded run took here
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_SWAP_NAME = re.compile(r"unit(\d+)\.(\w+?)(?:\.p(\d+))?$")
+
+
+def _nvme_pieces(target: Shape, small: Shape) -> tuple[int, int]:
+    """(sub_group_size, buffer_count) for the recording: the engine's choice at the target
+    (plan.shape_slots over the units' optimizer states, aligned as units.plan_flat_layout
+    aligns a shard), its piece scaled to the recording's layer so that units split alike."""
+    from offload.aio import round_up
+    from offload.plan import MIN_SUB_GROUP_SIZE, shape_slots
+    from offload.units import SHARD_ALIGN_ELEMENTS
+
+    layer = round_up(target.layer_params(), SHARD_ALIGN_ELEMENTS)
+    numels = [round_up(target.root_params(), SHARD_ALIGN_ELEMENTS)] + [layer] * target.layers
+    slots = shape_slots(numels, buffer_count=None, sub_group_size=None)
+    piece = math.ceil(slots.piece * round_up(small.layer_params(), SHARD_ALIGN_ELEMENTS) / layer)
+    return max(MIN_SUB_GROUP_SIZE, piece), slots.count
+
+
+def record(
+    target: Shape,
+    placement: str,
+    overlap: str,
+    *,
+    nvme_path: str,
+    steps: int = 3,
+    nvme_gradients: str = "ram",
+) -> Recording:
+    """Trains the recording shape of `target` for 1 + `steps` steps on the recording checked
+    device and returns what it recorded (see the module docstring, step 1)."""
+    import torch
+    import transformers
+
+    import offload
+    from offload.placement import OptimizerTier
+
+    param, optimizer = placement.split("/")
+    small = recording_shape(target)
+    config = transformers.LlamaConfig(
+        vocab_size=small.vocab,
+        hidden_size=small.hidden,
+        intermediate_size=small.intermediate,
+        num_hidden_layers=small.layers,
+        num_attention_heads=small.heads,
+        num_key_value_heads=small.kv_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    offload_config: dict = {"param": param, "optimizer": optimizer, "nvme_path": nvme_path}
+    if optimizer == "nvme":
+        offload_config["sub_group_size"], offload_config["buffer_count"] = _nvme_pieces(target, small)
+        if nvme_gradients == "nvme":
+            offload_config["gradient_memory"] = 0
+    engine_config = {"precision": "bf16", "optimizer": {"lr": 1e-4}, "offload": offload_config, "overlap": overlap}
+    started = time.perf_counter()
+    with _environ(OFFLOAD_CHECKED_RECORD="1"):
+        engine = offload.initialize(model, engine_config, device="checked")
+    device = engine.device
+    zero = device.time_zero
+    rec = Recording(
+        placement=placement,
+        overlap=overlap,
+        unit_names=[u.spec.name for u in engine.units],
+        unit_numel=[u.spec.numel for u in engine.units],
+        unit_shard=[u.shard_numel for u in engine.units],
+        unit_state=[u.optimizer_numel for u in engine.units],
+        optimizer_on_device=[u.optimizer_tier is OptimizerTier.DEVICE for u in engine.units],
+        timeline=[],
+        events=[],
+        adam=[],
+        io=[],
+        io_waits=[],
+        step_starts=[],
+        backward_starts=[],
+        step_calls=[],
+        main_thread=threading.current_thread().name,
+    )
+    for unit, numel in zip(engine.units, rec.unit_numel):
+        expected = small.root_params() if unit.index == 0 else small.layer_params()
+        if unit.spec.name not in ("<root>", f"model.layers.{unit.index - 1}") or numel != expected:
+            raise RuntimeError(f"unexpected unit {unit.index} {unit.spec.name} of {numel} params (expected {expected})")
+    lock = threading.Lock()
+
+    def now() -> float:
+        return time.perf_counter() - zero
+
+    # the EventLog, with the thread of each transition (it records name, unit and time only)
+    log = engine.stepper.events
+    log.enabled = True
+    log_record = log.record
+
+    def record_event(name: str, unit: int) -> None:
+        log_record(name, unit)
+        with lock:
+            rec.events.append((name, unit, threading.current_thread().name, now()))
+
+    log.record = record_event
+
+    # each CPU Adam piece (the stepper's per-piece call)
+    stepper = engine.stepper
+    step_piece = stepper._step_piece
+
+    def spied_step_piece(step, piece, hypers, mode):
+        began = now()
+        try:
+            return step_piece(step, piece, hypers, mode)
+        finally:
+            with lock:
+                rec.adam.append(
+                    {
+                        "unit": step.unit.index,
+                        "elements": piece.end - piece.start,
+                        "last": piece.last,
+                        "start": began,
+                        "end": now(),
+                        "thread": threading.current_thread().name,
+                    }
+                )
+
+    stepper._step_piece = spied_step_piece
+
+    # each swap read (of a file written before: a never written one reads as zeros) and write
+    swap = engine.store.swap
+    if swap is not None:
+        ids = iter(range(1, 1 << 60))
+
+        def spy(op: str, original):
+            def call(name: str, tensor):
+                disk = op == "write" or not swap.never_written(name)
+                issued = now()
+                handle = original(name, tensor)
+                if not disk:
+                    return handle
+                match = _SWAP_NAME.match(name)
+                io_id = next(ids)
+                with lock:
+                    rec.io.append(
+                        {
+                            "id": io_id,
+                            "op": op,
+                            "name": name,
+                            "unit": int(match.group(1)) if match else None,
+                            "kind": match.group(2) if match else name,
+                            "nbytes": tensor.numel() * tensor.element_size(),
+                            "thread": threading.current_thread().name,
+                            "issued": issued,
+                        }
+                    )
+                wait = handle.wait
+
+                def spied_wait():
+                    began = now()
+                    try:
+                        return wait()
+                    finally:
+                        with lock:
+                            rec.io_waits.append(
+                                {"io": io_id, "thread": threading.current_thread().name, "start": began, "end": now()}
+                            )
+
+                handle.wait = spied_wait
+                return handle
+
+            return call
+
+        swap.read_into = spy("read", swap.read_into)
+        swap.write_from = spy("write", swap.write_from)
+
+    ids_in = torch.randint(0, small.vocab, (RECORD_BATCH, RECORD_SEQ), generator=torch.Generator().manual_seed(1))
+    try:
+        for _ in range(1 + steps):
+            rec.step_starts.append(now())
+            out = engine(input_ids=ids_in, labels=ids_in)
+            rec.backward_starts.append(now())
+            engine.backward(out.loss)
+            called = now()
+            engine.step()
+            rec.step_calls.append((called, now()))
+    finally:
+        engine.close(restore_weights=False)
+    with device.lock:
+        rec.timeline = list(device.timeline)
+    rec.seconds = time.perf_counter() - started
+    return rec
+
+
+# ---- the op graph --------------------------------------------------------------------------
+def _role(thread: str, main: str) -> str:
+    """The engine thread a recorded thread name is: main (`main`, the thread that drove the
+    recording), transfer (the transfer worker) or step (the optimizer worker)."""
+    if thread == main:
+        return "main"
+    if thread.startswith("offload-transfer"):
+        return "transfer"
+    if thread.startswith("offload-step"):
+        return "step"
+    return thread
+
+
+@dataclass
+class _Node:
+    """An op before its id: its recorded order key (start or issue time) and issuing thread."""
+
+    key: float
+    resource: str
+    kind: str
+    unit: int | None
+    thread: str
+    step: int = -1
+    flops: float = 0.0
+    nbytes: int = 0
+    elements: int = 0
+    label: str = ""
+    deps: set[int] = field(default_factory=set)
+    index: int = -1
+    after: list[int] = field(default_factory=list)  # device op: the events its stream waited on
+    last_piece: bool = False  # Adam: the unit's last piece (its step_done follows)
+    first_piece: bool = False  # Adam: the unit's first piece
+
+
+@dataclass
+class Graph:
+    """The replayable ops, in an order where dependencies come first, and per recorded step the
+    id of its first compute op and the ids of the ops that belong to it."""
+
+    ops: list[Op]
+    first_compute: dict[int, int]
+    step_ops: dict[int, set[int]]
+    steps: list[int]  # the recorded steps kept (the warm-up left out)
+
+
+def _device_kind(entry: dict) -> tuple[str, str, str]:
+    """(resource, kind, issuing thread) of a timeline op, from its stream and `what`."""
+    what, stream = entry["what"], entry["stream"]
+    if stream == "host-to-device":
+        if what.startswith("new weights of unit"):
+            return "host_to_device", "publish", "step"
+        return "host_to_device", "fetch", "transfer"
+    if stream == "device-to-host":
+        return "device_to_host", "grad_copy", "transfer"
+    if what.startswith("the Adam step"):
+        return "optimizer", "device_adam", "step"
+    return "optimizer", "device_grad_add", "transfer"
+
+
+def _compute_nodes(rec: Recording, work: Workload, step_of) -> list[_Node]:
+    """Compute ops from the main thread's EventLog spans (module docstring, step 2)."""
+    main = [(name, unit, t) for name, unit, thread, t in rec.events if _role(thread, rec.main_thread) == "main"]
+    # compute events the main thread recorded (hand-offs of gradients, prefetches)
+    marks = sorted(
+        e["time"]
+        for e in rec.timeline
+        if e["type"] == "event" and e["stream"] == "compute" and _role(e["thread"], rec.main_thread) == "main"
+    )
+    layer_fwd, head_fwd = work.layer_forward_flops(), work.head_forward_flops()
+    spans: list[tuple[float, float, str, int, float]] = []  # start, end, kind, unit, flops
+    open_at: dict[tuple[str, int], float] = {}
+    pairs = {"post_forward": "pre_forward", "post_recompute": "pre_recompute", "grads_final": "pre_backward"}
+    last_post_recompute: dict[int, float] = {}
+    for i, (name, unit, t) in enumerate(main):
+        if name in ("pre_forward", "pre_recompute", "pre_backward"):
+            open_at[(name, unit)] = t
+            if name == "pre_forward" and unit == 0:
+                # the embedding: until the next unit's pre_forward
+                following = next((u_t for n, u, u_t in main[i + 1 :] if n == "pre_forward" and u != 0), None)
+                if following is not None:
+                    spans.append((t, following, "forward_embed", 0, 0.0))
+            continue
+        if name not in pairs:
+            continue
+        began = open_at.pop((pairs[name], unit), None)
+        if unit == 0:
+            if name == "post_forward":
+                # the head: from the last layer's post_forward
+                before = [u_t for n, u, u_t in main[:i] if n == "post_forward" and u != 0 and u_t >= (began or 0)]
+                spans.append((before[-1] if before else (began or t), t, "forward_head", 0, head_fwd))
+            elif name == "grads_final":
+                before = [u_t for n, u, u_t in main[:i] if n == "grads_final" and u != 0 and step_of(u_t) == step_of(t)]
+                start = before[-1] if before else t
+                # after the last layer's hand-off (its compute event marks that layer's backward)
+                handed = marks[bisect.bisect_right(marks, start) : bisect.bisect_left(marks, t)]
+                if handed:
+                    start = math.nextafter(handed[0], math.inf)
+                spans.append((start, t, "backward_embed", 0, 0.0))
+            continue
+        if began is None:
+            continue
+        if name == "post_forward":
+            spans.append((began, t, "forward", unit, layer_fwd))
+        elif name == "post_recompute":
+            spans.append((began, t, "recompute", unit, layer_fwd if unit else head_fwd))
+            last_post_recompute[unit] = t
+        else:
+            start = max(began, last_post_recompute.get(unit, began))
+            spans.append((start, t, "backward", unit, 2 * layer_fwd))
+    # the head's backward: from engine.backward to the first pre_backward after it
+    for called in rec.backward_starts:
+        first = next((t for name, _, t in main if name == "pre_backward" and t >= called), None)
+        if first is not None:
+            spans.append((called, first, "backward_head", 0, 2 * head_fwd))
+    nodes = []
+    for start, _, kind, unit, flops in sorted(spans, key=lambda s: (s[0], s[1])):
+        nodes.append(_Node(start, "compute", kind, unit, "main", step=step_of(start), flops=flops))
+    return nodes
+
+
+def build_graph(rec: Recording, work: Workload) -> Graph:
+    """The recorded schedule as ops priced at `work` (module docstring, steps 2 and 3)."""
+    from offload.gradients import MAX_GRADS_IN_FLIGHT
+
+    target = work.shape
+    params = [target.root_params() if i == 0 else target.layer_params() for i in range(len(rec.unit_numel))]
+    # per unit: target parameters per recorded element of its 16-bit buffer, of its optimizer state
+    scale = [p / n for p, n in zip(params, rec.unit_shard)]
+    scale_state = [p / n for p, n in zip(params, rec.unit_state)]
+    starts = rec.step_starts
+
+    def step_of(t: float) -> int:
+        return bisect.bisect_right(starts, t) - 1
+
+    nodes: list[_Node] = _compute_nodes(rec, work, step_of)
+
+    # device ops
+    device_node: dict[int, _Node] = {}  # timeline op id -> node
+    by_stream: dict[str, list[tuple[int, _Node]]] = defaultdict(list)  # (seq, node)
+    for entry in rec.timeline:
+        if entry["type"] != "op":
+            continue
+        resource, kind, thread = _device_kind(entry)
+        unit = entry["unit"]
+        node = _Node(entry["queued"], resource, kind, unit, thread, step=step_of(entry["queued"]), label=entry["what"])
+        if kind == "device_adam":
+            node.elements = params[unit]
+        elif kind == "device_grad_add":
+            node.elements = params[unit] // 4  # ~10 bytes per param moved against ~36 for Adam
+        else:
+            node.nbytes = round(entry["nbytes"] * scale[unit]) if unit is not None else entry["nbytes"]
+        node.after = entry["after"]
+        device_node[entry["id"]] = node
+        by_stream[entry["stream"]].append((entry["seq"], node))
+        nodes.append(node)
+    for ops in by_stream.values():
+        ops.sort(key=lambda x: x[0])
+
+    # the optimizer worker's step_begin / step_done, and which step each submitted
+    begins = [(t, unit, _role(thread, rec.main_thread)) for name, unit, thread, t in rec.events if name == "step_begin"]
+    done_at: dict[int, list[float]] = defaultdict(list)
+    for name, unit, _, t in rec.events:
+        if name == "step_done":
+            done_at[unit].append(t)
+    begin_times = [t for t, _, _ in begins]
+
+    def submitted_step(t: float) -> int:
+        """The step whose step_begin (of any unit) came last before `t`."""
+        i = bisect.bisect_right(begin_times, t) - 1
+        return step_of(begin_times[i]) if i >= 0 else -1
+
+    # CPU Adam pieces
+    adam_by_unit: dict[int, list[_Node]] = defaultdict(list)
+    for piece in sorted(rec.adam, key=lambda p: p["start"]):
+        unit = piece["unit"]
+        if rec.optimizer_on_device[unit]:
+            continue  # its work is the optimizer-stream launch
+        node = _Node(
+            piece["start"],
+            "cpu_adam",
+            "adam",
+            unit,
+            "step",
+            step=submitted_step(piece["start"]),
+            elements=round(piece["elements"] * scale_state[unit]),
+            last_piece=piece["last"],
+        )
+        previous = adam_by_unit[unit][-1] if adam_by_unit[unit] else None
+        node.first_piece = previous is None or previous.last_piece
+        adam_by_unit[unit].append(node)
+        nodes.append(node)
+    adam_all = sorted((n for n in nodes if n.resource == "cpu_adam"), key=lambda n: n.key)
+    adam_keys = [n.key for n in adam_all]
+
+    # swap reads and writes
+    io_node: dict[int, _Node] = {}
+    previous_on_file: dict[str, _Node] = {}
+    for io in sorted(rec.io, key=lambda x: x["issued"]):
+        unit = io["unit"]
+        what = {"param16": "weights", "grad32": "grad"}.get(io["kind"], "state")
+        thread = _role(io["thread"], rec.main_thread)
+        nbytes = io["nbytes"] if unit is None else round(io["nbytes"] * (scale if what == "weights" else scale_state)[unit])
+        node = _Node(
+            io["issued"],
+            "nvme_read" if io["op"] == "read" else "nvme_write",
+            f"{io['op']}_{what}",
+            unit,
+            thread,
+            step=submitted_step(io["issued"]) if thread == "step" else step_of(io["issued"]),
+            nbytes=nbytes,
+            label=io["name"],
+        )
+        if io["name"] in previous_on_file:
+            node.deps.add(id(previous_on_file[io["name"]]))
+        previous_on_file[io["name"]] = node
+        io_node[io["id"]] = node
+        nodes.append(node)
+    # step tags of the optimizer worker's device ops: the step that submitted the work
+    for node in device_node.values():
+        if node.thread == "step":
+            node.step = submitted_step(node.key)
+
+    # lookups
+    compute = sorted((n for n in nodes if n.resource == "compute"), key=lambda n: n.key)
+    compute_keys = [n.key for n in compute]
+
+    def compute_at(t: float) -> _Node | None:
+        i = bisect.bisect_right(compute_keys, t) - 1
+        return compute[i] if i >= 0 else None
+
+    def last_before(seq_nodes: list[_Node], keys: list[float], t: float) -> _Node | None:
+        i = bisect.bisect_right(keys, t) - 1
+        return seq_nodes[i] if i >= 0 else None
+
+    events = {e["event"]: e for e in rec.timeline if e["type"] == "event"}
+
+    def marked(event_id: int) -> _Node | None:
+        """The op an event marks: compute last started at its time, or the last op on its stream."""
+        event = events.get(event_id)
+        if event is None:
+            return None
+        if event["stream"] == "compute":
+            return compute_at(event["time"])
+        ops = by_stream.get(event["stream"], [])
+        i = bisect.bisect_right([seq for seq, _ in ops], event["seq"]) - 1
+        return ops[i][1] if i >= 0 else None
+
+    # ops each thread issues, in order (the main thread's are compute)
+    issued: dict[str, list[_Node]] = defaultdict(list)
+    for node in nodes:
+        issued["main" if node.resource == "compute" else node.thread].append(node)
+    for role in issued:
+        issued[role].sort(key=lambda n: n.key)
+    issued_keys = {role: [n.key for n in ns] for role, ns in issued.items()}
+
+    def next_issued(role: str, t: float) -> _Node | None:
+        ns = issued.get(role, [])
+        i = bisect.bisect_left(issued_keys.get(role, []), t)
+        return ns[i] if i < len(ns) else None
+
+    def depend(node: _Node | None, on: _Node | None) -> None:
+        if node is not None and on is not None and node is not on:
+            node.deps.add(id(on))
+
+    # stream waits
+    for node in device_node.values():
+        for event_id in node.after:
+            depend(node, marked(event_id))
+    # host waits (events, swap handles): the thread's next op
+    for entry in rec.timeline:
+        if entry["type"] == "host_wait":
+            depend(next_issued(_role(entry["thread"], rec.main_thread), entry["end"]), marked(entry["event"]))
+    for wait in rec.io_waits:
+        depend(next_issued(_role(wait["thread"], rec.main_thread), wait["end"]), io_node.get(wait["io"]))
+    # the optimizer worker is serial: what it issues follows the Adam piece it last ran
+    for node in issued.get("step", []):
+        if node.resource != "cpu_adam":
+            depend(node, last_before(adam_all, adam_keys, node.key))
+    # what the main thread hands an idle optimizer worker (at engine.backward, the reads of the
+    # next step's first state pieces) starts once the compute before it was issued
+    begun = sorted(t for t, _, _ in begins)
+    finished = sorted(t for ts in done_at.values() for t in ts)
+    for node in issued.get("step", []):
+        if node.resource != "cpu_adam" and bisect.bisect_right(finished, node.key) >= bisect.bisect_right(begun, node.key):
+            depend(node, compute_at(node.key))
+    # a fetch waits for its unit's step (step_done)
+    last_pieces = {u: [n for n in ns if n.last_piece] for u, ns in adam_by_unit.items()}
+    for node in issued.get("transfer", []):
+        if node.kind in ("fetch", "read_weights") and node.unit is not None:
+            stepped = [t for t in done_at.get(node.unit, []) if t <= node.key]
+            pieces = [n for n in last_pieces.get(node.unit, []) if stepped and n.key <= stepped[-1]]
+            if pieces:
+                depend(node, pieces[-1])
+    # a unit's first Adam piece: its gradient copy; step() submitted it: after backward and the drain
+    grad_copies: dict[int, list[_Node]] = defaultdict(list)
+    for node in device_node.values():
+        if node.kind in ("grad_copy", "device_grad_add"):
+            grad_copies[node.unit].append(node)
+    for copies in grad_copies.values():
+        copies.sort(key=lambda n: n.key)
+    all_copies = sorted((n for ns in grad_copies.values() for n in ns), key=lambda n: n.key)
+    copy_keys = [n.key for n in all_copies]
+    for unit, pieces in adam_by_unit.items():
+        unit_begins = [(t, role) for t, u, role in begins if u == unit]
+        for node in pieces:
+            if not node.first_piece:
+                continue
+            depend(node, last_before(grad_copies[unit], [n.key for n in grad_copies[unit]], node.key))
+            submitted = [(t, role) for t, role in unit_begins if t <= node.key]
+            if submitted and submitted[-1][1] == "main":
+                t = submitted[-1][0]
+                depend(node, last_before(all_copies, copy_keys, t))
+                depend(node, compute_at(t))
+    # what engine calls wait for
+    for called in rec.backward_starts:
+        head = next((n for n in compute if n.kind == "backward_head" and n.key == called), None)
+        depend(head, last_before(adam_all, adam_keys, called))
+    for _, returned in rec.step_calls:
+        after = next_issued("main", returned)
+        if rec.overlap == "none" or rec.overlap == "backward":
+            depend(after, last_before(adam_all, adam_keys, returned))
+        depend(after, last_before(all_copies, copy_keys, returned))
+    main_finals = [
+        (unit, t) for name, unit, thread, t in rec.events if name == "grads_final" and _role(thread, rec.main_thread) == "main"
+    ]
+    for b, called in enumerate(rec.backward_starts):
+        end = rec.step_calls[b][0]
+        finals = [(u, t) for u, t in main_finals if called <= t <= end]
+        for j in range(MAX_GRADS_IN_FLIGHT, len(finals)):
+            unit_back, t_back = finals[j - MAX_GRADS_IN_FLIGHT]
+            landing = next((n for n in grad_copies.get(unit_back, []) if n.key >= t_back), None)
+            depend(next_issued("main", finals[j][1]), landing)
+
+    return _ordered(nodes, len(rec.step_starts))
+
+
+def _ordered(nodes: list[_Node], step_count: int) -> Graph:
+    """Drops the warm-up's ops; orders the rest so that dependencies come first and each
+    resource keeps its recorded order (ties broken by the recorded key); assigns ids."""
+    kept = [n for n in nodes if n.step >= 1]
+    alive = {id(n) for n in kept}
+    for n in kept:
+        n.deps = {d for d in n.deps if d in alive}
+    by_ref = {id(n): n for n in kept}
+    successors: dict[int, list[int]] = defaultdict(list)
+    indegree = {id(n): 0 for n in kept}
+    previous_on: dict[str, _Node] = {}
+    for n in sorted(kept, key=lambda n: n.key):
+        edges = set(n.deps)
+        if n.resource in previous_on:
+            edges.add(id(previous_on[n.resource]))
+        previous_on[n.resource] = n
+        for d in edges:
+            successors[d].append(id(n))
+            indegree[id(n)] += 1
+    ready = [(n.key, i, id(n)) for i, n in enumerate(kept) if indegree[id(n)] == 0]
+    heapq.heapify(ready)
+    order: list[_Node] = []
+    tiebreak = len(kept)
+    while ready:
+        _, _, ref = heapq.heappop(ready)
+        order.append(by_ref[ref])
+        for s in successors[ref]:
+            indegree[s] -= 1
+            if indegree[s] == 0:
+                tiebreak += 1
+                heapq.heappush(ready, (by_ref[s].key, tiebreak, s))
+    if len(order) != len(kept):
+        raise RuntimeError(f"the recorded dependencies have a cycle ({len(kept) - len(order)} ops in it)")
+    for i, n in enumerate(order):
+        n.index = i
+    ops = [
+        Op(
+            n.index,
+            n.resource,
+            n.kind,
+            n.unit,
+            flops=n.flops,
+            nbytes=n.nbytes,
+            elements=n.elements,
+            deps=tuple(sorted(by_ref[d].index for d in n.deps)),
+            label=f"step {n.step}" + (f", {n.label}" if n.label and n.resource != "compute" else ""),
+        )
+        for n in order
+    ]
+    first_compute: dict[int, int] = {}
+    step_ops: dict[int, set[int]] = defaultdict(set)
+    for n in order:
+        step_ops[n.step].add(n.index)
+        if n.resource == "compute" and n.step not in first_compute:
+            first_compute[n.step] = n.index
+    return Graph(ops, first_compute, dict(step_ops), list(range(1, step_count)))
+
+
+# ---- prediction ----------------------------------------------------------------------------
+@dataclass
+class Prediction:
+    step: float  # predicted seconds per step (steady-state period)
+    floor: float
+    floor_resource: str
+    busy: dict[str, float]  # seconds per step per resource
+    hidden: dict[str, float]  # share of each resource's busy time hidden under compute
+    path: dict[str, float]  # seconds of the period's critical path per resource
+    nbytes: dict[str, int]  # bytes per step per copy / IO resource
+    replay: Replay
+
+
+def predict(graph: Graph, machine: Machine) -> Prediction:
+    """Replays `graph` on `machine`; the step is the period between the first compute ops of the
+    second and third recorded steps (module docstring, step 4)."""
+    if len(graph.steps) < 3:
+        raise ValueError("need at least 3 recorded steps (the second is measured, up to the third's start)")
+    r = replay(graph.ops, machine)
+    measured, following = graph.steps[1], graph.steps[2]
+    begin = r.spans[graph.first_compute[measured]][0]
+    end = r.spans[graph.first_compute[following]][0]
+    ids = graph.step_ops[measured]
+    by_id = {op.id: op for op in graph.ops}
+    busy = dict.fromkeys(RESOURCES, 0.0)
+    nbytes = dict.fromkeys(RESOURCES, 0)
+    for i in ids:
+        s, e = r.spans[i]
+        busy[by_id[i].resource] += e - s
+        nbytes[by_id[i].resource] += by_id[i].nbytes
+    floor_resource = max(RESOURCES, key=lambda res: (busy[res], -RESOURCES.index(res)))
+    path = dict.fromkeys(RESOURCES, 0.0)
+    for op in r.critical_path(end=graph.first_compute[following]):
+        s, e = r.spans[op.id]
+        path[op.resource] += max(0.0, min(e, end) - max(s, begin))
+    hidden = {res: r.hidden_share(res, among=ids) for res in RESOURCES}
+    return Prediction(end - begin, busy[floor_resource], floor_resource, busy, hidden, path, nbytes, r)
+
+
+def summary_line(size: str, placement: str, overlap: str, p: Prediction) -> str:
+    """The one line per placement (see the module docstring)."""
+    ratio = p.step / p.floor if p.floor > 0 else math.nan
+    streams = ["host_to_device", "device_to_host", "cpu_adam", "nvme_read", "nvme_write"]
+    if p.busy["optimizer"] > 0:
+        streams.insert(2, "optimizer")
+    hidden = " ".join(f"{SHORT[r]} {p.hidden[r] * 100:.0f}%" if p.busy[r] > 0 else f"{SHORT[r]} -" for r in streams)
+    total = sum(p.path.values()) or 1.0
+    path = " ".join(f"{SHORT[r]} {p.path[r] / total * 100:.0f}%" for r in RESOURCES if p.path[r] >= 0.005 * total)
+    return (
+        f"{size} {placement} {overlap}: step {p.step:.4g} s, floor {p.floor:.4g} s ({p.floor_resource}), "
+        f"{ratio:.2f}x floor; hidden {hidden}; critical path {path}"
+    )
+
+
+def busy_line(p: Prediction) -> str:
+    parts = []
+    for r in RESOURCES:
+        if p.busy[r] > 0:
+            extra = f" ({p.nbytes[r] / 1e9:.4g} GB)" if p.nbytes[r] else ""
+            parts.append(f"{SHORT[r]} {p.busy[r]:.4g} s{extra}")
+    return "    busy per step: " + ", ".join(parts)
+
+
+def run(
+    size: str,
+    placement: str,
+    *,
+    overlap: str,
+    machine: Machine,
+    batch: int,
+    seq: int,
+    steps: int,
+    nvme_path: str,
+    nvme_gradients: str = "ram",
+) -> tuple[Prediction, Graph, Recording]:
+    """Records `placement` for the Llama `size`, builds its graph at batch x seq and replays it."""
+    target = Shape.named(size)
+    rec = record(target, placement, overlap, nvme_path=nvme_path, steps=steps, nvme_gradients=nvme_gradients)
+    graph = build_graph(rec, Workload(target, batch, seq))
+    return predict(graph, machine), graph, rec
+
+
+def trace_path(base: str, size: str, placement: str, several: bool) -> str:
+    if not several:
+        return base
+    stem, ext = os.path.splitext(base)
+    return f"{stem}.{size}.{placement.replace('/', '-')}{ext or '.json'}"
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1.3b,7b", help=f"Llama shapes, comma-separated ({', '.join(SIZES)})")
+    parser.add_argument("--placements", default=PLACEMENTS, help="param/optimizer, comma-separated")
+    parser.add_argument("--overlap", default="forward", choices=("none", "forward", "backward"))
+    parser.add_argument("--batch", type=int, default=8, help="the target workload's batch")
+    parser.add_argument("--seq", type=int, default=1024, help="the target workload's sequence length")
+    parser.add_argument("--steps", type=int, default=3, help="recorded steps after the warm-up (at least 3)")
+    parser.add_argument("--machine", default="h100-pcie5", choices=sorted(MACHINES))
+    parser.add_argument("--device-tflops", type=float, help="achieved dense 16-bit TFLOPS")
+    parser.add_argument("--h2d-gbps", type=float, help="host-to-device GB/s")
+    parser.add_argument("--d2h-gbps", type=float, help="device-to-host GB/s")
+    parser.add_argument("--cpu-adam-gparams", type=float, help="CPU Adam, billions of params per second")
+    parser.add_argument("--device-adam-gparams", type=float, help="device-tier Adam, billions of params per second")
+    parser.add_argument("--nvme-read-gbps", type=float, help="swap drive read GB/s")
+    parser.add_argument("--nvme-write-gbps", type=float, help="swap drive write GB/s")
+    parser.add_argument("--latency-us", type=float, help="fixed µs per copy or IO op")
+    parser.add_argument("--nvme-path", default=None, help="where the recording's swap files go (default: a temp dir)")
+    parser.add_argument(
+        "--nvme-gradients", default="ram", choices=("ram", "nvme"), help="optimizer nvme: fp32 gradients in RAM or on the drive"
+    )
+    parser.add_argument("--trace", default=None, help="write the replay as a Chrome trace (JSON) here")
+    args = parser.parse_args(argv)
+    if args.steps < 3:
+        parser.error("--steps must be at least 3")
+    machine = machine_from_args(
+        args.machine,
+        device_tflops=args.device_tflops,
+        h2d_gbps=args.h2d_gbps,
+        d2h_gbps=args.d2h_gbps,
+        cpu_adam_gparams=args.cpu_adam_gparams,
+        device_adam_gparams=args.device_adam_gparams,
+        nvme_read_gbps=args.nvme_read_gbps,
+        nvme_write_gbps=args.nvme_write_gbps,
+        latency_us=args.latency_us,
+    )
+    sizes = [s for s in args.sizes.split(",") if s]
+    for size in sizes:
+        if size not in SIZES:
+            parser.error(f"unknown size {size!r}; known: {', '.join(SIZES)}")
+    placements = [p for p in args.placements.split(",") if p]
+    for placement in placements:
+        if placement.count("/") != 1:
+            parser.error(f"a placement is param/optimizer, got {placement!r}")
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    say(
+        f"machine {args.machine}: {machine.device_tflops:g} TFLOPS, PCIe {machine.h2d_gbps:g}/{machine.d2h_gbps:g} GB/s, "
+        f"CPU Adam {machine.cpu_adam_gparams:g} Gparams/s, NVMe {machine.nvme_read_gbps:g}/{machine.nvme_write_gbps:g} GB/s "
+        f"read/write, {machine.latency_us:g} µs per copy; overlap {args.overlap}"
+    )
+    tmp = tempfile.mkdtemp(prefix="bench-pipeline-", dir=args.nvme_path)
+    try:
+        for size in sizes:
+            target = Shape.named(size)
+            work = Workload(target, args.batch, args.seq)
+            say(
+                f"{size}: {target.total_params() / 1e9:.3f}B params ({target.layers} layers of {target.layer_params() / 1e6:.1f}M, "
+                f"root {target.root_params() / 1e6:.1f}M), {args.batch}x{args.seq} tokens, {work.step_flops() / 1e12:.1f} TFLOP/step; "
+                f"plain PyTorch (compute only): {work.step_flops() / (machine.device_tflops * 1e12):.4g} s/step"
+            )
+            for placement in placements:
+                swap = tempfile.mkdtemp(dir=tmp)
+                prediction, graph, rec = run(
+                    size,
+                    placement,
+                    overlap=args.overlap,
+                    machine=machine,
+                    batch=args.batch,
+                    seq=args.seq,
+                    steps=args.steps,
+                    nvme_path=swap,
+                    nvme_gradients=args.nvme_gradients,
+                )
+                shutil.rmtree(swap, ignore_errors=True)
+                say(summary_line(size, placement, args.overlap, prediction))
+                say(busy_line(prediction) + f"; recorded in {rec.seconds:.1f} s, {len(graph.ops)} ops")
+                if args.trace:
+                    path = trace_path(args.trace, size, placement, len(sizes) * len(placements) > 1)
+                    write_chrome_trace(path, prediction.replay)
+                    say(f"    trace: {path}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return lines
+
+
+if __name__ == "__main__":
+    main()

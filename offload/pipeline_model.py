@@ -1,0 +1,361 @@
+"""A replay of a recorded training-step schedule under a machine cost model, without torch.
+
+A step is recorded as a list of `Op`s in issue order: each runs on one `resource` (a serial
+queue: its ops run one at a time, in list order) and waits for its `deps` to end. `replay`
+gives every op a start and an end under a `Machine`'s rates (a discrete-event list schedule),
+and the resulting `Replay` says how long the step takes, the `floor` no schedule can beat (the
+busiest resource), how much of each resource's work hides under compute, and the critical path:
+the chain of ops that sets the step time, i.e. what the schedule fails to hide.
+`chrome_trace` turns a replay into a trace that Perfetto and chrome://tracing open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# The serial queues an op can run on, in the order traces and summaries list them: device
+# compute, the host link each way, the device-side optimizer stream (device-tier Adam), the
+# host CPU Adam, and the NVMe drive each way.
+RESOURCES: tuple[str, ...] = ("compute", "host_to_device", "device_to_host", "optimizer", "cpu_adam", "nvme_read", "nvme_write")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One recorded piece of work of a step: `flops` (compute, optional on optimizer), `nbytes`
+    (copies and NVMe IO) or `elements` (parameters an Adam op updates) on `resource`; it starts
+    once every op in `deps` (ids of ops earlier in the list) has ended. `unit` is the model unit
+    it belongs to (None for step-wide work); `label` is free text for traces."""
+
+    id: int
+    resource: str
+    kind: str
+    unit: int | None
+    flops: float = 0.0
+    nbytes: int = 0
+    elements: int = 0
+    deps: tuple[int, ...] = ()
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Achieved (not peak) rates of one machine, the ones `duration` prices ops with."""
+
+    device_tflops: float  # TFLOPS (1e12 flop/s) dense 16-bit training compute achieves on the device
+    h2d_gbps: float  # GB/s (1e9 bytes/s) of pinned host-to-device copies
+    d2h_gbps: float  # GB/s of pinned device-to-host copies
+    cpu_adam_gparams: float  # billions of parameters per second the host CPU Adam updates
+    device_adam_gparams: float  # billions of parameters per second the device-tier Adam updates
+    nvme_read_gbps: float  # GB/s read from the swap drive(s)
+    nvme_write_gbps: float  # GB/s written to the swap drive(s)
+    latency_us: float = 10.0  # µs of fixed cost per copy or IO op (launch, DMA setup, syscall)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if (
+                not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < 0
+                or (value == 0 and f.name != "latency_us")
+            ):
+                raise ValueError(f"Machine.{f.name} must be a finite number > 0 (>= 0 for latency_us), got {value!r}")
+
+
+MACHINES: dict[str, Machine] = {
+    # H100 SXM, PCIe 5.0 x16 host link, 2-socket server, one PCIe 4 NVMe drive.
+    "h100-pcie5": Machine(
+        device_tflops=270.0,  # 6 * 1.35e9 params * 8192 tokens / 0.247 s measured for a plain 1.35B Llama step ≈ 269 (27% of 989 peak)
+        h2d_gbps=48.0,  # PCIe 5.0 x16 is 63 GB/s raw per direction; pinned cudaMemcpyAsync achieves ~45-50
+        d2h_gbps=48.0,  # same link, the other direction (full duplex)
+        cpu_adam_gparams=2.5,  # AVX-512 CPU Adam on a 2-socket server, memory-bound at ~16 bytes of fp32 state per param
+        device_adam_gparams=80.0,  # fused Adam reads+writes ~32 B/param; ~2.6 TB/s of 3.35 TB/s HBM3
+        nvme_read_gbps=6.0,  # one PCIe 4.0 x4 drive: ~7 GB/s spec, ~6 achieved with O_DIRECT
+        nvme_write_gbps=5.0,  # sustained writes of the same drive, below its burst rate
+    ),
+    # The same H100 on a PCIe 4.0 x16 host link: only the link differs.
+    "h100-pcie4": Machine(
+        device_tflops=270.0,  # same GPU and model as h100-pcie5
+        h2d_gbps=25.0,  # PCIe 4.0 x16 is 31.5 GB/s raw per direction; ~25 achieved pinned
+        d2h_gbps=25.0,  # same link, the other direction
+        cpu_adam_gparams=2.5,  # same host as h100-pcie5
+        device_adam_gparams=80.0,  # same GPU as h100-pcie5
+        nvme_read_gbps=6.0,  # same drive as h100-pcie5
+        nvme_write_gbps=5.0,  # same drive as h100-pcie5
+    ),
+    # H200 SXM (the H100's compute, 4.8 TB/s HBM3e) on PCIe 5.0 x16.
+    "h200-pcie5": Machine(
+        device_tflops=290.0,  # same tensor cores as H100; faster HBM lifts the memory-bound kernels ~7%
+        h2d_gbps=48.0,  # same PCIe 5.0 x16 link as h100-pcie5
+        d2h_gbps=48.0,  # same link, the other direction
+        cpu_adam_gparams=2.5,  # same host as h100-pcie5
+        device_adam_gparams=115.0,  # 80 Gparams/s scaled by HBM bandwidth 4.8 / 3.35
+        nvme_read_gbps=6.0,  # same drive as h100-pcie5
+        nvme_write_gbps=5.0,  # same drive as h100-pcie5
+    ),
+    # A100 SXM 80GB on PCIe 4.0 x16, an older 2-socket host.
+    "a100-pcie4": Machine(
+        device_tflops=130.0,  # 42% of 312 dense bf16 peak, typical for ~1B models on A100
+        h2d_gbps=24.0,  # PCIe 4.0 x16, ~24 achieved pinned
+        d2h_gbps=24.0,  # same link, the other direction
+        cpu_adam_gparams=2.0,  # AVX2/AVX-512 CPU Adam on an older 2-socket server
+        device_adam_gparams=50.0,  # ~32 B/param at ~1.6 TB/s of 2.0 TB/s HBM2e
+        nvme_read_gbps=6.0,  # one PCIe 4.0 x4 drive
+        nvme_write_gbps=5.0,  # sustained writes of the same drive
+    ),
+    # A 2-core VM with no accelerator: the "device" is the CPU itself, copies are memcpy.
+    "this-cpu": Machine(
+        device_tflops=0.05,  # two AVX2 cores at fp32 matmul rates, with 16-bit emulation overheads
+        h2d_gbps=5.0,  # single-threaded memcpy between host buffers
+        d2h_gbps=5.0,  # same memcpy the other way
+        cpu_adam_gparams=0.2,  # C++ CPU Adam on two cores, ~0.1 Gparams/s each
+        device_adam_gparams=0.2,  # the device-tier Adam runs on the same two cores
+        nvme_read_gbps=1.0,  # a virtual disk of a cloud VM
+        nvme_write_gbps=0.5,  # its writes, slower than its reads
+    ),
+}
+
+
+def machine_from_args(name: str, **overrides: float | None) -> Machine:
+    """The preset `name` of `MACHINES` with each override that is not None in place of its field
+    (so every rate can be a command-line flag defaulting to None)."""
+    if name not in MACHINES:
+        raise ValueError(f"unknown machine {name!r}; known: {', '.join(sorted(MACHINES))}")
+    fields = {f.name for f in dataclasses.fields(Machine)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown machine field(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+    return dataclasses.replace(MACHINES[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _describe(op: Op) -> str:
+    """How error messages name an op."""
+    return f"op {op.id} ({op.kind or '?'} unit {op.unit}{', ' + op.label if op.label else ''})"
+
+
+def duration(op: Op, machine: Machine) -> float:
+    """Seconds `op` runs on its resource under `machine`: flops for compute; latency plus bytes
+    over the link rate for copies and NVMe IO; elements over the Adam rate for cpu_adam; elements
+    over the device Adam rate plus flops over the device rate for the optimizer stream."""
+    if op.resource not in RESOURCES:
+        raise ValueError(f"{_describe(op)}: unknown resource {op.resource!r}; known: {', '.join(RESOURCES)}")
+    if not isinstance(op.kind, str) or not op.kind:
+        raise ValueError(f"{_describe(op)}: has no kind")
+    for name in ("flops", "nbytes", "elements"):
+        value = getattr(op, name)
+        if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{_describe(op)}: {name} must be finite and >= 0, got {value!r}")
+    latency = machine.latency_us * 1e-6
+    if op.resource == "compute":
+        return op.flops / (machine.device_tflops * 1e12)
+    if op.resource == "optimizer":
+        return op.elements / (machine.device_adam_gparams * 1e9) + op.flops / (machine.device_tflops * 1e12)
+    if op.resource == "cpu_adam":
+        return op.elements / (machine.cpu_adam_gparams * 1e9)
+    gbps = {
+        "host_to_device": machine.h2d_gbps,
+        "device_to_host": machine.d2h_gbps,
+        "nvme_read": machine.nvme_read_gbps,
+        "nvme_write": machine.nvme_write_gbps,
+    }[op.resource]
+    return latency + op.nbytes / (gbps * 1e9)
+
+
+def _union(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The disjoint, sorted intervals covering `spans` (empty spans dropped)."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(s for s in spans if s[1] > s[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Seconds two disjoint sorted interval lists have in common (a two-pointer sweep)."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A replayed step: each op's (start, end) in seconds by id, the step time (last end), each
+    resource's busy seconds, and the floor: the busiest resource's busy time (copies and IO with
+    their latency), which no schedule of these ops can beat; `floor_resource` names it (the
+    first in `RESOURCES` order on a tie, "compute" for no ops)."""
+
+    ops: tuple[Op, ...]
+    spans: dict[int, tuple[float, float]]
+    step_time: float
+    busy: dict[str, float]
+    floor: float
+    floor_resource: str
+
+    def _intervals(self, resource: str, among: Collection[int] | None = None) -> list[tuple[float, float]]:
+        """The union of the spans of `resource`'s ops (only those with ids in `among`, if given)."""
+        if resource not in RESOURCES:
+            raise ValueError(f"unknown resource {resource!r}; known: {', '.join(RESOURCES)}")
+        return _union([self.spans[op.id] for op in self.ops if op.resource == resource and (among is None or op.id in among)])
+
+    def hidden_share(self, resource: str, among: Collection[int] | None = None) -> float:
+        """The fraction of `resource`'s busy time during which compute is busy too (1.0 for
+        compute itself and for a resource that is never busy); exact, from interval unions.
+        `among`: only the ops with these ids count as `resource`'s (one step of several
+        replayed), hidden under any of the replay's compute."""
+        mine = self._intervals(resource, among)
+        busy = sum(e - s for s, e in mine)
+        if resource == "compute" or busy <= 0:
+            return 1.0
+        return min(1.0, max(0.0, _overlap(mine, self._intervals("compute")) / busy))
+
+    def exposed(self, resource: str, among: Collection[int] | None = None) -> float:
+        """Seconds of `resource`'s busy time during which compute is idle (0 for compute);
+        `among` as in `hidden_share`."""
+        mine = self._intervals(resource, among)
+        if resource == "compute":
+            return 0.0
+        return max(0.0, sum(e - s for s, e in mine) - _overlap(mine, self._intervals("compute")))
+
+    def critical_path(self, end: int | None = None) -> list[Op]:
+        """The chain of ops that sets the step time, first op first: from the op that ends last
+        (the first such in list order), or from the op with id `end` (what sets its start and
+        end), each step back goes to the predecessor (a dependency, preferred on a tie, or the
+        previous op on the same resource) whose end is this op's start."""
+        if not self.ops:
+            return []
+        by_id = {op.id: op for op in self.ops}
+        if end is not None and end not in by_id:
+            raise ValueError(f"critical_path: op {end} is not in the replay")
+        previous: dict[int, int] = {}
+        last_on: dict[str, int] = {}
+        for op in self.ops:
+            if op.resource in last_on:
+                previous[op.id] = last_on[op.resource]
+            last_on[op.resource] = op.id
+        # the first of the ops ending last, unless asked for another
+        op = max(self.ops, key=lambda o: self.spans[o.id][1]) if end is None else by_id[end]
+        path = [op]
+        while True:
+            start = self.spans[op.id][0]
+            candidates = [*op.deps, *([previous[op.id]] if op.id in previous else [])]
+            found = next((c for c in candidates if self.spans[c][1] == start), None)
+            if found is None:
+                break
+            op = by_id[found]
+            path.append(op)
+        return path[::-1]
+
+
+def _validate(ops: Sequence[Op]) -> None:
+    """Raises ValueError for duplicate ids and for deps that are missing, the op itself, or
+    later in the list (the recording is in issue order: a forward reference is a recording bug)."""
+    position: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if op.id in position:
+            raise ValueError(f"{_describe(op)}: duplicate id (also at position {position[op.id]})")
+        position[op.id] = i
+    for i, op in enumerate(ops):
+        for dep in op.deps:
+            if dep not in position:
+                raise ValueError(f"{_describe(op)}: depends on op {dep}, which is not in the schedule")
+            if dep == op.id:
+                raise ValueError(f"{_describe(op)}: depends on itself")
+            if position[dep] > i:
+                raise ValueError(f"{_describe(op)}: depends on op {dep}, which comes later in the recording")
+
+
+def replay(ops: Sequence[Op], machine: Machine) -> Replay:
+    """Replays `ops` (in issue order) on `machine`: each op starts when the previous op on its
+    resource and all its deps have ended, and runs for `duration(op, machine)` seconds."""
+    _validate(ops)
+    spans: dict[int, tuple[float, float]] = {}
+    free_at = dict.fromkeys(RESOURCES, 0.0)
+    busy = dict.fromkeys(RESOURCES, 0.0)
+    for op in ops:
+        length = duration(op, machine)
+        start = max([free_at[op.resource], *(spans[d][1] for d in op.deps)])
+        spans[op.id] = (start, start + length)
+        free_at[op.resource] = start + length
+        busy[op.resource] += length
+    floor_resource = max(RESOURCES, key=lambda r: (busy[r], -RESOURCES.index(r)))
+    step_time = max((end for _, end in spans.values()), default=0.0)
+    return Replay(tuple(ops), spans, step_time, busy, busy[floor_resource], floor_resource)
+
+
+def chrome_trace(replay: Replay, ops: Sequence[Op] | None = None) -> dict[str, Any]:
+    """The replay as a Chrome trace (Perfetto, chrome://tracing): one complete event per op of
+    `ops` (default: the replay's) on one thread per resource, threads named and sorted in
+    `RESOURCES` order, and a flow arrow for each dependency that crosses resources."""
+    ops = replay.ops if ops is None else tuple(ops)
+    tid = {r: i + 1 for i, r in enumerate(RESOURCES)}
+    events: list[dict[str, Any]] = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "training step (replayed)"}}]
+    for r in RESOURCES:
+        events.append({"ph": "M", "pid": 1, "tid": tid[r], "name": "thread_name", "args": {"name": r}})
+        events.append({"ph": "M", "pid": 1, "tid": tid[r], "name": "thread_sort_index", "args": {"sort_index": tid[r]}})
+    by_id = {op.id: op for op in ops}
+    flow_id = 0
+    for op in ops:
+        if op.id not in replay.spans:
+            raise ValueError(f"{_describe(op)}: not in the replay")
+        start, end = replay.spans[op.id]
+        events.append(
+            {
+                "ph": "X",
+                "name": op.kind if op.unit is None else f"{op.kind} {op.unit}",
+                "cat": op.resource,
+                "pid": 1,
+                "tid": tid[op.resource],
+                "ts": start * 1e6,
+                "dur": (end - start) * 1e6,
+                "args": {"id": op.id, "bytes": op.nbytes, "flops": op.flops, "elements": op.elements, "label": op.label},
+            }
+        )
+        for dep in op.deps:
+            source = by_id.get(dep)
+            if source is None or source.resource == op.resource:
+                continue
+            flow_id += 1
+            # The start sits inside the source slice (its start) so that viewers bind it there;
+            # the arrow is drawn from that slice's end. The finish binds to the enclosing slice.
+            flow = {"name": "dep", "cat": "dep", "pid": 1, "id": flow_id}
+            events.append({**flow, "ph": "s", "tid": tid[source.resource], "ts": replay.spans[dep][0] * 1e6})
+            events.append({**flow, "ph": "f", "bp": "e", "tid": tid[op.resource], "ts": start * 1e6})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str | os.PathLike[str], replay: Replay, ops: Sequence[Op] | None = None) -> None:
+    """Writes `chrome_trace(replay, ops)` to `path` as JSON."""
+    with open(path, "w") as f:
+        json.dump(chrome_trace(replay, ops), f)
+
+
+def summary_lines(name: str, replay: Replay) -> list[str]:
+    """Readable lines: the predicted step, the floor and its resource, their ratio, and per busy
+    resource its busy time, the share of it hidden under compute and the seconds exposed."""
+    ratio = f"{replay.step_time / replay.floor:.2f}x" if replay.floor > 0 else "n/a"
+    lines = [
+        f"{name}: predicted step {replay.step_time * 1e3:.3f} ms, floor {replay.floor * 1e3:.3f} ms ({replay.floor_resource}), step/floor {ratio}"
+    ]
+    for r in RESOURCES:
+        if replay.busy[r] > 0:
+            lines.append(
+                f"  {r:<15} busy {replay.busy[r] * 1e3:10.3f} ms, hidden {replay.hidden_share(r) * 100:5.1f} %, exposed {replay.exposed(r) * 1e3:10.3f} ms"
+            )
+    path = replay.critical_path()
+    on_path = {r: sum(replay.spans[op.id][1] - replay.spans[op.id][0] for op in path if op.resource == r) for r in RESOURCES}
+    shares = ", ".join(f"{r} {t * 1e3:.3f} ms" for r, t in on_path.items() if t > 0)
+    lines.append(f"  critical path: {len(path)} ops ({shares or 'none'})")
+    return lines

@@ -1,0 +1,108 @@
+"""benchmarks/bench_pipeline.py: a step recorded on the checked device, its op graph, and the
+replay of it at the target shape. A tiny target (2 layers) keeps each recording under a second;
+the predicted times are not checked, only that the lines and the graph are well formed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from offload.pipeline_model import MACHINES, replay
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_pipeline.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+LINE = re.compile(
+    r"^tiny (\S+) forward: step ([0-9.e+-]+) s, floor ([0-9.e+-]+) s \((\w+)\), ([0-9.]+)x floor; hidden .*; critical path "
+)
+
+
+def test_main_prints_a_line_per_placement_and_writes_traces(bench, tmp_path, capsys):
+    trace = tmp_path / "replay.json"
+    argv = ["--sizes", "tiny", "--placements", "cpu/cpu,nvme/nvme", "--batch", "2", "--seq", "32"]
+    lines = bench.main([*argv, "--machine", "this-cpu", "--trace", str(trace), "--nvme-path", str(tmp_path)])
+    assert lines == capsys.readouterr().out.splitlines()
+    found = {m.group(1): m for m in map(LINE.match, lines) if m}
+    assert set(found) == {"cpu/cpu", "nvme/nvme"}, lines
+    for m in found.values():
+        step, floor = float(m.group(2)), float(m.group(3))
+        assert 0 < floor <= step, m.group(0)
+    assert found["nvme/nvme"].group(4).startswith("nvme")  # the drive sets the floor there
+    assert any(line.startswith("tiny: ") and "plain PyTorch (compute only)" in line for line in lines)
+    for placement in ("cpu-cpu", "nvme-nvme"):
+        events = json.loads((tmp_path / f"replay.tiny.{placement}.json").read_text())["traceEvents"]
+        assert any(e["ph"] == "X" and e["cat"] == "cpu_adam" for e in events)
+    assert not any(p.name.startswith("bench-pipeline-") for p in tmp_path.iterdir())  # swap dirs removed
+
+
+def ancestors(ops) -> dict[int, set[int]]:
+    """Every op's transitive dependencies (the list has dependencies first)."""
+    found: dict[int, set[int]] = {}
+    for op in ops:
+        found[op.id] = set(op.deps).union(*(found[d] for d in op.deps))
+    return found
+
+
+def test_graph_orders_fetches_after_steps_and_copies_after_backward(bench, tmp_path):
+    """param cpu, overlap forward: a unit's fetch waits for its previous CPU Adam (the transfer
+    worker waits on step_done), its gradient copy for its backward (a compute event)."""
+    target = bench.Shape.named("tiny")
+    rec = bench.record(target, "cpu/cpu", "forward", nvme_path=str(tmp_path), steps=3)
+    graph = bench.build_graph(rec, bench.Workload(target, 2, 32))
+    ops = graph.ops
+    assert [op.id for op in ops] == list(range(len(ops)))  # dependencies first (replay checks it too)
+    before = ancestors(ops)
+    units = len(rec.unit_numel)
+    kinds = {(op.kind, op.unit) for op in ops}
+    assert {("adam", u) for u in range(units)} <= kinds and {("grad_copy", u) for u in range(units)} <= kinds
+
+    checked_fetches = 0
+    for op in ops:
+        earlier = ops[: op.id]
+        if op.kind == "fetch":
+            steps = [o.id for o in earlier if o.kind == "adam" and o.unit == op.unit]
+            if steps:  # the first recorded step's fetches follow the warm-up's steps, left out
+                assert steps[-1] in before[op.id], f"fetch {op} does not wait for the step {steps[-1]} of its unit"
+                checked_fetches += 1
+        if op.kind == "grad_copy":
+            backward = [o.id for o in earlier if o.resource == "compute" and o.unit == op.unit and o.kind.startswith("backward")]
+            assert backward and backward[-1] in before[op.id], f"gradient copy {op} does not wait for its backward"
+    # two steps after the first, each fetching every layer in forward and backward, the root once
+    assert checked_fetches >= 2 * (2 * (units - 1) + 1)
+
+    r = replay(ops, MACHINES["this-cpu"])
+    prediction = bench.predict(graph, MACHINES["this-cpu"])
+    assert 0 < prediction.floor <= prediction.step <= r.step_time
+    # the critical path of the period covers it: its shares add up to the step
+    assert sum(prediction.path.values()) == pytest.approx(prediction.step, rel=1e-9)
+
+
+def test_recording_shape_and_flops(bench):
+    """The recording keeps the target's layer count and its root/layer proportion; 6ND plus
+    attention at the 1.3b shape (the calibration in the module docstring)."""
+    target = bench.Shape.named("1.3b")
+    small = bench.recording_shape(target)
+    assert small.layers == target.layers == 24
+    assert small.root_params() / small.layer_params() == pytest.approx(target.root_params() / target.layer_params(), rel=0.01)
+    assert target.total_params() == 1_364_297_728
+    work = bench.Workload(target, 8, 1024)
+    attention = 12 * 1024 * 2048 * 24 * 8192
+    matmul_params = target.total_params() - target.vocab * target.hidden - target.hidden  # no embedding, no final norm
+    assert work.step_flops() == pytest.approx(6 * matmul_params * 8192 + attention)

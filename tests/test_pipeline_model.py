@@ -1,0 +1,346 @@
+"""offload.pipeline_model: the replay of a recorded step schedule under a machine cost model."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload.pipeline_model import (
+    MACHINES,
+    RESOURCES,
+    Machine,
+    Op,
+    chrome_trace,
+    duration,
+    machine_from_args,
+    replay,
+    summary_lines,
+    write_chrome_trace,
+)
+
+# Round rates: 1 TFLOPS, 1 GB/s each way, 1 Gparams/s of Adam, no latency, so that
+# 1e12 flops, 1e9 bytes and 1e9 elements each take exactly one second.
+ROUND = Machine(
+    device_tflops=1.0,
+    h2d_gbps=1.0,
+    d2h_gbps=1.0,
+    cpu_adam_gparams=1.0,
+    device_adam_gparams=1.0,
+    nvme_read_gbps=1.0,
+    nvme_write_gbps=1.0,
+    latency_us=0.0,
+)
+T, G = 1e12, 10**9  # one second of compute, one second of copy / Adam under ROUND
+
+
+def fetch(id_, unit, seconds=1, deps=()):
+    return Op(id_, "host_to_device", "fetch", unit, nbytes=seconds * G, deps=deps)
+
+
+def compute(id_, kind, unit, seconds, deps=()):
+    return Op(id_, "compute", kind, unit, flops=seconds * T, deps=deps)
+
+
+def three_units():
+    """Forward x3 with fetches ahead, backward x3, each gradient copied out and stepped by the
+    CPU Adam. Ids are 100 + position, so an id/position mix-up shows.
+
+    Hand schedule under ROUND (seconds):
+      100 fetch 0        h2d      [0, 1]
+      101 forward 0      compute  [1, 3]    waits for 100
+      102 fetch 1        h2d      [1, 2]    queued behind 100
+      103 forward 1      compute  [3, 5]    waits for 102 (ended 2) and compute (free at 3)
+      104 fetch 2        h2d      [3, 4]    waits for 101 (buffer of unit 0 freed)
+      105 forward 2      compute  [5, 7]    waits for 104 (ended 4) and compute (free at 5)
+      106 backward 2     compute  [7, 11]
+      107 grad_copy 2    d2h      [11, 13]  waits for 106
+      108 cpu_adam 2     cpu_adam [13, 16]  waits for 107
+      109 backward 1     compute  [11, 15]
+      110 grad_copy 1    d2h      [15, 17]
+      111 cpu_adam 1     cpu_adam [17, 20]  waits for 110 (17) and for 108 (16)
+      112 backward 0     compute  [15, 19]
+      113 grad_copy 0    d2h      [19, 21]
+      114 cpu_adam 0     cpu_adam [21, 24]
+    """
+    return [
+        fetch(100, 0),
+        compute(101, "forward", 0, 2, deps=(100,)),
+        fetch(102, 1),
+        compute(103, "forward", 1, 2, deps=(102,)),
+        fetch(104, 2, deps=(101,)),
+        compute(105, "forward", 2, 2, deps=(104,)),
+        compute(106, "backward", 2, 4, deps=(105,)),
+        Op(107, "device_to_host", "grad_copy", 2, nbytes=2 * G, deps=(106,)),
+        Op(108, "cpu_adam", "adam", 2, elements=3 * G, deps=(107,)),
+        compute(109, "backward", 1, 4),
+        Op(110, "device_to_host", "grad_copy", 1, nbytes=2 * G, deps=(109,)),
+        Op(111, "cpu_adam", "adam", 1, elements=3 * G, deps=(110,)),
+        compute(112, "backward", 0, 4),
+        Op(113, "device_to_host", "grad_copy", 0, nbytes=2 * G, deps=(112,)),
+        Op(114, "cpu_adam", "adam", 0, elements=3 * G, deps=(113,)),
+    ]
+
+
+def test_three_units_exact_times():
+    r = replay(three_units(), ROUND)
+    expected = {
+        100: (0, 1),
+        101: (1, 3),
+        102: (1, 2),
+        103: (3, 5),
+        104: (3, 4),
+        105: (5, 7),
+        106: (7, 11),
+        107: (11, 13),
+        108: (13, 16),
+        109: (11, 15),
+        110: (15, 17),
+        111: (17, 20),
+        112: (15, 19),
+        113: (19, 21),
+        114: (21, 24),
+    }
+    assert r.spans == {k: (float(s), float(e)) for k, (s, e) in expected.items()}
+    assert r.step_time == 24.0
+    assert r.busy == {
+        "compute": 18.0,
+        "host_to_device": 3.0,
+        "device_to_host": 6.0,
+        "optimizer": 0.0,
+        "cpu_adam": 9.0,
+        "nvme_read": 0.0,
+        "nvme_write": 0.0,
+    }
+    assert r.floor == 18.0
+    assert r.floor_resource == "compute"
+    # compute is busy over [1, 19]: fetches [0,1] [1,2] [3,4] hide 2 of 3 s,
+    # grad copies [11,13] [15,17] [19,21] hide 4 of 6 s, Adam [13,16] [17,20] [21,24] 5 of 9 s
+    assert r.hidden_share("host_to_device") == pytest.approx(2 / 3)
+    assert r.exposed("host_to_device") == pytest.approx(1.0)
+    assert r.hidden_share("device_to_host") == pytest.approx(2 / 3)
+    assert r.exposed("device_to_host") == pytest.approx(2.0)
+    assert r.hidden_share("cpu_adam") == pytest.approx(5 / 9)
+    assert r.exposed("cpu_adam") == pytest.approx(4.0)
+    assert r.hidden_share("compute") == 1.0 and r.exposed("compute") == 0.0
+    assert r.hidden_share("nvme_read") == 1.0 and r.exposed("nvme_read") == 0.0
+
+
+def test_three_units_critical_path():
+    r = replay(three_units(), ROUND)
+    # 114 <- dep 113 <- dep 112 <- compute queue 109 <- 106 <- dep 105 <- compute queue 103 (105's
+    # dep 104 ended at 4, not 5) <- compute queue 101 (103's dep 102 ended at 2) <- dep 100
+    assert [op.id for op in r.critical_path()] == [100, 101, 103, 105, 106, 109, 112, 113, 114]
+
+
+def test_among_and_critical_path_from_an_op():
+    """One step of several: `among` picks the ops counted as the resource's (hidden under any
+    compute), `critical_path(end)` walks back from the op given instead of the last to end."""
+    r = replay(three_units(), ROUND)
+    # only unit 2's and unit 0's grad copies: [11, 13] (2 of 2 s hidden) and [19, 21] (0 of 2 s)
+    assert r.hidden_share("device_to_host", among={107, 113}) == pytest.approx(1 / 2)
+    assert r.exposed("device_to_host", among={107, 113}) == pytest.approx(2.0)
+    assert r.hidden_share("device_to_host", among={107}) == 1.0 and r.exposed("device_to_host", among={107}) == 0.0
+    # no op of the resource among them: nothing to hide
+    assert r.hidden_share("cpu_adam", among={107}) == 1.0 and r.exposed("cpu_adam", among={107}) == 0.0
+    # 108 (Adam of unit 2) <- dep 107 <- dep 106 <- compute queue 105 <- 103 <- 101 <- dep 100
+    assert [op.id for op in r.critical_path(end=108)] == [100, 101, 103, 105, 106, 107, 108]
+    assert r.critical_path(end=None) == r.critical_path()
+    with pytest.raises(ValueError, match="op 999 is not in the replay"):
+        r.critical_path(end=999)
+
+
+def test_critical_path_prefers_the_dependency_on_a_tie():
+    ops = [compute(0, "forward", 0, 1), fetch(1, 1), compute(2, "forward", 1, 1, deps=(1,))]
+    r = replay(ops, ROUND)
+    assert r.spans[2] == (1.0, 2.0)
+    assert [op.id for op in r.critical_path()] == [1, 2]
+
+
+def test_hidden_share_full_and_none():
+    hidden = replay([compute(0, "forward", 0, 2), fetch(1, 1)], ROUND)
+    assert hidden.hidden_share("host_to_device") == 1.0
+    assert hidden.exposed("host_to_device") == 0.0
+    assert hidden.step_time == 2.0
+
+    waited_for = replay([fetch(0, 0), compute(1, "forward", 0, 2, deps=(0,))], ROUND)
+    assert waited_for.hidden_share("host_to_device") == 0.0
+    assert waited_for.exposed("host_to_device") == 1.0
+    assert waited_for.step_time == 3.0
+    assert waited_for.floor == 2.0 and waited_for.floor_resource == "compute"
+    assert [op.id for op in waited_for.critical_path()] == [0, 1]
+
+
+def test_floor_resource_and_empty_schedule():
+    r = replay([compute(0, "forward", 0, 1), Op(1, "nvme_write", "swap_write", 0, nbytes=5 * G)], ROUND)
+    assert (r.floor, r.floor_resource, r.step_time) == (5.0, "nvme_write", 5.0)
+    empty = replay([], ROUND)
+    assert (empty.step_time, empty.floor, empty.critical_path()) == (0.0, 0.0, [])
+    assert empty.hidden_share("cpu_adam") == 1.0
+
+
+def test_duration_per_resource():
+    m = dataclasses.replace(
+        ROUND, latency_us=10.0, h2d_gbps=2.0, nvme_read_gbps=4.0, device_adam_gparams=5.0, cpu_adam_gparams=0.5
+    )
+    assert duration(compute(0, "forward", 0, 3), m) == pytest.approx(3.0)
+    assert duration(fetch(0, 0, seconds=1), m) == pytest.approx(1e-5 + 0.5)
+    assert duration(Op(0, "device_to_host", "grad_copy", 0, nbytes=G), m) == pytest.approx(1e-5 + 1.0)
+    assert duration(Op(0, "nvme_read", "swap_read", 0, nbytes=G), m) == pytest.approx(1e-5 + 0.25)
+    assert duration(Op(0, "nvme_write", "swap_write", 0, nbytes=G), m) == pytest.approx(1e-5 + 1.0)
+    assert duration(Op(0, "cpu_adam", "adam", 0, elements=G), m) == pytest.approx(2.0)
+    assert duration(Op(0, "optimizer", "adam", 0, elements=G), m) == pytest.approx(0.2)
+    assert duration(Op(0, "optimizer", "adam", 0, flops=T), m) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "ops, words",
+    [
+        ([Op(7, "gpu", "forward", 0, flops=1.0)], ["op 7", "gpu"]),
+        (
+            [Op(1, "compute", "forward", 0), Op(2, "compute", "backward", 0, deps=(3,)), Op(3, "compute", "x", 0)],
+            ["op 2", "op 3", "later"],
+        ),
+        ([Op(4, "compute", "forward", 0, deps=(9,))], ["op 4", "op 9", "not in"]),
+        ([Op(5, "host_to_device", "fetch", 0, nbytes=-1)], ["op 5", "nbytes"]),
+        ([Op(6, "compute", "forward", 0, flops=math.nan)], ["op 6", "flops"]),
+        ([Op(8, "compute", "", 0)], ["op 8", "kind"]),
+        ([Op(1, "compute", "a", 0), Op(1, "compute", "b", 0)], ["op 1", "duplicate"]),
+        ([Op(3, "compute", "a", 0, deps=(3,))], ["op 3", "itself"]),
+    ],
+)
+def test_validation_errors_name_the_op(ops, words):
+    with pytest.raises(ValueError) as info:
+        replay(ops, ROUND)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_machine_validation_and_presets():
+    for name, m in MACHINES.items():
+        for f in dataclasses.fields(m):
+            assert getattr(m, f.name) > 0 or f.name == "latency_us", (name, f.name)
+    assert {"h100-pcie5", "h100-pcie4", "h200-pcie5", "a100-pcie4", "this-cpu"} <= set(MACHINES)
+    with pytest.raises(ValueError, match="h2d_gbps"):
+        dataclasses.replace(ROUND, h2d_gbps=0.0)
+    with pytest.raises(ValueError, match="latency_us"):
+        dataclasses.replace(ROUND, latency_us=-1.0)
+
+
+def test_h100_preset_matches_the_measured_plain_step():
+    # 6 * params * tokens of training compute for a 1.35B Llama at 8 x 1024 tokens: ~0.247 s measured
+    step = replay([Op(0, "compute", "train", None, flops=6 * 1.35e9 * 8192)], MACHINES["h100-pcie5"]).step_time
+    assert step == pytest.approx(0.247, rel=0.01)
+
+
+def test_machine_from_args_overrides_exactly_the_given_fields():
+    base = MACHINES["h100-pcie5"]
+    m = machine_from_args("h100-pcie5", h2d_gbps=12.5, nvme_write_gbps=None, latency_us=3.0)
+    assert m.h2d_gbps == 12.5 and m.latency_us == 3.0
+    changed = {f.name for f in dataclasses.fields(m) if getattr(m, f.name) != getattr(base, f.name)}
+    assert changed == {"h2d_gbps", "latency_us"}
+    assert machine_from_args("a100-pcie4") == MACHINES["a100-pcie4"]
+    with pytest.raises(ValueError) as info:
+        machine_from_args("tpu-v9")
+    for name in MACHINES:
+        assert name in str(info.value)
+    with pytest.raises(ValueError, match="h2d_gb"):
+        machine_from_args("h100-pcie5", h2d_gb=1.0)
+
+
+def test_chrome_trace(tmp_path):
+    ops = three_units()
+    m = MACHINES["h100-pcie5"]
+    r = replay(ops, m)
+    trace = chrome_trace(r, ops)
+    assert trace["displayTimeUnit"] == "ms"
+    events = trace["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert sorted(names.values()) == sorted(RESOURCES)
+    sort_index = {names[e["tid"]]: e["args"]["sort_index"] for e in events if e["ph"] == "M" and e["name"] == "thread_sort_index"}
+    assert sorted(sort_index, key=sort_index.__getitem__) == list(RESOURCES)
+    complete = [e for e in events if e["ph"] == "X"]
+    assert sorted(e["args"]["id"] for e in complete) == [op.id for op in ops]
+    by_id = {op.id: op for op in ops}
+    for e in complete:
+        op = by_id[e["args"]["id"]]
+        assert names[e["tid"]] == op.resource
+        assert e["dur"] == pytest.approx(duration(op, m) * 1e6, rel=1e-9)
+        assert e["ts"] == pytest.approx(r.spans[op.id][0] * 1e6, rel=1e-9, abs=1e-9)
+        assert e["name"] == f"{op.kind} {op.unit}"
+        assert e["args"]["bytes"] == op.nbytes and e["args"]["elements"] == op.elements
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    finishes = {e["id"]: e for e in events if e["ph"] == "f"}
+    assert starts.keys() == finishes.keys()
+    crossing = sum(1 for op in ops for d in op.deps if by_id[d].resource != op.resource)
+    assert len(starts) == crossing == 10
+    assert all(f["bp"] == "e" for f in finishes.values())
+    json.dumps(trace)
+    path = tmp_path / "step.json"
+    write_chrome_trace(path, r, ops)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(trace))
+
+
+def test_summary_lines():
+    lines = summary_lines("three units", replay(three_units(), ROUND))
+    text = "\n".join(lines)
+    assert lines[0].startswith("three units: predicted step 24000.000 ms, floor 18000.000 ms (compute), step/floor 1.33x")
+    assert "host_to_device" in text and "66.7 %" in text and "nvme_read" not in text
+    assert "critical path: 9 ops" in text
+
+
+@st.composite
+def schedules(draw):
+    """Random DAGs in issue order: random resources and work, distinct shuffled ids, deps only
+    to earlier ops."""
+    n = draw(st.integers(0, 20))
+    ids = draw(st.permutations(range(1000, 1000 + n)))
+    ops = []
+    for i, id_ in enumerate(ids):
+        resource = draw(st.sampled_from(RESOURCES))
+        work = draw(st.integers(0, 5))
+        deps = tuple(draw(st.sets(st.sampled_from(ids[:i]), max_size=3))) if i else ()
+        ops.append(
+            Op(
+                id_,
+                resource,
+                "k",
+                draw(st.none() | st.integers(0, 3)),
+                flops=work * 1e11,
+                nbytes=work * 10**8,
+                elements=work * 10**8,
+                deps=deps,
+            )
+        )
+    return ops
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=schedules(), latency=st.sampled_from([0.0, 10.0]))
+def test_replay_properties(ops, latency):
+    m = dataclasses.replace(ROUND, latency_us=latency, h2d_gbps=2.0, cpu_adam_gparams=0.5)
+    r = replay(ops, m)
+    durations = {op.id: duration(op, m) for op in ops}
+    assert r.step_time >= r.floor - 1e-12
+    assert r.step_time <= sum(durations.values()) + 1e-9
+    last_on: dict[str, float] = {}
+    for op in ops:
+        start, end = r.spans[op.id]
+        assert end - start == pytest.approx(durations[op.id], abs=1e-12)
+        for d in op.deps:
+            assert start >= r.spans[d][1]
+        assert start >= last_on.get(op.resource, 0.0)  # no overlap on one resource, list order kept
+        last_on[op.resource] = end
+    for resource in RESOURCES:
+        assert 0.0 <= r.hidden_share(resource) <= 1.0
+        assert -1e-12 <= r.exposed(resource) <= r.busy[resource] + 1e-12
+        assert r.busy[resource] == pytest.approx(sum(durations[op.id] for op in ops if op.resource == resource))
+    path = r.critical_path()
+    if ops:
+        # the path runs without gaps from time 0 to the step's end
+        assert r.spans[path[0].id][0] == 0.0 and r.spans[path[-1].id][1] == r.step_time
+        for a, b in zip(path, path[1:]):
+            assert r.spans[a.id][1] == r.spans[b.id][0]
+    assert replay(ops, m) == r
