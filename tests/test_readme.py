@@ -68,11 +68,13 @@ def test_the_gpu_machine_command_uses_the_python_at_hand():
         ["make", "-n", "-s", "test-here", f"PYTHON={python}"], cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert dry_run.returncode == 0, dry_run.stderr
-    install, run = dry_run.stdout.splitlines()
+    install, run, checked_run = dry_run.stdout.splitlines()
     assert install.startswith(f"{python} -m pip install") and {"--no-deps", "--no-build-isolation", "-e", "."} <= set(
         install.split()
     )
     assert run.startswith(f"{python} -m pytest") and run.split()[-1] == "tests"
+    # then the engine-equivalence tests again, on the checked stand-in device
+    assert checked_run.startswith("OFFLOAD_DEVICE=checked ") and f"{python} -m pytest" in checked_run
     assert ".venv" not in dry_run.stdout and "torch" not in dry_run.stdout
     assert "make test-here" in README
 
