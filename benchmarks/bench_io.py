@@ -32,10 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from offload.aio import AioEngine, probe_o_direct  # noqa: E402
 from offload.cli.bench_io import filesystem_type, human, parse_size  # noqa: E402
-from offload.memory import HostBufferPool  # noqa: E402
-from offload.swap import SwapStore  # noqa: E402
+from offload.storage.aio import AioEngine, probe_o_direct  # noqa: E402
+from offload.storage.memory import HostBufferPool  # noqa: E402
+from offload.storage.swap import SwapStore  # noqa: E402
 
 CONFIGS = [(1 << 20, 8), (1 << 20, 32), (8 << 20, 8), (8 << 20, 32)]  # (block size, queue depth)
 CHUNK = 64 << 20

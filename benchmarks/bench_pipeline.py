@@ -1,5 +1,5 @@
 """Predicted step time of a Llama shape on a named machine: a real step's schedule, recorded
-here, replayed under that machine's rates (offload/pipeline_model.py).
+here, replayed under that machine's rates (offload/plan/pipeline_model.py).
 
     python benchmarks/bench_pipeline.py --sizes 1.3b,7b --machine h100-pcie5
     python benchmarks/bench_pipeline.py --sizes 1.3b --placements none/cpu --h2d-gbps 25 --trace out.json
@@ -19,7 +19,7 @@ Method
 1. Record. The engine trains a Llama with the target's layer count (24 for 1.3b, 32 for 7b) but
    a tiny width (hidden 64, intermediate 176, 4 heads, batch 2 x seq 32; the vocabulary chosen so
    that the root unit is as large relative to a layer as at the target) on the checked device
-   (offload/checked_device.py, `record=True`): the CPU standing in for an asynchronous
+   (offload/platform/checked_device.py, `record=True`): the CPU standing in for an asynchronous
    accelerator, whose copy and optimizer streams are threads. It runs 1 warm-up step and
    `--steps` (3) recorded ones, in bf16 with the placement and overlap asked. Recorded: the
    device timeline (each copy and launch with its stream, bytes, the events the stream waited
@@ -68,7 +68,7 @@ Method
      writes); with overlap none (and backward, not speculative), the first compute op after
      step() on the last Adam op of the step (step() waits); after step(), on the last gradient copy (the drain); at each hand-off
      of gradients, the compute after it on the gradient copy MAX_GRADS_IN_FLIGHT hand-offs back
-     (the main thread waits for it: offload/gradients.py).
+     (the main thread waits for it: offload/runtime/gradients.py).
    An op belongs to the step in which it was issued (the optimizer worker's: the step whose
    step_begin came last before it). The warm-up step's ops are left out (and dependencies on
    them); the rest is put in an order where every dependency comes first and each resource
@@ -153,7 +153,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gpu import SIZES  # noqa: E402
 
-from offload.pipeline_model import (  # noqa: E402
+from offload.plan.pipeline_model import (  # noqa: E402
     MACHINES,
     RESOURCES,
     Machine,
@@ -296,9 +296,9 @@ def _nvme_pieces(target: Shape, small: Shape) -> tuple[int, int]:
     """(sub_group_size, buffer_count) for the recording: the engine's choice at the target
     (plan.shape_slots over the units' optimizer states, aligned as units.plan_flat_layout
     aligns a shard), its piece scaled to the recording's layer so that units split alike."""
-    from offload.aio import round_up
-    from offload.plan import MIN_SUB_GROUP_SIZE, shape_slots
-    from offload.units import SHARD_ALIGN_ELEMENTS
+    from offload.model.units import SHARD_ALIGN_ELEMENTS
+    from offload.plan.optimizer_plan import MIN_SUB_GROUP_SIZE, shape_slots
+    from offload.storage.aio import round_up
 
     layer = round_up(target.layer_params(), SHARD_ALIGN_ELEMENTS)
     numels = [round_up(target.root_params(), SHARD_ALIGN_ELEMENTS)] + [layer] * target.layers
@@ -322,7 +322,7 @@ def record(
     import transformers
 
     import offload
-    from offload.placement import OptimizerTier
+    from offload.config.placement import OptimizerTier
 
     param, optimizer = placement.split("/")
     small = recording_shape(target)
@@ -598,7 +598,7 @@ def _compute_nodes(rec: Recording, work: Workload, step_of) -> list[_Node]:
 
 def build_graph(rec: Recording, work: Workload) -> Graph:
     """The recorded schedule as ops priced at `work` (module docstring, steps 2 and 3)."""
-    from offload.gradients import MAX_GRADS_IN_FLIGHT
+    from offload.runtime.gradients import MAX_GRADS_IN_FLIGHT
 
     target = work.shape
     params = [target.root_params() if i == 0 else target.layer_params() for i in range(len(rec.unit_numel))]

@@ -50,8 +50,8 @@ sys.path.insert(0, REPO)
 
 import offload  # noqa: E402
 from offload.cli.bench_io import run_sweep  # noqa: E402
-from offload.swap import HEADER_SIZE  # noqa: E402
-from offload.units import plan_flat_layout  # noqa: E402
+from offload.model.units import plan_flat_layout  # noqa: E402
+from offload.storage.swap import HEADER_SIZE  # noqa: E402
 
 GB = 1e9
 GIB = 1 << 30
@@ -97,7 +97,7 @@ class Decoder(nn.Module):
         self.norm = nn.RMSNorm(width)
         head_dim = width // heads
         # computed, not learned: registered on the CPU explicitly so that a model built under
-        # torch.device("meta") still has real values (see offload.materialize)
+        # torch.device("meta") still has real values (see offload.model.materialize)
         inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -275,8 +275,8 @@ def measure_disk(path: str, size: int, quick: bool) -> dict:
 def measure_mixed(path: str, size: int, io: dict, direct: bool) -> float:
     """GB/s of `size` bytes read from one scratch file while `size` bytes are written to another,
     through one engine with the given io settings (reads and writes submitted alternately)."""
-    from offload.aio import AioEngine, round_up
-    from offload.memory import HostBufferPool
+    from offload.storage.aio import AioEngine, round_up
+    from offload.storage.memory import HostBufferPool
 
     chunk = 64 << 20
     size = round_up(size, chunk)

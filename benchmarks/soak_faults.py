@@ -93,7 +93,7 @@ def child_main(args) -> int:
     from safetensors.torch import save_file
 
     import offload
-    from offload.checkpoint import LATEST
+    from offload.checkpoint.engine_state import LATEST
 
     config = {
         "precision": "fp32",

@@ -34,7 +34,7 @@ def __getattr__(name):
 
         return CPUAdamW
     if name in ("Config", "load_config"):
-        from offload import config
+        from offload.config import schema as config
 
         return getattr(config, name)
     if name in ("initialize", "Engine"):
@@ -42,7 +42,7 @@ def __getattr__(name):
 
         return getattr(engine, name)
     if name == "param_groups_no_decay":
-        from offload.param_groups import param_groups_no_decay
+        from offload.config.param_groups import param_groups_no_decay
 
         return param_groups_no_decay
     raise AttributeError(f"module 'offload' has no attribute {name!r}")

@@ -35,32 +35,32 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from offload.collectives import Collectives
-from offload.config import Config, freeze, load_config
-from offload.device import Device, device_choice, make_device
+from offload.config.param_groups import resolve_param_groups
+from offload.config.placement import ParamTier
+from offload.config.schema import Config, freeze, load_config
 from offload.errors import ConfigError, NonFiniteError, OffloadError
-from offload.gradients import GradientOffload
-from offload.hyperparameters import GroupHyperparameters
-from offload.materialize import has_meta_state, mapped_zeros, materialize_unit_params
-from offload.memory import TierLedger
-from offload.model_state import OPEN_ENGINES, RELEASED, StateDictHooks
+from offload.model.materialize import has_meta_state, mapped_zeros, materialize_unit_params
+from offload.model.owned import OPEN_ENGINES, RELEASED, StateDictHooks
+from offload.model.unit_state import UnitState
+from offload.model.units import build_units, plan_flat_layout, single_unit_warning
 from offload.optim import kernels
 from offload.optim.engine_optimizer import EngineOptimizer
-from offload.overlap import Stepping, overlap_policy
-from offload.param_access import held_on_device
-from offload.param_groups import resolve_param_groups
-from offload.placement import ParamTier
-from offload.plan import factor_needs_norm
-from offload.precision import DynamicLossScaler, gradient_multiplier
-from offload.prefetch import step_order
-from offload.rank_order import Op
-from offload.residency import Residency
-from offload.schedule import Phase, Schedule, ScheduleContext
-from offload.state import UnitState
-from offload.stepper import StepHyper, StepMode, UnitStepper
-from offload.tiers import TierStore, default_run_name, plan_optimizer
-from offload.units import build_units, plan_flat_layout, single_unit_warning
-from offload.weights_out import WeightsReader
+from offload.optim.hyperparameters import GroupHyperparameters
+from offload.optim.loss_scaling import DynamicLossScaler, gradient_multiplier
+from offload.plan.optimizer_plan import factor_needs_norm
+from offload.platform.collectives import Collectives
+from offload.platform.device import Device, device_choice, make_device
+from offload.platform.rank_order import Op
+from offload.runtime.gradients import GradientOffload
+from offload.runtime.overlap import Stepping, overlap_policy
+from offload.runtime.param_access import held_on_device
+from offload.runtime.prefetch import step_order
+from offload.runtime.residency import Residency
+from offload.runtime.schedule import Phase, Schedule, ScheduleContext
+from offload.runtime.stepper import StepHyper, StepMode, UnitStepper
+from offload.runtime.weights_out import WeightsReader
+from offload.storage.memory import TierLedger
+from offload.storage.tiers import TierStore, default_run_name, plan_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -110,11 +110,11 @@ class Engine:
     `engine.backward` does around it, except dividing the loss: as with torch, a plain
     backward under gradient accumulation backpropagates `loss / gradient_accumulation_steps`.
 
-    `param_groups`: torch-style groups (see offload.param_groups); `engine.optimizer` is a
+    `param_groups`: torch-style groups (see offload.config.param_groups); `engine.optimizer` is a
     torch.optim.Optimizer over them that LR schedulers drive. `engine.config` is read-only.
 
     `device`: "cuda[:N]", "cpu", "checked" (the CPU standing in for an asynchronous accelerator,
-    every stream ordering checked: offload.checked_device), or a Device built beforehand; by
+    every stream ordering checked: offload.platform.checked_device), or a Device built beforehand; by
     default `OFFLOAD_DEVICE` from the environment, else CUDA when present, else the CPU.
     """
 
@@ -634,7 +634,7 @@ class Engine:
     @property
     def optimizer(self) -> EngineOptimizer:
         """The engine as a torch.optim.Optimizer (for LR schedulers and trainers; built on first
-        use, see offload.hyperparameters)."""
+        use, see offload.optim.hyperparameters)."""
         return self.hyper.optimizer(self)
 
     @property
@@ -854,7 +854,7 @@ class Engine:
         for unit in self.units:
             unit.end_window()
 
-    # ---- weights out (offload.weights_out reads them) ------------------------------------
+    # ---- weights out (offload.runtime.weights_out reads them) ------------------------------------
     def param16_shard(self, unit: UnitState) -> torch.Tensor:
         """A host copy of this rank's 16-bit shard of `unit`, wherever its home is."""
         return self.weights.param16_shard(unit)
@@ -876,10 +876,10 @@ class Engine:
             self.timings[key] = 0.0
         return timings
 
-    # ---- checkpoints (offload.checkpoint does the work) --------------------------------
+    # ---- checkpoints (offload.checkpoint.engine_state does the work) --------------------------------
     def save_checkpoint(self, path, client_state: dict | None = None, **kwargs):
-        """Saves everything needed to resume exactly; see offload.checkpoint.save."""
-        from offload import checkpoint
+        """Saves everything needed to resume exactly; see offload.checkpoint.engine_state.save."""
+        from offload.checkpoint import engine_state as checkpoint
 
         self._check_open()
         self._refuse_partly_stepped()
@@ -888,7 +888,7 @@ class Engine:
 
     def load_checkpoint(self, path, **kwargs) -> dict:
         """Restores a checkpoint saved by any world size and placement; returns its client_state."""
-        from offload import checkpoint
+        from offload.checkpoint import engine_state as checkpoint
 
         self._check_open()
         # the load replaces every weight and state: work in flight that failed (a swap I/O

@@ -54,7 +54,7 @@ def small_tmpfs(tmp_path):
 def o_direct_refused(monkeypatch):
     """Every open with O_DIRECT fails with EINVAL, as on a filesystem that refuses it (this
     machine's tmpfs accepts O_DIRECT, so the refusal is simulated)."""
-    from offload import aio
+    from offload.storage import aio
 
     real_open = os.open
 
@@ -71,7 +71,7 @@ def o_direct_refused(monkeypatch):
 @pytest.fixture
 def slow_adam(monkeypatch):
     """Each Adam call takes 50 ms longer: long enough that a step not overlapped would show."""
-    from offload import stepper
+    from offload.runtime import stepper
 
     real = stepper.kernels.adam_step
 

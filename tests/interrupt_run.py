@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reference import TinyNet, batches, mse  # noqa: E402
 
 import offload  # noqa: E402
-from offload import stepper  # noqa: E402
+from offload.runtime import stepper  # noqa: E402
 
 STEPS = 6
 INTERRUPT_AT = 3

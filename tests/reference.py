@@ -1,7 +1,7 @@
 """Plain PyTorch training, the reference every engine test compares against.
 
 References run in fp32 on the CPU; the engine runs on the device it picks (CUDA when present,
-as offload.device.Device decides), so targets go to the engine's output device and the
+as offload.platform.device.Device decides), so targets go to the engine's output device and the
 comparisons happen on the CPU."""
 
 from __future__ import annotations

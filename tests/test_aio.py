@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from offload import _aio_ext
-from offload.aio import AioEngine, crc32c, probe_o_direct
 from offload.errors import SwapError
-from offload.memory import HostBufferPool
+from offload.storage.aio import AioEngine, crc32c, probe_o_direct
+from offload.storage.memory import HostBufferPool
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ def test_invalid_settings():
 
 
 def test_probe_o_direct_refused_falls_back_to_buffered(tmp_path, pool, o_direct_refused, caplog):
-    with caplog.at_level("WARNING", logger="offload.aio"):
+    with caplog.at_level("WARNING", logger="offload.storage.aio"):
         assert probe_o_direct(tmp_path) is False
         assert probe_o_direct(tmp_path) is False
     assert sum("does not accept O_DIRECT" in r.message for r in caplog.records) == 1
@@ -179,7 +179,7 @@ def test_probe_accepts_on_this_disk(tmp_path):
 # ---- issue 16: the request owns its buffer; one-shot faults; interrupted waits ---------------
 DROPPED_HANDLE = r"""
 import gc, sys, torch
-from offload.aio import AioEngine
+from offload.storage.aio import AioEngine
 path, n = sys.argv[1], 64 << 20
 with open(path, "wb") as f:
     f.write(b"\xab" * n)

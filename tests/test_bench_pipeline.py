@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from offload.pipeline_model import MACHINES, replay
+from offload.plan.pipeline_model import MACHINES, replay
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_pipeline.py")
 

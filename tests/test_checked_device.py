@@ -35,12 +35,12 @@ import torch
 from reference import TinyNet, batches, engine_run
 
 import offload
-from offload.checked_device import CheckedDevice, CheckedEvent
-from offload.device import make_device
 from offload.errors import ConfigError, OffloadError, OrderingError
-from offload.gradients import GradientOffload
-from offload.residency import Residency
-from offload.stepper import UnitStepper
+from offload.platform.checked_device import CheckedDevice, CheckedEvent
+from offload.platform.device import make_device
+from offload.runtime.gradients import GradientOffload
+from offload.runtime.residency import Residency
+from offload.runtime.stepper import UnitStepper
 
 # an ordering error must surface this fast (a wait that cannot end raises only after
 # checked_device.STUCK_SECONDS = 120 s)
@@ -603,7 +603,7 @@ import torch
 sys.path.insert(0, {tests!r})
 from reference import TinyNet, batches, engine_run
 import offload
-from offload.checked_device import CheckedDevice
+from offload.platform.checked_device import CheckedDevice
 torch.manual_seed(0)
 config = {{"precision": "fp32", "optimizer": {{"lr": 1e-2, "weight_decay": 0.01}},
           "offload": {{"param": "none", "optimizer": "cpu", "nvme_path": {swap_dir!r}}}, "overlap": "none"}}

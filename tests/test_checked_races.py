@@ -17,7 +17,7 @@ import torch
 from reference import TinyNet, batches, engine_run
 
 import offload
-from offload.checked_device import CheckedDevice
+from offload.platform.checked_device import CheckedDevice
 
 
 def slow_device() -> CheckedDevice:

@@ -19,8 +19,8 @@ import torch
 from reference import TinyNet, batches, engine_run, mse
 
 import offload
-from offload import checkpoint
-from offload.checkpoint import CheckpointCorruptError, CheckpointError
+from offload.checkpoint import engine_state as checkpoint
+from offload.checkpoint.engine_state import CheckpointCorruptError, CheckpointError
 from offload.errors import InsufficientSpaceError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,7 +44,7 @@ def assert_same_state(a: dict, b: dict) -> None:
 
 # ---- the plain functions -------------------------------------------------------------------
 def test_shard_pieces_cover_every_param_exactly_once_across_ranks():
-    from offload.units import plan_flat_layout
+    from offload.model.units import plan_flat_layout
 
     numels = [5, 3000, 17, 4100, 1]
     for world in (1, 2, 3, 5):

@@ -1,4 +1,4 @@
-"""offload.config: loading, validation and documentation of offload's own config schema."""
+"""offload.config.schema: loading, validation and documentation of offload's own config schema."""
 
 import dataclasses
 import json
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload import config as config_module
-from offload.config import (
+from offload.config import schema as config_module
+from offload.config.schema import (
     Config,
     IOConfig,
     LossScaleConfig,

@@ -16,14 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload import config as config_module
-from offload import deepspeed_config
-from offload.config import Config, IOConfig, OffloadConfig, OptimizerConfig, SchedulerConfig, betas_at, load_config, lr_at
-from offload.deepspeed_config import Translation, translate_accelerate, translate_deepspeed
+from offload.config import deepspeed as deepspeed_config
+from offload.config import schema as config_module
+from offload.config.deepspeed import Translation, translate_accelerate, translate_deepspeed
+from offload.config.schema import Config, IOConfig, OffloadConfig, OptimizerConfig, SchedulerConfig, betas_at, load_config, lr_at
 from offload.errors import ConfigError
 
 DATA = Path(__file__).parent / "data" / "deepspeed"
-LOGGER = "offload.deepspeed_config"
+LOGGER = "offload.config.deepspeed"
 
 
 @pytest.fixture(autouse=True)
@@ -363,9 +363,9 @@ def test_misspelt_choices_suggest_the_right_value():
 # ---- plain data, one validation, errors with keys ------------------------------------------------
 def test_translators_import_nothing_of_offload_config():
     code = (
-        "import sys, offload.deepspeed_config as d, json; "
+        "import sys, offload.config.deepspeed as d, json; "
         "t = d.translate_deepspeed(json.load(open(sys.argv[1]))); "
-        "assert 'offload.config' not in sys.modules, 'offload.config was imported'; "
+        "assert 'offload.config.schema' not in sys.modules, 'offload.config.schema was imported'; "
         "assert isinstance(t.config, dict) and isinstance(t.sources, dict); print('ok')"
     )
     result = subprocess.run(

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload.precision import DynamicLossScaler, clip_coefficient, gradient_multiplier
-from offload.prefetch import ExecutionOrder, step_order
-from offload.state import host_budget_bytes
-from offload.units import PARAM_ALIGN_ELEMENTS, SHARD_ALIGN_ELEMENTS, build_units, plan_flat_layout
+from offload.model.unit_state import host_budget_bytes
+from offload.model.units import PARAM_ALIGN_ELEMENTS, SHARD_ALIGN_ELEMENTS, build_units, plan_flat_layout
+from offload.optim.loss_scaling import DynamicLossScaler, clip_coefficient, gradient_multiplier
+from offload.runtime.prefetch import ExecutionOrder, step_order
 
 numel_lists = st.lists(st.integers(min_value=0, max_value=50_000), min_size=1, max_size=12)
 
@@ -210,8 +210,8 @@ def test_leftover_ram_spends_only_what_is_left_within_each_cap(units, room, spec
     together within the room; spare states only for units whose state is in RAM (and only when
     speculating), gradients only for units whose state streams from NVMe; and nothing is left
     that the next unit in each plan's order would have fitted in."""
-    from offload.placement import OptimizerTier
-    from offload.plan import gradient_bytes, plan_leftover_ram, spare_state_bytes
+    from offload.config.placement import OptimizerTier
+    from offload.plan.optimizer_plan import gradient_bytes, plan_leftover_ram, spare_state_bytes
 
     numels = [n for n, _ in units]
     tiers = [OptimizerTier(t) for _, t in units]

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from offload import deepspeed_config
-from offload.config import (
+from offload.config import deepspeed as deepspeed_config
+from offload.config.deepspeed import translate, translate_deepspeed
+from offload.config.schema import (
     Config,
     IOConfig,
     LossScaleConfig,
@@ -20,7 +21,6 @@ from offload.config import (
     SchedulerConfig,
     load_config,
 )
-from offload.deepspeed_config import translate, translate_deepspeed
 from offload.errors import ConfigError
 
 DATA = Path(__file__).parent / "data" / "deepspeed"
@@ -44,7 +44,7 @@ def ignored_keys(mapping: dict) -> set[str]:
 
 def the_ignored_line(caplog) -> str:
     """The one INFO line that lists the ignored keys."""
-    [record] = [r for r in caplog.records if r.name == "offload.deepspeed_config" and "ignoring" in r.getMessage()]
+    [record] = [r for r in caplog.records if r.name == "offload.config.deepspeed" and "ignoring" in r.getMessage()]
     assert record.levelno == logging.INFO
     return record.getMessage()
 
@@ -197,7 +197,7 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_real_config_loads_to_expected_config(name, caplog):
     expected, ignored = CASES[name]
-    with caplog.at_level(logging.INFO, logger="offload.deepspeed_config"):
+    with caplog.at_level(logging.INFO, logger="offload.config.deepspeed"):
         config = load_config(DATA / name)  # strict: tuning and logging keys are not errors
     assert config == expected
     assert ignored_keys(json.loads((DATA / name).read_text())) == ignored
@@ -220,7 +220,7 @@ def test_clean_config_loads_strictly_and_translate_returns_a_dict():
 
 
 def test_reasons_are_given_in_the_ignored_line(caplog):
-    with caplog.at_level(logging.INFO, logger="offload.deepspeed_config"):
+    with caplog.at_level(logging.INFO, logger="offload.config.deepspeed"):
         load_config(DATA / "hf_ds_config_zero3.json")
     line = the_ignored_line(caplog)
     assert "sizes each unit's buffers exactly" in line
@@ -246,7 +246,7 @@ def test_auto_precision_without_bf16_or_gpu_is_fp32(monkeypatch):
 
 
 def test_auto_values_are_resolved_loudly_in_one_warning(caplog):
-    with caplog.at_level(logging.INFO, logger="offload.deepspeed_config"):
+    with caplog.at_level(logging.INFO, logger="offload.config.deepspeed"):
         load_config(DATA / "hf_ds_config_zero3.json")
     [record] = [r for r in caplog.records if "'auto'" in r.getMessage()]
     assert record.levelno == logging.WARNING
@@ -295,7 +295,7 @@ def test_absent_optimizer_params_take_deepspeed_defaults():
 
 
 def test_adamw_with_adam_w_mode_false_stays_adamw_and_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="offload.deepspeed_config"):
+    with caplog.at_level(logging.WARNING, logger="offload.config.deepspeed"):
         config = load_config(ds(optimizer={"type": "AdamW", "params": {"adam_w_mode": False}}))
     assert config.optimizer.type == "adamw"
     assert "adam_w_mode false has no effect" in caplog.text
@@ -349,7 +349,7 @@ def test_device_none_section_is_ignored_like_deepspeed(caplog):
             "offload_optimizer": {"device": "none"},
         }
     }
-    with caplog.at_level(logging.INFO, logger="offload.deepspeed_config"):
+    with caplog.at_level(logging.INFO, logger="offload.config.deepspeed"):
         config = load_config(cfg)
     assert config.offload == OffloadConfig(param="none", optimizer="auto", pin_memory=True)
     assert ignored_keys(cfg) == {"zero_optimization.offload_param.pin_memory", "zero_optimization.offload_param.buffer_size"}
@@ -398,7 +398,7 @@ def test_pin_memory_must_agree():
 
 def test_buffer_count(caplog):
     zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/n", "buffer_count": 1}}
-    with caplog.at_level(logging.WARNING, logger="offload.deepspeed_config"):
+    with caplog.at_level(logging.WARNING, logger="offload.config.deepspeed"):
         assert load_config({"zero_optimization": zero}).offload.buffer_count == 2
     assert "below offload's minimum of 2" in caplog.text
     zero["offload_optimizer"]["buffer_count"] = 6
@@ -440,12 +440,12 @@ def test_sub_group_size_maps_where_optimizer_state_can_stream_from_nvme(zero, ma
 
 def test_sub_group_size_below_the_minimum_is_raised_to_it(caplog):
     zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}, "sub_group_size": 100}
-    with caplog.at_level(logging.WARNING, logger="offload.deepspeed_config"):
+    with caplog.at_level(logging.WARNING, logger="offload.config.deepspeed"):
         assert load_config({"zero_optimization": zero}).offload.sub_group_size == 1024
     assert "zero_optimization.sub_group_size = 100 is below offload's minimum piece of 1024" in caplog.text
     zero["sub_group_size"] = 1024
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="offload.deepspeed_config"):
+    with caplog.at_level(logging.WARNING, logger="offload.config.deepspeed"):
         assert load_config({"zero_optimization": zero}).offload.sub_group_size == 1024
     assert "minimum" not in caplog.text
 
@@ -587,7 +587,7 @@ def test_not_strict_warns_once_and_loads(caplog):
         "steps_per_printt": 10,
         "zero_optimization": {"stage": 2, "overlap_comm": True, "zero_quantized_weights": True},
     }
-    with caplog.at_level(logging.WARNING, logger="offload.deepspeed_config"):
+    with caplog.at_level(logging.WARNING, logger="offload.config.deepspeed"):
         config = load_config(cfg, strict=False)
     assert config == Config(precision="bf16")
     [record] = [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -23,14 +23,14 @@ from processes import run_process_group
 from reference import TinyNet, batches, max_weight_difference, reference_run
 
 import offload
-from offload.collectives import (
+from offload.model.units import plan_flat_layout
+from offload.platform.collectives import (
     CollectiveError,
     cuda_index_for_local_rank,
     describe_failed_ranks,
     should_init_from_env,
     timeout_from_env,
 )
-from offload.units import plan_flat_layout
 
 WORLD = 2
 PLACEMENTS = list(itertools.product(["none", "cpu", "nvme"], ["cpu", "nvme"]))
@@ -204,7 +204,7 @@ def test_each_rank_holds_about_half_the_optimizer_state(two_ranks, tmp_path, nam
     single = _single_process_memory(config)[tier]["by_category"][category]["current"]
     # exact: the units' shards at world 2 against world 1, padding to the shard alignment included
     model = TinyNet(width=128)
-    from offload.units import build_units
+    from offload.model.units import build_units
 
     units = build_units(model)
     numels = [[p.numel() for p in u.params] for u in units]

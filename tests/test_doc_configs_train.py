@@ -1,6 +1,6 @@
 """The DeepSpeed / HF / accelerate configs as their docs write them (tests/data/deepspeed) load
 without strict=False and train equal to plain PyTorch: torch AdamW with the config's
-hyperparameters, a LambdaLR over the config's schedule (offload.config.lr_at), the config's
+hyperparameters, a LambdaLR over the config's schedule (offload.config.schema.lr_at), the config's
 clipping. fp32 (the configs' fp16/bf16 switched off) so that equal means to fp32 rounding; the
 swap path points at a temporary directory."""
 
@@ -15,7 +15,7 @@ import torch
 from reference import TinyNet, batches, engine_run, max_weight_difference, mse
 
 import offload
-from offload.config import load_config, lr_at
+from offload.config.schema import load_config, lr_at
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed")
 DOCS = [

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import offload
-from offload import estimate as est
 from offload.cli import main as cli_main
 from offload.errors import ConfigError
+from offload.plan import estimate as est
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload import estimate as est
 from offload.cli import main as cli_main
 from offload.errors import ConfigError
-from offload.plan import shape_slots
-from offload.state import host_budget_bytes
-from offload.units import round_up
+from offload.model.unit_state import host_budget_bytes
+from offload.model.units import round_up
+from offload.plan import estimate as est
+from offload.plan.optimizer_plan import shape_slots
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,11 +22,11 @@ from reference import (
 from torch import nn
 
 import offload
-from offload import checkpoint
-from offload.config import load_config, lr_at
+from offload.checkpoint import engine_state as checkpoint
+from offload.config.param_groups import is_no_decay, param_groups_no_decay
+from offload.config.schema import load_config, lr_at
 from offload.errors import ConfigError, OffloadError
-from offload.param_groups import is_no_decay, param_groups_no_decay
-from offload.units import build_units, single_unit_warning
+from offload.model.units import build_units, single_unit_warning
 
 PLACEMENTS = list(itertools.product(["none", "cpu", "nvme"], ["cpu", "nvme"]))
 

@@ -17,7 +17,7 @@ import torch
 from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, reference_run
 
 import offload
-from offload.state import FreshWeights
+from offload.model.unit_state import FreshWeights
 
 
 class FakeUnit:

@@ -19,8 +19,8 @@ import torch
 from reference import TinyNet, batches
 
 import offload
-from offload import checkpoint
-from offload.checkpoint import CheckpointCorruptError, CheckpointError, CheckpointReader
+from offload.checkpoint import engine_state as checkpoint
+from offload.checkpoint.engine_state import CheckpointCorruptError, CheckpointError, CheckpointReader
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -89,7 +89,7 @@ def child(code: str, *args, timeout=120) -> subprocess.CompletedProcess:
 
 READ_CHECKPOINT = """
 import sys
-from offload.checkpoint import CheckpointReader, CheckpointError
+from offload.checkpoint.engine_state import CheckpointReader, CheckpointError
 try:
     with CheckpointReader(sys.argv[1]) as r:
         r.buffers(); r.client_state(); r.hf_config()

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from offload.errors import InsufficientSpaceError, SwapCorruptError, SwapError
-from offload.memory import HostBufferPool
-from offload.swap import HEADER_SIZE, SwapStore
+from offload.storage.memory import HostBufferPool
+from offload.storage.swap import HEADER_SIZE, SwapStore
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -85,8 +85,8 @@ def fill(t: torch.Tensor, seed: int) -> torch.Tensor:
 # ---- 1. nothing left behind -------------------------------------------------------------------
 HOLD_SWAP = """
 import sys, time, torch
-from offload.memory import HostBufferPool
-from offload.swap import SwapStore
+from offload.storage.memory import HostBufferPool
+from offload.storage.swap import SwapStore
 s = SwapStore(sys.argv[1], rank=0)
 s.reserve({"a": (2 << 20, torch.float32), "b": (2 << 20, torch.float32)})
 pool = HostBufferPool(1 << 24, pin=False)
@@ -214,7 +214,7 @@ def test_two_nvme_engines_in_one_process_do_not_collide(swap_dir):
 
 
 def test_default_run_names_are_unique():
-    from offload.tiers import default_run_name
+    from offload.storage.tiers import default_run_name
 
     names = {default_run_name() for _ in range(100)}
     assert len(names) == 100 and all(str(os.getpid()) in n for n in names)
@@ -289,7 +289,7 @@ def test_world_writable_nvme_path_without_sticky_bit_warns(tmp_path, caplog):
         root.mkdir()
         os.chmod(root, mode)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="offload.swap"):
+        with caplog.at_level(logging.WARNING, logger="offload.storage.swap"):
             SwapStore(root).close()
         assert any("no sticky bit" in r.message for r in caplog.records) == warns, oct(mode)
 
@@ -487,8 +487,8 @@ def test_ctrl_c_during_a_swap_write_then_read_gives_the_data(swap_dir):
     result = child(
         """
         import os, signal, sys, threading, torch
-        from offload.memory import HostBufferPool
-        from offload.swap import SwapStore
+        from offload.storage.memory import HostBufferPool
+        from offload.storage.swap import SwapStore
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a shell's background job starts with it ignored
         s = SwapStore(sys.argv[1], block_size=8192, queue_depth=1, threads=1)
         pool = HostBufferPool(1 << 24, pin=False)
@@ -537,7 +537,7 @@ def test_a_forked_child_exiting_leaves_the_parents_store_alone(swap_dir, pool):
     if pid == 0:  # a data loader worker, say, that exits normally: atexit and gc run there
         code = 1
         try:
-            from offload import swap
+            from offload.storage import swap
 
             swap._close_live_stores()  # what atexit does
             s.close()

@@ -23,7 +23,7 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402 - after the importorskip above
 
-from offload.config import lr_at  # noqa: E402 - after the importorskip above
+from offload.config.schema import lr_at  # noqa: E402 - after the importorskip above
 from offload.errors import ConfigError  # noqa: E402 - after the importorskip above
 from offload.integrations.hf import (  # noqa: E402 - after the importorskip above
     ENGINE_CHECKPOINT_DIR,

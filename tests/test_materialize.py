@@ -16,8 +16,8 @@ from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_w
 from torch import nn
 
 import offload
-from offload.materialize import MaterializeError, has_meta_state, iter_meta, materialize_unit_params, territory
-from offload.units import build_units
+from offload.model.materialize import MaterializeError, has_meta_state, iter_meta, materialize_unit_params, territory
+from offload.model.units import build_units
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from offload.errors import InsufficientMemoryError
-from offload.memory import HostBufferPool, TierLedger, available_ram
+from offload.storage.memory import HostBufferPool, TierLedger, available_ram
 
 DTYPES = [
     torch.float32,

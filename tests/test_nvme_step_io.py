@@ -26,11 +26,11 @@ from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_w
 from test_state_pieces import DEPTH, PIECE, WIDTH, assert_same_state, make_config, pages, train
 
 import offload
-from offload.config import load_config
+from offload.config.placement import OptimizerTier
+from offload.config.schema import load_config
 from offload.errors import ConfigError
-from offload.placement import OptimizerTier
-from offload.plan import gradient_bytes, plan_gradients_in_ram
-from offload.prefetch import step_order
+from offload.plan.optimizer_plan import gradient_bytes, plan_gradients_in_ram
+from offload.runtime.prefetch import step_order
 
 STEPS = 4
 
@@ -338,7 +338,7 @@ def test_a_failed_prefetch_read_is_read_again_by_the_step(stepped, caplog):
     engine, expected = stepped
     engine.store.swap.engine.set_fault("read", errno.EIO, count=1)
     engine.store.prefetch_optimizer_states(engine.units)
-    with caplog.at_level(logging.WARNING, logger="offload.tiers"):
+    with caplog.at_level(logging.WARNING, logger="offload.storage.tiers"):
         got = _store_values(engine)
     assert "ahead of the step failed; it is read again" in caplog.text
     assert all(torch.equal(got[key], expected[key]) for key in expected)

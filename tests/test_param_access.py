@@ -145,7 +145,7 @@ def test_refused_inside_a_forward_and_before_a_backward(swap_dir):
 
 
 def test_units_with_params_under_finds_tied_owner():
-    from offload.param_access import units_with_params_under
+    from offload.runtime.param_access import units_with_params_under
 
     class Tied(nn.Module):
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""offload.pipeline_model: the replay of a recorded step schedule under a machine cost model."""
+"""offload.plan.pipeline_model: the replay of a recorded step schedule under a machine cost model."""
 
 import dataclasses
 import json
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload.pipeline_model import (
+from offload.plan.pipeline_model import (
     MACHINES,
     RESOURCES,
     Machine,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload.placement import OptimizerTier
-from offload.plan import (
+from offload.config.placement import OptimizerTier
+from offload.plan.optimizer_plan import (
     DEFAULT_BUFFER_COUNT,
     DEFAULT_SUB_GROUP_SIZE,
     DEVICE_ACTIVATION_SHARE,
@@ -278,11 +278,11 @@ def test_parse_size_reads_gpu_buyer_and_binary_units():
 )
 def test_one_size_grammar_for_config_estimate_and_bench_io(text, decimal, binary):
     """A cap in the config, a size given to `offload estimate` and a block size given to
-    `offload bench-io` are read by one grammar (offload.sizes): "40G" or "1e9" in a config is no
+    `offload bench-io` are read by one grammar (offload.config.sizes): "40G" or "1e9" in a config is no
     longer an error where the estimate accepted it. KB/MB/GB/TB are powers of 10 in the config
     and for disks, powers of 2 for RAM and GPU sizes and block sizes."""
-    from offload import estimate
     from offload.cli import bench_io
+    from offload.plan import estimate
 
     assert parse_size(text) == decimal
     assert estimate.parse_bytes(text) == decimal
@@ -293,7 +293,7 @@ def test_one_size_grammar_for_config_estimate_and_bench_io(text, decimal, binary
 def test_offload_estimate_plans_the_split_the_engine_makes():
     """`offload estimate` on a machine with too little RAM for the whole state: the auto rows
     hold the slots and the first units in RAM, the rest on NVMe, and say so."""
-    from offload import estimate as est
+    from offload.plan import estimate as est
 
     shape = est.shape_from_param_count(3 * 10**9)
     machine = est.Machine(gpu_bytes=24 * GiB, ram_bytes=24 * GiB, disk_bytes=200 * 10**9, device="cuda")

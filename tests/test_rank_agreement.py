@@ -14,7 +14,7 @@ from branch_worker import reference, train
 from distributed_worker import launch, make_config, rank_swap_dirs
 from reference import max_weight_difference
 
-from offload.rank_order import Op, ReduceOrder, describe
+from offload.platform.rank_order import Op, ReduceOrder, describe
 
 WORLD = 2
 
@@ -90,7 +90,7 @@ def test_describe_names_the_operation_and_the_unit():
 
 
 def test_mismatch_message_names_what_each_rank_was_doing():
-    from offload.collectives import mismatch_message
+    from offload.platform.collectives import mismatch_message
 
     names = ["<root>", "blocks.0", "blocks.1"]
     assert mismatch_message([(Op.GATHER, 1), (Op.GATHER, 1)], lambda key: describe(key, names)) is None

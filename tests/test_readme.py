@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from offload import config_docs
 from offload.cli import main as cli_main
+from offload.config import docs as config_docs
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -41,7 +41,7 @@ def test_quick_start_is_ten_lines_and_runs_as_written(tmp_path):
 
 def test_config_key_table_is_current():
     start, end = README.index(config_docs.BEGIN), README.index(config_docs.END) + len(config_docs.END)
-    assert README[start:end] == config_docs.render_block(), "regenerate it: python -m offload.config_docs"
+    assert README[start:end] == config_docs.render_block(), "regenerate it: python -m offload.config.docs"
 
 
 def test_config_key_table_covers_every_key():

@@ -21,9 +21,9 @@ from tier_caps import auto_config, shard_numels, split_caps
 from torch.utils import checkpoint
 
 import offload
+from offload.config.placement import OptimizerTier
 from offload.errors import OffloadError
-from offload.placement import OptimizerTier
-from offload.plan import plan_speculation, spare_state_bytes
+from offload.plan.optimizer_plan import plan_speculation, spare_state_bytes
 
 
 def make_config(swap_dir, overlap, *, param="cpu", optimizer="cpu", precision="fp32", clip=0.05, **extra):

@@ -253,7 +253,7 @@ class ReadsAheadNet(CheckpointedNet):
 def slow_adam(monkeypatch):
     """Each Adam call takes 20 ms longer, so a step overlapping the next forward is still running
     when that forward reads the weights: a read that does not wait for the step reads old values."""
-    from offload import stepper
+    from offload.runtime import stepper
 
     real = stepper.kernels.adam_step
 

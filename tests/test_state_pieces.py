@@ -21,12 +21,13 @@ from distributed_worker import launch, local_half, rank_swap_dirs
 from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, mse, reference_run
 
 import offload
-from offload import checkpoint, checkpoint_format
-from offload.checkpoint import CheckpointCorruptError, CheckpointReader
+from offload.checkpoint import engine_state as checkpoint
+from offload.checkpoint import format as checkpoint_format
+from offload.checkpoint.engine_state import CheckpointCorruptError, CheckpointReader
 from offload.errors import ConfigError
-from offload.plan import SlotShape, piece_bounds, shape_slots, slot_bytes_for
-from offload.state import host_bytes_beside_optimizer_state
-from offload.units import build_units, plan_flat_layout
+from offload.model.unit_state import host_bytes_beside_optimizer_state
+from offload.model.units import build_units, plan_flat_layout
+from offload.plan.optimizer_plan import SlotShape, piece_bounds, shape_slots, slot_bytes_for
 
 # A block of TinyNet(width=48) has 9456 params, its shard 10240 elements: 10 pieces of 1024, the
 # input/output "<root>" unit 2 pieces. (TinyNet's default width 32 gives blocks of ~4k elements.)

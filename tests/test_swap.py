@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from offload.errors import InsufficientSpaceError, SwapCorruptError, SwapError
-from offload.memory import HostBufferPool, TierLedger
-from offload.swap import HEADER_SIZE, SwapStore
+from offload.storage.memory import HostBufferPool, TierLedger
+from offload.storage.swap import HEADER_SIZE, SwapStore
 
 DTYPES = [
     torch.float32,

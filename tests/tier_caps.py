@@ -1,7 +1,7 @@
 """Caps for `offload.optimizer: auto` that split a model's optimizer state at chosen units, and
 the config that uses them (tests/test_optimizer_auto.py, tests/test_optimizer_device.py).
 
-The caps are computed the way the engine plans (offload.tiers.plan_optimizer): the host cap is
+The caps are computed the way the engine plans (offload.storage.tiers.plan_optimizer): the host cap is
 the engine's other host buffers, the NVMe slots, and the state of the units meant for RAM, plus
 half of the next unit (so it just does not fit); the device cap likewise for the device."""
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from reference import ENGINE_STAGES_COPIES
 
-from offload.config import OffloadConfig
-from offload.plan import slot_bytes_for
-from offload.state import host_bytes_beside_optimizer_state
-from offload.units import build_units, plan_flat_layout
+from offload.config.schema import OffloadConfig
+from offload.model.unit_state import host_bytes_beside_optimizer_state
+from offload.model.units import build_units, plan_flat_layout
+from offload.plan.optimizer_plan import slot_bytes_for
 
 BUFFER_COUNT = 2
 # auto_config leaves offload.sub_group_size unset: the plan sets aside BUFFER_COUNT slots of the

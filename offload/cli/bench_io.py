@@ -24,9 +24,9 @@ import uuid
 
 import torch
 
-from offload.aio import AioEngine, probe_o_direct, round_up
-from offload.memory import HostBufferPool
-from offload.sizes import parse_bytes
+from offload.config.sizes import parse_bytes
+from offload.storage.aio import AioEngine, probe_o_direct, round_up
+from offload.storage.memory import HostBufferPool
 
 log = logging.getLogger(__name__)
 

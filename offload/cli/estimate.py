@@ -8,9 +8,9 @@ import logging
 import sys
 from pathlib import Path
 
-from offload import estimate as est
 from offload.errors import ConfigError
-from offload.plan import parse_size
+from offload.plan import estimate as est
+from offload.plan.optimizer_plan import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def _shape(args) -> est.ModelShape:
 
 
 def build_report(args) -> dict:
-    from offload.config import Config, load_config
+    from offload.config.schema import Config, load_config
 
     config = load_config(args.config, strict=not args.no_strict) if args.config else Config()
     precision = args.precision or config.precision

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from offload.checkpoint import export
+    from offload.checkpoint.engine_state import export
     from offload.errors import OffloadError
 
     try:

@@ -49,7 +49,7 @@ except ImportError as error:  # pragma: no cover - transformers is in the test e
     raise ImportError("offload.integrations.hf needs transformers and accelerate: pip install transformers accelerate") from error
 
 import offload
-from offload.config import Config, is_deepspeed_config, load_config
+from offload.config.schema import Config, is_deepspeed_config, load_config
 from offload.errors import ConfigError, OffloadError
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ def _user_mapping(offload_config, args=None, report: bool = True, max_steps: int
     which of the user's keys each offload key came from. With `args`, DeepSpeed `"auto"` values are
     filled from them; without, they count as not set. An `offload.Config` sets what differs from
     `offload.Config()`."""
-    from offload import deepspeed_config
+    from offload.config import deepspeed as deepspeed_config
 
     if offload_config is None:
         return {}, {}

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from offload.config import SchedulerConfig, betas_at, lr_at
+from offload.config.schema import SchedulerConfig, betas_at, lr_at
 from offload.errors import ConfigError, OffloadError
 
 
 class EngineOptimizer(torch.optim.Optimizer):
-    """See the module docstring. `param_groups` as `offload.param_groups.resolve_param_groups`
+    """See the module docstring. `param_groups` as `offload.config.param_groups.resolve_param_groups`
     gives them; `defaults`: the config's optimizer values."""
 
     def __init__(self, engine, param_groups: list[dict], defaults: dict) -> None:

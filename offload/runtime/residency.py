@@ -22,14 +22,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 
-from offload.collectives import Collectives
-from offload.device import Device
+from offload.config.placement import ParamTier
 from offload.errors import OffloadError
-from offload.memory import TierLedger
-from offload.placement import ParamTier
-from offload.rank_order import Op
-from offload.state import UnitState
-from offload.tiers import TierStore
+from offload.model.unit_state import UnitState
+from offload.platform.collectives import Collectives
+from offload.platform.device import Device
+from offload.platform.rank_order import Op
+from offload.storage.memory import TierLedger
+from offload.storage.tiers import TierStore
 
 logger = logging.getLogger(__name__)
 

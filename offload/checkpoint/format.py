@@ -1,5 +1,5 @@
 """The checkpoint file format: writing, reading and checking a checkpoint directory, with no
-engine in sight (offload.checkpoint is the engine's side: what each rank saves and loads).
+engine in sight (offload.checkpoint.engine_state is the engine's side: what each rank saves and loads).
 
 (Over 600 lines because it is one format read by a hostile-input-proof reader: the writer, the
 checks on every name, size and offset, and the reader belong together.)
@@ -71,8 +71,8 @@ from typing import Any, TypeGuard
 
 import torch
 
-from offload.aio import crc32c
 from offload.errors import InsufficientSpaceError, OffloadError
+from offload.storage.aio import crc32c
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from offload.errors import OffloadError
-from offload.schedule import Phase, ScheduleContext
-from offload.state import UnitState
+from offload.model.unit_state import UnitState
+from offload.runtime.schedule import Phase, ScheduleContext
 
 
 def units_with_params_under(units: list[UnitState], module: nn.Module) -> list[UnitState]:

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from offload.errors import OffloadError
-from offload.units import UnitSpec
+from offload.model.units import UnitSpec
 
 logger = logging.getLogger(__name__)
 

@@ -76,8 +76,8 @@ from urllib.parse import quote
 import torch
 
 from offload import _aio_ext
-from offload.aio import ALIGN, AioEngine, AioHandle, direct_ok, probe_o_direct, round_up
 from offload.errors import InsufficientSpaceError, SwapCorruptError, SwapError
+from offload.storage.aio import ALIGN, AioEngine, AioHandle, direct_ok, probe_o_direct, round_up
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,13 @@ from concurrent.futures import Executor, Future
 import torch
 from torch.profiler import record_function
 
-from offload.collectives import Collectives
-from offload.device import Device
+from offload.config.placement import OptimizerTier
 from offload.errors import OffloadError
-from offload.memory import TierLedger
-from offload.placement import OptimizerTier
-from offload.state import UnitState
-from offload.tiers import TierStore
+from offload.model.unit_state import UnitState
+from offload.platform.collectives import Collectives
+from offload.platform.device import Device
+from offload.storage.memory import TierLedger
+from offload.storage.tiers import TierStore
 
 # Units whose gradients may sit on the device waiting for the transfer worker at once.
 MAX_GRADS_IN_FLIGHT = 2

@@ -5,8 +5,8 @@ knows and why each is mapped, ignored or refused; splitting it would scatter tha
 
 `translate_deepspeed(mapping)` and `translate_accelerate(path)` return a `Translation`: plain
 data (the offload config as a dict, which user key each offload key came from, and what was
-ignored, refused or resolved from `"auto"`). They import nothing of `offload.config`;
-`offload.config.load_config` calls them, then `report(translation, strict)`, then validates the
+ignored, refused or resolved from `"auto"`). They import nothing of `offload.config.schema`;
+`offload.config.schema.load_config` calls them, then `report(translation, strict)`, then validates the
 dict once, naming the user's key in any error. `translate(mapping, strict)` is the short form
 that returns the dict.
 
@@ -88,7 +88,7 @@ from pathlib import Path
 from typing import Any
 
 from offload.errors import ConfigError
-from offload.plan import MIN_SUB_GROUP_SIZE
+from offload.plan.optimizer_plan import MIN_SUB_GROUP_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +114,10 @@ _DS_OPT_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_deca
 # ---- the result: plain data -------------------------------------------------------------
 @dataclass
 class Translation:
-    """A peer's config as offload config data (no offload.config types)."""
+    """A peer's config as offload config data (no offload.config.schema types)."""
 
     config: dict = field(default_factory=dict)
-    """The offload config mapping (offload's key names), to be validated by offload.config."""
+    """The offload config mapping (offload's key names), to be validated by offload.config.schema."""
     sources: dict = field(default_factory=dict)
     """Offload key (dotted) -> the user's key it came from, so that an error names the latter."""
     ignored: list = field(default_factory=list)

@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from offload.device import CopyStream, Device, Launched
 from offload.errors import ConfigError, OrderingError
+from offload.platform.device import CopyStream, Device, Launched
 
 # PCIe 4.0 x16, each way, as achieved (32 GB/s on the wire)
 DEFAULT_COPY_GBPS = 25.0

@@ -48,14 +48,14 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from offload.collectives import Collectives
-from offload.gradients import GradientOffload
-from offload.overlap import OverlapPolicy, Stepping
-from offload.prefetch import ExecutionOrder
-from offload.rank_order import MISMATCH_HINT, Op, ReduceOrder
-from offload.rank_order import describe as describe_op
-from offload.residency import ExternalParamReads, Residency, tensors_in
-from offload.state import UnitState
+from offload.model.unit_state import UnitState
+from offload.platform.collectives import Collectives
+from offload.platform.rank_order import MISMATCH_HINT, Op, ReduceOrder
+from offload.platform.rank_order import describe as describe_op
+from offload.runtime.gradients import GradientOffload
+from offload.runtime.overlap import OverlapPolicy, Stepping
+from offload.runtime.prefetch import ExecutionOrder
+from offload.runtime.residency import ExternalParamReads, Residency, tensors_in
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 
 from offload.errors import OffloadError
-from offload.state import UnitState
-from offload.stepper import StepHyper, StepMode, UnitStepper
+from offload.model.unit_state import UnitState
+from offload.runtime.stepper import StepHyper, StepMode, UnitStepper
 
 
 class Stepping:

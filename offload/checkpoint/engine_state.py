@@ -1,7 +1,7 @@
 """Checkpoints of an engine: save / resume on any world size and placement.
 
 The file format (directory layout, atomic writes, verified reads, export) is
-offload.checkpoint_format; this module is the engine's side: which slices of which parameters
+offload.checkpoint.format; this module is the engine's side: which slices of which parameters
 each rank writes from wherever its optimizer state lives (host buffers, or NVMe swap files
 streamed through the slots), and how a rank reads the ranges of its new shard back into any
 placement, world size or wrap. The names of the format that callers use are re-exported here.
@@ -19,8 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from offload.aio import crc32c
-from offload.checkpoint_format import (  # noqa: F401 (re-exported: the format's public names)
+from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's public names)
     BUFFERS,
     CHUNK_ELEMENTS,
     CLIENT_STATE,
@@ -61,7 +60,8 @@ from offload.checkpoint_format import (  # noqa: F401 (re-exported: the format's
     write_small,
 )
 from offload.errors import InsufficientSpaceError, OffloadError
-from offload.units import shard_pieces
+from offload.model.units import shard_pieces
+from offload.storage.aio import crc32c
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from offload.errors import ConfigError
-from offload.plan import MIN_SUB_GROUP_SIZE, parse_size
+from offload.plan.optimizer_plan import MIN_SUB_GROUP_SIZE, parse_size
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 PARAM_TIERS = ("none", "cpu", "nvme")
@@ -534,9 +534,9 @@ def load_config(source: Config | dict | str | os.PathLike | None = None, *, stri
 
     DeepSpeed and accelerate keys that only tune or log are accepted and listed in one INFO
     line; keys offload cannot honour are one ConfigError, or with `strict=False` one WARNING
-    (and dropped). See `offload.deepspeed_config`.
+    (and dropped). See `offload.config.deepspeed`.
     """
-    from offload import deepspeed_config
+    from offload.config import deepspeed as deepspeed_config
 
     if source is None:
         return validate(Config())

@@ -13,7 +13,7 @@ records), so an estimate can be checked against a real run:
   that fetches fill before the all-gather. On top of that, the 16-bit gradient of the unit whose
   backward just finished, on its way to the host (`GRADS_IN_FLIGHT` of the largest unit): with
   the weights offloaded that makes `prefetch.depth + 2` units beside the root.
-- host: `offload.state.host_budget_bytes` (fp32 master, Adam moments and fp32 gradient at 16
+- host: `offload.model.unit_state.host_budget_bytes` (fp32 master, Adam moments and fp32 gradient at 16
   bytes per element of this rank's shard when the optimizer lives on `cpu`; streaming slots when
   it lives on `nvme`: slots of one piece per fp32 state kind, as many and as large as
   `plan.shape_slots` makes them, and the fp32 gradient piece; the 16-bit home copy or its staging
@@ -41,10 +41,12 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
-from offload import sizes
+from offload.config import sizes
+from offload.config.placement import OptimizerTier
 from offload.errors import ConfigError
-from offload.placement import OptimizerTier
-from offload.plan import (
+from offload.model.unit_state import host_budget_bytes, host_bytes_beside_optimizer_state, pool_page_slack
+from offload.model.units import plan_flat_layout, round_up
+from offload.plan.optimizer_plan import (
     MIN_SUB_GROUP_SIZE,
     PAGE,
     STATE_KIND_COUNT,
@@ -60,8 +62,6 @@ from offload.plan import (
     swap_bytes_for_state,
     swap_file_bytes,
 )
-from offload.state import host_budget_bytes, host_bytes_beside_optimizer_state, pool_page_slack
-from offload.units import plan_flat_layout, round_up
 
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEVICE_KINDS = ("cuda", "cpu")
@@ -449,7 +449,7 @@ def shape_from_param_count(num_params: int, *, layers: int | None = None, vocab_
 
 def shape_from_module(model, module_classes: list[str] | None = None, min_params: int = 0) -> ModelShape:
     """The exact unit shapes the engine will use for `model` (same cut as `offload.initialize`)."""
-    from offload.units import build_units
+    from offload.model.units import build_units
 
     specs = build_units(model, module_classes, min_params)
     units = tuple(tuple(p.numel() for p in spec.params) for spec in specs)
@@ -507,7 +507,9 @@ def _page(nbytes: int) -> int:
 
 
 def _check_sub_group_size(sub_group_size: int | None) -> None:
-    if sub_group_size is not None and sub_group_size < MIN_SUB_GROUP_SIZE:  # as offload.config validates offload.sub_group_size
+    if (
+        sub_group_size is not None and sub_group_size < MIN_SUB_GROUP_SIZE
+    ):  # as offload.config.schema validates offload.sub_group_size
         raise ConfigError(
             f"sub_group_size must be >= {MIN_SUB_GROUP_SIZE} elements, got {sub_group_size}", key="offload.sub_group_size"
         )

@@ -48,10 +48,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.device import StreamEvent
-from offload.placement import OptimizerTier, ParamTier
-from offload.plan import PAGE, shape_slots
-from offload.units import FlatLayout, UnitSpec
+from offload.config.placement import OptimizerTier, ParamTier
+from offload.model.units import FlatLayout, UnitSpec
+from offload.plan.optimizer_plan import PAGE, shape_slots
+from offload.platform.device import StreamEvent
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad32")
 # what a step writes anew (the gradient is only read): a speculative step's spare state, and

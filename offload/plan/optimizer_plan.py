@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from offload.placement import OptimizerTier
-from offload.sizes import parse_bytes
-from offload.units import round_up
+from offload.config.placement import OptimizerTier
+from offload.config.sizes import parse_bytes
+from offload.model.units import round_up
 
 STATE_BYTES_PER_ELEMENT = 16  # master, exp_avg, exp_avg_sq, grad32, fp32 each
 STATE_KIND_COUNT = 4

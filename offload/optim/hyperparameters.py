@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import logging
 
-from offload.config import OptimizerConfig, SchedulerConfig
+from offload.config.param_groups import GROUP_KEYS
+from offload.config.schema import OptimizerConfig, SchedulerConfig
 from offload.errors import OffloadError
 from offload.optim.engine_optimizer import ConfigSchedule, EngineOptimizer
-from offload.param_groups import GROUP_KEYS
-from offload.stepper import StepHyper
+from offload.runtime.stepper import StepHyper
 
 logger = logging.getLogger(__name__)
 
 
 class GroupHyperparameters:
-    """See the module docstring. `groups`: as offload.param_groups.resolve_param_groups gives them."""
+    """See the module docstring. `groups`: as offload.config.param_groups.resolve_param_groups gives them."""
 
     def __init__(self, groups: list[dict], optimizer: OptimizerConfig, scheduler: SchedulerConfig) -> None:
         self._groups = groups

@@ -20,12 +20,23 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from offload.config import Config
+from offload.config.placement import OptimizerTier, ParamTier
+from offload.config.schema import Config
 from offload.errors import ConfigError
-from offload.memory import HostBufferPool, TierLedger
+from offload.model.unit_state import (
+    STATE_KINDS,
+    STEPPED_KINDS,
+    BufferRing,
+    FreshWeights,
+    OptimizerSlot,
+    StatePiece,
+    UnitState,
+    host_budget_bytes,
+    host_bytes_beside_optimizer_state,
+    pool_page_slack,
+)
 from offload.optim import kernels
-from offload.placement import OptimizerTier, ParamTier
-from offload.plan import (
+from offload.plan.optimizer_plan import (
     Capacity,
     OptimizerPlan,
     PlanError,
@@ -38,21 +49,10 @@ from offload.plan import (
     plan_optimizer_tiers,
     shape_slots,
 )
-from offload.state import (
-    STATE_KINDS,
-    STEPPED_KINDS,
-    BufferRing,
-    FreshWeights,
-    OptimizerSlot,
-    StatePiece,
-    UnitState,
-    host_budget_bytes,
-    host_bytes_beside_optimizer_state,
-    pool_page_slack,
-)
+from offload.storage.memory import HostBufferPool, TierLedger
 
 if TYPE_CHECKING:
-    from offload.swap import SwapHandle, SwapStore
+    from offload.storage.swap import SwapHandle, SwapStore
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def plan_optimizer(
     device_memory: tuple[int, int] | None = None,
 ) -> OptimizerPlan:
     """Each unit's optimizer tier: the config's `device` / `cpu` / `nvme` for every unit, or under
-    `auto` the plan of offload.plan from this machine's room: the accelerator's
+    `auto` the plan of offload.plan.optimizer_plan from this machine's room: the accelerator's
     (`max_device_memory`, or `device_memory` = its (free, total) bytes measured at start, less
     the engine's own weights and gradients and an activation share; none when the CPU stands in
     for it), RAM (`max_host_memory`, or what is available less HOST_MARGIN, shared by the ranks
@@ -233,7 +233,7 @@ class TierStore:
         self._nvme_bytes_recorded = 0  # what this store put in the ledger's nvme tier
         try:
             if self.streamed_units or self.param_tier is ParamTier.NVME:
-                from offload.swap import SwapStore
+                from offload.storage.swap import SwapStore
 
                 path = nvme_path_for_rank(config.offload.nvme_path, local_rank)
                 self.swap = SwapStore(

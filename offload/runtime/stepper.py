@@ -28,17 +28,17 @@ from typing import TYPE_CHECKING, TypedDict
 import torch
 from torch.profiler import record_function
 
-from offload.device import Device
+from offload.config.placement import OptimizerTier, ParamTier
+from offload.model.unit_state import STEPPED_KINDS, StatePiece, UnitState
+from offload.model.units import FlatLayout
 from offload.optim import kernels
 from offload.optim.device_adam import device_adam_step
-from offload.placement import OptimizerTier, ParamTier
-from offload.state import STEPPED_KINDS, StatePiece, UnitState
-from offload.tiers import TierStore
-from offload.units import FlatLayout
+from offload.platform.device import Device
+from offload.storage.tiers import TierStore
 
 if TYPE_CHECKING:
-    from offload.schedule import EventLog
-    from offload.swap import SwapHandle
+    from offload.runtime.schedule import EventLog
+    from offload.storage.swap import SwapHandle
 
 logger = logging.getLogger(__name__)
 

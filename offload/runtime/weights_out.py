@@ -23,10 +23,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from offload.collectives import Collectives
-from offload.placement import ParamTier
-from offload.state import UnitState
-from offload.tiers import TierStore
+from offload.config.placement import ParamTier
+from offload.model.unit_state import UnitState
+from offload.platform.collectives import Collectives
+from offload.storage.tiers import TierStore
 
 
 class WeightsReader:

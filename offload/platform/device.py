@@ -1,5 +1,5 @@
 """The accelerator abstraction: CUDA streams and events, the CPU standing in, or the checked
-stand-in (offload.checked_device) that runs the CPU like an asynchronous accelerator.
+stand-in (offload.platform.checked_device) that runs the CPU like an asynchronous accelerator.
 
 One code path for all three. On CUDA, copies between host and device run on two copy streams,
 one per direction (PCIe is full duplex: a unit's weights coming in need not queue behind another
@@ -11,7 +11,7 @@ argument of `initialize`, else `OFFLOAD_DEVICE` in the environment, else CUDA wh
 The engine issues side-stream work only through `CopyStream.copy` and `CopyStream.launch`, and
 tells the device what it does with memory around them (`allocated`, `releasing`,
 `compute_reads`, `host_reads`). On CUDA and the plain CPU those declarations cost nothing; the
-checked device turns each into a rule it enforces (offload.checked_device).
+checked device turns each into a rule it enforces (offload.platform.checked_device).
 
 Streams and events, who fills them and who waits:
 - `host_to_device`: the transfer worker copies fetched 16-bit weights into a unit's device
@@ -68,7 +68,7 @@ class CompletedEvent:
 class Launched:
     """The result of work launched on a side stream. On CUDA and the plain CPU the function ran
     when launched (its kernels queued, a value it returned already read back); the checked
-    device's version holds it until the stream ran it (offload.checked_device)."""
+    device's version holds it until the stream ran it (offload.platform.checked_device)."""
 
     def __init__(self, result: Any) -> None:
         self._result = result
@@ -234,7 +234,7 @@ def make_device(device: Device | torch.device | str | None = None, environ: Mapp
     if isinstance(choice, Device):
         return choice
     if choice == "checked":
-        from offload.checked_device import CheckedDevice
+        from offload.platform.checked_device import CheckedDevice
 
         return CheckedDevice.from_environ(os.environ if environ is None else environ)
     return Device(choice)
