@@ -296,8 +296,9 @@ def _nvme_pieces(target: Shape, small: Shape) -> tuple[int, int]:
     """(sub_group_size, buffer_count) for the recording: the engine's choice at the target
     (plan.shape_slots over the units' optimizer states, aligned as units.plan_flat_layout
     aligns a shard), its piece scaled to the recording's layer so that units split alike."""
+    from offload.config.sizes import MIN_SUB_GROUP_SIZE
     from offload.model.units import SHARD_ALIGN_ELEMENTS
-    from offload.plan.optimizer_plan import MIN_SUB_GROUP_SIZE, shape_slots
+    from offload.plan.optimizer_plan import shape_slots
     from offload.storage.aio import round_up
 
     layer = round_up(target.layer_params(), SHARD_ALIGN_ELEMENTS)

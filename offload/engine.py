@@ -47,17 +47,20 @@ from offload.optim import kernels
 from offload.optim.engine_optimizer import EngineOptimizer
 from offload.optim.hyperparameters import GroupHyperparameters
 from offload.optim.loss_scaling import DynamicLossScaler, gradient_multiplier
+from offload.optim.step_hyper import StepHyper
 from offload.plan.optimizer_plan import factor_needs_norm
+from offload.platform.choose import device_choice, make_device
 from offload.platform.collectives import Collectives
-from offload.platform.device import Device, device_choice, make_device
+from offload.platform.device import Device
 from offload.platform.rank_order import Op
+from offload.runtime.events import Phase
 from offload.runtime.gradients import GradientOffload
 from offload.runtime.overlap import Stepping, overlap_policy
 from offload.runtime.param_access import held_on_device
 from offload.runtime.prefetch import step_order
 from offload.runtime.residency import Residency
-from offload.runtime.schedule import Phase, Schedule, ScheduleContext
-from offload.runtime.stepper import StepHyper, StepMode, UnitStepper
+from offload.runtime.schedule import Schedule, ScheduleContext
+from offload.runtime.stepper import StepMode, UnitStepper
 from offload.runtime.weights_out import WeightsReader
 from offload.storage.memory import TierLedger
 from offload.storage.tiers import TierStore, default_run_name, plan_optimizer

@@ -37,7 +37,7 @@ from reference import TinyNet, batches, engine_run
 import offload
 from offload.errors import ConfigError, OffloadError, OrderingError
 from offload.platform.checked_device import CheckedDevice, CheckedEvent
-from offload.platform.device import make_device
+from offload.platform.choose import make_device
 from offload.runtime.gradients import GradientOffload
 from offload.runtime.residency import Residency
 from offload.runtime.stepper import UnitStepper

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload.model.unit_state import host_budget_bytes
 from offload.model.units import PARAM_ALIGN_ELEMENTS, SHARD_ALIGN_ELEMENTS, build_units, plan_flat_layout
 from offload.optim.loss_scaling import DynamicLossScaler, clip_coefficient, gradient_multiplier
+from offload.plan.budgets import host_budget_bytes
 from offload.runtime.prefetch import ExecutionOrder, step_order
 
 numel_lists = st.lists(st.integers(min_value=0, max_value=50_000), min_size=1, max_size=12)

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload.cli import main as cli_main
+from offload.config.sizes import round_up
 from offload.errors import ConfigError
-from offload.model.unit_state import host_budget_bytes
-from offload.model.units import round_up
 from offload.plan import estimate as est
+from offload.plan.budgets import host_budget_bytes
 from offload.plan.optimizer_plan import shape_slots
 
 transformers = pytest.importorskip("transformers")

@@ -17,7 +17,7 @@ import torch
 from reference import TinyNet, batches, engine_run, fp32_weight_tolerance, max_weight_difference, reference_run
 
 import offload
-from offload.model.unit_state import FreshWeights
+from offload.storage.buffers import FreshWeights
 
 
 class FakeUnit:

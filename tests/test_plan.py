@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload.config.placement import OptimizerTier
+from offload.config.sizes import parse_size
 from offload.plan.optimizer_plan import (
     DEFAULT_BUFFER_COUNT,
     DEFAULT_SUB_GROUP_SIZE,
@@ -17,7 +18,6 @@ from offload.plan.optimizer_plan import (
     SlotShape,
     device_room,
     engine_device_bytes,
-    parse_size,
     piece_bounds,
     plan_optimizer_tiers,
     shape_slots,

@@ -25,8 +25,8 @@ from offload.checkpoint import engine_state as checkpoint
 from offload.checkpoint import format as checkpoint_format
 from offload.checkpoint.engine_state import CheckpointCorruptError, CheckpointReader
 from offload.errors import ConfigError
-from offload.model.unit_state import host_bytes_beside_optimizer_state
 from offload.model.units import build_units, plan_flat_layout
+from offload.plan.budgets import host_bytes_beside_optimizer_state
 from offload.plan.optimizer_plan import SlotShape, piece_bounds, shape_slots, slot_bytes_for
 
 # A block of TinyNet(width=48) has 9456 params, its shard 10240 elements: 10 pieces of 1024, the

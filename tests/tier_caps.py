@@ -10,8 +10,8 @@ from __future__ import annotations
 from reference import ENGINE_STAGES_COPIES
 
 from offload.config.schema import OffloadConfig
-from offload.model.unit_state import host_bytes_beside_optimizer_state
 from offload.model.units import build_units, plan_flat_layout
+from offload.plan.budgets import host_bytes_beside_optimizer_state
 from offload.plan.optimizer_plan import slot_bytes_for
 
 BUFFER_COUNT = 2

@@ -8,9 +8,9 @@ import logging
 import sys
 from pathlib import Path
 
+from offload.config.sizes import parse_size
 from offload.errors import ConfigError
 from offload.plan import estimate as est
-from offload.plan.optimizer_plan import parse_size
 
 logger = logging.getLogger(__name__)
 

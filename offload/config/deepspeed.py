@@ -87,8 +87,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from offload.config.sizes import MIN_SUB_GROUP_SIZE
 from offload.errors import ConfigError
-from offload.plan.optimizer_plan import MIN_SUB_GROUP_SIZE
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from offload.config.sizes import MIN_SUB_GROUP_SIZE, parse_size
 from offload.errors import ConfigError
-from offload.plan.optimizer_plan import MIN_SUB_GROUP_SIZE, parse_size
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 PARAM_TIERS = ("none", "cpu", "nvme")

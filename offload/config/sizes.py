@@ -48,3 +48,21 @@ def parse_bytes(text: str, *, binary: bool = False) -> int:
 def unit_of(text: str) -> str:
     """The unit part of a size as text, lower case (`"24 GB"` -> `"gb"`)."""
     return re.sub(r"[0-9.e\s]", "", str(text)).lower()
+
+
+# The smallest `offload.sub_group_size` (elements): below it a piece's swap files are mostly
+# headers.
+MIN_SUB_GROUP_SIZE = 1024
+
+
+def round_up(value: int, multiple: int) -> int:
+    """`value` rounded up to a multiple of `multiple`."""
+    return (value + multiple - 1) // multiple * multiple
+
+
+def parse_size(value: int | str | None) -> int | None:
+    """Bytes from a cap as a user writes it: an int, or text like "40GB" (10^9), "40GiB" or "40G"
+    (2^30), "512MB", "1e9" (sizes.parse_bytes); None stays None."""
+    if value is None or isinstance(value, int):
+        return value
+    return parse_bytes(value)

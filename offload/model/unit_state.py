@@ -7,51 +7,29 @@ for `cpu`, a swap file for `nvme`). The four fp32 states cover only the first
 `optimizer_numel` elements of the shard, where the parameters that require grad are
 (units.FlatLayout): frozen parameters have their 16-bit weights and nothing else.
 
-Buffers and who uses them:
-- resident host buffers (`optimizer: cpu`; `param: cpu`, or `none` on CUDA): allocated once from the pool.
-  The transfer worker writes gradients into `grad32`; the optimizer worker reads and writes
-  the rest; the engine makes sure the two never run on one unit at once (a step starts only
-  after every gradient of its window has landed).
-- spare state (overlap `backward` with clipping or fp16, units with resident host state, as many
-  as RAM allows: plan.plan_speculation): the optimizer worker writes a speculative step's master
-  and moments into it, reading the resident ones; the main thread swaps the two
-  (`commit_spare`) in step(), after waiting for every step, when the step stands.
-- `OptimizerSlot`s (`optimizer: nvme`): `SlotShape.count` sets of (master, exp_avg,
-  exp_avg_sq, grad32) buffers sized for one piece: a unit's state is streamed in pieces of at
-  most `SlotShape.piece` elements (`plan.shape_slots`, `plan.piece_bounds`), so a 70B model's
-  856M-element blocks do not cost 41 GB of slots. Only the optimizer worker uses them; a slot is
-  reused for piece i + count after piece i's writes have completed. A streamed unit's new 16-bit weights
-  are written into their home (`param: cpu`, `none`), or into a staging buffer (`param: nvme`).
-- `staging` ring (`param: nvme`): host buffers the transfer worker reads 16-bit shards into
-  before copying them to the device; one is reused once its device copy has completed.
-- fresh 16-bit weights (`param: nvme`, `FreshWeights`): the staging buffer a step wrote a
-  unit's new weights into, offered by the optimizer worker while their write-back is in flight.
-  A fetch (transfer worker) borrows it instead of reading back the file being written; the
-  optimizer worker withdraws it once the write is settled, waiting until no borrow is out, and
-  only then gives the buffer back to the ring.
-- `grad_slot` (`optimizer: nvme`): the transfer worker's buffer for read-add-write of the fp32
-  gradient, one piece at a time; used by one task at a time (the transfer worker is one thread).
-  Made only when some NVMe unit keeps its gradient on NVMe: a unit with `gradient_in_ram` has
-  it in `resident_state["grad32"]` (the transfer worker adds into it, the step reads it, as for
-  resident state) and no gradient swap files.
-- prefetched pieces (`optimizer: nvme`): during the window's last backward the optimizer worker
-  reads the master and moments of the step's first pieces into the slots ahead of it
-  (`TierStore.prefetch_optimizer_states`); the next stream uses them, anyone else using the
-  slots waits them out first.
+The buffers that carry the state between tiers are storage.buffers'.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from offload.config.placement import OptimizerTier, ParamTier
+from offload.config.placement import OptimizerTier
 from offload.model.units import FlatLayout, UnitSpec
-from offload.plan.optimizer_plan import PAGE, shape_slots
-from offload.platform.device import StreamEvent
+
+
+class PendingCopy(Protocol):
+    """A device stream's event, as a unit keeps it (offload.platform.device: a torch.cuda.Event,
+    a CompletedEvent, or the checked device's)."""
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool: ...
+
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad32")
 # what a step writes anew (the gradient is only read): a speculative step's spare state, and
@@ -120,7 +98,7 @@ class UnitState:
     state_pieces: list[tuple[int, int]] = field(default_factory=list)
     # param tier `none`: the copy-stream event after which `device_flat` holds the new weights,
     # and whether the shards of the other ranks still have to be gathered
-    device_update_event: StreamEvent | None = None
+    device_update_event: PendingCopy | None = None
     needs_gather: bool = False
 
     def __post_init__(self) -> None:
@@ -174,223 +152,3 @@ class UnitState:
         if piece is None:
             return f"unit{self.index}.{kind}"
         return f"unit{self.index}.{kind}.p{piece}"
-
-
-class BufferRing:
-    """A fixed set of equal host buffers handed out one at a time (blocking when all are in use)."""
-
-    def __init__(self, buffers: list[torch.Tensor]) -> None:
-        self._free: queue.Queue = queue.Queue()
-        for buffer in buffers:
-            self._free.put(buffer)
-        self.buffers = list(buffers)
-
-    def take(self) -> torch.Tensor:
-        return self._free.get()
-
-    def give(self, buffer: torch.Tensor) -> None:
-        self._free.put(buffer)
-
-
-@dataclass
-class _Fresh:
-    buffer: torch.Tensor
-    version: int
-    borrows: int = 0
-    # being withdrawn: lent no more, kept (so that borrows can end) until none is out
-    withdrawn: bool = False
-
-
-class FreshWeights:
-    """Units' new 16-bit weights still in the staging buffers their steps wrote them to (see the
-    module docstring). `offer` and `withdraw`: the optimizer worker; `borrow` and `give_back`:
-    any reader (the transfer worker's fetches, a weights reader). One condition guards it all."""
-
-    def __init__(self) -> None:
-        self._by_unit: dict[int, _Fresh] = {}
-        self._changed = threading.Condition()
-        self.borrowed = 0  # borrows so far (how many reads of the swap file they saved)
-
-    def offer(self, unit: UnitState, buffer: torch.Tensor) -> None:
-        """`buffer` holds `unit`'s weights of its current version (its step just wrote them)."""
-        with self._changed:
-            self._by_unit[unit.index] = _Fresh(buffer, unit.weights_version)
-
-    def borrow(self, unit: UnitState) -> torch.Tensor | None:
-        """The unit's current weights if a staging buffer still holds them (give it back with
-        `give_back`), else None (read the file)."""
-        with self._changed:
-            fresh = self._by_unit.get(unit.index)
-            if fresh is None or fresh.withdrawn or fresh.version != unit.weights_version:
-                return None
-            fresh.borrows += 1
-            self.borrowed += 1
-            return fresh.buffer
-
-    def give_back(self, buffer: torch.Tensor) -> bool:
-        """Ends a borrow of `buffer`; False when `buffer` is not a borrowed one."""
-        with self._changed:
-            for fresh in self._by_unit.values():
-                if fresh.borrows and fresh.buffer.data_ptr() == buffer.data_ptr():
-                    fresh.borrows -= 1
-                    self._changed.notify_all()
-                    return True
-        return False
-
-    def withdraw(self, buffer: torch.Tensor) -> None:
-        """`buffer` is about to be reused: no one may borrow it from now on, and this returns
-        once every borrow of it has ended (each is one host or device copy)."""
-        with self._changed:
-            for index in [i for i, fresh in self._by_unit.items() if fresh.buffer.data_ptr() == buffer.data_ptr()]:
-                self._end(index)
-
-    def _end(self, index: int) -> None:
-        """(Condition held.) Lends the unit's copy no more, waits for its borrows, forgets it."""
-        fresh = self._by_unit[index]
-        fresh.withdrawn = True
-        while fresh.borrows:
-            self._changed.wait()
-        del self._by_unit[index]
-
-    def clear(self, unit: UnitState) -> None:
-        """The unit's weights were replaced by other means (a checkpoint load): no fresh copy."""
-        with self._changed:
-            if unit.index in self._by_unit:
-                self._end(unit.index)
-
-
-@dataclass
-class OptimizerSlot:
-    """Host buffers for one piece of an NVMe-resident unit's state while it steps (see the module
-    docstring)."""
-
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    grad32: torch.Tensor
-    pending_writes: list = field(default_factory=list)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad32": self.grad32}
-
-    def views(self, numel: int) -> dict[str, torch.Tensor]:
-        """The first `numel` elements of each buffer, by kind: a piece read into the slot."""
-        return {kind: buffer[:numel] for kind, buffer in self.tensors().items()}
-
-    def wait_writes(self) -> None:
-        """Waits for every write queued on the slot, even after one failed (the slot is reused
-        only when none is in flight); raises the first failure."""
-        pending, self.pending_writes = self.pending_writes, []
-        first: BaseException | None = None
-        for position, handle in enumerate(pending):
-            try:
-                handle.wait()
-            except Exception as error:  # noqa: BLE001 (the first is raised once all are done)
-                first = first or error
-            except BaseException:
-                # an interrupt: the writes not yet waited for stay queued, to be waited again
-                self.pending_writes = pending[position:] + self.pending_writes
-                raise
-        if first is not None:
-            raise first
-
-
-@dataclass(frozen=True)
-class StatePiece:
-    """One piece of a unit's optimizer state as `TierStore` streams it: the fp32 values of the
-    state's elements [start, start + n) by kind, wherever they are now."""
-
-    unit: UnitState
-    # its place in `unit.state_pieces` (the swap files it belongs to)
-    index: int
-    start: int
-    views: dict[str, torch.Tensor]
-    # the slot the piece was read into (NVMe-resident state); None when resident (host or device)
-    slot: OptimizerSlot | None
-    # the unit's last piece: after it, the unit's state has been seen whole
-    last: bool
-
-    @property
-    def end(self) -> int:
-        return self.start + self.views["master"].numel()
-
-
-def pool_page_slack(unit_count: int, slot_count: int, prefetch_depth: int) -> int:
-    """What the host pool holds beside the budget (`host_budget_bytes`) for rounding each buffer
-    up to a page: a page for each of at most 8 buffers per unit, 4 per optimizer slot, and the
-    staging buffers."""
-    return PAGE * (8 * unit_count + 4 * slot_count + prefetch_depth + 8)
-
-
-def host_budget_bytes(
-    shard_numels: list[int],
-    *,
-    param_tier: ParamTier | str,
-    optimizer_tier: OptimizerTier | str | list[OptimizerTier],
-    compute_bytes: int,
-    buffer_count: int | None,
-    prefetch_depth: int,
-    staged_device_copies: bool,
-    optimizer_numels: list[int] | None = None,
-    sub_group_size: int | None = None,
-) -> dict[str, int]:
-    """Bytes of host memory each use needs for this placement (plain arithmetic, tested directly).
-
-    shard_numels: this rank's shard length of every unit. optimizer_tier: one tier for every
-    unit, or one per unit. compute_bytes: bytes per 16-bit (or fp32) compute element.
-    staged_device_copies: gradients pass through a host staging ring (CUDA); on the CPU the
-    device buffers are host memory already. optimizer_numels: the part of each shard with
-    optimizer state (its trainable params; frozen ones have none); the whole shard by default.
-    buffer_count, sub_group_size: the config's `offload.buffer_count` and
-    `offload.sub_group_size` (None: unset, chosen by `plan.shape_slots`).
-    """
-    param_tier = ParamTier(param_tier)
-    if isinstance(optimizer_tier, list):
-        tiers = [OptimizerTier(tier) for tier in optimizer_tier]
-    else:
-        tiers = [OptimizerTier(optimizer_tier)] * len(shard_numels)
-    largest = max(shard_numels, default=0)
-    total = sum(shard_numels)
-    states = shard_numels if optimizer_numels is None else optimizer_numels
-    resident = sum(n for n, tier in zip(states, tiers) if tier is OptimizerTier.HOST)
-    streamed = [(n, state) for n, state, tier in zip(shard_numels, states, tiers) if tier.streamed]
-    need = {}
-    if resident:
-        need["optimizer_state"] = 16 * resident  # master, exp_avg, exp_avg_sq, grad32
-    if streamed:
-        shape = shape_slots([state for _, state in streamed], buffer_count=buffer_count, sub_group_size=sub_group_size)
-        # per slot: the four fp32 states of the largest piece
-        need["optimizer_slots"] = shape.count * 16 * shape.piece
-        need["grad_slot"] = 4 * shape.piece
-    if param_tier.host_copy or (param_tier is ParamTier.DEVICE and staged_device_copies):
-        # the weights' home (cpu), or the pinned source of their copy to the device (none, CUDA);
-        # with `none` on the CPU the step writes the device buffer, host memory, in place
-        need["param16"] = compute_bytes * total
-    elif param_tier is ParamTier.NVME:
-        need["param_staging"] = (prefetch_depth + 2) * largest * compute_bytes
-    if staged_device_copies:
-        need["grad_staging"] = 2 * largest * compute_bytes
-    return need
-
-
-def host_bytes_beside_optimizer_state(
-    shard_numels: list[int],
-    *,
-    param_tier: ParamTier | str,
-    compute_bytes: int,
-    prefetch_depth: int,
-    staged_device_copies: bool,
-) -> int:
-    """The engine's host bytes that do not depend on where the optimizer state goes (16-bit
-    homes, staging rings): what `offload.optimizer: auto` takes off the RAM it may use before
-    planning the state (the plan adds the NVMe slots itself when some unit streams)."""
-    budget = host_budget_bytes(
-        shard_numels,
-        param_tier=param_tier,
-        optimizer_tier=OptimizerTier.NVME,
-        compute_bytes=compute_bytes,
-        buffer_count=1,
-        prefetch_depth=prefetch_depth,
-        staged_device_copies=staged_device_copies,
-    )
-    return sum(nbytes for use, nbytes in budget.items() if use not in ("optimizer_slots", "grad_slot"))

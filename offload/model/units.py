@@ -15,16 +15,13 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from offload.config.sizes import round_up
 from offload.errors import ConfigError
 
 # Each parameter starts at a multiple of this many elements (16 bytes of bf16: vector loads).
 PARAM_ALIGN_ELEMENTS = 8
 # Each rank's shard is a multiple of this many elements (4 KiB of bf16, 8 KiB of fp32: O_DIRECT).
 SHARD_ALIGN_ELEMENTS = 2048
-
-
-def round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
 
 
 @dataclass(frozen=True)

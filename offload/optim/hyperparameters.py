@@ -21,7 +21,7 @@ from offload.config.param_groups import GROUP_KEYS
 from offload.config.schema import OptimizerConfig, SchedulerConfig
 from offload.errors import OffloadError
 from offload.optim.engine_optimizer import ConfigSchedule, EngineOptimizer
-from offload.runtime.stepper import StepHyper
+from offload.optim.step_hyper import StepHyper
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ records), so an estimate can be checked against a real run:
   that fetches fill before the all-gather. On top of that, the 16-bit gradient of the unit whose
   backward just finished, on its way to the host (`GRADS_IN_FLIGHT` of the largest unit): with
   the weights offloaded that makes `prefetch.depth + 2` units beside the root.
-- host: `offload.model.unit_state.host_budget_bytes` (fp32 master, Adam moments and fp32 gradient at 16
+- host: `offload.plan.budgets.host_budget_bytes` (fp32 master, Adam moments and fp32 gradient at 16
   bytes per element of this rank's shard when the optimizer lives on `cpu`; streaming slots when
   it lives on `nvme`: slots of one piece per fp32 state kind, as many and as large as
   `plan.shape_slots` makes them, and the fp32 gradient piece; the 16-bit home copy or its staging
@@ -43,11 +43,11 @@ from pathlib import Path
 
 from offload.config import sizes
 from offload.config.placement import OptimizerTier
+from offload.config.sizes import MIN_SUB_GROUP_SIZE, round_up
 from offload.errors import ConfigError
-from offload.model.unit_state import host_budget_bytes, host_bytes_beside_optimizer_state, pool_page_slack
-from offload.model.units import plan_flat_layout, round_up
+from offload.model.units import plan_flat_layout
+from offload.plan.budgets import host_budget_bytes, host_bytes_beside_optimizer_state, pool_page_slack
 from offload.plan.optimizer_plan import (
-    MIN_SUB_GROUP_SIZE,
     PAGE,
     STATE_KIND_COUNT,
     Capacity,

@@ -22,17 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from offload.config.placement import OptimizerTier
-from offload.config.sizes import parse_bytes
-from offload.model.units import round_up
+from offload.config.sizes import MIN_SUB_GROUP_SIZE, round_up
 
 STATE_BYTES_PER_ELEMENT = 16  # master, exp_avg, exp_avg_sq, grad32, fp32 each
 STATE_KIND_COUNT = 4
 # Swap files (a header page, then the data in whole pages: swap.py) and host pool buffers
 # (memory.py) come in whole pages of this size.
 PAGE = 4096
-# The smallest `offload.sub_group_size` (elements): below it a piece's swap files are mostly
-# headers.
-MIN_SUB_GROUP_SIZE = 1024
 # Of the accelerator's memory, what `auto` leaves for activations and the allocator's cache when
 # no `max_device_memory` says otherwise.
 DEVICE_ACTIVATION_SHARE = 0.25
@@ -395,11 +391,3 @@ def _finish(tiers, reasons, need, slots) -> OptimizerPlan:
     for tier, nbytes in zip(tiers, need):
         by_tier[tier.value] = by_tier.get(tier.value, 0) + nbytes
     return OptimizerPlan(tiers=list(tiers), reasons=reasons, bytes_by_tier=by_tier, slot_bytes=slots)
-
-
-def parse_size(value: int | str | None) -> int | None:
-    """Bytes from a cap as a user writes it: an int, or text like "40GB" (10^9), "40GiB" or "40G"
-    (2^30), "512MB", "1e9" (sizes.parse_bytes); None stays None."""
-    if value is None or isinstance(value, int):
-        return value
-    return parse_bytes(value)

@@ -27,7 +27,8 @@ from concurrent.futures import Executor, Future
 
 from offload.errors import OffloadError
 from offload.model.unit_state import UnitState
-from offload.runtime.stepper import StepHyper, StepMode, UnitStepper
+from offload.optim.step_hyper import StepHyper
+from offload.runtime.stepper import StepMode, UnitStepper
 
 
 class Stepping:

@@ -27,7 +27,8 @@ from torch import nn
 
 from offload.errors import OffloadError
 from offload.model.unit_state import UnitState
-from offload.runtime.schedule import Phase, ScheduleContext
+from offload.runtime.events import Phase
+from offload.runtime.schedule import ScheduleContext
 
 
 def units_with_params_under(units: list[UnitState], module: nn.Module) -> list[UnitState]:

@@ -36,10 +36,8 @@ pipeline. Everything here runs on the main thread, except what the transfer work
 from __future__ import annotations
 
 import collections
-import enum
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,57 +50,13 @@ from offload.model.unit_state import UnitState
 from offload.platform.collectives import Collectives
 from offload.platform.rank_order import MISMATCH_HINT, Op, ReduceOrder
 from offload.platform.rank_order import describe as describe_op
+from offload.runtime.events import EntryKind, EventLog, Phase
 from offload.runtime.gradients import GradientOffload
 from offload.runtime.overlap import OverlapPolicy, Stepping
 from offload.runtime.prefetch import ExecutionOrder
 from offload.runtime.residency import ExternalParamReads, Residency, tensors_in
 
 logger = logging.getLogger(__name__)
-
-
-class EventLog:
-    """The order of transitions, for tests that pin it (FSDP2's expected-events style) and for
-    benchmarks/bench_pipeline.py, which reads their times: off unless `enabled`. Appended from
-    the main thread and the two workers."""
-
-    def __init__(self) -> None:
-        self.enabled = False
-        self.events: list[tuple[str, int]] = []
-        self.times: list[float] = []  # time.perf_counter() of each event
-        self._lock = threading.Lock()
-
-    def record(self, name: str, unit: int) -> None:
-        if self.enabled:
-            with self._lock:
-                self.events.append((name, unit))
-                self.times.append(time.perf_counter())
-
-    def take(self) -> list[tuple[str, int]]:
-        return [event for event, _ in self.take_timed()]
-
-    def take_timed(self) -> list[tuple[tuple[str, int], float]]:
-        """The events so far with their times, and forgets them."""
-        with self._lock:
-            events, self.events = self.events, []
-            times, self.times = self.times, []
-        return list(zip(events, times))
-
-
-class Phase(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-
-
-class EntryKind(enum.Enum):
-    """Who owns the hold a unit's forward takes."""
-
-    # the model's forward: given back at the unit's post-forward
-    FORWARD = "forward"
-    # a forward re-run inside backward (activation checkpointing): a backward hold, given back
-    # when the unit's gradients are final or at the end of backward, whether or not the
-    # recompute ran to its end
-    RECOMPUTE = "recompute"
 
 
 class CallHolds:

@@ -23,37 +23,26 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING
 
 import torch
 from torch.profiler import record_function
 
 from offload.config.placement import OptimizerTier, ParamTier
-from offload.model.unit_state import STEPPED_KINDS, StatePiece, UnitState
+from offload.model.unit_state import STEPPED_KINDS, UnitState
 from offload.model.units import FlatLayout
 from offload.optim import kernels
 from offload.optim.device_adam import device_adam_step
+from offload.optim.step_hyper import StepHyper
 from offload.platform.device import Device
+from offload.storage.buffers import StatePiece
 from offload.storage.tiers import TierStore
 
 if TYPE_CHECKING:
-    from offload.runtime.schedule import EventLog
+    from offload.runtime.events import EventLog
     from offload.storage.swap import SwapHandle
 
 logger = logging.getLogger(__name__)
-
-
-class AdamArguments(TypedDict):
-    """The keyword arguments both Adam kernels take besides the tensors and the step number."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adamw_mode: bool
-    bias_correction: bool
-    grad_scale: float
 
 
 class StepMode(enum.Enum):
@@ -67,35 +56,6 @@ class StepMode(enum.Enum):
     # a speculative step taken back without a redo (a non-finite norm or an fp16 overflow): the
     # 16-bit weights are cast again from the untouched master; the step count is not advanced
     RESTORE = "restore"
-
-
-@dataclass(frozen=True)
-class StepHyper:
-    """Everything one optimizer step of one parameter group needs besides the tensors (a step
-    takes one per group: `hypers[g]` for the params of group g, `UnitState.param_groups`)."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adamw_mode: bool
-    bias_correction: bool
-    # the stored gradients are multiplied by this (1/loss scale times the clipping factor)
-    grad_multiplier: float
-
-    def adam_arguments(self) -> AdamArguments:
-        """The keyword arguments of both Adam kernels (kernels.adam_step, device_adam_step)."""
-        return {
-            "lr": self.lr,
-            "beta1": self.beta1,
-            "beta2": self.beta2,
-            "eps": self.eps,
-            "weight_decay": self.weight_decay,
-            "adamw_mode": self.adamw_mode,
-            "bias_correction": self.bias_correction,
-            "grad_scale": self.grad_multiplier,
-        }
 
 
 def group_ranges(layout: FlatLayout, rank: int, stepped: list[int], groups: Sequence[int]) -> list[tuple[int, int, int]]:

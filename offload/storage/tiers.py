@@ -22,20 +22,11 @@ import torch
 
 from offload.config.placement import OptimizerTier, ParamTier
 from offload.config.schema import Config
+from offload.config.sizes import parse_size
 from offload.errors import ConfigError
-from offload.model.unit_state import (
-    STATE_KINDS,
-    STEPPED_KINDS,
-    BufferRing,
-    FreshWeights,
-    OptimizerSlot,
-    StatePiece,
-    UnitState,
-    host_budget_bytes,
-    host_bytes_beside_optimizer_state,
-    pool_page_slack,
-)
+from offload.model.unit_state import STATE_KINDS, STEPPED_KINDS, UnitState
 from offload.optim import kernels
+from offload.plan.budgets import host_budget_bytes, host_bytes_beside_optimizer_state, pool_page_slack
 from offload.plan.optimizer_plan import (
     Capacity,
     OptimizerPlan,
@@ -43,12 +34,12 @@ from offload.plan.optimizer_plan import (
     device_room,
     engine_device_bytes,
     host_cap_bytes,
-    parse_size,
     piece_bounds,
     plan_leftover_ram,
     plan_optimizer_tiers,
     shape_slots,
 )
+from offload.storage.buffers import BufferRing, FreshWeights, OptimizerSlot, StatePiece
 from offload.storage.memory import HostBufferPool, TierLedger
 
 if TYPE_CHECKING:
