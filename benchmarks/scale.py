@@ -51,7 +51,7 @@ sys.path.insert(0, REPO)
 import offload  # noqa: E402
 from offload.cli.bench_io import run_sweep  # noqa: E402
 from offload.model.units import plan_flat_layout  # noqa: E402
-from offload.storage.swap import HEADER_SIZE  # noqa: E402
+from offload.storage.swap_layout import HEADER_SIZE  # noqa: E402
 
 GB = 1e9
 GIB = 1 << 30

@@ -462,8 +462,9 @@ def test_d2h_staged_gradient_read_before_its_copy_is_waited_for_is_read_before_w
 
 def test_d2h_staging_buffer_given_back_before_the_gradient_copy_is_waited_for_is_reuse_in_flight(swap_dir, monkeypatch):
     # Moves the give-back of the gradient staging buffer (GradientOffload._accumulate's
-    # `device.releasing(staging, ...)`, then `grad_staging.give`) to right after the copy into it
-    # is queued, before its wait: the next unit's gradient could be copied over it.
+    # `device.releasing(staging, ...)`, then the end of its `store.grad_staging_buffer()` block)
+    # to right after the copy into it is queued, before its wait: the next unit's gradient could
+    # be copied over it.
     def patch(engine):
         stream = engine.device.device_to_host
         real = stream.copy

@@ -178,7 +178,7 @@ def test_cpu_host_budget_counts_every_state():
 
 
 def test_adam_threads_are_shared_by_the_ranks_of_a_node():
-    from offload.engine import adam_threads
+    from offload.runtime.build import adam_threads
 
     assert adam_threads(16, {}) == 16
     assert adam_threads(16, {"LOCAL_WORLD_SIZE": "4"}) == 4
@@ -188,7 +188,7 @@ def test_adam_threads_are_shared_by_the_ranks_of_a_node():
 def test_adam_threads_leave_cpus_to_the_accelerator_s_threads_when_overlapped():
     """A step overlapping the accelerator leaves 2 CPUs of a rank to the kernel-launching main
     thread and the transfer worker, from 8 CPUs per rank on (below, every CPU steps)."""
-    from offload.engine import adam_threads
+    from offload.runtime.build import adam_threads
 
     assert adam_threads(16, {}, overlaps_accelerator=True) == 14
     assert adam_threads(16, {}, overlaps_accelerator=False) == 16

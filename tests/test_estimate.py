@@ -13,6 +13,8 @@ import offload
 from offload.cli import main as cli_main
 from offload.errors import ConfigError
 from offload.plan import estimate as est
+from offload.plan.machine import Machine
+from offload.plan.model_shapes import shape_from_hf_config, shape_from_module, shape_from_param_count
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,10 +83,10 @@ def hf_model(config: dict):
 def test_shape_from_hf_config_matches_the_real_model(name):
     config = SMALL_CONFIGS[name]
     model = hf_model(config)
-    shape = est.shape_from_hf_config(config)
+    shape = shape_from_hf_config(config)
     assert shape.num_params == sum(p.numel() for p in model.parameters())
     # the same unit cut as the engine: root first, then each block, tensor by tensor
-    real = est.shape_from_module(model)
+    real = shape_from_module(model)
     assert [sorted(u) for u in shape.unit_tensors()] == [sorted(u) for u in real.unit_tensors()]
     assert shape.padded_numels(2) == real.padded_numels(2)
 
@@ -98,21 +100,21 @@ def test_llama_7b_parameter_count():
         num_attention_heads=32,
         vocab_size=32000,
     )
-    assert est.shape_from_hf_config(config).num_params == 6_738_415_616  # Llama-2-7b
+    assert shape_from_hf_config(config).num_params == 6_738_415_616  # Llama-2-7b
 
 
 def test_shape_from_param_count_is_close():
-    shape = est.shape_from_param_count(7_000_000_000)
+    shape = shape_from_param_count(7_000_000_000)
     assert abs(shape.num_params - 7e9) / 7e9 < 0.01
     assert 28 <= shape.num_layers <= 36
-    assert est.shape_from_param_count(10**9, layers=4).num_layers == 4
+    assert shape_from_param_count(10**9, layers=4).num_layers == 4
     with pytest.raises(ConfigError):
-        est.shape_from_param_count(0)
+        shape_from_param_count(0)
 
 
 def test_unknown_model_type_names_the_fix():
     with pytest.raises(ConfigError, match="parameter count"):
-        est.shape_from_hf_config({"model_type": "t5", "d_model": 512})
+        shape_from_hf_config({"model_type": "t5", "d_model": 512})
 
 
 # ---- against the engine's own ledger --------------------------------------------------------
@@ -176,7 +178,7 @@ def measured_peaks(
 )
 def test_estimate_within_10_percent_of_measured_peak(swap_dir, param, optimizer, precision):
     measured = measured_peaks(param, optimizer, precision, swap_dir)
-    estimate = est.estimate_tiers(est.shape_from_hf_config(MEASURED), param, optimizer, precision=precision, device=ENGINE_DEVICE)
+    estimate = est.estimate_tiers(shape_from_hf_config(MEASURED), param, optimizer, precision=precision, device=ENGINE_DEVICE)
     # host and nvme are allocated once, at exact sizes: the estimate must be exact
     assert estimate.total("host") == measured["host"]
     assert estimate.total("nvme") == measured["nvme"]
@@ -193,7 +195,7 @@ def test_estimate_within_10_percent_of_measured_peak(swap_dir, param, optimizer,
 def test_estimate_in_pieces_is_the_engines_ledger(swap_dir, param, precision):
     """Optimizer state streamed in pieces smaller than a unit (offload.sub_group_size): the host
     slots and the swap files are exactly what the engine allocates and reserves."""
-    shape = est.shape_from_hf_config(MEASURED)
+    shape = shape_from_hf_config(MEASURED)
     sub_group_size = 4096
     assert max(shape.shard_numels()) > 4 * sub_group_size  # several pieces per unit
     measured = measured_peaks(param, "nvme", precision, swap_dir, sub_group_size=sub_group_size)
@@ -208,7 +210,7 @@ def test_estimate_plans_the_engines_auto_split_under_the_configs_caps(swap_dir, 
     alone puts state on the CPU standing in for the device): its auto plan is the engine's."""
     if ENGINE_DEVICE == "cuda":
         pytest.skip("the engine measures the GPU's free memory at start; the estimate assumes an idle GPU")
-    shape = est.shape_from_hf_config(MEASURED)
+    shape = shape_from_hf_config(MEASURED)
     state = 16 * sum(shape.shard_numels())
     caps = {"max_host_memory": 2 * state // 5, "max_device_memory": state // 5}
     torch.manual_seed(0)
@@ -220,7 +222,7 @@ def test_estimate_plans_the_engines_auto_split_under_the_configs_caps(swap_dir, 
         engine_tiers = [units[unit.spec.name]["tier"] for unit in engine.units]
     finally:
         engine.close(restore_weights=False)
-    machine = est.Machine(gpu_bytes=None, ram_bytes=10**12, disk_bytes=10**12, device="cpu")
+    machine = Machine(gpu_bytes=None, ram_bytes=10**12, disk_bytes=10**12, device="cpu")
     tiers, _ = est.plan_auto(shape, param, machine, precision="fp32", world_size=1, prefetch_depth=2, buffer_count=3, **caps)
     assert tiers == engine_tiers
     assert {"device", "cpu", "nvme"} <= set(tiers)  # the caps split it over all three tiers
@@ -249,15 +251,15 @@ def test_leftover_ram_is_what_the_engine_takes(swap_dir, param, optimizer, preci
     (spare states, fp32 gradients of NVMe units) is what the engine's ledger shows, byte for
     byte, on host and nvme, under a `max_host_memory` cap that leaves all, some or none of it."""
     settings = dict(settings)
-    shape = est.shape_from_hf_config(MEASURED)
+    shape = shape_from_hf_config(MEASURED)
     estimate = est.estimate_tiers(shape, param, optimizer, precision=precision, device=ENGINE_DEVICE)
     speculate = est.speculates(settings.get("overlap", "forward"), settings.get("gradient_clipping", 0.0), precision)
     full = est.leftover_ram(
-        shape, estimate, est.Machine(None, 0, 0, device=ENGINE_DEVICE), speculate=speculate, max_host_memory=10**12
+        shape, estimate, Machine(None, 0, 0, device=ENGINE_DEVICE), speculate=speculate, max_host_memory=10**12
     )
     share = settings.pop("share", 1.0)
     cap = estimate.engine_host_request + int(share * (full.spare_state + full.gradient))
-    machine = est.Machine(gpu_bytes=None, ram_bytes=0, disk_bytes=10**12, device=ENGINE_DEVICE)
+    machine = Machine(gpu_bytes=None, ram_bytes=0, disk_bytes=10**12, device=ENGINE_DEVICE)
     leftover = est.leftover_ram(
         shape,
         estimate,
@@ -292,7 +294,7 @@ def test_leftover_ram_is_what_the_engine_takes(swap_dir, param, optimizer, preci
 
 
 def test_depth_changes_device_bytes_as_the_engine_does(swap_dir):
-    shape = est.shape_from_hf_config(MEASURED)
+    shape = shape_from_hf_config(MEASURED)
     for depth in (0, 4):
         measured = measured_peaks("cpu", "cpu", "bf16", swap_dir, depth=depth)
         estimate = est.estimate_tiers(shape, "cpu", "cpu", precision="bf16", prefetch_depth=depth, device=ENGINE_DEVICE)
@@ -301,7 +303,7 @@ def test_depth_changes_device_bytes_as_the_engine_does(swap_dir):
 
 # ---- decision logic ------------------------------------------------------------------------
 def test_host_follows_host_budget_bytes_and_world_size_shards():
-    shape = est.shape_from_param_count(10**9, layers=8)
+    shape = shape_from_param_count(10**9, layers=8)
     one = est.estimate_tiers(shape, "none", "cpu", world_size=1)
     four = est.estimate_tiers(shape, "none", "cpu", world_size=4)
     assert one.host["optimizer_state"] == pytest.approx(16 * 10**9, rel=0.01)
@@ -323,14 +325,14 @@ def test_recommend_takes_the_fastest_placement_that_fits():
 
 
 def test_fit_problems_name_the_tier():
-    shape = est.shape_from_param_count(7 * 10**9)
+    shape = shape_from_param_count(7 * 10**9)
     estimate = est.estimate_tiers(shape, "none", "cpu")
-    machine = est.Machine(gpu_bytes=24 * 10**9, ram_bytes=64 * 2**30, disk_bytes=10**12)
+    machine = Machine(gpu_bytes=24 * 10**9, ram_bytes=64 * 2**30, disk_bytes=10**12)
     problems = est.fit_problems(estimate, machine)
     assert any(p.startswith("host needs") for p in problems)
     assert not any(p.startswith("device") for p in problems)  # 14 GB of weights fit in 24 GB
     assert any(p.startswith("device") for p in est.fit_problems(estimate, machine, activations=10 * 10**9))
-    big = est.Machine(gpu_bytes=80 * 10**9, ram_bytes=2**40, disk_bytes=10**12)
+    big = Machine(gpu_bytes=80 * 10**9, ram_bytes=2**40, disk_bytes=10**12)
     assert est.fit_problems(estimate, big) == []
 
 

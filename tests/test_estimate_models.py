@@ -16,6 +16,8 @@ from offload.config.sizes import round_up
 from offload.errors import ConfigError
 from offload.plan import estimate as est
 from offload.plan.budgets import host_budget_bytes
+from offload.plan.machine import Machine
+from offload.plan.model_shapes import ModelShape, shape_from_hf_config, shape_from_module, shape_from_param_count
 from offload.plan.optimizer_plan import shape_slots
 
 transformers = pytest.importorskip("transformers")
@@ -38,15 +40,15 @@ PUBLISHED = {
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_configs_count_to_the_published_figure(name):
     expected, tolerance = PUBLISHED[name]
-    count = est.shape_from_hf_config(CONFIGS / name).num_params
+    count = shape_from_hf_config(CONFIGS / name).num_params
     assert abs(count - expected) <= tolerance, f"{name}: {count:,} vs published {expected:,.0f}"
 
 
 def test_mixture_of_experts_is_not_counted_as_one_expert():
-    mixtral = est.shape_from_hf_config(CONFIGS / "mixtral-8x7b-instruct-v0.1.json")
+    mixtral = shape_from_hf_config(CONFIGS / "mixtral-8x7b-instruct-v0.1.json")
     assert mixtral.num_params > 46e9  # was 7.24B: the experts were counted once
     assert len(mixtral.unit_tensors()) == 33  # root + 32 blocks, each holding its 8 experts
-    deepseek = est.shape_from_hf_config(CONFIGS / "deepseek-v2-lite.json")
+    deepseek = shape_from_hf_config(CONFIGS / "deepseek-v2-lite.json")
     first, second = (sum(u) for u in deepseek.unit_tensors()[1:3])
     assert first < second / 5  # the first layer is dense (first_k_dense_replace 1)
 
@@ -132,9 +134,9 @@ def hf_model(config: dict):
 def test_shape_matches_the_model_transformers_builds(name):
     config = TINY[name]
     model = hf_model(config)
-    shape = est.shape_from_hf_config(config)
+    shape = shape_from_hf_config(config)
     assert shape.num_params == sum(p.numel() for p in model.parameters())
-    real = est.shape_from_module(model)  # the engine's own unit cut
+    real = shape_from_module(model)  # the engine's own unit cut
     assert [sorted(u) for u in shape.unit_tensors()] == [sorted(u) for u in real.unit_tensors()]
     assert shape.padded_numels(2) == real.padded_numels(2)
 
@@ -143,9 +145,9 @@ def test_tied_embeddings_follow_the_config_and_the_family_default():
     base = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 1000}
     embedding = 1000 * 64
     for model_type, tied_by_default in (("llama", False), ("qwen2", False), ("gemma", True), ("gemma2", True)):
-        default = est.shape_from_hf_config({"model_type": model_type, **base}).num_params
-        tied = est.shape_from_hf_config({"model_type": model_type, **base, "tie_word_embeddings": True}).num_params
-        untied = est.shape_from_hf_config({"model_type": model_type, **base, "tie_word_embeddings": False}).num_params
+        default = shape_from_hf_config({"model_type": model_type, **base}).num_params
+        tied = shape_from_hf_config({"model_type": model_type, **base, "tie_word_embeddings": True}).num_params
+        untied = shape_from_hf_config({"model_type": model_type, **base, "tie_word_embeddings": False}).num_params
         assert untied - tied == embedding
         assert default == (tied if tied_by_default else untied)
 
@@ -161,7 +163,7 @@ def test_tied_embeddings_follow_the_config_and_the_family_default():
 )
 def test_an_unknown_model_type_is_refused_by_name(config):
     with pytest.raises(ConfigError) as error:
-        est.shape_from_hf_config(config)
+        shape_from_hf_config(config)
     message = str(error.value)
     assert f"model_type {config.get('model_type', '')!r}" in message
     assert "mixtral" in message and "deepseek_v3" in message and "llama" in message  # the supported ones
@@ -181,20 +183,20 @@ def test_a_dense_type_with_expert_fields_is_refused():
         "num_experts": 8,
     }
     with pytest.raises(ConfigError, match="num_experts") as error:
-        est.shape_from_hf_config(config)
+        shape_from_hf_config(config)
     assert error.value.key == "num_experts"
 
 
 def test_a_missing_field_names_it():
     with pytest.raises(ConfigError, match="num_local_experts") as error:
-        est.shape_from_hf_config({**SMALL, "model_type": "mixtral", "num_hidden_layers": 2})
+        shape_from_hf_config({**SMALL, "model_type": "mixtral", "num_hidden_layers": 2})
     assert error.value.key == "num_local_experts"
 
 
 # ---- host bytes: the engine's own budget, on CUDA as on the CPU --------------------------------
 def test_issue_12_figures_none_cpu_bf16():
     """The run of issue 12: memory_report() measured 13,783,040 host bytes on CUDA, 12,091,392 on the CPU."""
-    shape = est.shape_from_hf_config(
+    shape = shape_from_hf_config(
         {
             "model_type": "llama",
             "hidden_size": 64,
@@ -232,7 +234,7 @@ def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(
     the engine does on that device) appears in the estimate, each buffer rounded up to whole 4 KiB
     pages; the NVMe slots are shaped as the engine shapes them (None: an unset key), each state
     kind one buffer of a piece."""
-    shape = est.ModelShape("t", (1000 * width, 7), (333 * width, 5, 17 * width), layers)
+    shape = ModelShape("t", (1000 * width, 7), (333 * width, 5, 17 * width), layers)
     param, optimizer = placement
     cb = est.COMPUTE_BYTES[precision]
     estimate = est.estimate_tiers(
@@ -278,7 +280,7 @@ def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(
 def test_streamed_state_is_sized_in_pieces_of_sub_group_size():
     """The optimizer on NVMe: the host slots hold one piece per state kind, and each piece is its
     own swap file (a 4 KiB header and its data rounded up to 4 KiB), as the engine reserves them."""
-    shape = est.ModelShape("t", (10_000,), (2500,), 2)
+    shape = ModelShape("t", (10_000,), (2500,), 2)
     assert shape.shard_numels() == [10_240, 4096, 4096]  # padded as the engine lays units out
     whole = est.estimate_tiers(shape, "none", "nvme", precision="bf16", buffer_count=3, device="cpu")
     assert whole.host["optimizer_slots"] == 3 * 4 * pages(4 * 10_240) and whole.host["grad_slot"] == pages(4 * 10_240)
@@ -295,8 +297,8 @@ def test_streamed_state_is_sized_in_pieces_of_sub_group_size():
 def test_report_and_recommended_config_carry_the_sub_group_size(tmp_path):
     import offload
 
-    shape = est.shape_from_param_count(3 * 10**9)
-    machine = est.Machine(gpu_bytes=24 << 30, ram_bytes=24 << 30, disk_bytes=200 * 10**9, device="cuda", nvme_path=str(tmp_path))
+    shape = shape_from_param_count(3 * 10**9)
+    machine = Machine(gpu_bytes=24 << 30, ram_bytes=24 << 30, disk_bytes=200 * 10**9, device="cuda", nvme_path=str(tmp_path))
     report = est.estimate_report(shape, machine, sub_group_size=1 << 20)
     assert report["settings"]["sub_group_size"] == 1 << 20
     assert report["settings"]["nvme_slots"] == {"piece": 1 << 20, "count": 3}
@@ -312,9 +314,9 @@ def test_report_and_recommended_config_carry_the_sub_group_size(tmp_path):
 
 
 def test_estimate_report_uses_the_machine_device():
-    shape = est.shape_from_param_count(10**8, layers=4)
-    cuda = est.estimate_report(shape, est.Machine(gpu_bytes=80 << 30, ram_bytes=1 << 40, disk_bytes=1 << 40))
-    cpu = est.estimate_report(shape, est.Machine(gpu_bytes=None, ram_bytes=1 << 40, disk_bytes=1 << 40))
+    shape = shape_from_param_count(10**8, layers=4)
+    cuda = est.estimate_report(shape, Machine(gpu_bytes=80 << 30, ram_bytes=1 << 40, disk_bytes=1 << 40))
+    cpu = est.estimate_report(shape, Machine(gpu_bytes=None, ram_bytes=1 << 40, disk_bytes=1 << 40))
     assert (cuda["settings"]["device"], cpu["settings"]["device"]) == ("cuda", "cpu")
     host = {r["param"] + r["optimizer"]: r["host"]["by_category"] for r in cuda["placements"]}
     assert "grad_staging" in host["nonecpu"] and "param16" in host["nonecpu"]

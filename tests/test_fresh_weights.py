@@ -108,9 +108,9 @@ def test_fetches_borrow_the_new_weights_and_train_exactly(swap_dir, overlap, mon
             # step's end, finds the staging buffer still offered however loaded the machine is
             monkeypatch.setattr(engine.store.swap, "write_from", slow_writes(engine.store.swap.write_from))
             if not borrow:
-                monkeypatch.setattr(engine.store.fresh_param16, "borrow", lambda unit: None)
+                monkeypatch.setattr(engine.store._param16.fresh, "borrow", lambda unit: None)
             engine_run(engine, data)
-            return engine.consolidated_state_dict(), engine.store.fresh_param16.borrowed, fp32_weight_tolerance(engine)
+            return engine.consolidated_state_dict(), engine.store._param16.fresh.borrowed, fp32_weight_tolerance(engine)
         finally:
             engine.close(restore_weights=False)
             monkeypatch.undo()

@@ -21,7 +21,8 @@ import torch
 
 from offload.errors import InsufficientSpaceError, SwapCorruptError, SwapError
 from offload.storage.memory import HostBufferPool
-from offload.storage.swap import HEADER_SIZE, SwapStore
+from offload.storage.swap import SwapStore
+from offload.storage.swap_layout import HEADER_SIZE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -289,7 +290,7 @@ def test_world_writable_nvme_path_without_sticky_bit_warns(tmp_path, caplog):
         root.mkdir()
         os.chmod(root, mode)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="offload.storage.swap"):
+        with caplog.at_level(logging.WARNING, logger="offload.storage.swap_layout"):
             SwapStore(root).close()
         assert any("no sticky bit" in r.message for r in caplog.records) == warns, oct(mode)
 

@@ -244,23 +244,23 @@ def test_the_boundary_backward_reads_the_first_pieces_of_the_step(swap_dir, over
         before_backward = store.swap.bytes_read
         engine.backward(loss)
         engine.optimizer_worker.submit(lambda: None).result()  # the prefetch task has run
-        with store.slots_lock:
+        with store._slots_lock:
             prefetched = [(unit.index, j) for unit, j, _ in store._prefetched]
         order = [engine.units[i] for i in step_order(engine.forward_order.recorded, len(engine.units))]
         pieces = [(unit, j) for unit in order for j in range(len(unit.state_pieces))]
-        assert len(pieces) > len(store.slots)
-        assert prefetched == [(unit.index, j) for unit, j in pieces[: len(store.slots)]]
+        assert len(pieces) > len(store._slots)
+        assert prefetched == [(unit.index, j) for unit, j in pieces[: len(store._slots)]]
 
         def state_bytes(chosen):
             return sum(3 * pages(4 * (unit.state_pieces[j][1] - unit.state_pieces[j][0])) for unit, j in chosen)
 
-        assert store.swap.bytes_read - before_backward == state_bytes(pieces[: len(store.slots)])
+        assert store.swap.bytes_read - before_backward == state_bytes(pieces[: len(store._slots)])
         before_step = store.swap.bytes_read
         engine.step()
         engine.stepping.wait()
-        with store.slots_lock:
+        with store._slots_lock:
             assert store._prefetched == []  # taken by the step's stream
-        assert store.swap.bytes_read - before_step == state_bytes(pieces[len(store.slots) :])
+        assert store.swap.bytes_read - before_step == state_bytes(pieces[len(store._slots) :])
         losses.append(loss.item())
         state = engine.consolidated_state_dict()
     finally:
@@ -330,6 +330,34 @@ def test_a_checkpoint_load_drops_the_prefetched_pieces(tmp_path, swap_dir):
         assert_same_state(resumed_state, straight.consolidated_state_dict())
     finally:
         straight.close()
+
+
+def test_reading_the_weights_between_backward_and_step_drops_the_prefetched_pieces(swap_dir):
+    """A read of the masters (the model's weights) after the window's last backward, before
+    step(), goes through slot 0, where the step's first piece was read ahead: it drops the
+    prefetched pieces first, and the step trains exactly as without the read."""
+
+    def run(read_between: bool) -> dict:
+        torch.manual_seed(0)
+        model = TinyNet(width=WIDTH, depth=DEPTH)
+        data = batches(3)
+        engine = offload.initialize(model, make_config(swap_dir, overlap="none", gradient_memory=None))
+        try:
+            engine_run(engine, data[:2])
+            x, y = data[2]
+            loss = mse(engine, x, y)
+            engine.backward(loss)
+            engine.optimizer_worker.submit(lambda: None).result()  # the prefetch task has run
+            assert engine.store._prefetched
+            if read_between:
+                engine.consolidated_state_dict()
+                assert engine.store._prefetched == []
+            engine.step()
+            return engine.consolidated_state_dict()
+        finally:
+            engine.close()
+
+    assert_same_state(run(read_between=True), run(read_between=False))
 
 
 def test_a_failed_prefetch_read_is_read_again_by_the_step(stepped, caplog):

@@ -294,9 +294,11 @@ def test_offload_estimate_plans_the_split_the_engine_makes():
     """`offload estimate` on a machine with too little RAM for the whole state: the auto rows
     hold the slots and the first units in RAM, the rest on NVMe, and say so."""
     from offload.plan import estimate as est
+    from offload.plan.machine import Machine
+    from offload.plan.model_shapes import shape_from_param_count
 
-    shape = est.shape_from_param_count(3 * 10**9)
-    machine = est.Machine(gpu_bytes=24 * GiB, ram_bytes=24 * GiB, disk_bytes=200 * 10**9, device="cuda")
+    shape = shape_from_param_count(3 * 10**9)
+    machine = Machine(gpu_bytes=24 * GiB, ram_bytes=24 * GiB, disk_bytes=200 * 10**9, device="cuda")
     report = est.estimate_report(shape, machine)
     rows = {(r["param"], r["optimizer"]): r for r in report["placements"]}
     auto, cpu, nvme = rows[("none", "auto")], rows[("none", "cpu")], rows[("none", "nvme")]

@@ -362,8 +362,8 @@ def test_slots_hold_one_piece(swap_dir, sub_group_size, buffer_count):
         else:
             assert_whole_units(engine)
         assert engine.store.slot_shape == SlotShape(piece=numel, count=buffer_count)
-        assert len(engine.store.slots) == buffer_count
-        for slot in engine.store.slots:
+        assert len(engine.store._slots) == buffer_count
+        for slot in engine.store._slots:
             assert all(buffer.numel() == numel for buffer in slot.tensors().values())
         host = engine.memory_report()["host"]["by_category"]
         slots = host["optimizer_slots"]["current"]
@@ -403,7 +403,7 @@ def test_unset_keys_shape_more_slots_of_a_block_and_train_bit_for_bit(swap_dir):
     def check(engine):
         root, *blocks = engine.units
         shape = shape_slots([unit.optimizer_numel for unit in engine.units], buffer_count=None, sub_group_size=None)
-        assert engine.store.slot_shape == shape and len(engine.store.slots) == shape.count
+        assert engine.store.slot_shape == shape and len(engine.store._slots) == shape.count
         assert shape.piece == blocks[0].optimizer_numel and shape.count > 3
         assert shape.count * shape.piece <= 3 * root.optimizer_numel
         assert len(root.state_pieces) > 1 and all(len(unit.state_pieces) == 1 for unit in blocks)
@@ -420,7 +420,7 @@ def test_resident_state_has_one_piece_and_no_slots(swap_dir):
     engine = offload.initialize(TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, optimizer="cpu"))
     try:
         assert_whole_units(engine)
-        assert engine.store.slots == []
+        assert engine.store._slots == []
         assert "optimizer_slots" not in engine.memory_report()["host"]["by_category"]
     finally:
         engine.close()

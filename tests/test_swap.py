@@ -8,7 +8,8 @@ import torch
 
 from offload.errors import InsufficientSpaceError, SwapCorruptError, SwapError
 from offload.storage.memory import HostBufferPool, TierLedger
-from offload.storage.swap import HEADER_SIZE, SwapStore
+from offload.storage.swap import SwapStore
+from offload.storage.swap_layout import HEADER_SIZE
 
 DTYPES = [
     torch.float32,

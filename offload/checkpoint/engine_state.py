@@ -16,9 +16,26 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
+from torch import nn
 
+from offload.checkpoint.files import (  # noqa: F401 (re-exported: the format's public names)
+    CheckpointCorruptError,
+    CheckpointError,
+    created_file,
+    fsync_dir,
+    lock_held,
+    open_dir,
+    pwrite_all,
+    read_small,
+    remove_stale,
+    save_error,
+    write_all,
+    write_replacing,
+    write_small,
+)
 from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's public names)
     BUFFERS,
     CHUNK_ELEMENTS,
@@ -31,39 +48,60 @@ from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's
     KINDS,
     LATEST,
     MAX_INDEX_BYTES,
-    CheckpointCorruptError,
-    CheckpointError,
     CheckpointReader,
     Slice,
     check_tag,
     checkpoints_to_remove,
     chunk_bounds,
-    created_file,
     export,
-    fsync_dir,
     json_with_checksum,
     list_checkpoints,
-    lock_held,
-    open_dir,
-    pwrite_all,
-    read_small,
-    remove_stale,
     resolve,
     rng_state,
     rotate,
     safetensors_header,
-    save_error,
     set_rng_state,
     tensor_bytes,
-    write_all,
-    write_replacing,
-    write_small,
 )
+from offload.config.schema import Config
 from offload.errors import InsufficientSpaceError, OffloadError
+from offload.model.unit_state import UnitState
 from offload.model.units import shard_pieces
+from offload.platform.collectives import Collectives
 from offload.storage.aio import crc32c
+from offload.storage.tiers import TierStore
 
 logger = logging.getLogger(__name__)
+
+
+class CheckpointedEngine(Protocol):
+    """What a checkpoint saves and loads of an engine, and all it reaches: the engine's parts
+    (offload.runtime.build.Runtime is one) named here, not its attributes at large."""
+
+    model: nn.Module
+    config: Config
+    units: list[UnitState]
+    store: TierStore
+    collectives: Collectives
+
+    @property
+    def global_steps(self) -> int: ...
+
+    def training_state(self) -> dict: ...
+
+    def load_training_state(self, state: dict) -> None: ...
+
+    def param16_shard(self, unit: UnitState) -> torch.Tensor:
+        """A host copy of this rank's 16-bit shard of `unit`, wherever its home is."""
+        ...
+
+    def drop_device_copies(self) -> None:
+        """Between steps: no unit keeps, or is fetching, a device copy of its weights."""
+        ...
+
+    def replace_device_weights(self, unit: UnitState, shard32: torch.Tensor) -> None:
+        """Param tier none: this rank's shard of the device weights takes `shard32`."""
+        ...
 
 
 def _model_names(model) -> tuple[dict[int, str], dict[str, list[str]], list[tuple[str, str]]]:
@@ -87,7 +125,7 @@ def _frozen_piece(unit, shard_pos: int) -> bool:
     return shard_pos >= unit.optimizer_numel
 
 
-def _rank_slices(engine, rank: int, canonical: dict[int, str]) -> list[Slice]:
+def _rank_slices(engine: CheckpointedEngine, rank: int, canonical: dict[int, str]) -> list[Slice]:
     slices = []
     for unit in engine.units:
         start, end = unit.layout.shard_range(rank)
@@ -99,7 +137,7 @@ def _rank_slices(engine, rank: int, canonical: dict[int, str]) -> list[Slice]:
     return slices
 
 
-def _write_rank_file(engine, directory: str, rank: int, canonical, progress) -> dict:
+def _write_rank_file(engine: CheckpointedEngine, directory: str, rank: int, canonical, progress) -> dict:
     """Writes rank<r>.safetensors (streamed unit by unit) and returns rank<r>.json's content."""
     slices = _rank_slices(engine, rank, canonical)
     entries = [(s.key, "F32", [s.end - s.start], 4 * (s.end - s.start)) for s in slices]
@@ -204,12 +242,12 @@ class _SliceWriter:
         return crcs + [crc] if filled else list(crcs)
 
 
-def _shared_pid(engine) -> int:
+def _shared_pid(engine: CheckpointedEngine) -> int:
     pid = os.getpid() if engine.collectives.rank == 0 else 0
     return round(engine.collectives.sum_host([float(pid)])[0])
 
 
-def _agree_on_failure(engine, error: BaseException | None, cleanup: Callable[[], None]) -> None:
+def _agree_on_failure(engine: CheckpointedEngine, error: BaseException | None, cleanup: Callable[[], None]) -> None:
     """Every rank learns whether any rank failed; all of them raise, rank 0 cleans up."""
     failed = engine.collectives.max_host(1.0 if error is not None else 0.0) > 0
     if not failed:
@@ -233,7 +271,7 @@ def _hf_config(model) -> bytes | None:
 
 
 def save(
-    engine,
+    engine: CheckpointedEngine,
     path,
     client_state: dict | None = None,
     *,
@@ -312,7 +350,7 @@ def save(
     return final
 
 
-def _write_rank0_files(engine, temp: str, client_state, keys) -> dict:
+def _write_rank0_files(engine: CheckpointedEngine, temp: str, client_state, keys) -> dict:
     from safetensors.torch import save as safetensors_save
 
     files = {}
@@ -341,7 +379,7 @@ def _write_rank0_files(engine, temp: str, client_state, keys) -> dict:
     return files
 
 
-def _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, keep_last) -> None:
+def _finish(engine: CheckpointedEngine, root, temp, final, tag, files, canonical, aliases, keys, keep_last) -> None:
     world = engine.collectives.world_size
     temp_fd = open_dir(temp)
     try:
@@ -387,7 +425,7 @@ def _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, kee
         rotate(root, keep_last, tag)
 
 
-def _check_compatible(reader: CheckpointReader, engine, canonical) -> None:
+def _check_compatible(reader: CheckpointReader, engine: CheckpointedEngine, canonical) -> None:
     saved = reader.index["params"]
     mine = {canonical[id(p)]: p for unit in engine.units for p in unit.spec.params}
     missing = sorted(set(mine) - set(saved))
@@ -419,7 +457,7 @@ def _unit_step_count(unit, saved_params, canonical) -> int:
     return counts.pop()
 
 
-def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict:
+def load(engine: CheckpointedEngine, path, *, tag: str | None = None, load_rng: bool = True) -> dict:
     """Restores weights, optimizer states, counters, loss scale and (with `load_rng`) RNG
     states from a checkpoint saved by any world size and placement; returns its client_state."""
     started = time.perf_counter()
@@ -428,7 +466,7 @@ def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict
     with CheckpointReader(path, tag) as reader:
         _check_compatible(reader, engine, canonical)
         try:
-            engine.residency.drop_device_copies()
+            engine.drop_device_copies()
         except OffloadError as error:
             raise CheckpointError(f"load_checkpoint: {error}") from None
         saved_params = reader.index["params"]
@@ -466,7 +504,7 @@ def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict
             if not piece.last:
                 continue
             store.store_param16_values(unit, weights)
-            engine.residency.replace_weights(unit, weights)
+            engine.replace_device_weights(unit, weights)
             unit.step_count = _unit_step_count(unit, saved_params, canonical)
             unit.end_window()
             unit.grads_pending.clear()
@@ -499,7 +537,7 @@ def load(engine, path, *, tag: str | None = None, load_rng: bool = True) -> dict
     return client_state
 
 
-def _load_buffers(engine, buffers: dict[str, torch.Tensor], keys, directory: str) -> None:
+def _load_buffers(engine: CheckpointedEngine, buffers: dict[str, torch.Tensor], keys, directory: str) -> None:
     state = engine.model.state_dict(keep_vars=True)
     wanted = [key for key, what in keys if what == "buffer"]
     missing = [key for key in wanted if key not in buffers]

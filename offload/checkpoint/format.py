@@ -1,8 +1,6 @@
 """The checkpoint file format: writing, reading and checking a checkpoint directory, with no
 engine in sight (offload.checkpoint.engine_state is the engine's side: what each rank saves and loads).
-
-(Over 600 lines because it is one format read by a hostile-input-proof reader: the writer, the
-checks on every name, size and offset, and the reader belong together.)
+Writing and reading single files safely, and the checkpoint errors, are offload.checkpoint.files.
 
 Format. A checkpoint is a directory `<root>/<tag>/`:
 
@@ -54,9 +52,6 @@ versions could execute code from a crafted file).
 from __future__ import annotations
 
 import base64
-import contextlib
-import errno
-import fcntl
 import json
 import logging
 import math
@@ -64,14 +59,22 @@ import os
 import random
 import re
 import shutil
-import stat
 import struct
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import torch
 
-from offload.errors import InsufficientSpaceError, OffloadError
+from offload.checkpoint.files import (
+    CheckpointCorruptError,
+    CheckpointError,
+    _open_regular,
+    _read_exactly,
+    fsync_dir,
+    open_dir,
+    read_small,
+    write_replacing,
+)
 from offload.storage.aio import crc32c
 
 logger = logging.getLogger(__name__)
@@ -92,14 +95,6 @@ RANK_STATE = re.compile(r"rank(\d+)\.safetensors")
 SMALL_FILES = (BUFFERS, CLIENT_STATE, HF_CONFIG)
 MAX_INDEX_BYTES = 256 << 20  # index.json has no declared size: a cap instead (a 70B model's is ~1 MB)
 MAX_LATEST_BYTES = 4096
-
-
-class CheckpointError(OffloadError):
-    """A checkpoint cannot be saved or loaded (missing, incompatible); the message says which."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A checkpoint file is truncated, edited or damaged; the message names the file."""
 
 
 # ---- plain functions (tested directly) -----------------------------------------------------
@@ -159,14 +154,6 @@ SAFETENSORS_DTYPES = {
 
 
 # ---- small file helpers ----------------------------------------------------------------------
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     tensor = tensor.contiguous()
     if tensor.dtype == torch.bfloat16:
@@ -177,72 +164,6 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.numpy().data.cast("B")
 
 
-def write_all(fd: int, data, path: str) -> None:
-    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-    while len(view):
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def pwrite_all(fd: int, data, offset: int, path: str) -> None:
-    """Writes all of `data` at `offset` of the file (pwrite until done)."""
-    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-    while len(view):
-        written = os.pwrite(fd, view, offset)
-        view = view[written:]
-        offset += written
-
-
-def space_error(path: str, err: OSError, needed: int | None = None) -> OffloadError:
-    free = shutil.disk_usage(os.path.dirname(path) or ".").free
-    what = "the disk is full" if err.errno == errno.ENOSPC else f"the file size limit was reached ({err.strerror})"
-    need = f" ({needed} bytes needed)" if needed is not None else ""
-    return InsufficientSpaceError(
-        err.errno,
-        f"checkpoint write failed: {what} while writing {path}{need}, {free} bytes free; the previous "
-        "checkpoint is untouched; free space or save to another directory",
-        path,
-    )
-
-
-SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # the disk, a quota or the file size limit is full
-
-
-@contextlib.contextmanager
-def created_file(path: str, *, mode: int = 0o600, needed: int | None = None, advice: str | None = None):
-    """Creates `path` (O_EXCL, never through a symlink) and yields its descriptor; fsyncs and
-    closes it when the block ends. A full disk, quota or size limit, at any point, becomes the
-    `space_error` naming `path`. Another OSError: with `advice`, a CheckpointError naming `path`
-    and ending with the advice; without, it passes through (the save's `save_error` names it)."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    except OSError as e:
-        raise _write_error(path, e, needed, advice) from None
-    try:
-        yield fd
-        os.fsync(fd)
-    except OffloadError:
-        raise
-    except OSError as e:
-        raise _write_error(path, e, needed, advice) from None
-    finally:
-        os.close(fd)
-
-
-def _write_error(path: str, error: OSError, needed: int | None, advice: str | None) -> OSError | OffloadError:
-    if error.errno in SPACE_ERRNOS:
-        return space_error(path, error, needed)
-    if advice is None:
-        return error
-    return CheckpointError(f"cannot write {path}: {error.strerror}; {advice}")
-
-
-def write_small(path: str, data: bytes) -> dict:
-    with created_file(path, needed=len(data)) as fd:
-        write_all(fd, data, path)
-    return {"bytes": len(data), "crc32c": crc32c(data)}
-
-
 def _checked_name(name, directory: str) -> str:
     """`name` if it is a file name the format writes, else a CheckpointCorruptError."""
     if not isinstance(name, str) or not (name in SMALL_FILES or RANK_JSON.fullmatch(name) or RANK_STATE.fullmatch(name)):
@@ -251,64 +172,6 @@ def _checked_name(name, directory: str) -> str:
             "(the index or a rank file was crafted or damaged)"
         )
     return name
-
-
-def open_dir(path: str) -> int:
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise CheckpointError(f"no checkpoint at {path}: it does not exist") from None
-    except OSError as e:
-        raise CheckpointError(f"cannot open checkpoint directory {path}: {e.strerror}") from None
-
-
-def _open_regular(dir_fd: int, name: str, path: str) -> tuple[int, int]:
-    """Opens `name` under `dir_fd` for reading, never through a symlink, only if it is a regular
-    file (not a device such as /dev/zero, not a FIFO); returns (fd, size)."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"checkpoint file {path} is missing; the checkpoint is incomplete") from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CheckpointCorruptError(
-                f"checkpoint file {path} is a symbolic link: refusing to follow it (a checkpoint holds only regular files)"
-            ) from None
-        raise CheckpointError(f"cannot open checkpoint file {path}: {e.strerror}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise CheckpointCorruptError(
-            f"checkpoint file {path} is not a regular file: refusing to read it (a checkpoint holds only regular files)"
-        )
-    return fd, st.st_size
-
-
-def _read_exactly(fd: int, size: int, path: str) -> bytes:
-    """`size` bytes from the start of `fd`, never more."""
-    chunks, done = [], 0
-    while done < size:
-        chunk = os.pread(fd, min(size - done, 64 << 20), done)
-        if not chunk:
-            raise CheckpointCorruptError(f"checkpoint file {path} ends early (short read at byte {done}): truncated")
-        chunks.append(chunk)
-        done += len(chunk)
-    return b"".join(chunks)
-
-
-def read_small(dir_fd: int, directory: str, name: str, *, limit: int) -> bytes:
-    """A whole small file of at most `limit` bytes (for files without a declared size)."""
-    path = os.path.join(directory, name)
-    fd, size = _open_regular(dir_fd, name, path)
-    try:
-        if size > limit:
-            raise CheckpointCorruptError(
-                f"checkpoint file {path} is {size} bytes, more than the {limit} such a file "
-                "can have: refusing to read it (crafted or damaged)"
-            )
-        return _read_exactly(fd, size, path)
-    finally:
-        os.close(fd)
 
 
 def _read_verified(dir_fd: int, directory: str, name: str, info) -> bytes:
@@ -403,57 +266,6 @@ class Slice:
     end: int
     shard_pos: int
     unit: int
-
-
-def lock_held(fd: int) -> None:
-    """Marks a save's temporary file or directory as in use: a shared-nothing flock that the
-    kernel drops when the saving process dies, wherever it ran (flock is coherent over NFSv4)."""
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-
-def remove_stale(root: str) -> None:
-    """Removes `.tmp-*` / `.trash-*` entries no live save holds the lock of (a killed save)."""
-    root_fd = open_dir(root)
-    try:
-        for entry in os.listdir(root_fd):
-            if not entry.startswith((".tmp-", ".trash-")):
-                continue
-            try:
-                fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=root_fd)
-            except OSError:
-                continue  # gone meanwhile, or a symlink: not ours to follow
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a save in progress (this or another process, on any host)
-                stale = os.path.join(root, entry)
-                logger.info("offload: removing %s left by an interrupted save", stale)
-                if stat.S_ISDIR(os.fstat(fd).st_mode):
-                    shutil.rmtree(entry, dir_fd=root_fd, ignore_errors=True)
-                else:
-                    os.unlink(entry, dir_fd=root_fd)
-            finally:
-                os.close(fd)
-    finally:
-        os.close(root_fd)
-
-
-def save_error(error: BaseException, root: str) -> BaseException:
-    """An OSError of a save as an error that names the path and says what to do."""
-    if isinstance(error, OffloadError) or not isinstance(error, OSError):
-        return error
-    where = error.filename or root
-    if error.errno in SPACE_ERRNOS:
-        return space_error(where, error)
-    if error.errno in (errno.ENOTDIR, errno.EEXIST) and os.path.exists(root) and not os.path.isdir(root):
-        return CheckpointError(
-            f"cannot save a checkpoint to {root}: it is a file, not a directory; pass a directory path (it is created if missing)"
-        )
-    return CheckpointError(
-        f"cannot save a checkpoint to {root}: {error.strerror} ({where}); choose a directory "
-        "you can write to, or fix its permissions; the previous checkpoint is untouched"
-    )
 
 
 def list_checkpoints(root: str) -> dict[str, int]:
@@ -808,27 +620,4 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype = torch.float32, tag: str 
             write_replacing(os.path.join(out_dir, "config.json"), [config])
         fsync_dir(out_dir)
     logger.info("offload: exported %s (%s)", path, dtype)
-    return path
-
-
-def write_replacing(path: str, pieces, *, hold_lock: bool = False) -> str:
-    """Writes `pieces` (bytes-like) to a new temporary file next to `path` (O_EXCL, never through
-    a symlink), fsyncs it and renames it over `path`; on any failure the temporary file goes.
-    `hold_lock`: the temporary file is flock'ed while written (a concurrent save's sweep of
-    stale temporary files leaves it alone)."""
-    directory, name = os.path.split(path)
-    temp = os.path.join(directory, f".tmp-{name}-{os.getpid()}-{os.urandom(4).hex()}")
-    try:
-        with created_file(temp, mode=0o644, advice="choose a directory you can write to") as fd:
-            if hold_lock:
-                lock_held(fd)
-            for piece in pieces:
-                write_all(fd, piece, temp)
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except FileNotFoundError:
-            pass
-        raise
     return path

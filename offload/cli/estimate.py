@@ -11,6 +11,8 @@ from pathlib import Path
 from offload.config.sizes import parse_size
 from offload.errors import ConfigError
 from offload.plan import estimate as est
+from offload.plan.machine import DEVICE_KINDS, Machine, detect_machine
+from offload.plan.model_shapes import ModelShape, shape_from_hf_config, shape_from_param_count
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--device",
-        choices=est.DEVICE_KINDS,
+        choices=DEVICE_KINDS,
         help="what the engine will run on: cuda (its copies are "
         "staged through host buffers, counted in host) or cpu (default: cuda when a GPU is detected or "
         "--gpu-memory is given, else cpu)",
@@ -71,17 +73,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
 
 
-def _shape(args) -> est.ModelShape:
+def _shape(args) -> ModelShape:
     text = args.model
     if Path(text).exists():
-        return est.shape_from_hf_config(text)
+        return shape_from_hf_config(text)
     try:
         count = est.parse_count(text)
     except ConfigError:
         raise ConfigError(
             f"{text!r} is neither a parameter count (7B, 7e9) nor an existing config.json or model directory"
         ) from None
-    return est.shape_from_param_count(count, layers=args.layers, vocab_size=args.vocab_size)
+    return shape_from_param_count(count, layers=args.layers, vocab_size=args.vocab_size)
 
 
 def build_report(args) -> dict:
@@ -95,7 +97,7 @@ def build_report(args) -> dict:
     if args.world_size < 1 or args.nodes < 1:
         raise ConfigError("--world-size and --nodes must be >= 1")
     ranks_per_node = -(-args.world_size // args.nodes)
-    machine = est.detect_machine(nvme_path, ranks_per_node)
+    machine = detect_machine(nvme_path, ranks_per_node)
     notes = []
 
     def size(option: str, text: str, *, binary: bool) -> int:
@@ -115,7 +117,7 @@ def build_report(args) -> dict:
         raise ConfigError("--device cuda needs the GPU's memory: no GPU was detected here, so give --gpu-memory (e.g. 24GB)")
     ram = size("--ram", args.ram, binary=True) if args.ram is not None else machine.ram_bytes
     disk = size("--disk", args.disk, binary=False) if args.disk is not None else machine.disk_bytes
-    machine = est.Machine(gpu_bytes, ram, disk, ranks_per_node, nvme_path, device)
+    machine = Machine(gpu_bytes, ram, disk, ranks_per_node, nvme_path, device)
     report = est.estimate_report(
         _shape(args),
         machine,

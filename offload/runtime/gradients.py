@@ -149,7 +149,6 @@ class GradientOffload:
             self.on_final(unit)
 
     def _accumulate(self, unit: UnitState, pieces: list, nbytes: int, event, first: bool, boundary: bool) -> None:
-        staging = None
         try:
             if unit.optimizer_tier is OptimizerTier.DEVICE:
                 # the fp32 gradient is on the device too: added there, on the optimizer stream,
@@ -169,22 +168,27 @@ class GradientOffload:
                 else:
                     launched.value()
                 return
-            if self.device.separate_memory and pieces:
-                ((offset, flat),) = pieces
-                to_host = self.device.device_to_host
-                to_host.waits(event)
-                staging = self.store.grad_staging.take()
+            if not (self.device.separate_memory and pieces):
+                self._add(unit, pieces, first, boundary)
+                return
+            # through a host staging buffer the store lends (given back as the block ends)
+            ((offset, flat),) = pieces
+            to_host = self.device.device_to_host
+            to_host.waits(event)
+            with self.store.grad_staging_buffer() as staging:
                 to_host.copy(staging[: flat.numel()], flat, what=f"gradient of unit {unit.spec.name}", unit=unit.index)
                 to_host.record_event().synchronize()
                 pieces = [(offset, staging[: flat.numel()])]
                 self.device.host_reads(pieces[0][1], f"the staged gradient of unit {unit.spec.name}")
-            norm = self.store.accumulate_grad(unit, pieces, first, compute_norm=boundary)
-            if boundary:
-                unit.grad_sq_norm = norm
-            if staging is not None:
+                self._add(unit, pieces, first, boundary)
                 self.device.releasing(staging, f"the gradient staging buffer of unit {unit.spec.name}")
         finally:
-            if staging is not None:
-                self.store.grad_staging.give(staging)
             del pieces
             self.ledger.release("device", nbytes, "grad")
+
+    def _add(self, unit: UnitState, pieces: list, first: bool, boundary: bool) -> None:
+        """The gradient `pieces` (host memory) added into the unit's fp32 gradient; its squared
+        norm kept at the window's boundary."""
+        norm = self.store.accumulate_grad(unit, pieces, first, compute_norm=boundary)
+        if boundary:
+            unit.grad_sq_norm = norm

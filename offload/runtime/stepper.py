@@ -7,8 +7,10 @@ state (at most `offload.sub_group_size` elements) at a time: while piece i steps
 piece i+1 is being read into the next slot and piece i-1 written from the previous one; a slot
 is refilled only after its writes completed. As each unit's last piece finishes, its 16-bit
 weights go to their home tier and its `step_done` event is set: the next forward's fetch of
-that unit waits on exactly that. With param `nvme` the new weights are written from a staging
-buffer, and that write is waited for before the next unit takes one (one write behind).
+that unit waits on exactly that. The store says where they are written (`param16_target`) and
+sends them home (`publish_param16`); with param `nvme` they are written from a staging buffer,
+and that write-back (a `Param16WriteBack`, held here) is waited for before the next unit takes
+one (one write behind).
 
 A run has a `StepMode`: the step in place; a speculative step (overlap 'backward' with
 clipping or fp16), which reads a unit's resident master and moments and writes the new ones into
@@ -40,7 +42,7 @@ from offload.storage.tiers import TierStore
 
 if TYPE_CHECKING:
     from offload.runtime.events import EventLog
-    from offload.storage.swap import SwapHandle
+    from offload.storage.param16 import Param16WriteBack
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +99,10 @@ class UnitStepper:
         self.timings: dict[str, float] = dict.fromkeys(STEP_TIMING_KEYS, 0.0)
         # the schedule's EventLog, when the engine gives it one (tests that pin the order)
         self.events: EventLog | None = None
-        # param nvme: the last unit's 16-bit write-back still in flight and the staging buffer it
-        # reads from (filled by _publish, settled before the next unit takes a staging buffer,
-        # or at the run's end)
-        self._pending_publish: tuple[torch.Tensor, SwapHandle] | None = None
+        # param nvme: the last unit's 16-bit write-back still in flight, from its staging buffer
+        # (filled by _publish, settled before the next unit takes a staging buffer, or at the
+        # run's end)
+        self._pending_publish: Param16WriteBack | None = None
 
     def pop_timings(self) -> dict[str, float]:
         timings, self.timings = self.timings, dict.fromkeys(STEP_TIMING_KEYS, 0.0)
@@ -141,7 +143,7 @@ class UnitStepper:
             self._settle_publish()
         finally:
             if current is not None and self.store.param_tier is ParamTier.NVME:
-                self.store.give_back_staging(current.out)
+                self.store.give_back_staging(current.out)  # taken, never published
             self._settle_publish(quiet=True)
             for unit in units:
                 unit.step_done.set()
@@ -175,7 +177,7 @@ class UnitStepper:
             # some params are not stepped (frozen, or no gradient this window): the staging buffer
             # must start from this unit's 16-bit values, which are written back whole
             try:
-                self.store.require_swap().read_into(unit.swap_name("param16"), out).wait()
+                self.store.read_param16_into(unit, out)
             except BaseException:
                 self.store.give_back_staging(out)
                 raise
@@ -281,18 +283,16 @@ class UnitStepper:
         launched.value()
 
     def _param16_target(self, unit: UnitState) -> torch.Tensor:
-        """Where the kernel writes the new 16-bit weights (with param nvme, a staging buffer the
-        caller gives back once its write-back completed)."""
+        """Where the kernel writes the new 16-bit weights (with param nvme, a staging buffer of
+        the store's, given back once its write-back completed)."""
         if self.store.param_tier is ParamTier.DEVICE and not self.device.separate_memory:
             # the CPU device's buffer is host memory: the kernel writes the weights in place
             assert unit.device_flat is not None  # made for every unit at start (engine.py)
             start, end = unit.layout.shard_range(self.rank)
             return unit.device_flat[start:end]
-        if self.store.param_tier is not ParamTier.NVME:
-            # param cpu: the home copy; none on CUDA: the pinned source of the device copy
-            assert unit.param16 is not None, f"unit {unit.spec.name} has no 16-bit host copy"
-            return unit.param16
-        return self.store.param_staging.take()[: unit.shard_numel]
+        # param cpu: the home copy; none on CUDA: the pinned source of the device copy; nvme: a
+        # staging buffer
+        return self.store.param16_target(unit)
 
     def _publish(self, step: _UnitStep, last_piece: StatePiece) -> None:
         """Sends the unit's new 16-bit shard to the param's home tier. With the master on the
@@ -302,18 +302,12 @@ class UnitStepper:
         unit, out = step.unit, step.out
         tier = self.store.param_tier
         if tier is ParamTier.NVME:
-            try:
-                handle = self.store.require_swap().write_from(unit.swap_name("param16"), out)
-            except BaseException:
-                self.store.give_back_staging(out)
-                raise
             # The unit counts as stepped without waiting for this write: a fetch until then
-            # borrows `out` itself (FreshWeights), a later one reads the file, which the swap
-            # store orders after the write. The staging buffer goes back once the write completed
-            # and no borrow is out, which the next unit's step (or the end of the run) waits for.
+            # borrows `out` itself, a later one reads the file, which the swap store orders after
+            # the write. The staging buffer goes back once the write completed and no borrow is
+            # out, which the next unit's step (or the end of the run) waits for.
             assert self._pending_publish is None  # settled before this unit took `out` (_begin)
-            self._pending_publish = (out, handle)
-            self.store.fresh_param16.offer(unit, out)
+            self._pending_publish = self.store.publish_param16(unit, out)
         elif tier is ParamTier.DEVICE:
             self._publish_to_device(
                 unit, out, last_piece.views["master"] if unit.optimizer_tier is OptimizerTier.DEVICE else None
@@ -334,31 +328,23 @@ class UnitStepper:
             to_device.copy(unit.device_flat[start:end], out, what=what, unit=unit.index)
         unit.device_update_event = to_device.record_event()
 
-    def _settle(self, buffer: torch.Tensor, handle: SwapHandle) -> None:
-        """Waits for a 16-bit write-back and gives its staging buffer back. An interrupt leaves
-        both pending (the buffer may still be read by the write), to be settled again."""
-        try:
-            handle.wait()
-        except Exception:
-            self.store.give_back_published(buffer)
-            raise
-        except BaseException:
-            self._pending_publish = (buffer, handle)
-            raise
-        self.store.give_back_published(buffer)
-
     def _settle_publish(self, quiet: bool = False) -> None:
-        """The last write-back still pending, settled. `quiet`: a failure is logged, not raised
-        (an error already propagating is the one to report)."""
+        """The last write-back still pending, settled (waited for, its staging buffer given back,
+        also when it failed). An interrupt leaves it pending (the buffer may still be read by the
+        write), to be settled again. `quiet`: a failure is logged, not raised (an error already
+        propagating is the one to report)."""
         pending, self._pending_publish = self._pending_publish, None
         if pending is None:
             return
         try:
-            self._settle(*pending)
+            pending.wait()
         except Exception:
             if not quiet:
                 raise
             logger.warning("offload: a 16-bit weights write-back failed while the step failed", exc_info=True)
+        except BaseException:
+            self._pending_publish = pending  # once settled, a wait returns at once
+            raise
 
 
 @dataclass

@@ -48,17 +48,7 @@ class WeightsReader:
 
     def master_shard(self, unit: UnitState) -> torch.Tensor:
         """A host copy of this rank's fp32 master shard of `unit` (its `optimizer_numel` elements)."""
-        if not unit.optimizer_tier.streamed:
-            return unit.resident_state["master"].to("cpu", copy=True)
-        shard = torch.empty(unit.optimizer_numel, dtype=torch.float32)
-        swap = self.store.require_swap()
-        with self.store.slots_lock:
-            buffer = self.store.slots[0].master
-            for piece, (start, end) in enumerate(unit.state_pieces):
-                if end > start:
-                    swap.read_into(unit.swap_name("master", piece), buffer[: end - start]).wait()
-                    shard[start:end].copy_(buffer[: end - start])
-        return shard
+        return self.store.read_master(unit)
 
     def param16_shard(self, unit: UnitState) -> torch.Tensor:
         """A host copy of this rank's 16-bit shard of `unit`, wherever its home is."""

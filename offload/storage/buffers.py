@@ -14,13 +14,18 @@
   856M-element blocks do not cost 41 GB of slots. Only the optimizer worker uses them; a slot is
   reused for piece i + count after piece i's writes have completed. A streamed unit's new 16-bit weights
   are written into their home (`param: cpu`, `none`), or into a staging buffer (`param: nvme`).
-- `staging` ring (`param: nvme`): host buffers the transfer worker reads 16-bit shards into
-  before copying them to the device; one is reused once its device copy has completed.
+- `staging` ring (`param: nvme`, kept by the 16-bit home `storage.param16.NvmeParam16`): host
+  buffers the transfer worker reads 16-bit shards into before copying them to the device (one is
+  reused once its device copy has completed), and the optimizer worker's step writes a unit's
+  new weights into before their write-back (`Param16WriteBack`).
 - fresh 16-bit weights (`param: nvme`, `FreshWeights`): the staging buffer a step wrote a
   unit's new weights into, offered by the optimizer worker while their write-back is in flight.
   A fetch (transfer worker) borrows it instead of reading back the file being written; the
   optimizer worker withdraws it once the write is settled, waiting until no borrow is out, and
   only then gives the buffer back to the ring.
+- gradient staging ring (a device with memory of its own): two host buffers of the largest
+  shard; the transfer worker borrows one per gradient copy off the device
+  (`TierStore.grad_staging_buffer`) and gives it back once it has added the gradient in.
 - `grad_slot` (`optimizer: nvme`): the transfer worker's buffer for read-add-write of the fp32
   gradient, one piece at a time; used by one task at a time (the transfer worker is one thread).
   Made only when some NVMe unit keeps its gradient on NVMe: a unit with `gradient_in_ram` has

@@ -3,8 +3,11 @@
 `TierStore` owns the host buffer pool and the swap store. It sizes the pool from the placement
 before allocating anything (`state.host_budget_bytes`), reserves every swap file up front
 (a full disk fails here, not mid-step), and gives the engine a small vocabulary: initialise a
-unit's state, load/store an optimizer slot, fetch/store the 16-bit weights, accumulate a
-gradient. Which thread calls what is documented in `state.py`.
+unit's state, stream its optimizer state piece by piece, read its master, fetch/publish/store
+the 16-bit weights (through the home the param tier chose, storage.param16), accumulate a
+gradient, lend a gradient staging buffer, settle the swap operations in flight. It is the
+storage layer's one face: the swap store, its handles, the slots and the staging rings are
+reached through it alone. Which thread calls what is documented in `storage.buffers`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import psutil
@@ -39,8 +43,9 @@ from offload.plan.optimizer_plan import (
     plan_optimizer_tiers,
     shape_slots,
 )
-from offload.storage.buffers import BufferRing, FreshWeights, OptimizerSlot, StatePiece
+from offload.storage.buffers import BufferRing, OptimizerSlot, StatePiece
 from offload.storage.memory import HostBufferPool, TierLedger
+from offload.storage.param16 import HostParam16, NvmeParam16, Param16Home, Param16WriteBack
 
 if TYPE_CHECKING:
     from offload.storage.swap import SwapHandle, SwapStore
@@ -214,12 +219,12 @@ class TierStore:
         self.swap: SwapStore | None = None
         # held by whoever uses the optimizer slots (the optimizer worker's step, a checkpoint's
         # save or load, a read of the masters): one user at a time, whichever thread it is on
-        self.slots_lock = threading.RLock()
+        self._slots_lock = threading.RLock()
         # reads of the master and moments of the next step's first pieces, started into slots
         # 0, 1, ... ahead of it (`prefetch_optimizer_states`, optimizer worker, during the
         # boundary backward): (unit, piece index, read handles) per slot in that order. Taken by
         # the next stream, which uses those that match its own first pieces and waits out the
-        # rest; dropped (waited out) by anything else that uses the slots. Under slots_lock.
+        # rest; dropped (waited out) by anything else that uses the slots. Under _slots_lock.
         self._prefetched: list[tuple[UnitState, int, list[SwapHandle]]] = []
         self._nvme_bytes_recorded = 0  # what this store put in the ledger's nvme tier
         try:
@@ -325,9 +330,9 @@ class TierStore:
                 unit.resident_state["grad32"] = self.pool.alloc(
                     unit.optimizer_numel, torch.float32, category="gradient", pin=False
                 )
-        self.slots: list[OptimizerSlot] = []
+        self._slots: list[OptimizerSlot] = []
         if self.streamed_units:
-            self.slots = [self._allocate_slot(self.slot_shape.piece) for _ in range(self.slot_shape.count)]
+            self._slots = [self._allocate_slot(self.slot_shape.piece) for _ in range(self.slot_shape.count)]
             logger.info(
                 "offload: the optimizer state on NVMe streams through %d slots of %s elements (%.2f GiB of RAM; "
                 "offload.buffer_count, offload.sub_group_size)",
@@ -336,19 +341,21 @@ class TierStore:
                 self.budget["optimizer_slots"] / 2**30,
             )
             if "grad_slot" in self.budget:
-                self.grad_slot = self.pool.alloc(self.slot_shape.piece, torch.float32, category="grad_slot")
-        # param nvme: new 16-bit weights a fetch may borrow while their write-back is in flight
-        self.fresh_param16 = FreshWeights()
+                self._grad_slot = self.pool.alloc(self.slot_shape.piece, torch.float32, category="grad_slot")
         if "param16" in self.budget:
             for unit in self.units:
                 unit.param16 = self.pool.alloc(unit.shard_numel, self.compute_dtype, category="param16")
-        elif self.param_tier is ParamTier.NVME:
+        # the 16-bit weights' home (storage.param16): their swap file through a staging ring
+        # (param nvme), or the host copy just made (cpu, none on CUDA) or none (none on the CPU)
+        self._param16: Param16Home
+        if self.param_tier is ParamTier.NVME:
             count = self.prefetch_depth + 2
-            self.param_staging = BufferRing(
-                [self.pool.alloc(largest, self.compute_dtype, category="param_staging") for _ in range(count)]
-            )
+            staging = [self.pool.alloc(largest, self.compute_dtype, category="param_staging") for _ in range(count)]
+            self._param16 = NvmeParam16(staging, self._require_swap)
+        else:
+            self._param16 = HostParam16()
         if "grad_staging" in self.budget:
-            self.grad_staging = BufferRing(
+            self._grad_staging = BufferRing(
                 [self.pool.alloc(largest, self.compute_dtype, category="grad_staging") for _ in range(2)]
             )
 
@@ -360,7 +367,7 @@ class TierStore:
         )
         return OptimizerSlot(master, exp_avg, exp_avg_sq, grad32)
 
-    def require_swap(self) -> SwapStore:
+    def _require_swap(self) -> SwapStore:
         """The swap store, for an operation on NVMe-resident state (a streamed optimizer tier or
         param tier nvme): __init__ makes it whenever some unit has such state, and only close()
         drops it."""
@@ -388,8 +395,8 @@ class TierStore:
             # only the master is written: the moments and the fp32 gradient start at zero, and a
             # swap file never written reads as zeros without touching the disk (at 3B params:
             # 12 GB of start-up writes instead of 48 GB)
-            swap = self.require_swap()
-            slot = self.slots[0]
+            swap = self._require_swap()
+            slot = self._slots[0]
             for piece, (start, end) in enumerate(unit.state_pieces):
                 views = slot.views(end - start)
                 views["master"].copy_(master_values[start:end])
@@ -406,23 +413,13 @@ class TierStore:
 
     def store_param16_values(self, unit: UnitState, values32: torch.Tensor) -> None:
         """The 16-bit home copy of `values32`, this rank's whole shard (used at start and after
-        loading a checkpoint)."""
-        if self.param_tier is not ParamTier.NVME:
-            if unit.param16 is not None:  # `none` on the CPU has no host copy: the device buffer is it
-                unit.param16.copy_(values32)
-            return
-        self.fresh_param16.clear(unit)
-        staging = self.param_staging.take()
-        try:
-            staging[: unit.shard_numel].copy_(values32)
-            self.require_swap().write_from(unit.swap_name("param16"), staging[: unit.shard_numel]).wait()
-        finally:
-            self.param_staging.give(staging)
+        loading a checkpoint); with param nvme written to its file and waited for."""
+        self._param16.store_values(unit, values32)
 
     # ---- optimizer slots (optimizer: nvme; optimizer worker only) --------------------------
     def _load_piece(self, unit: UnitState, piece: int, slot: OptimizerSlot, kinds: tuple[str, ...]) -> list[SwapHandle]:
         """Starts reading those of `kinds` that the unit keeps in swap files, of one piece, into `slot`."""
-        swap = self.require_swap()
+        swap = self._require_swap()
         start, end = unit.state_pieces[piece]
         views = slot.views(end - start)
         return [swap.read_into(unit.swap_name(kind, piece), views[kind]) for kind in unit.swap_kinds if kind in kinds]
@@ -439,11 +436,11 @@ class TierStore:
         still writing it. The state read does not change before the step (only a step or a
         checkpoint load writes it, and the load drops these reads first). Best effort: a piece whose
         read failed is read again by the step (a lasting error is met there)."""
-        with self.slots_lock:
+        with self._slots_lock:
             self._drop_prefetch()
             try:
-                for position, (unit, j) in enumerate(self._streamed_pieces(units)[: len(self.slots)]):
-                    slot = self.slots[position]
+                for position, (unit, j) in enumerate(self._streamed_pieces(units)[: len(self._slots)]):
+                    slot = self._slots[position]
                     slot.wait_writes()
                     self._prefetched.append((unit, j, self._load_piece(unit, j, slot, STEPPED_KINDS)))
             except Exception:
@@ -452,7 +449,7 @@ class TierStore:
 
     def _drop_prefetch(self) -> None:
         """Waits out the prefetched reads (their slots are about to be used otherwise) and forgets
-        them; a failed one is the next reader's to meet. Under slots_lock."""
+        them; a failed one is the next reader's to meet. Under _slots_lock."""
         prefetched, self._prefetched = self._prefetched, []
         for _, _, handles in prefetched:
             _wait_quietly(handles)
@@ -473,7 +470,7 @@ class TierStore:
             for unit in units:
                 yield StatePiece(unit, 0, 0, unit.resident_state, None, last=True)
             return
-        with self.slots_lock:
+        with self._slots_lock:
             yield from self._stream_through_slots(units, include_grad, timings)
 
     def stream_optimizer_states_on_host(self, units: list[UnitState]) -> Iterator[StatePiece]:
@@ -488,7 +485,7 @@ class TierStore:
     def _stream_through_slots(
         self, all_units: list[UnitState], include_grad: bool, timings: dict[str, float] | None
     ) -> Iterator[StatePiece]:
-        slots = self.slots
+        slots = self._slots
         pieces = self._streamed_pieces(all_units)
         reads: dict[int, list[SwapHandle]] = {}
 
@@ -556,7 +553,7 @@ class TierStore:
         """Yields each unit's master, exp_avg and exp_avg_sq piece by piece (views without the
         gradient), for the caller to fill completely (a checkpoint load); what it wrote is
         stored on the unit's tier before the next piece's slot is reused. Nothing is read first."""
-        with self.slots_lock:
+        with self._slots_lock:
             self._drop_prefetch()
             try:
                 streamed = 0
@@ -574,7 +571,7 @@ class TierStore:
                         yield StatePiece(unit, 0, 0, views, None, last=True)
                         continue
                     for j, (start, end) in enumerate(unit.state_pieces):
-                        slot = self.slots[streamed % len(self.slots)]
+                        slot = self._slots[streamed % len(self._slots)]
                         streamed += 1
                         slot.wait_writes()
                         views = slot.views(end - start)
@@ -583,13 +580,13 @@ class TierStore:
                         yield piece
                         self.store_optimizer_state(piece)
             finally:
-                for slot in self.slots:
+                for slot in self._slots:
                     slot.wait_writes()
 
     def store_optimizer_state(self, piece: StatePiece, include_grad: bool = False) -> None:
         """Queues the writes of a streamed piece's states from its slot back to their swap files."""
         assert piece.slot is not None, "only a piece read into a slot is stored back"
-        swap = self.require_swap()
+        swap = self._require_swap()
         views = piece.slot.views(piece.end - piece.start)
         for kind in piece.unit.swap_kinds:
             if kind == "grad32" and not include_grad:
@@ -606,14 +603,14 @@ class TierStore:
         `pieces` are (offset in the shard, 1-D gradient) pairs, all within the shard's trainable
         part (`optimizer_numel`); the elements they do not cover had no gradient in this
         micro-batch (zero). An NVMe-resident gradient is read, added to and written back one
-        piece of `state_pieces` at a time, through `grad_slot`."""
+        piece of `state_pieces` at a time, through `_grad_slot`."""
         pieces = sorted(pieces, key=lambda piece: piece[0])
         if "grad32" not in unit.swap_kinds:
             return _accumulate(unit.resident_state["grad32"], 0, pieces, first_in_window, compute_norm)
-        swap = self.require_swap()
+        swap = self._require_swap()
         norm = 0.0
         for j, (start, end) in enumerate(unit.state_pieces):
-            target = self.grad_slot[: end - start]
+            target = self._grad_slot[: end - start]
             name = unit.swap_name("grad32", j)
             if not first_in_window:
                 swap.read_into(name, target).wait()
@@ -628,47 +625,83 @@ class TierStore:
             return squared_norm(unit.resident_state["grad32"])
         norm = 0.0
         for j, (start, end) in enumerate(unit.state_pieces):
-            target = self.grad_slot[: end - start]
-            self.require_swap().read_into(unit.swap_name("grad32", j), target).wait()
+            target = self._grad_slot[: end - start]
+            self._require_swap().read_into(unit.swap_name("grad32", j), target).wait()
             norm += squared_norm(target)
         return norm
 
-    # ---- 16-bit weights ---------------------------------------------------------------------
+    # ---- 16-bit weights (their home: storage.param16) ---------------------------------------
     def read_param16(self, unit: UnitState) -> tuple[torch.Tensor, bool]:
-        """The unit's 16-bit shard on the host: (tensor, whether it is a staging buffer to give back)."""
-        if self.param_tier is not ParamTier.NVME:
-            # param tier cpu always has the host copy; `none` has it on CUDA, and on the CPU (no
-            # host copy: the device buffer is the home) nothing reads it through here
-            # (weights_out.param16_shard reads the device buffer, a fetch only runs when offloaded)
-            assert unit.param16 is not None, f"unit {unit.spec.name} has no 16-bit host copy"
-            return unit.param16, False
-        fresh = self.fresh_param16.borrow(unit)
-        if fresh is not None:
-            # the step's staging buffer still holds them: no read back of the file being written
-            return fresh, True
-        staging = self.param_staging.take()
-        try:
-            self.require_swap().read_into(unit.swap_name("param16"), staging[: unit.shard_numel]).wait()
-        except BaseException:
-            self.param_staging.give(staging)
-            raise
-        return staging[: unit.shard_numel], True
-
-    def give_back_published(self, buffer: torch.Tensor) -> None:
-        """The staging buffer a step's new 16-bit weights were written from, its write settled:
-        lent to fetches no more (once the borrows out have ended), then free for the ring."""
-        self.fresh_param16.withdraw(buffer)
-        self.give_back_staging(buffer)
+        """The unit's 16-bit shard on the host (a fetch on the transfer worker, a weights read on
+        the main thread): (tensor, whether it is a staging buffer to give back with
+        `give_back_staging`). With param nvme, the buffer a step still offers (its write-back in
+        flight), else the file read into a staging buffer."""
+        return self._param16.read(unit)
 
     def give_back_staging(self, tensor: torch.Tensor) -> None:
-        """A staging buffer `read_param16` returned, or one the stepper took, is free again."""
-        if self.fresh_param16.give_back(tensor):
-            return
-        for buffer in self.param_staging.buffers:
-            if buffer.data_ptr() == tensor.data_ptr():
-                self.param_staging.give(buffer)
-                return
-        raise RuntimeError("give_back_staging: the tensor is not a staging buffer")
+        """A staging buffer `read_param16` returned, or a `param16_target` not published, is free again."""
+        self._param16.give_back(tensor)
+
+    def param16_target(self, unit: UnitState) -> torch.Tensor:
+        """Optimizer worker: where a step writes the unit's new 16-bit weights (its whole shard).
+        The host home (param cpu; none on CUDA, the pinned source of the device copy), or with
+        param nvme a staging buffer taken from the ring (blocking while all are in use), which
+        `publish_param16` hands on, or `give_back_staging` returns if the step fails first."""
+        return self._param16.target(unit)
+
+    def read_param16_into(self, unit: UnitState, out: torch.Tensor) -> None:
+        """Optimizer worker: fills `out`, a `param16_target`, with the unit's current 16-bit
+        weights (a step that leaves some params unchanged writes the shard back whole): with param
+        nvme read from the unit's file, waited for; the host home already holds them."""
+        self._param16.read_into(unit, out)
+
+    def publish_param16(self, unit: UnitState, out: torch.Tensor) -> Param16WriteBack | None:
+        """Optimizer worker, after the step wrote `out` (a `param16_target`): sends the new
+        weights home. With param nvme the write to the unit's file is started and `out` offered to
+        fetches while it is in flight; the write-back returned is the caller's to `wait` (settled
+        before the worker takes another target: one write behind), which gives `out` back. A
+        write that cannot start gives `out` back and raises. None when `out` is the home."""
+        return self._param16.publish(unit, out)
+
+    # ---- masters (main thread, the steps in flight waited for) -----------------------------
+    def read_master(self, unit: UnitState) -> torch.Tensor:
+        """A host copy of this rank's fp32 master shard of `unit` (its `optimizer_numel` elements),
+        wherever it lives: its resident buffer (host or device), or its swap files read piece by
+        piece through slot 0 (holding the slots; the next step's prefetched pieces are dropped
+        first, as by anything else that uses the slots: slot 0 no longer holds its piece)."""
+        if not unit.optimizer_tier.streamed:
+            return unit.resident_state["master"].to("cpu", copy=True)
+        shard = torch.empty(unit.optimizer_numel, dtype=torch.float32)
+        swap = self._require_swap()
+        with self._slots_lock:
+            self._drop_prefetch()
+            buffer = self._slots[0].master
+            for piece, (start, end) in enumerate(unit.state_pieces):
+                if end > start:
+                    swap.read_into(unit.swap_name("master", piece), buffer[: end - start]).wait()
+                    shard[start:end].copy_(buffer[: end - start])
+        return shard
+
+    # ---- gradient staging (transfer worker) --------------------------------------------------
+    @contextmanager
+    def grad_staging_buffer(self) -> Iterator[torch.Tensor]:
+        """A host buffer of the largest shard's size in the compute dtype, lent for one gradient's
+        copy off a device with its own memory (two in the ring; blocks while both are lent),
+        given back when the block ends, however it ends. The caller waits for the copy into it
+        before the block ends."""
+        staging = self._grad_staging.take()
+        try:
+            yield staging
+        finally:
+            self._grad_staging.give(staging)
+
+    # ---- swap operations ---------------------------------------------------------------------
+    def settle(self) -> list[BaseException]:
+        """Completes every swap operation in flight and returns the failures no one has been told
+        of yet (SwapStore.settle); [] when no state is on NVMe."""
+        if self.swap is None:
+            return []
+        return self.swap.settle()
 
     def close(self) -> None:
         if self._device_state_bytes:
@@ -681,7 +714,7 @@ class TierStore:
             self.ledger.release("nvme", self._nvme_bytes_recorded, "swap")
             self._nvme_bytes_recorded = 0
         if self.swap is not None:
-            with self.slots_lock:
+            with self._slots_lock:
                 self._drop_prefetch()
             self.swap.close()
             self.swap = None

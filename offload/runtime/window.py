@@ -1,0 +1,555 @@
+"""The gradient window: which backward ends a window of gradient accumulation, the global
+gradient norm, clipping and the fp16 loss scale, and whether a window is stepped, skipped or
+refused; the steps during backward (overlap 'backward', speculative or in place) and what
+becomes of them when a backward or step() fails.
+
+`GradientWindow` is the engine's counters and decisions between a backward and a step; the
+Engine delegates `backward`, `step` and the training state to it. The parts report to it: the
+gradient path calls `step_during_backward` as each unit's gradients are final (transfer worker),
+the schedule calls `outside_backward_began` when a plain `loss.backward()` reaches the model's
+outputs (inside autograd, main thread). Everything else runs on the main thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from concurrent.futures import Executor
+
+import torch
+
+from offload.config.schema import Config
+from offload.errors import NonFiniteError, OffloadError
+from offload.model.unit_state import UnitState
+from offload.optim.hyperparameters import GroupHyperparameters
+from offload.optim.loss_scaling import DynamicLossScaler, gradient_multiplier
+from offload.optim.step_hyper import StepHyper
+from offload.platform.collectives import Collectives
+from offload.runtime.events import Phase
+from offload.runtime.gradients import GradientOffload
+from offload.runtime.overlap import OverlapPolicy, Stepping
+from offload.runtime.prefetch import step_order
+from offload.runtime.schedule import Schedule
+from offload.runtime.stepper import StepMode
+from offload.runtime.weights_out import WeightsReader
+from offload.storage.tiers import TierStore
+
+logger = logging.getLogger(__name__)
+
+
+class GradientWindow:
+    """The counters and decisions of gradient windows (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        units: list[UnitState],
+        policy: OverlapPolicy,
+        hyper: GroupHyperparameters,
+        collectives: Collectives,
+        store: TierStore,
+        stepping: Stepping,
+        gradients: GradientOffload,
+        weights: WeightsReader,
+        optimizer_worker: Executor,
+        timings: dict[str, float],
+    ) -> None:
+        self.config = config
+        self.units = units
+        self.policy = policy
+        self.hyper = hyper
+        self.collectives = collectives
+        self.store = store
+        self.stepping = stepping
+        self.gradients = gradients
+        self.weights = weights
+        self.optimizer_worker = optimizer_worker
+        self.timings = timings
+        # the per-unit schedule, attached once built (it reports plain backwards to this window)
+        self.schedule: Schedule
+        self.closed = False
+        self.scaler = DynamicLossScaler(
+            scale=config.loss_scale.initial if config.precision == "fp16" else 1.0,
+            growth_interval=config.loss_scale.growth_interval,
+            backoff_factor=config.loss_scale.backoff_factor,
+            growth_factor=config.loss_scale.growth_factor,
+            min_scale=config.loss_scale.min_scale,
+        )
+        self.micro_steps = 0  # backward calls so far
+        self.global_steps = 0  # optimizer steps taken
+        self.skipped_steps = 0  # fp16 overflows
+        self.last_grad_norm: float | None = None
+        self._stepped_at_micro = -1  # micro_steps at the last step() that ended a window
+        # overlap 'backward': units whose gradients were not finite (not stepped); transfer worker
+        self._nonfinite_units: list[str] = []
+        # overlap 'backward', speculative: units stepped into their spare state in this window,
+        # appended by the transfer worker, committed or taken back by step() after it drained
+        self._speculated: dict[int, UnitState] = {}
+        # speculative windows step() committed, stepped again (clipping acted, or the
+        # hyperparameters changed), skipped (fp16 overflow) or refused (non-finite gradients)
+        self.speculation_counts = {"committed": 0, "redone": 0, "skipped": 0, "refused": 0}
+        # overlap 'backward': each group's hyperparameters for the window's steps, read on the main
+        # thread when its last backward begins (the transfer worker submits the steps)
+        self._window_hypers: list[StepHyper] | None = None
+        # overlap 'backward' without speculation: units stepped in place during the window's last
+        # backward (appended by the transfer worker, read by the main thread once settled). A
+        # backward that fails after some stepped leaves the weights partly stepped: their names,
+        # and every use is refused until load_checkpoint
+        self._stepped_in_backward: list[UnitState] = []
+        self._partly_stepped: list[str] = []
+        self._outside_backward_began_at = 0.0
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise OffloadError("this engine is closed; create a new one with offload.initialize")
+
+    def before_load(self) -> None:
+        """A checkpoint load replaces every weight and state: work in flight that failed (a swap
+        I/O error in the last step, say) is waited for and discarded, so the load is the way
+        back; speculative steps of an unfinished window are taken back first, so that a load
+        that fails leaves the engine as it would be without them."""
+        for failure in self.settle():
+            logger.warning("offload: load_checkpoint discards failed work in flight: %s", failure)
+        self.take_back_undecided("load_checkpoint in the middle of a window")
+        self._window_hypers = None
+
+    def after_load(self) -> None:
+        """A checkpoint was loaded: weights partly stepped by a failed backward are gone."""
+        self._partly_stepped = []
+
+    def settle_before_use(self) -> None:
+        """Before a forward or a read of the weights: a failed plain backward's holds are given
+        back; with overlap `backward`, the steps of a window that ended wait to be scheduled."""
+        self._finish_abandoned_backward()
+        self.refuse_partly_stepped()
+        if self.policy.steps_in_backward and self._window_ended_without_step():
+            if self.policy.speculative:
+                raise OffloadError(
+                    "overlap 'backward' with gradient clipping or fp16: the last backward ended a gradient window and its "
+                    "units were stepped speculatively, but engine.step() was not called; the weights count only once "
+                    "step() has checked the global gradient norm. Call engine.step() after the backward that ends each window"
+                )
+            # overlap 'backward', a forward before step(): the window's steps are being scheduled
+            # by the transfer worker as gradients land; let them be, so that the forward's fetches
+            # ask for the weights they will get
+            self.gradients.wait_all()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` / gradient_accumulation_steps (times the loss scale in fp16)."""
+        self._check_open()
+        self._finish_abandoned_backward()
+        self.refuse_partly_stepped()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise OffloadError("engine.backward needs the scalar loss tensor (e.g. out.loss)")
+        if not loss.requires_grad:
+            raise OffloadError("engine.backward: the loss does not require grad (was the forward run under torch.no_grad?)")
+        boundary = self._before_backward()
+        # agreed over ranks: a rank skipping backward alone would leave the others in its collectives
+        nonfinite = self.config.precision != "fp16" and not math.isfinite(float(loss.detach()))
+        self._agree_on_backward(nonfinite, float(loss.detach()) if nonfinite else None)
+        self._prefetch_step_states(boundary)
+        scaled = loss.float() / self.config.gradient_accumulation_steps
+        if self.config.precision == "fp16":
+            scaled = scaled * self.scaler.scale
+        started = time.perf_counter()
+        try:
+            self.schedule.backward(scaled, boundary=boundary)
+        except BaseException as error:
+            self._after_failed_backward("the backward that ends the window failed", error)
+            raise
+        finally:
+            self.timings["backward"] += time.perf_counter() - started
+        self.micro_steps += 1
+
+    def _before_backward(self) -> bool:
+        """Checks that need no other rank, before a backward changes anything; returns whether
+        it ends a gradient window. Deterministic on every rank (same counters and config)."""
+        accumulation = self.config.gradient_accumulation_steps
+        if self.policy.steps_in_backward and self._window_ended_without_step():
+            raise OffloadError(
+                f"overlap 'backward': the last backward ended a gradient window (gradient_accumulation_steps "
+                f"{accumulation}) and its units were stepped as their gradients landed, but engine.step() was not "
+                "called after it. Call engine.step() after the backward that ends each window; another backward first "
+                "would step the weights a second time (overlap 'none' / 'forward' accumulate it into the window instead)"
+            )
+        boundary = (self.micro_steps + 1) % accumulation == 0
+        if boundary and self.policy.steps_in_backward:
+            self.hyper.check_untouched()
+            self._window_hypers = self.hyper.step_hypers(self._unclipped_multiplier())
+            self._stepped_in_backward = []
+        return boundary
+
+    def _agree_on_backward(self, nonfinite: bool, loss_value: float | None) -> None:
+        """Several ranks: one exchange (non-finite losses, units used; schedule.py); then the
+        steps still in flight finish (they read the fp32 gradients this backward writes)."""
+        if self.schedule.agree_on_backward(nonfinite):
+            bad_ranks = self.collectives.ranks_with(nonfinite, what="the non-finite loss check")
+            self.schedule.abort_backward()
+            where = ""
+            if self.collectives.is_distributed:
+                where = f" (not finite on rank{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))})"
+            shown = "not finite" if loss_value is None else f"{loss_value}"
+            raise NonFiniteError(
+                f"the loss is {shown}{where} at micro-step {self.micro_steps}: backward "
+                "was not run and no state changed; check the data and the learning rate, or use precision 'fp16' "
+                "whose overflow skips the step"
+            )
+        self.stepping.wait()
+
+    def _prefetch_step_states(self, boundary: bool) -> None:
+        """The window's last backward begins (the steps in flight are done): the optimizer worker
+        starts reading the master and moments of the first NVMe pieces the step will stream, in
+        its order, while backward computes (TierStore.prefetch_optimizer_states). Not with overlap
+        'backward' without speculation, whose units step one by one as their gradients land."""
+        if not boundary or not self.store.streamed_units:
+            return
+        if self.policy.steps_in_backward and not self.policy.speculative:
+            return
+        order = step_order(self.schedule.context.forward_order.recorded, len(self.units))
+        self.optimizer_worker.submit(self.store.prefetch_optimizer_states, [self.units[i] for i in order])
+
+    def _window_ended_without_step(self) -> bool:
+        """The last backward ended a gradient window and step() has not taken it yet."""
+        steps = self.micro_steps
+        return bool(steps) and steps % self.config.gradient_accumulation_steps == 0 and steps != self._stepped_at_micro
+
+    def outside_backward_began(self) -> None:
+        """Inside autograd, as a backward the engine did not start (a plain `loss.backward()`)
+        reaches the model's outputs: what `engine.backward` does before autograd, except the
+        division by gradient_accumulation_steps (the user's, as with torch); the rest runs when
+        autograd finishes (`_outside_backward_ended`, queued on its engine)."""
+        self._check_open()
+        try:
+            if self.config.precision == "fp16":
+                raise OffloadError(
+                    "precision 'fp16' needs engine.backward(loss) instead of loss.backward(): the engine multiplies the "
+                    "loss by the dynamic loss scale before backward (unscaled fp16 gradients underflow) and divides the "
+                    "gradients by it in the step. No gradient was kept; call engine.backward(loss)"
+                )
+            boundary = self._before_backward()
+            self._agree_on_backward(False, None)
+            self._prefetch_step_states(boundary)
+            self.schedule.begin_backward(boundary=boundary)
+        except BaseException:
+            self.schedule.abort_backward()
+            raise
+        self._outside_backward_began_at = time.perf_counter()
+        torch.autograd.Variable._execution_engine.queue_callback(self._outside_backward_ended)
+
+    def _outside_backward_ended(self) -> None:
+        try:
+            self.schedule.end_backward()
+        finally:
+            self.timings["backward"] += time.perf_counter() - self._outside_backward_began_at
+        self.micro_steps += 1
+
+    def _finish_abandoned_backward(self) -> None:
+        """A plain backward that failed inside autograd never reached its end (`queue_callback`
+        runs only on success): its holds are given back here, as engine.backward's would be."""
+        if self.schedule.context.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1:
+            logger.warning("offload: a loss.backward() failed before it finished; its unit holds are released")
+            self.schedule.context.backward_failed = True
+            self.schedule.end_backward()
+            self._after_failed_backward("a loss.backward() failed before it finished")
+
+    def _after_failed_backward(self, why: str, error: BaseException | None = None) -> None:
+        """A backward that failed. Speculative steps are taken back. Steps taken in place during a
+        window's last backward (overlap 'backward' without clipping or fp16) cannot be: the units
+        that stepped are named, the failure (`error`) says so, and the engine refuses to go on
+        from weights partly stepped until a checkpoint is loaded. Units whose gradients were
+        handed off after the failure did not step (`step_during_backward`)."""
+        if self.policy.speculative:
+            self._abandon_speculation(why)
+            return
+        if not (self.policy.steps_in_backward and self.schedule.context.boundary_backward):
+            return
+        for failure in self.settle():
+            logger.warning("offload: %s; work in flight failed too: %s", why, failure)
+        stepped, self._stepped_in_backward = self._stepped_in_backward, []
+        if not stepped:
+            return
+        self._partly_stepped = [unit.spec.name for unit in sorted(stepped, key=lambda unit: unit.index)]
+        message = (
+            f"offload: {why} after {len(stepped)} of {len(self.units)} units had stepped in place with overlap "
+            f"'backward' ({', '.join(self._partly_stepped[:4])}{' …' if len(stepped) > 4 else ''}); the others did not "
+            "step, and steps taken in place cannot be taken back, so the weights are partly stepped. Load a checkpoint "
+            "(engine.load_checkpoint) to go on; until then the engine refuses to train"
+        )
+        logger.error(message)
+        if error is not None:
+            error.add_note(message)
+
+    def refuse_partly_stepped(self) -> None:
+        if self._partly_stepped:
+            raise OffloadError(
+                f"a backward failed after units {', '.join(self._partly_stepped[:4])} had stepped in place (overlap "
+                "'backward'): the weights are partly stepped. Load a checkpoint (engine.load_checkpoint) to go on"
+            )
+
+    def _unclipped_multiplier(self) -> float:
+        """What the stored gradients are multiplied by when clipping does not act: the loss scale
+        and the ranks' sum undone (the very value `gradient_multiplier` gives then)."""
+        return gradient_multiplier(self.scaler.scale * self.collectives.world_size, 0.0, 0.0)[0]
+
+    def step_during_backward(self, unit: UnitState) -> None:
+        """overlap 'backward' (transfer worker): the unit's gradients are final, step it now
+        (speculatively, into its spare state, when the factor needs the global norm: a unit
+        without a spare state, or with non-finite gradients, waits for step())."""
+        if self.schedule.context.backward_failed:
+            return  # its gradients may be incomplete: the failure decides what becomes of the window
+        finite = unit.grad_sq_norm is not None and math.isfinite(unit.grad_sq_norm)
+        # read when the window's last backward began, before any of its units could be final
+        assert self._window_hypers is not None
+        if self.policy.speculative:
+            if finite and unit.spare_state and unit.grads_in_window and unit.index not in self._speculated:
+                self._begin_steps([unit])
+                self._speculated[unit.index] = unit
+                self.stepping.submit([unit], self._window_hypers, StepMode.SPECULATE)
+            return
+        if not finite:
+            self._nonfinite_units.append(unit.spec.name)
+            return
+        self._begin_steps([unit])
+        self._stepped_in_backward.append(unit)
+        self.stepping.submit([unit], self._window_hypers)
+
+    def drain(self) -> None:
+        """Waits for every gradient transfer and optimizer step in flight; re-raises their errors."""
+        self.gradients.wait_all()
+        self.stepping.wait()
+
+    def step(self) -> bool:
+        """At the end of an accumulation window, updates the weights; returns True when it did.
+
+        With overlap 'forward' the update runs on while the next forward computes: the
+        weights are committed (each unit's next use waits for its own update)."""
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.timings["step"] += time.perf_counter() - started
+
+    def _step(self) -> bool:
+        self._check_open()
+        self._finish_abandoned_backward()
+        self.refuse_partly_stepped()
+        self._refuse_stray_grads()
+        if self.micro_steps == 0 or self.micro_steps % self.config.gradient_accumulation_steps != 0:
+            return False
+        if self.micro_steps == self._stepped_at_micro:
+            return False
+        self.hyper.check_untouched()
+        self.drain()
+        # the window is decided from here on (stepped, skipped or refused); an interrupt in the
+        # wait above leaves it open, and the next step() takes it again
+        self._stepped_at_micro = self.micro_steps
+        window = [unit for unit in self.units if unit.window_started]
+        if self.policy.steps_in_backward and not self.policy.speculative:
+            return self._finish_window_stepped_in_backward(window)
+        try:
+            norms = {}
+            for unit in window:
+                if unit.grad_sq_norm is None:
+                    unit.grad_sq_norm = self.store.grad_sq_norm(unit)
+                norms[unit.index] = unit.grad_sq_norm
+            local = sum(norms.values())
+            (total,) = self.collectives.sum_host([local], what="the global gradient norm")
+        except BaseException:
+            # the window stays unstepped, as without speculation: so do its speculated units
+            self._abandon_speculation("step() failed before it knew the global norm")
+            raise
+        multiplier, norm = gradient_multiplier(
+            self.scaler.scale * self.collectives.world_size, total, self.config.gradient_clipping
+        )
+        self.last_grad_norm = norm
+        speculated, self._speculated = list(self._speculated.values()), {}
+        window_hypers, self._window_hypers = self._window_hypers, None
+        if not math.isfinite(norm):
+            bad = [unit.spec.name for unit in window if not math.isfinite(norms[unit.index])]
+            if speculated:
+                self.speculation_counts["skipped" if self.config.precision == "fp16" else "refused"] += 1
+            self._take_back(speculated, restore=True)
+            self._discard_window()
+            if self.config.precision == "fp16":
+                self.scaler.update(overflow=True)
+                self.skipped_steps += 1
+                logger.warning(
+                    "offload: fp16 gradient overflow at step %d; step skipped, loss scale now %g",
+                    self.global_steps,
+                    self.scaler.scale,
+                )
+                return False
+            raise NonFiniteError(
+                f"non-finite gradients (norm {norm}) in {', '.join(bad) or 'other ranks'} at step {self.global_steps}: "
+                "the step was skipped and the weights are unchanged; lower the learning rate, check the data, or enable clipping"
+            )
+        hypers = self.hyper.step_hypers(multiplier)
+        if speculated:
+            # the speculative steps stand if they used this very factor and hyperparameters
+            # (read when the window's last backward began: an lr set since is a redo too)
+            used = [dataclasses.replace(h, grad_multiplier=multiplier) for h in window_hypers or []]
+            clipped = multiplier != self._unclipped_multiplier()
+            if not clipped and used == hypers:
+                self._commit(speculated)
+                self.speculation_counts["committed"] += 1
+            else:
+                self._take_back(speculated, restore=False)
+                self.speculation_counts["redone"] += 1
+                self._log_redo(len(speculated), clipped=clipped)
+        if self.config.precision == "fp16":
+            self.scaler.update(overflow=False)
+        self.global_steps += 1
+        order = step_order(self.schedule.context.forward_order.recorded, len(self.units))
+        self._submit_steps([self.units[i] for i in order if self.units[i].window_started], hypers)
+        return True
+
+    def _commit(self, speculated: list[UnitState]) -> None:
+        """The speculative steps stand (the factor they used is the true one): each unit's spare
+        state becomes its state, and its window ends."""
+        events = self.schedule.context.events
+        self.weights.invalidate()
+        for unit in speculated:
+            unit.commit_spare()
+            unit.end_window()
+            events.record("step_commit", unit.index)
+
+    def _take_back(self, speculated: list[UnitState], *, restore: bool) -> None:
+        """The speculative steps do not stand: their states are left in the spare buffers and
+        their step counts undone. `restore`: no step follows (skipped, refused, or the window
+        abandoned), so the 16-bit weights they published are cast again from the untouched
+        masters (and waited for); otherwise the units stay in the window and step again from
+        their old state."""
+        if not speculated:
+            return
+        events = self.schedule.context.events
+        self.weights.invalidate()
+        for unit in speculated:
+            unit.step_count -= 1
+            events.record("step_take_back", unit.index)
+        if restore:
+            self._begin_steps(speculated)
+            self.stepping.submit(speculated, (), StepMode.RESTORE)
+            self.stepping.wait()
+
+    def _log_redo(self, count: int, *, clipped: bool) -> None:
+        logger.info(
+            "offload: step %d %s: the %d units stepped during backward step again from their old state "
+            "(%d of %d speculative windows redone so far)",
+            self.global_steps,
+            "clips the gradients" if clipped else "has other hyperparameters than its backward began with",
+            count,
+            self.speculation_counts["redone"],
+            sum(self.speculation_counts.values()),
+        )
+
+    def _abandon_speculation(self, why: str) -> None:
+        """A window's speculative steps that will not be decided by step() (its backward, or
+        step() itself, failed): the work in flight is settled and they are taken back, leaving
+        the units as a run without speculation would (not stepped). Errors of the settled work
+        are logged: the failure being raised is the one to report."""
+        if not self.policy.speculative:
+            return
+        # first every hand-off in flight: the transfer worker may still submit speculative steps
+        for failure in self.settle():
+            logger.warning("offload: %s; discarding failed work in flight: %s", why, failure)
+        self.take_back_undecided(why)
+
+    def take_back_undecided(self, why: str) -> None:
+        """The speculative steps of a window step() will not decide (the work in flight is
+        settled already), taken back."""
+        if not self._speculated:
+            return
+        speculated, self._speculated = list(self._speculated.values()), {}
+        logger.warning("offload: %s; the %d units stepped speculatively are taken back", why, len(speculated))
+        self._take_back(speculated, restore=True)
+
+    def _finish_window_stepped_in_backward(self, window: list[UnitState]) -> bool:
+        nonfinite, self._nonfinite_units = self._nonfinite_units, []
+        if self.collectives.ranks_with(bool(nonfinite), what="the non-finite gradient check") and not nonfinite:
+            nonfinite = ["units on other ranks"]
+        if nonfinite:
+            self._discard_window()
+            raise NonFiniteError(
+                f"non-finite gradients in {', '.join(nonfinite)} at step {self.global_steps}: those units were not "
+                "stepped (with overlap 'backward' the other units already were); lower the learning rate or check the data"
+            )
+        hypers = self._window_hypers or self.hyper.step_hypers(self._unclipped_multiplier())
+        self._window_hypers = None
+        self.global_steps += 1
+        self._submit_steps([unit for unit in window if unit.window_started], hypers)
+        return True
+
+    def _begin_steps(self, units: list[UnitState]) -> None:
+        """Units about to be submitted to the optimizer worker: their step begins (weights
+        version, step_done cleared), a gather follows it where the schedule needs one, and the
+        weights kept for state-dict reads are dropped."""
+        context = self.schedule.context
+        self.weights.invalidate()
+        for unit in units:
+            unit.begin_step()
+            context.events.record("step_begin", unit.index)
+            if context.gathers_after_step:
+                unit.needs_gather = True
+
+    def _submit_steps(self, units: list[UnitState], hypers: list[StepHyper]) -> None:
+        """The window's units step on the optimizer worker; the overlap policy says whether
+        step() waits for them. The config's schedule (if any) moves on to the next step."""
+        self._begin_steps(units)
+        self.stepping.submit(units, hypers)
+        self.hyper.apply_schedule(self.global_steps)
+        self.policy.on_window_end(self.stepping)
+
+    def _refuse_stray_grads(self) -> None:
+        stray = self.schedule.context.stray_grads
+        if stray:
+            names = sorted(set(stray))
+            stray.clear()
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise OffloadError(
+                f"gradients of {shown} came from a backward that never reached the model's outputs (torch.autograd.grad, "
+                "or a loss of parameters read outside engine(...)), which the engine cannot follow; they were dropped. "
+                "Compute the loss from what engine(...) returns and call loss.backward() or engine.backward(loss)"
+            )
+
+    def _discard_window(self) -> None:
+        for unit in self.units:
+            unit.end_window()
+
+    def settle(self) -> list[BaseException]:
+        """Waits for every gradient transfer, optimizer step and swap operation in flight (also
+        those a failed step left in wait lists); returns their errors."""
+        failures: list[BaseException] = []
+        for wait in (self.gradients.wait_all, self.stepping.wait):
+            try:
+                wait()
+            except Exception as error:  # noqa: BLE001 (returned to the caller, who decides)
+                failures.append(error)
+        failures.extend(self.store.settle())
+        return failures
+
+    def training_state(self) -> dict:
+        """The engine's counters and loss scale: what a checkpoint saves beside the tensors."""
+        norm = self.last_grad_norm
+        return {
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "skipped_steps": self.skipped_steps,
+            "stepped_at_micro": self._stepped_at_micro,
+            **self.hyper.state(),
+            "loss_scaler": self.scaler.state_dict(),
+            "last_grad_norm": norm if norm is None or math.isfinite(norm) else None,
+        }
+
+    def load_training_state(self, state: dict) -> None:
+        """Restores what `training_state()` gave."""
+        self.global_steps = state["global_steps"]
+        self.micro_steps = state["micro_steps"]
+        self.skipped_steps = state["skipped_steps"]
+        self._stepped_at_micro = state["stepped_at_micro"]
+        self.hyper.load_state(state, self.global_steps)
+        self.scaler.load_state_dict(state["loss_scaler"])
+        self.last_grad_norm = state["last_grad_norm"]
+        self.weights.invalidate()
