@@ -112,9 +112,14 @@ def test_overlap_backward_steps_a_block_while_backward_continues(swap_dir, slow_
         events = engine.schedule.context.events.take()
         second = events[len(events) // 2 :]
         # block 2's step is submitted from the transfer worker as soon as its gradients land,
-        # before the root's gradients are final; the root steps at step()
-        assert second.index(("step_begin", 2)) < second.index(("grads_final", 0)), second
+        # during the backward; the root steps at step()
+        assert second.index(("step_begin", 2)) < second.index(("step_begin", 0)), second
         assert ("step_begin", 0) in second[second.index(("grads_final", 0)) :]
+        if engine.device.kind != "checked":
+            # with copies as fast as here, before the root's gradients are final too (on the
+            # checked device a landing waits for its copy stream, slower than this tiny root's
+            # backward: the order of the two is then the streams' to decide)
+            assert second.index(("step_begin", 2)) < second.index(("grads_final", 0)), second
     finally:
         engine.close()
 
