@@ -277,7 +277,8 @@ class Engine:
         return report
 
     # ---- end ---------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def _check_open(self, what: str = "an engine call") -> None:
+        self._runtime.process.check(what)
         if self._closed:
             raise OffloadError("this engine is closed; create a new one with offload.initialize")
 
@@ -289,6 +290,8 @@ class Engine:
         `initialize`; without, the parameters are left empty."""
         if self._closed:
             return
+        # a forked child's close would wait on threads that exist only in the parent
+        self._runtime.process.check("engine.close()")
         try:
             self.window.drain()
             final = self.consolidated_state_dict() if restore_weights else None

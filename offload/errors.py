@@ -55,3 +55,9 @@ class OrderingError(OffloadError, RuntimeError):
 
     def __reduce__(self):
         return type(self), (str(self), self.rule, self.stream, self.what)
+
+
+class ForkedProcessError(OffloadError, RuntimeError):
+    """An engine used in a process forked from the one that built it (a DataLoader worker, a
+    multiprocessing task with the 'fork' start method): its I/O threads, copy streams and swap
+    store exist only in the process that built it."""

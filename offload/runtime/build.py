@@ -33,6 +33,7 @@ from offload.plan.optimizer_plan import OptimizerPlan, factor_needs_norm
 from offload.platform.choose import device_choice, make_device
 from offload.platform.collectives import Collectives
 from offload.platform.device import Device
+from offload.platform.process import OwningProcess
 from offload.runtime.gradients import GradientOffload
 from offload.runtime.overlap import OverlapPolicy, Stepping, overlap_policy
 from offload.runtime.residency import Residency
@@ -107,6 +108,8 @@ class Runtime:
     schedule: Schedule | None = None
     # what parts made early call on parts made later
     later: _Later = field(default_factory=_Later)
+    # the process all of this exists in (offload.platform.process)
+    process: OwningProcess = field(default_factory=OwningProcess)
     # module buffers moved to the device, and where they were (close() puts them back)
     buffer_homes: list[tuple[nn.Module, str, torch.device]] = field(default_factory=list)
 
@@ -324,7 +327,10 @@ def _install_schedule(runtime: Runtime) -> None:
     )
     offloaded, distributed = runtime.residency.offloaded, runtime.collectives.is_distributed
     schedule = Schedule(
-        runtime.model, context, watch_external_reads=offloaded or runtime.config.overlap == "forward" or distributed
+        runtime.model,
+        context,
+        watch_external_reads=offloaded or runtime.config.overlap == "forward" or distributed,
+        process=runtime.process,
     )
     runtime.stepper.events = context.events
     runtime.later.context = context

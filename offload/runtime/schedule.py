@@ -48,6 +48,7 @@ from torch.profiler import record_function
 
 from offload.model.unit_state import UnitState
 from offload.platform.collectives import Collectives
+from offload.platform.process import OwningProcess
 from offload.platform.rank_order import MISMATCH_HINT, Op, ReduceOrder
 from offload.platform.rank_order import describe as describe_op
 from offload.runtime.events import EntryKind, EventLog, Phase
@@ -431,9 +432,11 @@ class Schedule:
     """The model's hooks, the forward and backward of the model as a whole, and the unit
     schedules they drive."""
 
-    def __init__(self, model: nn.Module, context: ScheduleContext, *, watch_external_reads: bool) -> None:
+    def __init__(self, model: nn.Module, context: ScheduleContext, *, watch_external_reads: bool, process: OwningProcess) -> None:
         self.model = model
         self.context = context
+        # the process the engine was built in: the model's forward anywhere else fails at once
+        self.process = process
         context.trainable = [{i for i, p in enumerate(unit.spec.params) if p.requires_grad} for unit in context.units]
         context.schedules = [(RootSchedule if unit.index == 0 else UnitSchedule)(unit, context) for unit in context.units]
         self.unit_of_param = {id(p): unit.index for unit in context.units for p in unit.spec.params}
@@ -455,7 +458,7 @@ class Schedule:
         hooks = self.hooks
         for schedule in self.schedules:
             module = self.model if schedule.index == 0 else schedule.unit.spec.module
-            hooks.append(module.register_forward_pre_hook(_call(schedule.pre_forward, module)))
+            hooks.append(module.register_forward_pre_hook(_call(schedule.pre_forward, module, self.process)))
             if schedule.has_frozen and schedule.index != 0:  # the root is held for all of backward
                 hooks.append(module.register_forward_pre_hook(_inputs(schedule.watch_inputs, module), with_kwargs=True))
             hooks.append(module.register_forward_hook(_post(schedule.post_forward, module), always_call=True))
@@ -591,11 +594,13 @@ class Schedule:
 # modules' hook dicts, and its forward, over weights of its own, must not drive the engine's units.
 
 
-def _call(transition, owner: nn.Module):
-    """A forward pre-hook: returns None, so the module's inputs are left as they are."""
+def _call(transition, owner: nn.Module, process: OwningProcess):
+    """A forward pre-hook: returns None, so the module's inputs are left as they are. A forward
+    in a process forked from the engine's fails at once (offload.platform.process)."""
 
     def hook(module, args) -> None:
         if module is owner:
+            process.check(f"a forward of {type(owner).__name__} under an offload engine")
             transition()
 
     return hook
