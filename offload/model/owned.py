@@ -41,6 +41,7 @@ class StateDictHooks:
             if names:
                 self.handles.append(module.register_state_dict_post_hook(_fill(names, fp32_of, module)))
         self.handles.append(model.register_state_dict_post_hook(_at_end(done, model)))
+        self.handles.append(model.register_load_state_dict_pre_hook(_refuse_load(model)))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -50,6 +51,25 @@ class StateDictHooks:
 
 # The hooks act only for the module they were registered on (`owner`): a copy of the model
 # (copy.deepcopy, an EMA's AveragedModel) carries them, and its state_dict holds its own weights.
+
+
+def _refuse_load(owner: nn.Module):
+    """`model.load_state_dict(...)` while the engine owns the model would copy into parameters
+    that are views of the engine's 16-bit device buffers (freed between uses when offloaded),
+    leaving the fp32 masters the engine trains untouched: refused before anything is copied."""
+
+    def hook(module, state_dict, prefix, *args) -> None:
+        if module is not owner:
+            return
+        raise OffloadError(
+            f"{type(owner).__name__}.load_state_dict(...) while an offload engine owns the model: the engine keeps "
+            "the weights it trains (fp32 masters on the optimizer tier), so copying into the model's parameters would "
+            "be lost at the next step (or write freed memory). Load the weights before offload.initialize, or "
+            "engine.load_checkpoint(...) for an offload checkpoint (offload export gives safetensors from one); "
+            "or engine.close() first, load, and initialize again"
+        )
+
+    return hook
 
 
 def _fill(names: list[str], fp32_of, owner: nn.Module):

@@ -167,6 +167,7 @@ class GradientWindow:
     def _before_backward(self) -> bool:
         """Checks that need no other rank, before a backward changes anything; returns whether
         it ends a gradient window. Deterministic on every rank (same counters and config)."""
+        self._refuse_unfrozen()
         accumulation = self.config.gradient_accumulation_steps
         if self.policy.steps_in_backward and self._window_ended_without_step():
             raise OffloadError(
@@ -181,6 +182,27 @@ class GradientWindow:
             self._window_hypers = self.hyper.step_hypers(self._unclipped_multiplier())
             self._stepped_in_backward = []
         return boundary
+
+    def _refuse_unfrozen(self) -> None:
+        """A parameter frozen at `initialize` has no fp32 master and no moments (the engine keeps
+        none for it), so one set to require grad since would get gradients that train nothing:
+        refused, naming it. Freezing a trainable one after `initialize` needs nothing: like
+        torch.optim, a parameter without a gradient in a window is not stepped."""
+        trainable = self.schedule.context.trainable
+        unfrozen = [
+            name
+            for unit in self.units
+            for index, (name, param) in enumerate(zip(unit.spec.param_names, unit.spec.params))
+            if param.requires_grad and index not in trainable[unit.index]
+        ]
+        if unfrozen:
+            shown = ", ".join(unfrozen[:4]) + (f" and {len(unfrozen) - 4} more" if len(unfrozen) > 4 else "")
+            raise OffloadError(
+                f"{shown} did not require grad when offload.initialize placed the model, and does now: the engine keeps "
+                "no fp32 master or Adam moments for it, so its gradients would train nothing. Set requires_grad before "
+                "offload.initialize (an engine over the model with it trainable: engine.close(), then initialize again), "
+                "or freeze it again"
+            )
 
     def _agree_on_backward(self, nonfinite: bool, loss_value: float | None) -> None:
         """Several ranks: one exchange (non-finite losses, units used; schedule.py); then the
