@@ -281,3 +281,34 @@ def bench_rank(rank: int, world_size: int, config: dict, width: int, depth: int,
         "memory": report,
         "params": sum(p.numel() for p in TinyNet(width=width, depth=depth, inputs=width).parameters()),
     }
+
+
+def skip_one_backward(rank: int, world_size: int, swap: list[str], param: str) -> dict:
+    """Rank 1's forward of micro-batch 1 fails inside the model, and the rank catches the error
+    and goes on to the next batch (as a loop with `try: ... except: continue` does): the ranks are then a backward
+    apart. Returns the losses of the steps that ran."""
+    from reference import TinyNet, batches, mse
+
+    import offload
+
+    torch.manual_seed(0)
+    config = make_config(swap, param, "cpu", "forward")
+    engine = offload.initialize(TinyNet(), config, device=RANK_DEVICE)
+    losses = []
+    try:
+        for step, batch in enumerate(batches(4)):
+            x, y = local_half(batch, rank, world_size)
+            if rank == 1 and step == 1:
+                x = x[:, :3]  # a bad batch: the model's first layer raises inside the forward
+            try:
+                loss = mse(engine, x, y)
+            except RuntimeError:
+                if rank == 1 and step == 1:
+                    continue  # the bad batch, skipped
+                raise
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        engine.close(restore_weights=False)
+    return {"losses": losses}

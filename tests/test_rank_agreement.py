@@ -99,3 +99,22 @@ def test_mismatch_message_names_what_each_rank_was_doing():
         "the ranks are out of step (rank 0: the all-gather of the weights of unit blocks.0; "
         "rank 1: the reduce-scatter of the gradients of unit blocks.1)"
     )
+
+
+@pytest.mark.parametrize("param", ["none", "cpu"])
+def test_a_rank_that_skips_a_backward_makes_every_rank_fail_at_once(tmp_path, param):
+    """With param none nothing else would notice: the ranks' reductions would pair micro-batch
+    k of one with micro-batch k + 1 of the other, silently. The start of each backward states its
+    number, so the ranks stop at the next one, each naming where every rank was."""
+    from distributed_worker import skip_one_backward
+
+    swaps = rank_swap_dirs(tmp_path, WORLD)
+    results = launch(skip_one_backward, WORLD, swaps, param, timeout_s=60, deadline_s=150)
+    for result in results:
+        assert not result["ok"] and result.get("type") == "RankMismatchError", result
+        assert "the ranks are out of step" in result["message"]
+        if param == "none":  # nothing else is gathered: the start of backward notices
+            assert "rank 0: the start of backward after training forward number 2" in result["message"]
+            assert "rank 1: the start of backward after training forward number 3" in result["message"]
+            assert "skip it on every rank" in result["message"]
+        assert result["seconds"] < 50, "the mismatch waited for the group timeout"

@@ -46,6 +46,9 @@ def describe(key: tuple[int, int], unit_names: list[str]) -> str:
     op, unit = key
     if op not in Op.__members__.values():
         return f"operation {op} (unknown)"
+    if op == Op.BACKWARD:
+        # its second number: the training forwards the rank had started through engine(...)
+        return f"the start of backward after training forward number {unit} (non-finite loss check, units used)"
     name = unit_names[unit] if 0 <= unit < len(unit_names) else f"#{unit}"
     return _DESCRIPTIONS[Op(op)].format(name)
 
@@ -53,7 +56,9 @@ def describe(key: tuple[int, int], unit_names: list[str]) -> str:
 MISMATCH_HINT = (
     "Every rank must run the same units in forward when offload.param is cpu or nvme (their weights are "
     "gathered from all ranks at each use); with offload.param none, ranks may skip units, as DDP allows "
-    "unused parameters."
+    "unused parameters. And every rank runs the same number of training forwards (engine(...) with grad "
+    "enabled) before each backward: a batch whose forward failed on one rank and was skipped there puts the "
+    "ranks a micro-batch apart; skip it on every rank (agree on it, e.g. with torch.distributed.all_reduce of a flag)."
 )
 
 

@@ -93,6 +93,9 @@ class ScheduleContext:
     timings: dict[str, float]
     # per unit, the indices of its params that require grad
     trainable: list[set[int]] = field(default_factory=list)
+    # forwards with grad enabled this rank has started through engine(...), failed ones too:
+    # each rank states the number at the start of every backward
+    forwards_started: int = 0
     phase: Phase = Phase.IDLE
     forward_order: ExecutionOrder = field(default_factory=ExecutionOrder)
     backward_order: ExecutionOrder = field(default_factory=ExecutionOrder)
@@ -473,6 +476,8 @@ class Schedule:
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self.context.forwards_started += 1
         try:
             if not self.watch_external_reads:
                 return self.model(*args, **kwargs)
@@ -517,7 +522,10 @@ class Schedule:
         count = len(context.units)
         used = [1 if uses[i] and context.trainable[i] else 0 for i in range(count)]
         twice = [1 if uses[i] > 1 and context.trainable[i] else 0 for i in range(count)]
-        union = context.agree(Op.BACKWARD, 0, [int(nonfinite), *used, *twice])
+        # how many training forwards came before: a rank that caught an error in a forward and went
+        # on to the next batch (or skipped or repeated one) stops every rank here, instead of
+        # pairing micro-batch k of one rank with k + 1 of another in the reductions that follow
+        union = context.agree(Op.BACKWARD, context.forwards_started, [int(nonfinite), *used, *twice])
         used_anywhere = {i for i in range(count) if union[1 + i]}
         twice_anywhere = {i for i in range(count) if union[1 + count + i]}
         context.reduce_order = ReduceOrder(used_anywhere, {i for i in range(count) if used[i]}, twice_anywhere)
