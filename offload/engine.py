@@ -28,7 +28,7 @@ from torch import nn
 
 from offload.config.param_groups import resolve_param_groups
 from offload.config.schema import Config, freeze, load_config
-from offload.errors import ConfigError, OffloadError
+from offload.errors import ConfigError
 from offload.model.owned import OPEN_ENGINES, RELEASED, StateDictHooks
 from offload.platform.device import Device
 from offload.runtime.build import Runtime, build
@@ -92,7 +92,6 @@ class Engine:
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
         self.model = model
-        self._closed = False
         runtime = build(model, self.config, groups, process_group=process_group, device=device, run_name=run_name)
         self._runtime: Runtime = runtime
         # the parts, by name (tests, checkpoints and integrations reach them so)
@@ -277,10 +276,13 @@ class Engine:
         return report
 
     # ---- end ---------------------------------------------------------------------------
-    def _check_open(self, what: str = "an engine call") -> None:
-        self._runtime.process.check(what)
-        if self._closed:
-            raise OffloadError("this engine is closed; create a new one with offload.initialize")
+    @property
+    def _closed(self) -> bool:
+        return self.window.closed
+
+    def _check_open(self) -> None:
+        self._runtime.process.check("an engine call")
+        self.window.check_open()
 
     def close(self, restore_weights: bool = True) -> None:
         """Finishes pending work, frees host buffers and removes swap files.
@@ -296,7 +298,7 @@ class Engine:
             self.window.drain()
             final = self.consolidated_state_dict() if restore_weights else None
         finally:
-            self._closed = self.window.closed = True
+            self.window.closed = True
             OPEN_ENGINES.discard(self)
             self.weights.invalidate()
             self.schedule.remove()

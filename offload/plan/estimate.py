@@ -328,7 +328,7 @@ def plan_auto(
     max_device_memory: int | None = None,
     max_host_memory: int | None = None,
 ) -> tuple[list[str] | None, str]:
-    """`offload.optimizer: auto` on `machine`, as the engine plans it (tiers.plan_optimizer): per
+    """`offload.optimizer: auto` on `machine`, as the engine plans it (plan.room.plan_optimizer): per
     unit `device`, `cpu` or `nvme`, and the plan in words; (None, why) when nothing fits. The
     device's room is what the engine would measure at start on an idle GPU (DEVICE_HEADROOM of
     it free) less this placement's weights and gradients and the activations (`activations`

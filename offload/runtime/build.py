@@ -30,6 +30,7 @@ from offload.model.units import build_units, plan_flat_layout, single_unit_warni
 from offload.optim import kernels
 from offload.optim.hyperparameters import GroupHyperparameters
 from offload.plan.optimizer_plan import OptimizerPlan, factor_needs_norm
+from offload.plan.room import plan_optimizer
 from offload.platform.choose import device_choice, make_device
 from offload.platform.collectives import Collectives
 from offload.platform.device import Device
@@ -42,7 +43,7 @@ from offload.runtime.stepper import UnitStepper
 from offload.runtime.weights_out import WeightsReader
 from offload.runtime.window import GradientWindow
 from offload.storage.memory import TierLedger
-from offload.storage.tiers import TierStore, default_run_name, plan_optimizer
+from offload.storage.tiers import TierStore, default_run_name
 
 logger = logging.getLogger(__name__)
 

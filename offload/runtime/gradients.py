@@ -163,10 +163,9 @@ class GradientOffload:
                     writes=[unit.resident_state["grad32"]],
                 )
                 stream.record_event().synchronize()
+                norm = launched.value()
                 if boundary:
-                    unit.grad_sq_norm = launched.value()
-                else:
-                    launched.value()
+                    unit.grad_sq_norm = norm
                 return
             if not (self.device.separate_memory and pieces):
                 self._add(unit, pieces, first, boundary)

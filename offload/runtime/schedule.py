@@ -606,9 +606,11 @@ def _call(transition, owner: nn.Module, process: OwningProcess):
     """A forward pre-hook: returns None, so the module's inputs are left as they are. A forward
     in a process forked from the engine's fails at once (offload.platform.process)."""
 
+    what = f"a forward of {type(owner).__name__} under an offload engine"
+
     def hook(module, args) -> None:
         if module is owner:
-            process.check(f"a forward of {type(owner).__name__} under an offload engine")
+            process.check(what)
             transition()
 
     return hook

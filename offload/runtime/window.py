@@ -102,7 +102,8 @@ class GradientWindow:
         self._partly_stepped: list[str] = []
         self._outside_backward_began_at = 0.0
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """The engine is not closed (its parts are shut down once it is)."""
         if self.closed:
             raise OffloadError("this engine is closed; create a new one with offload.initialize")
 
@@ -139,7 +140,7 @@ class GradientWindow:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` / gradient_accumulation_steps (times the loss scale in fp16)."""
-        self._check_open()
+        self.check_open()
         self._finish_abandoned_backward()
         self.refuse_partly_stepped()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -243,7 +244,7 @@ class GradientWindow:
         reaches the model's outputs: what `engine.backward` does before autograd, except the
         division by gradient_accumulation_steps (the user's, as with torch); the rest runs when
         autograd finishes (`_outside_backward_ended`, queued on its engine)."""
-        self._check_open()
+        self.check_open()
         try:
             if self.config.precision == "fp16":
                 raise OffloadError(
@@ -355,7 +356,7 @@ class GradientWindow:
             self.timings["step"] += time.perf_counter() - started
 
     def _step(self) -> bool:
-        self._check_open()
+        self.check_open()
         self._finish_abandoned_backward()
         self.refuse_partly_stepped()
         self._refuse_stray_grads()
