@@ -222,7 +222,7 @@ class CheckedStream(CopyStream):
     def record_event(self) -> CheckedEvent:
         with self.device.lock:
             event = CheckedEvent(self.device, self, self.queued, next(self.device.ids))
-            self.device.record_event(event)
+            self.device.log_event(event)
             return event
 
     def waits(self, event) -> None:
@@ -291,7 +291,7 @@ class CheckedStream(CopyStream):
             with device.lock:
                 op.done = True
                 self.completed = op.seq
-                device.record_op(op, started, ended)
+                device.log_op(op, started, ended)
                 device.changed.notify_all()
 
     def _execute(self, op: _Op) -> None:
@@ -401,7 +401,7 @@ class CheckedDevice(Device):
         with self.lock:
             self.compute_clock += 1
             event = CheckedEvent(self, None, self.compute_clock, next(self.ids))
-            self.record_event(event)
+            self.log_event(event)
             return event
 
     def compute_waits(self, event) -> None:
@@ -566,7 +566,7 @@ class CheckedDevice(Device):
             del self._produced[key]
 
     # ---- the timeline -----------------------------------------------------------------------
-    def record_event(self, event: CheckedEvent) -> None:
+    def log_event(self, event: CheckedEvent) -> None:
         if self.record:
             self.timeline.append(
                 {
@@ -579,7 +579,7 @@ class CheckedDevice(Device):
                 }
             )
 
-    def record_op(self, op: _Op, started: float, ended: float) -> None:
+    def log_op(self, op: _Op, started: float, ended: float) -> None:
         if self.record and op.kind != "wait":
             self.timeline.append(
                 {
