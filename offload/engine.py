@@ -248,14 +248,12 @@ class Engine:
         return checkpoint.save(self._runtime, path, client_state=client_state, **kwargs)
 
     def load_checkpoint(self, path, **kwargs) -> dict:
-        """Restores a checkpoint saved by any world size and placement; returns its client_state."""
+        """Restores a checkpoint saved by any world size and placement; returns its client_state.
+        All or nothing: a checkpoint that fails a check changes nothing (offload.checkpoint.verify)."""
         from offload.checkpoint import engine_state as checkpoint
 
         self._check_open()
-        self.window.before_load()
-        client_state = checkpoint.load(self._runtime, path, **kwargs)
-        self.window.after_load()
-        return client_state
+        return checkpoint.load(self._runtime, path, **kwargs)
 
     def training_state(self) -> dict:
         """The engine's counters and loss scale: what a checkpoint saves beside the tensors."""

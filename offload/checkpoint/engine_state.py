@@ -9,6 +9,7 @@ placement, world size or wrap. The names of the format that callers use are re-e
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -63,6 +64,7 @@ from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's
     set_rng_state,
     tensor_bytes,
 )
+from offload.checkpoint.verify import VerifiedCheckpoint, frozen_piece, model_names, verify
 from offload.config.schema import Config
 from offload.errors import InsufficientSpaceError, OffloadError
 from offload.model.unit_state import UnitState
@@ -91,6 +93,23 @@ class CheckpointedEngine(Protocol):
 
     def load_training_state(self, state: dict) -> None: ...
 
+    def check_training_state(self, state: dict) -> None:
+        """Raises ValueError naming the key and what is wrong when `state` (as `training_state()`
+        gives it, from a file) could not be loaded exactly; changes nothing."""
+        ...
+
+    def before_load(self) -> None:
+        """A checkpoint passed its checks and is about to be applied: work in flight is settled."""
+        ...
+
+    def after_load(self) -> None:
+        """A checkpoint was applied whole."""
+        ...
+
+    def load_failed(self, reason: str) -> None:
+        """A checkpoint was applied in part: the engine refuses to train until a load succeeds."""
+        ...
+
     def param16_shard(self, unit: UnitState) -> torch.Tensor:
         """A host copy of this rank's 16-bit shard of `unit`, wherever its home is."""
         ...
@@ -104,27 +123,7 @@ class CheckpointedEngine(Protocol):
         ...
 
 
-def _model_names(model) -> tuple[dict[int, str], dict[str, list[str]], list[tuple[str, str]]]:
-    """(id(param) -> canonical name, canonical -> every alias, [(state_dict key, "param:<canonical>"
-    or "buffer")])."""
-    canonical: dict[int, str] = {}
-    aliases: dict[str, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        first = canonical.setdefault(id(param), name)
-        aliases.setdefault(first, []).append(name)
-    keys = []
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        keys.append((key, f"param:{canonical[id(tensor)]}" if id(tensor) in canonical else "buffer"))
-    return canonical, aliases, keys
-
-
 # ---- saving ----------------------------------------------------------------------------------
-def _frozen_piece(unit, shard_pos: int) -> bool:
-    """A piece of the shard past its optimizer state: a param that did not require grad at
-    initialize, which has its (16-bit) weights and no master or moments (units.FlatLayout)."""
-    return shard_pos >= unit.optimizer_numel
-
-
 def _rank_slices(engine: CheckpointedEngine, rank: int, canonical: dict[int, str]) -> list[Slice]:
     slices = []
     for unit in engine.units:
@@ -132,7 +131,7 @@ def _rank_slices(engine: CheckpointedEngine, rank: int, canonical: dict[int, str
         for index, a, b, pos in shard_pieces(unit.layout.offsets, unit.layout.numels, start, end):
             name = canonical[id(unit.spec.params[index])]
             # a frozen param's weights are saved as its "master" (from the 16-bit weights), no moments
-            for kind in ("master",) if _frozen_piece(unit, pos) else KINDS:
+            for kind in ("master",) if frozen_piece(unit, pos) else KINDS:
                 slices.append(Slice(f"{name}/{kind}", name, kind, a, b, pos, unit.index))
     return slices
 
@@ -165,17 +164,17 @@ def _write_rank_file(engine: CheckpointedEngine, directory: str, rank: int, cano
             unit = piece.unit
             unit_slices = by_unit.get(unit.index, [])
             for s, offset in unit_slices:
-                if _frozen_piece(unit, s.shard_pos):
+                if frozen_piece(unit, s.shard_pos):
                     continue
                 low = max(s.shard_pos, piece.start)
                 high = min(s.shard_pos + s.end - s.start, piece.end)
                 if low < high:
                     data = piece.views[s.kind][low - piece.start : high - piece.start]
                     writer.write(fd, path, s, offset, low - s.shard_pos, data)
-            if piece.last and any(_frozen_piece(unit, s.shard_pos) for s, _ in unit_slices):
+            if piece.last and any(frozen_piece(unit, s.shard_pos) for s, _ in unit_slices):
                 frozen = engine.param16_shard(unit).float()
                 for s, offset in unit_slices:
-                    if _frozen_piece(unit, s.shard_pos):
+                    if frozen_piece(unit, s.shard_pos):
                         writer.write(fd, path, s, offset, 0, frozen[s.shard_pos : s.shard_pos + s.end - s.start])
         records = [
             {
@@ -326,7 +325,7 @@ def save(
             error = save_error(e, root)
     _agree_on_failure(engine, error, cleanup)
 
-    canonical, aliases, keys = _model_names(engine.model)
+    canonical, aliases, keys = model_names(engine.model)
     try:
         part = _write_rank_file(engine, temp, rank, canonical, progress)
         write_small(os.path.join(temp, f"rank{rank}.json"), json.dumps(part, sort_keys=True).encode())
@@ -425,127 +424,150 @@ def _finish(engine: CheckpointedEngine, root, temp, final, tag, files, canonical
         rotate(root, keep_last, tag)
 
 
-def _check_compatible(reader: CheckpointReader, engine: CheckpointedEngine, canonical) -> None:
-    saved = reader.index["params"]
-    mine = {canonical[id(p)]: p for unit in engine.units for p in unit.spec.params}
-    missing = sorted(set(mine) - set(saved))
-    extra = sorted(set(saved) - set(mine))
-    if missing or extra:
-        raise CheckpointError(
-            f"checkpoint {reader.directory} does not fit this model: parameters missing from the checkpoint "
-            f"{missing[:5]}{'...' if len(missing) > 5 else ''}, parameters the model lacks {extra[:5]}"
-            f"{'...' if len(extra) > 5 else ''}"
-        )
-    wrong = [
-        f"{name}: checkpoint {saved[name]['shape']}, model {list(p.shape)}"
-        for name, p in mine.items()
-        if saved[name]["shape"] != list(p.shape)
-    ]
-    if wrong:
-        raise CheckpointError(f"checkpoint {reader.directory} has other shapes than this model: {'; '.join(wrong[:5])}")
-
-
-def _unit_step_count(unit, saved_params, canonical) -> int:
-    counts = {saved_params[canonical[id(p)]]["step"] for p in unit.spec.params if p.requires_grad}
-    if len(counts) > 1:
-        raise CheckpointError(
-            f"unit {unit.spec.name} mixes parameters saved with different Adam step counts {sorted(counts)}: load "
-            "with the wrap settings the checkpoint was saved with"
-        )
-    if not counts:
-        counts = {max((saved_params[canonical[id(p)]]["step"] for p in unit.spec.params), default=0)}
-    return counts.pop()
-
-
 def load(engine: CheckpointedEngine, path, *, tag: str | None = None, load_rng: bool = True) -> dict:
     """Restores weights, optimizer states, counters, loss scale and (with `load_rng`) RNG
-    states from a checkpoint saved by any world size and placement; returns its client_state."""
+    states from a checkpoint saved by any world size and placement; returns its client_state.
+
+    All or nothing: the whole checkpoint is checked first (offload.checkpoint.verify), every
+    rank agrees that its part passed, and only then does anything of the engine change. A
+    checkpoint that fails leaves the engine bitwise as it was, on every rank, and the error
+    names the file, the key and what is wrong (another rank's, with its rank)."""
     started = time.perf_counter()
-    rank, world = engine.collectives.rank, engine.collectives.world_size
-    canonical, _, keys = _model_names(engine.model)
-    with CheckpointReader(path, tag) as reader:
-        _check_compatible(reader, engine, canonical)
+    with contextlib.ExitStack() as opened:
+        error: BaseException | None = None
+        verified: VerifiedCheckpoint | None = None
         try:
-            engine.drop_device_copies()
-        except OffloadError as error:
-            raise CheckpointError(f"load_checkpoint: {error}") from None
-        saved_params = reader.index["params"]
-        store = engine.store
-        # per unit, from its first piece to its last: the shard's param pieces, and its fp32
-        # weights (the masters, then the frozen params' with no optimizer state)
-        param_pieces: list[tuple[int, int, int, int]] = []
-        weights = torch.empty(0)
-        for piece in store.overwrite_optimizer_states(engine.units):
-            unit, targets = piece.unit, piece.views
-            if piece.start == 0:
-                start, end = unit.layout.shard_range(rank)
-                param_pieces = shard_pieces(unit.layout.offsets, unit.layout.numels, start, end)
-                whole = piece.last and unit.optimizer_numel == unit.shard_numel
-                weights = targets["master"] if whole else torch.zeros(unit.shard_numel, dtype=torch.float32)
-            for target in targets.values():
-                target.zero_()
-            for index, a, b, pos in param_pieces:
-                name = canonical[id(unit.spec.params[index])]
-                if _frozen_piece(unit, pos):
-                    if piece.last:
-                        reader.read_range(name, "master", a, b, weights[pos : pos + b - a])
-                    continue
-                low, high = max(pos, piece.start), min(pos + b - a, piece.end)
-                if low >= high:
-                    continue
-                for kind, target in targets.items():
-                    # a param saved frozen has no moments: they start at zero, as for a new one
-                    if kind == "master" or (name, kind) in reader.stored:
-                        reader.read_range(
-                            name, kind, a + low - pos, a + high - pos, target[low - piece.start : high - piece.start]
-                        )
-            if weights.data_ptr() != targets["master"].data_ptr():
-                weights[piece.start : piece.end].copy_(targets["master"])
-            if not piece.last:
-                continue
-            store.store_param16_values(unit, weights)
-            engine.replace_device_weights(unit, weights)
-            unit.step_count = _unit_step_count(unit, saved_params, canonical)
-            unit.end_window()
-            unit.grads_pending.clear()
-            for param in unit.spec.params:
-                # a backward interrupted (Ctrl-C) or failed before these gradients left the device
-                # leaves them in .grad, where the next backward would add to them
-                param.grad = None
-        _load_buffers(engine, reader.buffers(), keys, reader.directory)
-        engine.load_training_state(reader.index["engine"])
-        if load_rng:
-            parts = reader.parts
-            if len(parts) != world:
-                logger.info(
-                    "offload: checkpoint saved by %d ranks, loading on %d: rank %d takes the RNG state of saved rank %d",
-                    len(parts),
-                    world,
-                    rank,
-                    rank % len(parts),
-                )
-            set_rng_state(parts[rank % len(parts)]["rng"])
-        client_state = reader.client_state()
+            reader = opened.enter_context(CheckpointReader(path, tag))
+            verified = verify(engine, reader, load_rng=load_rng)
+        except BaseException as e:  # noqa: BLE001  (every rank must learn of any failure, Ctrl-C included)
+            error = e
+        _agree_on_verification(engine, error)
+        assert verified is not None  # or _agree_on_verification raised
+        checked = time.perf_counter()
+        engine.before_load()
+        try:
+            _apply(engine, verified)
+        except BaseException as e:  # noqa: BLE001  (the engine is part loaded: it must say so, and refuse to train)
+            error = e
+        failed = engine.collectives.ranks_with(error is not None, "whether the checkpoint was applied")
+        if failed:
+            reason = (
+                f"load_checkpoint: {reader.directory} passed every check, but applying it failed on rank(s) {failed} "
+                f"({type(error).__name__}: {error})"
+                if error is not None
+                else f"on rank(s) {failed} (see their log)"
+            )
+            engine.load_failed(f"{reason}; the engine's state is part loaded")
+            if error is not None:
+                raise CheckpointError(
+                    f"{reason}. The files changed under the load, or the disk failed a read; "
+                    "load a checkpoint again before training"
+                ) from error
+            raise CheckpointError(
+                f"load_checkpoint: applying the checkpoint failed {reason}; load a checkpoint again before training"
+            )
+        engine.after_load()
         logger.info(
-            "offload: loaded checkpoint %s (saved by %d ranks, %s/%s) in %.2f s",
+            "offload: loaded checkpoint %s (saved by %d ranks, %s/%s) in %.2f s (checked in %.2f s, applied in %.2f s)",
             reader.directory,
             reader.index["world_size"],
             reader.index["placement"]["param"],
             reader.index["placement"]["optimizer"],
             time.perf_counter() - started,
+            checked - started,
+            time.perf_counter() - checked,
         )
-    return client_state
+    return verified.client_state
 
 
-def _load_buffers(engine: CheckpointedEngine, buffers: dict[str, torch.Tensor], keys, directory: str) -> None:
+def _agree_on_verification(engine: CheckpointedEngine, error: BaseException | None) -> None:
+    """Every rank learns whether any rank's part failed its checks; all of them raise, each with
+    the first failed rank's reason, before any rank changes anything."""
+    collectives = engine.collectives
+    failed = collectives.ranks_with(error is not None, "whether the checkpoint passed its checks")
+    if not failed:
+        return
+    if error is not None and not isinstance(error, CheckpointError):
+        raise error  # Ctrl-C, or a bug: not the checkpoint's fault
+    reason = collectives.broadcast_object(
+        f"{type(error).__name__}: {error}" if error is not None else "", src=failed[0], what="why the checkpoint was refused"
+    )
+    if error is not None and collectives.rank == failed[0]:
+        raise error
+    raise CheckpointError(
+        f"load_checkpoint refused on every rank: rank {failed[0]}'s part failed its checks ({reason}); nothing was loaded"
+    )
+
+
+def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
+    """The second pass: the checked state into the engine's tiers (read and checked again)."""
+    reader, canonical = verified.reader, verified.canonical
+    rank = engine.collectives.rank
+    try:
+        engine.drop_device_copies()
+    except OffloadError as error:
+        raise CheckpointError(f"load_checkpoint: {error}") from None
+    store = engine.store
+    # per unit, from its first piece to its last: the shard's param pieces, and its fp32
+    # weights (the masters, then the frozen params' with no optimizer state)
+    param_pieces: list[tuple[int, int, int, int]] = []
+    weights = torch.empty(0)
+    for piece in store.overwrite_optimizer_states(engine.units):
+        unit, targets = piece.unit, piece.views
+        if piece.start == 0:
+            start, end = unit.layout.shard_range(rank)
+            param_pieces = shard_pieces(unit.layout.offsets, unit.layout.numels, start, end)
+            whole = piece.last and unit.optimizer_numel == unit.shard_numel
+            weights = targets["master"] if whole else torch.zeros(unit.shard_numel, dtype=torch.float32)
+        for target in targets.values():
+            target.zero_()
+        for index, a, b, pos in param_pieces:
+            name = canonical[id(unit.spec.params[index])]
+            if frozen_piece(unit, pos):
+                if piece.last:
+                    reader.read_range(name, "master", a, b, weights[pos : pos + b - a])
+                continue
+            low, high = max(pos, piece.start), min(pos + b - a, piece.end)
+            if low >= high:
+                continue
+            for kind, target in targets.items():
+                # a param saved frozen has no moments: they start at zero, as for a new one
+                if kind == "master" or (name, kind) in reader.stored:
+                    reader.read_range(name, kind, a + low - pos, a + high - pos, target[low - piece.start : high - piece.start])
+        if weights.data_ptr() != targets["master"].data_ptr():
+            weights[piece.start : piece.end].copy_(targets["master"])
+        if not piece.last:
+            continue
+        store.store_param16_values(unit, weights)
+        engine.replace_device_weights(unit, weights)
+        unit.step_count = verified.step_counts[unit.index]
+        unit.end_window()
+        unit.grads_pending.clear()
+        for param in unit.spec.params:
+            # a backward interrupted (Ctrl-C) or failed before these gradients left the device
+            # leaves them in .grad, where the next backward would add to them
+            param.grad = None
+    _load_buffers(engine, verified.buffers, verified.keys)
+    engine.load_training_state(verified.training_state)
+    if verified.rng is not None:
+        parts = reader.parts
+        if len(parts) != engine.collectives.world_size:
+            logger.info(
+                "offload: checkpoint saved by %d ranks, loading on %d: rank %d takes the RNG state of saved rank %d",
+                len(parts),
+                engine.collectives.world_size,
+                rank,
+                rank % len(parts),
+            )
+        set_rng_state(verified.rng)
+
+
+def _load_buffers(engine: CheckpointedEngine, buffers: dict[str, torch.Tensor], keys) -> None:
     state = engine.model.state_dict(keep_vars=True)
-    wanted = [key for key, what in keys if what == "buffer"]
-    missing = [key for key in wanted if key not in buffers]
-    if missing:
-        raise CheckpointError(f"checkpoint {directory} lacks the model buffers {missing[:5]}")
     with torch.no_grad():
-        for key in wanted:
-            state[key].copy_(buffers[key])
+        for key, what in keys:
+            if what == "buffer":
+                state[key].copy_(buffers[key])
 
 
 # ---- export ----------------------------------------------------------------------------------

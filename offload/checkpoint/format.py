@@ -103,6 +103,21 @@ def chunk_bounds(numel: int, chunk: int = CHUNK_ELEMENTS) -> list[tuple[int, int
     return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]
 
 
+def coverage_fault(ranges: list[tuple[int, int]], numel: int) -> str | None:
+    """None when the [start, end) `ranges` (in any order) cover [0, numel) exactly once, else
+    what is wrong with them ("has a gap at elements 4..8", "overlaps itself at 2..6")."""
+    cursor = 0
+    for start, end in sorted(ranges):
+        if start > cursor:
+            return f"has a gap at elements {cursor}..{start}"
+        if start < cursor:
+            return f"overlaps itself at elements {start}..{min(cursor, end)}"
+        cursor = end
+    if cursor != numel:
+        return f"has a gap at elements {cursor}..{numel}" if cursor < numel else f"runs past its {numel} elements"
+    return None
+
+
 def checkpoints_to_remove(saved: dict[str, int], keep_last: int, keep: str) -> list[str]:
     """Tags to delete so that `keep_last` checkpoints remain: the oldest by save time (ns),
     never `keep` (the one `latest` names)."""
@@ -472,8 +487,12 @@ class CheckpointReader:
                 )
             done += n
 
-    def read_range(self, param: str, kind: str, start: int, end: int, out: torch.Tensor) -> None:
-        """Fills `out` (fp32, end - start elements) with elements [start, end) of `param`'s `kind`."""
+    def _verified_chunks(self, param: str, kind: str, start: int, end: int, out: torch.Tensor | None):
+        """Elements [start, end) of `param`'s `kind`, chunk by checksummed chunk: yields (low,
+        high, values) in order, `values` holding elements [low, high) once their chunk passed its
+        checksum. Each stored chunk is read once: into `out` (fp32, end - start elements, when
+        given) where the chunk lies wholly inside the range, else into a bounce buffer of one
+        chunk (16 MiB), whose values are valid until the next one is yielded."""
         pieces = self.stored.get((param, kind))
         if not pieces:
             raise CheckpointCorruptError(f"checkpoint {self.directory} holds no {kind} for parameter {param!r}")
@@ -488,8 +507,9 @@ class CheckpointReader:
                 g0, g1 = piece.start + c0, piece.start + c1  # the chunk, in param elements
                 if g1 <= cursor or g0 >= high:
                     continue
-                whole = cursor <= g0 and g1 <= high
+                whole = out is not None and cursor <= g0 and g1 <= high
                 if whole:
+                    assert out is not None
                     target = out[g0 - start : g1 - start]
                 else:
                     if self._bounce is None:
@@ -501,14 +521,44 @@ class CheckpointReader:
                         f"checkpoint file {piece.path}: tensor {piece.key!r} (bytes {piece.offset + 4 * c0}.."
                         f"{piece.offset + 4 * c1}) fails its checksum: the file was edited or damaged"
                     )
-                if not whole:
-                    low, top = max(g0, cursor), min(g1, high)
-                    out[low - start : top - start].copy_(target[low - g0 : top - g0])
+                low, top = max(g0, cursor), min(g1, high)
+                yield low, top, target[low - g0 : top - g0]
             cursor = high
             if cursor >= end:
                 break
         if cursor < end:
             raise CheckpointCorruptError(f"checkpoint {self.directory} lacks elements {cursor}..{end} of {param!r} {kind}")
+
+    def read_range(self, param: str, kind: str, start: int, end: int, out: torch.Tensor) -> None:
+        """Fills `out` (fp32, end - start elements) with elements [start, end) of `param`'s `kind`."""
+        for low, high, values in self._verified_chunks(param, kind, start, end, out):
+            destination = out[low - start : high - start]
+            if values.data_ptr() != destination.data_ptr():
+                destination.copy_(values)
+
+    def scan_range(self, param: str, kind: str, start: int, end: int):
+        """Elements [start, end) of `param`'s `kind`, read and checked chunk by chunk into one
+        bounce buffer and yielded as (low, high, values): a pass over any amount of state in
+        16 MiB of RAM (values are valid until the next chunk is yielded)."""
+        yield from self._verified_chunks(param, kind, start, end, None)
+
+    def slice_faults(self) -> list[str]:
+        """What is wrong with the rank files' slices as a whole, each a sentence: a slice of a
+        parameter the index does not list, a key that is not `<param>/<kind>`, or a state kind
+        whose slices leave a gap in [0, numel) or overlap (`coverage_fault`)."""
+        params = self.index["params"]
+        faults = []
+        for (param, kind), pieces in sorted(self.stored.items()):
+            if param not in params:
+                faults.append(f"it holds {kind} slices of {param!r}, a parameter its index does not list")
+                continue
+            wrong_keys = sorted({p.key for p in pieces if p.key != f"{param}/{kind}"})
+            if wrong_keys:
+                faults.append(f"slice keys {wrong_keys[:3]} do not name {param}/{kind}")
+            fault = coverage_fault([(p.start, p.end) for p in pieces], params[param]["numel"])
+            if fault is not None:
+                faults.append(f"the {kind} of {param!r} {fault}")
+        return faults
 
     def read_param(self, param: str, kind: str = "master") -> torch.Tensor:
         info = self.index["params"][param]

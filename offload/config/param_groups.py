@@ -61,11 +61,12 @@ def param_groups_no_decay(model: nn.Module, weight_decay: float) -> list[dict]:
     return [group for group in groups if group["params"]]
 
 
-def _check_value(where: str, key: str, value):
+def check_group_value(where: str, key: str, value):
+    """`value` of hyperparameter `key` as the engine uses it, or a ConfigError naming `where`."""
     if key == "betas":
         if not isinstance(value, (list, tuple)) or len(value) != 2:
             raise ConfigError(f"{where}['betas'] must be a pair (beta1, beta2), got {value!r}")
-        betas = tuple(_check_value(where, "betas[i]", v) for v in value)
+        betas = tuple(check_group_value(where, "betas[i]", v) for v in value)
         if not all(0 <= b < 1 for b in betas):
             raise ConfigError(f"{where}['betas'] must each be in [0, 1), got {value!r}")
         return betas
@@ -158,7 +159,7 @@ def resolve_param_groups(model: nn.Module, param_groups, defaults: dict) -> list
             owner[id(param)] = index
         entry = {"params": params}
         for key in GROUP_KEYS:
-            entry[key] = _check_value(where, key, group[key]) if key in group else defaults[key]
+            entry[key] = check_group_value(where, key, group[key]) if key in group else defaults[key]
         if "name" in group:
             entry["name"] = group["name"]
         resolved.append(entry)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 
-from offload.config.param_groups import GROUP_KEYS
+from offload.config.param_groups import GROUP_KEYS, check_group_value
 from offload.config.schema import OptimizerConfig, SchedulerConfig
-from offload.errors import OffloadError
+from offload.errors import ConfigError, OffloadError
 from offload.optim.engine_optimizer import ConfigSchedule, EngineOptimizer
 from offload.optim.step_hyper import StepHyper
 
@@ -102,6 +102,27 @@ class GroupHyperparameters:
                 for group in self.param_groups
             ],
         }
+
+    def check_state(self, state: dict) -> None:
+        """Raises ValueError naming the key when `state` (`state()`'s, read back from a file) holds
+        a value `load_state` could not apply: a learning rate, betas, eps or weight decay out of
+        range or of the wrong type, or groups that are not a list of dicts."""
+        saved = state.get("param_groups")
+        try:
+            check_group_value("engine", "lr", state.get("lr"))
+            if saved is None:
+                return
+            if not isinstance(saved, list) or not all(isinstance(values, dict) for values in saved):
+                raise ConfigError(f"engine['param_groups'] must be a list of dicts, got {str(saved)[:60]}")
+            for index, values in enumerate(saved):
+                unknown = sorted(set(values) - set(GROUP_KEYS))
+                if unknown:
+                    raise ConfigError(f"engine['param_groups'][{index}] has keys offload never writes: {unknown}")
+                for key in GROUP_KEYS:
+                    if key in values:
+                        check_group_value(f"engine['param_groups'][{index}]", key, values[key])
+        except ConfigError as error:
+            raise ValueError(str(error).removeprefix("engine")) from None
 
     def load_state(self, state: dict, step: int) -> None:
         """Restores `state()`'s values; a checkpoint with other groups gives its lr to every group.

@@ -33,6 +33,17 @@ class DynamicLossScaler:
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps}
 
+    def check_state_dict(self, state) -> None:
+        """Raises ValueError naming the key when `state` is not one `load_state_dict` restores
+        exactly: a positive finite scale and a count of clean steps."""
+        if not isinstance(state, dict) or set(state) != {"scale", "clean_steps"}:
+            raise ValueError(f"loss_scaler is {str(state)[:60]}, not {{'scale': ..., 'clean_steps': ...}}")
+        scale, clean = state["scale"], state["clean_steps"]
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < math.inf:
+            raise ValueError(f"loss_scaler.scale is {scale!r:.60}, not a positive finite number")
+        if isinstance(clean, bool) or not isinstance(clean, int) or clean < 0:
+            raise ValueError(f"loss_scaler.clean_steps is {clean!r:.60}, not a count (a non-negative integer)")
+
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])
         self.clean_steps = int(state["clean_steps"])

@@ -125,6 +125,18 @@ class Runtime:
     def load_training_state(self, state: dict) -> None:
         self.window.load_training_state(state)
 
+    def check_training_state(self, state: dict) -> None:
+        self.window.check_training_state(state)
+
+    def before_load(self) -> None:
+        self.window.before_load()
+
+    def after_load(self) -> None:
+        self.window.after_load()
+
+    def load_failed(self, reason: str) -> None:
+        self.window.load_failed(reason)
+
     def param16_shard(self, unit: UnitState) -> torch.Tensor:
         return self.weights.param16_shard(unit)
 

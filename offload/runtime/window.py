@@ -100,6 +100,8 @@ class GradientWindow:
         # and every use is refused until load_checkpoint
         self._stepped_in_backward: list[UnitState] = []
         self._partly_stepped: list[str] = []
+        # why the state is part loaded (a checkpoint that passed its checks failed to apply), or None
+        self._part_loaded: str | None = None
         self._outside_backward_began_at = 0.0
 
     def check_open(self) -> None:
@@ -120,6 +122,12 @@ class GradientWindow:
     def after_load(self) -> None:
         """A checkpoint was loaded: weights partly stepped by a failed backward are gone."""
         self._partly_stepped = []
+        self._part_loaded = None
+
+    def load_failed(self, reason: str) -> None:
+        """A checkpoint was applied in part: training is refused until a load succeeds."""
+        self._part_loaded = reason
+        logger.error("offload: %s; load a checkpoint to go on", reason)
 
     def settle_before_use(self) -> None:
         """Before a forward or a read of the weights: a failed plain backward's holds are given
@@ -306,6 +314,8 @@ class GradientWindow:
             error.add_note(message)
 
     def refuse_partly_stepped(self) -> None:
+        if self._part_loaded is not None:
+            raise OffloadError(f"{self._part_loaded}: load a checkpoint (engine.load_checkpoint) to go on")
         if self._partly_stepped:
             raise OffloadError(
                 f"a backward failed after units {', '.join(self._partly_stepped[:4])} had stepped in place (overlap "
@@ -565,6 +575,35 @@ class GradientWindow:
             "loss_scaler": self.scaler.state_dict(),
             "last_grad_norm": norm if norm is None or math.isfinite(norm) else None,
         }
+
+    def check_training_state(self, state: dict) -> None:
+        """Raises ValueError naming the key when `state` (what `training_state()` gave, read back
+        from a file nobody vouches for) is not one `load_training_state` restores exactly."""
+        expected = set(self.training_state())
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or extra:
+            raise ValueError(
+                f"{'lacks ' + ', '.join(missing) if missing else ''}{' and ' if missing and extra else ''}"
+                f"{'has keys offload never writes: ' + ', '.join(extra) if extra else ''}"
+            )
+        for key in ("global_steps", "micro_steps", "skipped_steps", "stepped_at_micro"):
+            value, least = state[key], -1 if key == "stepped_at_micro" else 0  # -1: never stepped
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{key} is {value!r:.60}, not a count (an integer, at least {least})")
+        # each step, taken or skipped, ended a window of at least one micro-step
+        if (
+            state["global_steps"] + state["skipped_steps"] > state["micro_steps"]
+            or state["stepped_at_micro"] > state["micro_steps"]
+        ):
+            raise ValueError(
+                f"counters disagree: {state['global_steps']} steps and {state['skipped_steps']} skipped, the last at "
+                f"micro-step {state['stepped_at_micro']}, in {state['micro_steps']} micro-steps"
+            )
+        norm = state["last_grad_norm"]
+        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int | float) or not 0 <= norm < math.inf):
+            raise ValueError(f"last_grad_norm is {norm!r:.60}, not a finite non-negative number or null")
+        self.hyper.check_state(state)
+        self.scaler.check_state_dict(state["loss_scaler"])
 
     def load_training_state(self, state: dict) -> None:
         """Restores what `training_state()` gave."""
