@@ -567,3 +567,50 @@ def test_reshard_two_ranks_to_one_and_back(tmp_path, swap_dir):
     assert resumed[1]["losses"] == straight[1]["losses"][4:]
     assert_same_state(resumed[0]["state"], straight[0]["state"])
     assert not two_a.exists()
+
+
+def test_saving_to_an_existing_tag_writes_nothing_or_replaces_it_whole(tmp_path, swap_dir):
+    """A resumed loop re-saves its first tag: refused before anything is written, or, with
+    overwrite=True, replaced atomically, the script's own files in it carried over."""
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyNet(), make_config(swap_dir))
+    data = batches(2)
+    engine_run(engine, data[:1])
+    root = tmp_path / "ckpt"
+    engine.save_checkpoint(str(root), tag="t")
+    (root / "t" / "notes.txt").write_text("the script's own file")
+    before = {p.name: p.read_bytes() for p in (root / "t").iterdir()}
+    engine_run(engine, data[1:])
+    with pytest.raises(CheckpointError, match="already exists; nothing was written.*overwrite=True"):
+        engine.save_checkpoint(str(root), tag="t")
+    assert {p.name: p.read_bytes() for p in (root / "t").iterdir()} == before
+    assert sorted(os.listdir(root)) == ["latest", "t"]
+    engine.save_checkpoint(str(root), tag="t", overwrite=True)
+    assert sorted(os.listdir(root)) == ["latest", "t"]
+    assert (root / "t" / "notes.txt").read_text() == "the script's own file"
+    expected = engine.consolidated_state_dict()
+    engine.close()
+    torch.manual_seed(0)
+    fresh = offload.initialize(TinyNet(), make_config(swap_dir))
+    fresh.load_checkpoint(str(root))
+    assert fresh.global_steps == 2
+    assert_same_state(fresh.consolidated_state_dict(), expected)
+    fresh.close()
+
+
+def test_the_readme_checkpoint_snippet_runs_as_written(tmp_path, swap_dir, monkeypatch):
+    import re
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme[readme.index("## Checkpoints") :]
+    snippet = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyNet(), make_config(swap_dir))
+    engine_run(engine, batches(1))
+    monkeypatch.chdir(tmp_path)
+    namespace = {"engine": engine}
+    exec(snippet, namespace)
+    assert namespace["client_state"] == {}  # latest names "best", saved without one
+    assert engine.global_steps == 1
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["best", "global_step1", "latest"]
+    engine.close()

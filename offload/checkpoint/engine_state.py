@@ -26,6 +26,7 @@ from offload.checkpoint.files import (  # noqa: F401 (re-exported: the format's 
     CheckpointCorruptError,
     CheckpointError,
     created_file,
+    exchange_paths,
     fsync_dir,
     lock_held,
     open_dir,
@@ -55,6 +56,7 @@ from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's
     checkpoints_to_remove,
     chunk_bounds,
     export,
+    is_format_file,
     json_with_checksum,
     list_checkpoints,
     resolve,
@@ -276,13 +278,16 @@ def save(
     *,
     tag: str | None = None,
     keep_last: int | None = None,
+    overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> str:
     """Saves the engine's full training state as checkpoint `<path>/<tag>` and points
     `<path>/latest` at it; returns the checkpoint's directory.
 
-    tag: defaults to `global_step<N>`; an existing tag is an error (checkpoints are never
-    overwritten in place). keep_last: afterwards keep only the newest N checkpoints under
+    tag: defaults to `global_step<N>`; an existing tag is an error, raised before anything is
+    written, unless `overwrite`: then the new checkpoint is written beside the old one and takes
+    its place in one atomic exchange (the old one stays whole until then); files in the old
+    directory that the format never writes (a script's own) are carried over. keep_last: afterwards keep only the newest N checkpoints under
     `path`. progress(bytes_done, bytes_total): called as this rank's state file is written.
     client_state: any dict of tensors, numbers, strings, lists, tuples and dicts (returned by
     `load`); rank 0's is saved.
@@ -301,8 +306,11 @@ def save(
     if rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
-            if os.path.exists(final):
-                raise CheckpointError(f"checkpoint {final} already exists; pass another tag or remove it first")
+            if os.path.lexists(final) and not (overwrite and os.path.isdir(final) and not os.path.islink(final)):
+                raise CheckpointError(
+                    f"checkpoint {final} already exists; nothing was written. Pass another tag, or overwrite=True to "
+                    "replace it (atomically: the old one stays whole until the new one is complete)"
+                )
             remove_stale(root)
         except BaseException as e:  # noqa: BLE001  (every rank must learn of any failure, Ctrl-C included)
             error = save_error(e, root)
@@ -338,7 +346,7 @@ def save(
     if rank == 0:
         assert lock_fd is not None  # rank 0 opened it above, or _agree_on_failure raised
         try:
-            _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, keep_last)
+            _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, keep_last, overwrite)
         except BaseException as e:  # noqa: BLE001  (every rank must learn of any failure, Ctrl-C included)
             error = save_error(e, root)
         finally:
@@ -378,7 +386,7 @@ def _write_rank0_files(engine: CheckpointedEngine, temp: str, client_state, keys
     return files
 
 
-def _finish(engine: CheckpointedEngine, root, temp, final, tag, files, canonical, aliases, keys, keep_last) -> None:
+def _finish(engine: CheckpointedEngine, root, temp, final, tag, files, canonical, aliases, keys, keep_last, overwrite) -> None:
     world = engine.collectives.world_size
     temp_fd = open_dir(temp)
     try:
@@ -416,12 +424,34 @@ def _finish(engine: CheckpointedEngine, root, temp, final, tag, files, canonical
     }
     write_small(os.path.join(temp, INDEX), json_with_checksum(index))
     fsync_dir(temp)
-    os.rename(temp, final)
+    if overwrite and os.path.isdir(final):
+        _replace_checkpoint(temp, final)
+    else:
+        os.rename(temp, final)
     fsync_dir(root)
     write_replacing(os.path.join(root, LATEST), [(tag + "\n").encode()], hold_lock=True)
     fsync_dir(root)
     if keep_last:
         rotate(root, keep_last, tag)
+
+
+def _replace_checkpoint(new: str, old: str) -> None:
+    """`new` (a complete checkpoint directory) takes the place of the checkpoint `old`: the old
+    one's files the format never writes are moved over first, then the two directories are
+    exchanged atomically (renameat2 RENAME_EXCHANGE; where the file system lacks it, two renames),
+    and the old one, now at `new`'s path, is removed. A crash at any point leaves `old` whole or
+    the new one in its place, never neither; the leftover is a `.tmp-*` directory a later save removes."""
+    for entry in os.listdir(old):
+        if not is_format_file(entry) and not os.path.lexists(os.path.join(new, entry)):
+            os.rename(os.path.join(old, entry), os.path.join(new, entry))
+    fsync_dir(new)
+    if not exchange_paths(new, old):
+        aside = f"{new}.old"
+        os.rename(old, aside)
+        os.rename(new, old)
+        new = aside
+    fsync_dir(os.path.dirname(old))
+    shutil.rmtree(new, ignore_errors=True)
 
 
 def load(engine: CheckpointedEngine, path, *, tag: str | None = None, load_rng: bool = True) -> dict:

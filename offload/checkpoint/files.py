@@ -207,6 +207,25 @@ def lock_held(fd: int) -> None:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+def exchange_paths(a: str, b: str) -> bool:
+    """Atomically swaps the directory entries `a` and `b` (Linux renameat2 with RENAME_EXCHANGE);
+    False where the system or file system cannot, and nothing was changed."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot exchange {a} and {b}: {os.strerror(err)}")
+
+
 def remove_stale(root: str) -> None:
     """Removes `.tmp-*` / `.trash-*` entries no live save holds the lock of (a killed save)."""
     root_fd = open_dir(root)

@@ -98,6 +98,11 @@ MAX_LATEST_BYTES = 4096
 
 
 # ---- plain functions (tested directly) -----------------------------------------------------
+def is_format_file(name: str) -> bool:
+    """Whether a checkpoint directory's entry `name` is one the format writes."""
+    return name == INDEX or name in SMALL_FILES or bool(RANK_JSON.fullmatch(name) or RANK_STATE.fullmatch(name))
+
+
 def chunk_bounds(numel: int, chunk: int = CHUNK_ELEMENTS) -> list[tuple[int, int]]:
     """[start, end) of each checksummed chunk of a slice of `numel` elements."""
     return [(start, min(start + chunk, numel)) for start in range(0, numel, chunk)]

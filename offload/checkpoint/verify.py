@@ -37,6 +37,7 @@ from torch import nn
 from offload.checkpoint.files import CheckpointCorruptError, CheckpointError
 from offload.checkpoint.format import INDEX, KINDS, CheckpointReader
 from offload.model.units import shard_pieces
+from offload.optim import kernels
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -272,13 +273,16 @@ def reads_of_rank(engine, reader: CheckpointReader, canonical: dict[int, str]):
 
 
 def _scan_values(reader: CheckpointReader, engine, canonical: dict[int, str]) -> None:
-    """Every element this rank will read: its chunk's checksum, and a value in range."""
+    """Every element this rank will read: its chunk's checksum, and a value in range. The checks
+    are single passes (the C++ kernels' finiteness scan; one minimum for the second moment);
+    only a chunk that fails is searched for the element to name."""
     for _unit, name, kind, a, b in reads_of_rank(engine, reader, canonical):
         for low, _high, values in reader.scan_range(name, kind, a, b):
-            bad = ~torch.isfinite(values)
-            if kind == "exp_avg_sq":
-                bad |= values < 0
-            if bool(bad.any()):
+            if not values.numel():
+                continue
+            negative = kind == "exp_avg_sq" and bool(torch.amin(values) < 0)
+            if kernels.has_nonfinite(values) or negative:
+                bad = ~torch.isfinite(values) | (values < 0 if kind == "exp_avg_sq" else False)
                 at = low + int(bad.nonzero()[0])
                 raise CheckpointCorruptError(
                     f"checkpoint {reader.directory}: element {at} of {name!r} {kind} is {float(values[at - low])!r}"
