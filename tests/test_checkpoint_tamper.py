@@ -442,3 +442,13 @@ def test_two_ranks_refuse_together_and_change_nothing(tmp_path, saved_two_ranks)
             assert all(w in outcome for w in words[rank]), (name, rank, outcome)
             assert unchanged, (name, rank, outcome)
     assert values[0]["losses"] == values[1]["losses"]
+
+
+def test_estimate_states_what_a_load_needs():
+    from offload.checkpoint.format import CHUNK_BYTES
+    from offload.plan.estimate import LOAD_CHUNK_BYTES, checkpoint_costs
+
+    assert LOAD_CHUNK_BYTES == CHUNK_BYTES
+    costs = checkpoint_costs(7_000_000_000, 1)
+    assert costs["bytes"] == 84_000_000_000 and costs["load_extra_disk"] == 0
+    assert costs["load_extra_ram_per_rank"] == 16 << 20 and costs["load_bytes_read"] == 2 * costs["bytes"]

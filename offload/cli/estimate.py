@@ -181,6 +181,12 @@ def format_report(report: dict) -> str:
         f"{', checkpointing' if settings['checkpointing'] else ''}): about {f(activations)} per GPU "
         f"({report['activations_note']})"
     )
+    saved = report["checkpoint"]
+    lines.append(
+        f"checkpoint: {f(saved['bytes'])} on disk (fp32 master and moments); a load checks it whole before applying it: "
+        f"{f(saved['load_extra_ram_per_rank'])} more RAM per rank, no more disk, {f(saved['load_bytes_read'])} read; "
+        f"a save with overwrite=True needs room for both ({f(saved['overwrite_extra_disk'])} more) until it completes"
+    )
     recommended = report["recommended"]
     if recommended is None:
         lines.append("recommended: nothing fits; add GPUs (--world-size), RAM or disk, or use a smaller model")

@@ -463,6 +463,26 @@ def recommended_config(
     return config
 
 
+# the chunk a checkpoint load's first pass streams the state through (checkpoint.format.CHUNK_BYTES;
+# tests/test_checkpoint_tamper.py checks they agree)
+LOAD_CHUNK_BYTES = 16 << 20
+
+
+def checkpoint_costs(num_params: int, world_size: int) -> dict:
+    """What a checkpoint of `num_params` parameters takes: its bytes on disk (fp32 master and both
+    moments: 12 per parameter, over all ranks), and what a load needs beside the engine's own
+    memory: one chunk of RAM per rank for the first pass that checks everything, no disk, and
+    the state read twice (checked, then applied)."""
+    state = 12 * num_params
+    return {
+        "bytes": state,
+        "load_extra_ram_per_rank": LOAD_CHUNK_BYTES,
+        "load_extra_disk": 0,
+        "load_bytes_read": 2 * state,
+        "overwrite_extra_disk": state,
+    }
+
+
 def estimate_report(
     shape: ModelShape,
     machine: Machine,
@@ -594,6 +614,7 @@ def estimate_report(
             "nvme_path": machine.nvme_path,
         },
         "activations_bytes": activations,
+        "checkpoint": checkpoint_costs(shape.num_params, world_size),
         "activations_note": "rough; not counted by the engine's ledger, added to the device tier when checking fit",
         "placements": rows,
         "recommended": None
