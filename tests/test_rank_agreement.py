@@ -44,6 +44,42 @@ def test_ranks_skipping_different_offloaded_units_fail_at_once(tmp_path, param):
         assert result["seconds"] < 50, "the mismatch waited for the group timeout"
 
 
+def _one_rank_stops_answering(rank: int, world_size: int, config: dict) -> dict:
+    """Rank 1 stops after its forward (a hang elsewhere); rank 0 goes on to backward."""
+    import time
+
+    import torch
+    from distributed_worker import RANK_DEVICE
+    from reference import TinyNet, batches, mse
+
+    import offload
+
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyNet(), config, device=RANK_DEVICE)
+    x, y = batches(1)[0]
+    loss = mse(engine, x, y)
+    started = time.perf_counter()
+    if rank == 1:
+        time.sleep(15)
+        return {"seconds": time.perf_counter() - started}
+    try:
+        engine.backward(loss)
+    except Exception as error:  # noqa: BLE001 (reported to the test)
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.perf_counter() - started}
+    return {"error": None, "seconds": time.perf_counter() - started}
+
+
+def test_a_rank_that_stops_answering_fails_the_others_within_the_configured_timeout(tmp_path):
+    swaps = rank_swap_dirs(tmp_path, WORLD)
+    config = make_config(swaps, "cpu", "cpu", "forward", collective_timeout=3)
+    results = launch(_one_rank_stops_answering, WORLD, config, timeout_s=600, deadline_s=150)
+    assert results[0]["ok"], results[0]
+    waited = results[0]["value"]
+    assert waited["error"] and waited["error"].startswith("CollectiveError"), waited
+    assert "rank 1" in waited["error"], waited
+    assert waited["seconds"] < 14, f"waited {waited['seconds']:.1f} s: the process group's 600 s timeout, not the config's 3 s"
+
+
 # ---- the order itself (plain logic) --------------------------------------------------------
 def test_reduce_order_streams_in_descending_order_and_defers_what_it_must():
     order = ReduceOrder(used_anywhere={0, 1, 2, 3, 4}, used_here={0, 1, 3, 4}, used_twice_anywhere={1})

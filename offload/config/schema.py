@@ -252,6 +252,8 @@ class Config(ReadOnlyOnceFrozen):
     """The learning-rate schedule (translated from a DeepSpeed `scheduler` section, or written here)."""
     seed: int | None = None
     """If set, torch's RNG is seeded with it at initialize."""
+    collective_timeout: float | None = None
+    """Several ranks: seconds a rank waits for the others at the engine's host collectives (the agreement before each backward and each unit's collective, norms, checkpoint agreement); past it every rank raises, naming the ranks that did not arrive. Default: the process group's timeout (`OFFLOAD_DIST_TIMEOUT_S`, 600 s, where offload starts the group)."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -456,6 +458,8 @@ def validate(config: Config) -> Config:
         raise _fail("optimizer.threads", f"must be >= 0 (0 = all CPUs), got {opt.threads}")
     if config.gradient_accumulation_steps < 1:
         raise _fail("gradient_accumulation_steps", f"must be >= 1, got {config.gradient_accumulation_steps}")
+    if config.collective_timeout is not None and not 0 < config.collective_timeout < math.inf:
+        raise _fail("collective_timeout", f"must be a positive number of seconds, got {config.collective_timeout}")
     if not config.gradient_clipping >= 0:
         raise _fail("gradient_clipping", f"must be >= 0 (0 turns clipping off), got {config.gradient_clipping}")
     if config.prefetch.depth < 0:

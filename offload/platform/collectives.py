@@ -196,13 +196,13 @@ class Collectives:
         self.timeout_s = timeout_s
         if self.world_size > 1:
             backend = dist.get_backend(self.group)
-            if backend == "gloo":
+            if backend == "gloo" and timeout_s is None:
                 self.host_group = self.group
             else:
                 ranks = dist.get_process_group_ranks(self.group)
                 timeout = timeout_s or timeout_from_env()
                 self.host_group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-                logger.info("created a gloo group for host-side reductions beside the %s group", backend)
+                logger.info("created a gloo group for host-side reductions beside the %s group (timeout %g s)", backend, timeout)
             self._global_ranks = dist.get_process_group_ranks(self.group)
             self._store = _default_store()
 

@@ -191,9 +191,9 @@ def _platform(config: Config, process_group, device) -> tuple[Collectives, Devic
     this rank's CUDA device before the device reads the current one); then the device."""
     choice = device_choice(device, os.environ)
     if isinstance(choice, Device):
-        collectives = Collectives(process_group, device=choice.torch_device)
+        collectives = Collectives(process_group, config.collective_timeout, device=choice.torch_device)
     else:
-        collectives = Collectives(process_group, device="cpu" if choice == "checked" else choice)
+        collectives = Collectives(process_group, config.collective_timeout, device="cpu" if choice == "checked" else choice)
     made = make_device(choice)
     overlapped = made.is_cuda and config.overlap != "none"
     kernels.set_num_threads(
