@@ -24,6 +24,7 @@ import pytest
 import torch
 from distributed_worker import RANK_DEVICE, launch
 from reference import TinyNet, batches, mse
+from reference import engine_run as train
 
 import offload
 from offload.checkpoint import engine_state as checkpoint
@@ -52,16 +53,6 @@ def config(swap, placement="cpu"):
         "optimizer": {"lr": 1e-2, "weight_decay": 0.01},
         "offload": {"param": param, "optimizer": optimizer, "nvme_path": str(swap)},
     }
-
-
-def train(engine, data) -> list[float]:
-    losses = []
-    for x, y in data:
-        loss = mse(engine, x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def new_engine(swap, placement, width=32):
