@@ -92,7 +92,7 @@ def build_model(args):
     import transformers
 
     if args.model and not args.tiny:
-        return transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+        return transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     if args.model:
         config = transformers.AutoConfig.from_pretrained(args.model).to_dict()
     elif args.model_config:
@@ -104,7 +104,7 @@ def build_model(args):
         config["vocab_size"] = min(int(config.get("vocab_size", 256)), 512)
         config.pop("head_dim", None) if config.get("model_type") in ("gpt2", "gpt_neox") else None
     model_type = config.pop("model_type")
-    for key in ("architectures", "transformers_version", "torch_dtype", "_name_or_path"):
+    for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
         config.pop(key, None)
     hf_config = transformers.AutoConfig.for_model(model_type, **config)
     return transformers.AutoModelForCausalLM.from_config(hf_config)

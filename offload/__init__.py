@@ -1,6 +1,6 @@
 """offload: a heterogeneous offload engine for PyTorch training.
 
-Public surface (the project's DESIGN page; the inside in docs/design.md): `initialize`, `Config`, `CPUAdamW`, `Engine`,
+Public surface (the project's DESIGN page; the inside in docs/design.md), listed in `__all__`: `initialize`, `Config`, `CPUAdamW`, `Engine`,
 `param_groups_no_decay`.
 """
 
@@ -26,6 +26,23 @@ def _version() -> str:
 
 __version__ = _version()
 
+# the public API: what `from offload import *` gives and `dir(offload)` shows (the lazy names too)
+__all__ = [
+    "initialize",
+    "Engine",
+    "Config",
+    "load_config",
+    "CPUAdamW",
+    "param_groups_no_decay",
+    "OffloadError",
+    "ConfigError",
+    "InsufficientMemoryError",
+    "InsufficientSpaceError",
+    "NonFiniteError",
+    "SwapError",
+    "SwapCorruptError",
+]
+
 
 def __getattr__(name):
     # Imported lazily so that `import offload` stays cheap and a CLI subcommand loads only what it uses.
@@ -46,3 +63,7 @@ def __getattr__(name):
 
         return param_groups_no_decay
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

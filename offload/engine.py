@@ -28,7 +28,7 @@ from torch import nn
 
 from offload.config.param_groups import resolve_param_groups
 from offload.config.schema import Config, freeze, load_config
-from offload.errors import ConfigError
+from offload.errors import ConfigError, OffloadError, at_users_call, name_config_file
 from offload.model.owned import OPEN_ENGINES, RELEASED, StateDictHooks
 from offload.platform.device import Device
 from offload.runtime.build import Runtime, build
@@ -38,10 +38,55 @@ logger = logging.getLogger(__name__)
 
 
 def initialize(
-    model: nn.Module, config: Config | dict | str | os.PathLike | None = None, param_groups: list[dict] | None = None, **kwargs
+    model: nn.Module,
+    config: Config | dict | str | os.PathLike | None = None,
+    param_groups: list[dict] | None = None,
+    *,
+    device: Device | torch.device | str | None = None,
+    process_group=None,
+    run_name: str | None = None,
+    strict: bool = True,
 ) -> Engine:
-    """Wraps `model` for offloaded training; see `Engine`."""
-    return Engine(model, config, param_groups=param_groups, **kwargs)
+    """Wraps `model` for offloaded training and returns the `Engine` (also a context manager
+    that closes it): `out = engine(**batch); engine.backward(out.loss); engine.step()`.
+
+    model: the nn.Module to train, as built (on the CPU, or on the meta device for large models).
+    config: where each byte lives and how it trains: a dict, an `offload.Config`, or the path of
+        an offload or DeepSpeed JSON file or an accelerate YAML (README, "Config keys");
+        default: every key's default.
+    param_groups: torch-style groups, a list of dicts with "params" (parameters or their names)
+        and any of lr, weight_decay, betas, eps; `offload.param_groups_no_decay(model, wd)` gives
+        the usual split. Default: one group with the config's optimizer values.
+    device: "cuda", "cuda:N", "cpu", "checked" (the CPU as an asynchronous device, every stream
+        ordering checked: offload.platform.checked_device), a torch.device or a Device; default:
+        OFFLOAD_DEVICE, else CUDA when present (torchrun's LOCAL_RANK picks the GPU), else the CPU.
+    process_group: the torch.distributed group whose ranks share the model's states; default:
+        the default group (started from torchrun's environment when WORLD_SIZE > 1), else one rank.
+    run_name: this run's swap directory under offload.nvme_path (default: a unique name).
+    strict: False drops, with one warning, DeepSpeed or accelerate keys offload cannot honour,
+        instead of refusing the config.
+
+    A mistake in these (a config key, a placement that does not fit) raises an
+    `offload.OffloadError` subclass here, naming the config file, the key and what to do.
+    With several ranks, only rank 0 logs INFO (`OFFLOAD_LOG_ALL_RANKS=1`: every rank).
+    """
+    try:
+        return Engine(
+            model,
+            config,
+            param_groups=param_groups,
+            device=device,
+            process_group=process_group,
+            run_name=run_name,
+            strict=strict,
+        )
+    except OffloadError as error:
+        if isinstance(config, (str, os.PathLike)):
+            name_config_file(error, config)
+        short = at_users_call(error)
+        if short is None:
+            raise
+        raise short from error.__cause__
 
 
 class Engine:
@@ -58,12 +103,8 @@ class Engine:
     `engine.backward` does around it, except dividing the loss: as with torch, a plain
     backward under gradient accumulation backpropagates `loss / gradient_accumulation_steps`.
 
-    `param_groups`: torch-style groups (see offload.config.param_groups); `engine.optimizer` is a
-    torch.optim.Optimizer over them that LR schedulers drive. `engine.config` is read-only.
-
-    `device`: "cuda[:N]", "cpu", "checked" (the CPU standing in for an asynchronous accelerator,
-    every stream ordering checked: offload.platform.checked_device), or a Device built beforehand; by
-    default `OFFLOAD_DEVICE` from the environment, else CUDA when present, else the CPU.
+    The arguments are `offload.initialize`'s. `engine.optimizer` is a torch.optim.Optimizer over
+    the param groups that LR schedulers drive. `engine.config` is read-only.
     """
 
     def __init__(

@@ -1,6 +1,22 @@
-"""Exceptions offload raises. Each message names the thing that is wrong and what to do."""
+"""Exceptions offload raises. Each message names the thing that is wrong and what to do.
+
+An error the user caused (a config key, a placement, a misuse) is raised at the public call the
+user made (`offload.initialize`, `offload.load_config`): its traceback ends there instead of
+running through offload's inside, which only says where offload noticed, not what to change.
+Nothing is lost: the error raised inside, with its whole traceback, is the shown error's
+`__context__`, and `OFFLOAD_FULL_TRACEBACK=1` keeps every traceback whole.
+"""
 
 from __future__ import annotations
+
+import copy
+import functools
+import os
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 class OffloadError(Exception):
@@ -61,3 +77,44 @@ class ForkedProcessError(OffloadError, RuntimeError):
     """An engine used in a process forked from the one that built it (a DataLoader worker, a
     multiprocessing task with the 'fork' start method): its I/O threads, copy streams and swap
     store exist only in the process that built it."""
+
+
+FULL_TRACEBACK_ENV = "OFFLOAD_FULL_TRACEBACK"
+
+
+def name_config_file(error: OffloadError, config_file: str | os.PathLike) -> None:
+    """Names the config file in the message of an error about one of its keys (in place: raise it
+    on), unless the message names it already."""
+    if isinstance(error, ConfigError) and error.key is not None and os.fspath(config_file) not in str(error):
+        error.args = (f"config file {os.fspath(config_file)!r}: {error}", *error.args[1:])
+
+
+def at_users_call(error: OffloadError) -> OffloadError | None:
+    """`error` again, to raise at the user's call (`raise at_users_call(error) from
+    error.__cause__`): a copy without offload's frames, the original its `__context__`. None
+    where the whole traceback is wanted (OFFLOAD_FULL_TRACEBACK=1) or the error cannot be copied."""
+    if os.environ.get(FULL_TRACEBACK_ENV, "").strip().lower() in ("1", "true", "yes"):
+        return None
+    try:
+        short = copy.copy(error)
+    except (TypeError, ValueError, AttributeError):  # arguments that do not round-trip: raised as it is
+        return None
+    short.__traceback__ = None
+    return short
+
+
+def raised_at_users_call(function: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Decorates a public entry: an OffloadError from inside is raised again at the entry
+    (`at_users_call`), chained to its own cause, if any, as before."""
+
+    @functools.wraps(function)
+    def public_entry(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return function(*args, **kwargs)
+        except OffloadError as error:
+            short = at_users_call(error)
+            if short is None:
+                raise
+            raise short from error.__cause__
+
+    return public_entry

@@ -30,7 +30,7 @@ def test_version_from_the_console_module():
 
 def test_memory_postfix_names_each_tier():
     breakdown = {"device_bytes": 0, "host_bytes": 28_100 * 1024, "nvme_bytes": 47 * 1024 * 1024}
-    assert memory_postfix(breakdown) == {"dev": "0B", "host": "27.4M", "nvme": "47.0M"}
+    assert memory_postfix(breakdown) == {"dev": "0 B", "host": "27.4 MiB", "nvme": "47.0 MiB"}
 
 
 class FakeEngine:
@@ -48,12 +48,12 @@ def test_log_lines_are_written_above_the_bar_while_it_is_open():
     root.addHandler(console)
     root.setLevel(logging.INFO)
     try:
-        progress = TrainingProgress(FakeEngine(), total=2, log_every=1)
+        progress = TrainingProgress(FakeEngine(), total=2, log_every=1, bar=True)
         # tqdm's handler writes with tqdm.write, which clears the bar, prints the line, redraws the bar
         assert console not in root.handlers
         assert any(type(h).__name__ == "_TqdmLoggingHandler" for h in root.handlers)
         progress.update(loss=1.5, tokens=100)
-        assert progress._bar.postfix.endswith("dev=0B, host=2.0M, nvme=3.0M")
+        assert progress._bar.postfix.endswith("dev=0 B, host=2.00 MiB, nvme=3.00 MiB")
         progress.close()
         assert console in root.handlers  # restored when the bar closes
     finally:

@@ -171,7 +171,7 @@ def test_training_progress_logs_each_step(caplog):
     ticks = iter([0.0, 2.0, 5.0])
     engine = FakeEngine()
     with caplog.at_level(logging.INFO, logger="offload.progress"):
-        progress = TrainingProgress(engine, total=2, disable=True, clock=lambda: next(ticks))
+        progress = TrainingProgress(engine, total=2, disable=True, log_every=1, clock=lambda: next(ticks))
         first = progress.update(loss=1.5, tokens=100)
         second = progress.update(loss=1.25, tokens=300)
         progress.close()

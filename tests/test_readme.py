@@ -35,8 +35,10 @@ def test_quick_start_is_ten_lines_and_runs_as_written(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    loss, host_peak = result.stdout.split()
-    assert float(loss) >= 0 and int(host_peak) > 0
+    # each number printed with its label and unit
+    printed = re.fullmatch(r"loss ([0-9.]+), host RAM peak ([0-9,]+) bytes\n", result.stdout)
+    assert printed, result.stdout
+    assert float(printed.group(1)) >= 0 and int(printed.group(2).replace(",", "")) > 0
 
 
 def test_config_key_table_is_current():

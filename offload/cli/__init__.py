@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # subcommand -> module in offload.cli that defines add_arguments(parser) and run(args) -> int
@@ -45,7 +46,18 @@ def main(argv: list[str] | None = None) -> int:
         modules[name] = module
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return int(modules[args.command].run(args) or 0)
+    from offload.errors import OffloadError
+
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except OffloadError as error:  # the user's mistake, said in one line (-v: with the traceback)
+        if args.verbose:
+            raise
+        print(f"offload {args.command}: {error}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `offload estimate 7B | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import uuid
 
 import torch
 
-from offload.config.sizes import parse_bytes
+from offload.config.sizes import format_bytes, parse_bytes
 from offload.storage.aio import AioEngine, probe_o_direct, round_up
 from offload.storage.memory import HostBufferPool
 
@@ -70,13 +70,6 @@ def _int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def human(n: int) -> str:
-    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
 
 
 def filesystem_type(path: str) -> str:
@@ -241,9 +234,9 @@ def _best_io(rows: list[dict], ops) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'op':<6} {'block':>7} {'depth':>6} {'threads':>8} {'GB/s':>8}"]
+    lines = [f"{'op':<6} {'block':>9} {'depth':>6} {'threads':>8} {'GB/s':>8}"]
     for r in result["rows"]:
-        lines.append(f"{r['op']:<6} {human(r['block_size']):>7} {r['queue_depth']:>6} {r['threads']:>8} {r['gbps']:>8.2f}")
+        lines.append(f"{r['op']:<6} {format_bytes(r['block_size']):>9} {r['queue_depth']:>6} {r['threads']:>8} {r['gbps']:>8.2f}")
     return "\n".join(lines)
 
 
@@ -278,7 +271,7 @@ def run(args) -> int:
     def progress(done, total, row):
         if not args.quiet:
             print(
-                f"[{done}/{total}] {row['op']:<5} block {human(row['block_size']):>4} depth {row['queue_depth']:>3} "
+                f"[{done}/{total}] {row['op']:<5} block {format_bytes(row['block_size']):>8} depth {row['queue_depth']:>3} "
                 f"threads {row['threads']:>3}: {row['gbps']:.2f} GB/s",
                 file=sys.stderr,
                 flush=True,
@@ -302,12 +295,12 @@ def run(args) -> int:
         return 0
     print(
         f"{result['path']} ({result['filesystem']}, O_DIRECT {'on' if result['o_direct'] else 'refused'}), "
-        f"{human(result['size'])} scratch file"
+        f"{format_bytes(result['size'])} scratch file"
     )
     print(format_table(result))
     for op, r in result["best"].items():
         print(
-            f"best {op}: {r['gbps']:.2f} GB/s at block {human(r['block_size'])}, depth {r['queue_depth']}, threads {r['threads']}"
+            f"best {op}: {r['gbps']:.2f} GB/s at block {format_bytes(r['block_size'])}, depth {r['queue_depth']}, threads {r['threads']}"
         )
     print("io section to paste in the config:")
     print(json.dumps({"io": result["io"]}, indent=2))

@@ -86,6 +86,22 @@ def _shape(args) -> ModelShape:
     return shape_from_param_count(count, layers=args.layers, vocab_size=args.vocab_size)
 
 
+def missing_swap_note(nvme_path: str, *, given: bool) -> str | None:
+    """Nothing when the swap directory exists; a note when the default one does not (its disk is
+    measured at the nearest parent); a ConfigError when a path the user gave does not exist
+    (its nearest parent may be another file system: its free space would be a wrong answer)."""
+    if Path(nvme_path).is_dir():
+        return None
+    if Path(nvme_path).exists():
+        raise ConfigError(f"--nvme-path {nvme_path} is not a directory; give the swap directory")
+    if given:
+        raise ConfigError(
+            f"--nvme-path {nvme_path} does not exist, so the free space of its disk cannot be measured; "
+            f"create it (mkdir -p {nvme_path}) on the disk for swap, or give that disk's free space with --disk"
+        )
+    return f"{nvme_path} does not exist yet: disk free space measured at its nearest existing parent (--nvme-path, --disk)"
+
+
 def build_report(args) -> dict:
     from offload.config.schema import Config, load_config
 
@@ -97,8 +113,12 @@ def build_report(args) -> dict:
     if args.world_size < 1 or args.nodes < 1:
         raise ConfigError("--world-size and --nodes must be >= 1")
     ranks_per_node = -(-args.world_size // args.nodes)
-    machine = detect_machine(nvme_path, ranks_per_node)
     notes = []
+    if args.disk is None:
+        note = missing_swap_note(nvme_path, given=args.nvme_path is not None or nvme_path != Config().offload.nvme_path)
+        if note:
+            notes.append(note)
+    machine = detect_machine(nvme_path, ranks_per_node)
 
     def size(option: str, text: str, *, binary: bool) -> int:
         nbytes = est.parse_bytes(text, binary=binary)

@@ -22,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from offload.checkpoint.engine_state import export
+    from offload.config.sizes import format_bytes
     from offload.errors import OffloadError
 
     try:
@@ -29,5 +30,5 @@ def run(args: argparse.Namespace) -> int:
     except (OffloadError, OSError) as e:  # every cause names the path and what to do: no traceback
         print(f"offload export: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB, {args.dtype})")
+    print(f"wrote {path} ({format_bytes(os.path.getsize(path))}, {args.dtype})")
     return 0

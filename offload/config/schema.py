@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from offload.config.sizes import MIN_SUB_GROUP_SIZE, parse_size
-from offload.errors import ConfigError
+from offload.errors import ConfigError, name_config_file, raised_at_users_call
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 PARAM_TIERS = ("none", "cpu", "nvme")
@@ -529,37 +529,51 @@ def _build(mapping: dict, translation=None) -> Config:
         if not sources:
             raise
         shown = ", ".join(repr(src) for src in sources)
-        raise ConfigError(f"{error} (translated from {translation.kind} key {shown}; fix it there)", key=sources[0]) from error
+        # the message holds the first error whole: the chain would only repeat it
+        raise ConfigError(f"{error} (translated from {translation.kind} key {shown}; fix it there)", key=sources[0]) from None
 
 
+@raised_at_users_call
 def load_config(source: Config | dict | str | os.PathLike | None = None, *, strict: bool = True) -> Config:
     """A validated Config from a Config, a dict, or a path to a JSON file (offload's or
     DeepSpeed's) or an accelerate YAML.
 
     DeepSpeed and accelerate keys that only tune or log are accepted and listed in one INFO
     line; keys offload cannot honour are one ConfigError, or with `strict=False` one WARNING
-    (and dropped). See `offload.config.deepspeed`.
+    (and dropped). See `offload.config.deepspeed`. An error about a key in a file names the file.
     """
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            return _load_config_file(Path(source), strict)
+        except ConfigError as error:
+            name_config_file(error, source)
+            raise
+    return _load_config(source, strict)
+
+
+def _load_config_file(path: Path, strict: bool) -> Config:
+    from offload.config import deepspeed as deepspeed_config
+
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass a dict, an offload.Config or the path of a JSON file")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        translation = deepspeed_config.translate_accelerate(path)
+        deepspeed_config.report(translation, strict)
+        return _build(translation.config, translation)
+    try:
+        source = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {error}") from None
+    return _load_config(source, strict)
+
+
+def _load_config(source: Config | dict | None, strict: bool) -> Config:
     from offload.config import deepspeed as deepspeed_config
 
     if source is None:
         return validate(Config())
     if isinstance(source, Config):
         return validate(_from_mapping("", dataclasses.asdict(source), Config))
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(
-                f"config file {str(path)!r} does not exist; pass a dict, an offload.Config or the path of a JSON file"
-            )
-        if path.suffix.lower() in (".yaml", ".yml"):
-            translation = deepspeed_config.translate_accelerate(path)
-            deepspeed_config.report(translation, strict)
-            return _build(translation.config, translation)
-        try:
-            source = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {error}") from error
     if not isinstance(source, dict):
         raise ConfigError(f"config must be a dict, a JSON path or an offload.Config, got {type(source).__name__}")
     if is_deepspeed_config(source):

@@ -66,3 +66,25 @@ def parse_size(value: int | str | None) -> int | None:
     if value is None or isinstance(value, int):
         return value
     return parse_bytes(value)
+
+
+BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def format_bytes(nbytes: float | None) -> str:
+    """Bytes as a person reads them, in the largest binary unit that keeps the number at least 1,
+    with three significant digits: `512 B`, `1.50 KiB`, `27.4 MiB`, `123 GiB`, `2.00 TiB` (never
+    `0.00 GiB`). Every size offload prints goes through here; None is `-`."""
+    if nbytes is None:
+        return "-"
+    if nbytes < 0:
+        return "-" + format_bytes(-nbytes)
+    for unit, size in BINARY_UNITS:
+        if nbytes >= size * 0.9995:  # what would print as 1024 of the unit below prints as 1.00 of this one
+            value = nbytes / size
+            # the precision that keeps three significant digits after rounding (9.996 -> "10.0")
+            for digits, below in ((2, 9.995), (1, 99.95)):
+                if value < below:
+                    return f"{value:.{digits}f} {unit}"
+            return f"{value:.0f} {unit}"
+    return f"{int(nbytes)} B"

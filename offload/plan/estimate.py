@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 from offload.config import sizes
 from offload.config.placement import OptimizerTier
-from offload.config.sizes import MIN_SUB_GROUP_SIZE, round_up
+from offload.config.sizes import MIN_SUB_GROUP_SIZE, format_bytes, round_up
 from offload.errors import ConfigError
 from offload.plan.budgets import host_budget_bytes, host_bytes_beside_optimizer_state, pool_page_slack
 from offload.plan.machine import DEVICE_KINDS, Machine
@@ -662,12 +662,3 @@ def parse_count(text: str) -> int:
         raise ConfigError(f"{text!r} is not a parameter count; write it like 7B, 7e9 or 350M")
     scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}[match.group(2).lower()]
     return int(float(match.group(1)) * scale)
-
-
-def format_bytes(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "-"
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.1f} {unit}"
-    return f"{nbytes} B"

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from offload.config.placement import OptimizerTier
-from offload.config.sizes import MIN_SUB_GROUP_SIZE, round_up
+from offload.config.sizes import MIN_SUB_GROUP_SIZE, format_bytes, round_up
 
 STATE_BYTES_PER_ELEMENT = 16  # master, exp_avg, exp_avg_sq, grad32, fp32 each
 STATE_KIND_COUNT = 4
@@ -64,11 +64,11 @@ class OptimizerPlan:
     def summary(self) -> str:
         counts = {tier: self.tiers.count(tier) for tier in OptimizerTier if tier in self.tiers}
         parts = [
-            f"{tier.value}: {count} units, {self.bytes_by_tier.get(tier.value, 0) / 2**30:.2f} GiB"
+            f"{tier.value}: {count} units, {format_bytes(self.bytes_by_tier.get(tier.value, 0))}"
             for tier, count in counts.items()
         ]
         if self.slot_bytes:
-            parts.append(f"NVMe slots in RAM {self.slot_bytes / 2**30:.2f} GiB")
+            parts.append(f"NVMe slots in RAM {format_bytes(self.slot_bytes)}")
         return "; ".join(parts)
 
 
@@ -350,8 +350,8 @@ def plan_optimizer_tiers(
         host_left = capacity.host - slots
         if host_left < 0:
             raise PlanError(
-                f"the optimizer state does not fit in RAM ({capacity.host / 2**30:.2f} GiB for it) and streaming "
-                f"it from NVMe needs {slots / 2**30:.2f} GiB of RAM for its slots; raise offload.max_host_memory, "
+                f"the optimizer state does not fit in RAM ({format_bytes(capacity.host)} for it) and streaming "
+                f"it from NVMe needs {format_bytes(slots)} of RAM for its slots; raise offload.max_host_memory, "
                 "lower offload.buffer_count or offload.sub_group_size, or use more ranks"
             )
         host_units = []
@@ -372,9 +372,9 @@ def plan_optimizer_tiers(
     if nvme_need > capacity.nvme:
         total = sum(need)
         raise PlanError(
-            f"the optimizer state ({total / 2**30:.1f} GiB) does not fit: device {capacity.device / 2**30:.1f} GiB, "
-            f"host {capacity.host / 2**30:.1f} GiB (less {slots / 2**30:.1f} GiB of NVMe slots), NVMe "
-            f"{capacity.nvme / 2**30:.1f} GiB free for it; {nvme_need / 2**30:.1f} GiB would go to NVMe. Raise "
+            f"the optimizer state ({format_bytes(total)}) does not fit: device {format_bytes(capacity.device)}, "
+            f"host {format_bytes(capacity.host)} (less {format_bytes(slots)} of NVMe slots), NVMe "
+            f"{format_bytes(capacity.nvme)} free for it; {format_bytes(nvme_need)} would go to NVMe. Raise "
             "offload.max_host_memory, free disk under offload.nvme_path, or use more ranks"
         )
     for unit in host_units:

@@ -14,7 +14,7 @@ import torch
 
 from offload.config.placement import OptimizerTier, ParamTier
 from offload.config.schema import Config
-from offload.config.sizes import parse_size
+from offload.config.sizes import format_bytes, parse_size
 from offload.errors import ConfigError
 from offload.model.unit_state import UnitState
 from offload.plan.budgets import host_bytes_beside_optimizer_state
@@ -88,10 +88,10 @@ def plan_optimizer(
     except PlanError as error:
         raise ConfigError(f"offload.optimizer auto: {error}", key="offload.optimizer") from None
     logger.info(
-        "offload: optimizer auto (device memory for it %.2f GiB, RAM %.2f GiB, disk %.1f GiB): %s",
-        capacity.device / 2**30,
-        capacity.host / 2**30,
-        nvme_free / 2**30,
+        "offload: optimizer auto (device memory for it %s, RAM %s, disk %s): %s",
+        format_bytes(capacity.device),
+        format_bytes(capacity.host),
+        format_bytes(nvme_free),
         plan.summary(),
     )
     for unit, reason in zip(units, plan.reasons):

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from offload.errors import OffloadError
+from offload.platform.log_ranks import quiet_info_off_rank_zero
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +193,8 @@ class Collectives:
         else:
             self.world_size = 1
             self.rank = 0
+        if self.world_size > 1:
+            quiet_info_off_rank_zero(self.rank)
         self.host_group = None
         self.timeout_s = timeout_s
         if self.world_size > 1:

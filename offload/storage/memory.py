@@ -19,6 +19,7 @@ import threading
 import psutil
 import torch
 
+from offload.config.sizes import format_bytes
 from offload.errors import InsufficientMemoryError
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,8 @@ log = logging.getLogger(__name__)
 ALIGN = 4096
 
 
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB ({n} bytes)"
+def _size(n: int) -> str:
+    return f"{format_bytes(n)} ({n} bytes)"
 
 
 class TierLedger:
@@ -125,7 +126,7 @@ class HostBufferPool:
             free = available_ram()
             if self.budget_bytes > free:
                 raise InsufficientMemoryError(
-                    f"{name}: budget of {_gib(self.budget_bytes)} exceeds the {_gib(free)} of RAM available on this "
+                    f"{name}: budget of {_size(self.budget_bytes)} exceeds the {_size(free)} of RAM available on this "
                     "machine; lower the host budget (offload fewer tensors to host, e.g. offload.optimizer='nvme'), "
                     "or free memory"
                 )
@@ -144,15 +145,15 @@ class HostBufferPool:
         with self._lock:
             if self.budget_bytes is not None and self.allocated_bytes + capacity > self.budget_bytes:
                 raise InsufficientMemoryError(
-                    f"{self.name}: allocating {_gib(capacity)} for {category} would exceed the budget of "
-                    f"{_gib(self.budget_bytes)} ({_gib(self.allocated_bytes)} in use); raise the budget or "
+                    f"{self.name}: allocating {_size(capacity)} for {category} would exceed the budget of "
+                    f"{_size(self.budget_bytes)} ({_size(self.allocated_bytes)} in use); raise the budget or "
                     "free buffers first"
                 )
             if self.budget_bytes is None:
                 free = available_ram()
                 if capacity > free:
                     raise InsufficientMemoryError(
-                        f"{self.name}: allocating {_gib(capacity)} for {category} but only {_gib(free)} of RAM is "
+                        f"{self.name}: allocating {_size(capacity)} for {category} but only {_size(free)} of RAM is "
                         "available; offload less to host memory or free memory"
                     )
             self.allocated_bytes += capacity  # reserve before the (slow) mmap, under the lock
@@ -165,7 +166,7 @@ class HostBufferPool:
                 rc = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), capacity, 0)
                 if int(rc) != 0:
                     raise InsufficientMemoryError(
-                        f"{self.name}: cudaHostRegister of {_gib(capacity)} failed (error {int(rc)}); lower the pinned budget"
+                        f"{self.name}: cudaHostRegister of {_size(capacity)} failed (error {int(rc)}); lower the pinned budget"
                     )
                 registered = True
         except BaseException:

@@ -61,6 +61,7 @@ from urllib.parse import quote
 import torch
 
 from offload import _aio_ext
+from offload.config.sizes import format_bytes
 from offload.errors import InsufficientSpaceError, SwapCorruptError, SwapError
 from offload.storage.aio import AioEngine, AioHandle, direct_ok, probe_o_direct, round_up
 from offload.storage.swap_layout import (
@@ -395,8 +396,8 @@ class SwapStore:
         if needed > free:
             raise InsufficientSpaceError(
                 _errno.ENOSPC,
-                f"swap needs {needed} bytes ({needed / 2**30:.2f} GiB) for {len(new)} tensors but "
-                f"only {free} bytes ({free / 2**30:.2f} GiB) are free in {self.root}"
+                f"swap needs {needed} bytes ({format_bytes(needed)}) for {len(new)} tensors but "
+                f"only {free} bytes ({format_bytes(free)}) are free in {self.root}"
                 f"{self._other_runs_note()}; free space or set offload.nvme_path to a larger disk",
                 self.path,
             )

@@ -24,7 +24,7 @@ import torch
 
 from offload.config.placement import OptimizerTier, ParamTier
 from offload.config.schema import Config
-from offload.config.sizes import parse_size
+from offload.config.sizes import format_bytes, parse_size
 from offload.model.unit_state import STATE_KINDS, STEPPED_KINDS, UnitState
 from offload.optim import kernels
 from offload.plan.budgets import host_budget_bytes, pool_page_slack
@@ -188,22 +188,22 @@ class TierStore:
         if speculate:
             logger.info(
                 "offload: overlap backward: %d of %d units (of %d with their state in RAM) step speculatively during "
-                "backward (%.2f GiB of spare state in RAM, %.2f GiB was free for it); the rest step once the global "
+                "backward (%s of spare state in RAM, %s was free for it); the rest step once the global "
                 "gradient norm is known",
                 sum(leftover.speculating),
                 len(self.units),
                 sum(tier is OptimizerTier.HOST for tier in tiers),
-                leftover.spare_bytes / 2**30,
-                room / 2**30,
+                format_bytes(leftover.spare_bytes),
+                format_bytes(room),
             )
         if self.streamed_units:
             logger.info(
                 "offload: %d of %d units with their optimizer state on NVMe keep their fp32 gradient in RAM "
-                "(%.2f GiB, %.2f GiB was free for it); the step reads and writes only their master and moments",
+                "(%s, %s was free for it); the step reads and writes only their master and moments",
                 sum(leftover.gradients_in_ram),
                 len(self.streamed_units),
-                leftover.gradient_bytes / 2**30,
-                (room - leftover.spare_bytes) / 2**30,
+                format_bytes(leftover.gradient_bytes),
+                format_bytes(room - leftover.spare_bytes),
             )
 
     def _allocate_host(self) -> None:
@@ -240,11 +240,11 @@ class TierStore:
         if self.streamed_units:
             self._slots = [self._allocate_slot(self.slot_shape.piece) for _ in range(self.slot_shape.count)]
             logger.info(
-                "offload: the optimizer state on NVMe streams through %d slots of %s elements (%.2f GiB of RAM; "
+                "offload: the optimizer state on NVMe streams through %d slots of %s elements (%s of RAM; "
                 "offload.buffer_count, offload.sub_group_size)",
                 self.slot_shape.count,
                 f"{self.slot_shape.piece:,}",
-                self.budget["optimizer_slots"] / 2**30,
+                format_bytes(self.budget["optimizer_slots"]),
             )
             if "grad_slot" in self.budget:
                 self._grad_slot = self.pool.alloc(self.slot_shape.piece, torch.float32, category="grad_slot")
