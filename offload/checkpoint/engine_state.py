@@ -68,6 +68,7 @@ from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's
 )
 from offload.checkpoint.verify import VerifiedCheckpoint, frozen_piece, model_names, verify
 from offload.config.schema import Config
+from offload.config.sizes import format_bytes
 from offload.errors import InsufficientSpaceError, OffloadError
 from offload.model.unit_state import UnitState
 from offload.model.units import shard_pieces
@@ -150,8 +151,8 @@ def _write_rank_file(engine: CheckpointedEngine, directory: str, rank: int, cano
     if total > free:
         raise InsufficientSpaceError(
             errno.ENOSPC,
-            f"checkpoint needs {total} bytes ({total / 2**30:.2f} GiB) for {path} but only {free} bytes are "
-            "free; nothing was written and the previous checkpoint is untouched; free space or save elsewhere",
+            f"checkpoint needs {format_bytes(total)} ({total} bytes) for {path} but only {free} bytes are free "
+            f"({format_bytes(free)}); nothing was written and the previous checkpoint is untouched; free space or save elsewhere",
             path,
         )
     by_unit: dict[int, list[tuple[Slice, int]]] = {}
