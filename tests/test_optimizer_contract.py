@@ -241,25 +241,28 @@ def test_skipping_a_bad_batch_with_zero_grad_matches_torch(swap_dir, overlap, cl
     engine.close()
 
 
-def test_zero_grad_between_two_backwards_keeps_the_second_within_an_accumulation_window(swap_dir):
+@pytest.mark.parametrize("overlap,dropped_after", [("forward", (2, 5)), ("backward", (2,))])
+def test_zero_grad_between_two_backwards_keeps_the_second_within_an_accumulation_window(swap_dir, overlap, dropped_after):
     """Accumulation 2, a plain loop stepping at every 2nd backward (its own counter): a
     zero_grad after backward 3 (mid-window) drops it, and the window still ends at backward 4
     with that gradient alone; one after backward 6 (the window's last) leaves step() nothing to
-    apply (torch's step then changes nothing either)."""
+    apply (torch's step then changes nothing either). With overlap 'backward' a window's last
+    backward steps in place: only the mid-window zero_grad, after a window stepped so."""
     torch.manual_seed(0)
     model, data, k = TinyNet(), batches(8), 2
     reference = copy.deepcopy(model)
     theirs = torch_adamw(reference)
-    engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, gradient_accumulation_steps=k))
+    config = make_config(swap_dir, overlap=overlap, gradient_accumulation_steps=k)
+    engine = offload.initialize(copy.deepcopy(model), config)
     for net, optimizer in ((reference, theirs), (engine, engine.optimizer)):
         for i, (x, y) in enumerate(data):
             (mse(net, x, y) / k).backward()
-            if i in (2, 5):
+            if i in dropped_after:
                 optimizer.zero_grad()
             if (i + 1) % k == 0:
                 optimizer.step()
                 optimizer.zero_grad()
-    assert engine.global_steps == 3
+    assert engine.global_steps == 4 - (5 in dropped_after)
     assert max_weight_difference(engine.consolidated_state_dict(), reference) <= fp32_weight_tolerance(engine)
     engine.close()
 

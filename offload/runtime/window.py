@@ -386,6 +386,9 @@ class GradientWindow:
         # wait above leaves it open, and the next step() takes it again
         self._stepped_at_micro = self.micro_steps
         self._backwards_undecided = 0
+        # the units stepped in place during its last backward belong to this window alone (a
+        # zero_grad in the next one has none to refuse)
+        self._stepped_in_backward = []
         window = [unit for unit in self.units if unit.window_started]
         if self.policy.steps_in_backward and not self.policy.speculative:
             return self._finish_window_stepped_in_backward(window)
