@@ -31,7 +31,8 @@ def test_fine_tuning_loop_trains_like_plain_pytorch_with_its_schedule(tmp_path, 
     """The loop with the config it names (examples/configs/7b_on_24gb.json: accumulation 8,
     clipping 1.0, lr 2e-5, overlap forward), in fp32: 3 updates over 24 micro-batches, the cosine
     warmup schedule stepped per update. The warmup's lr is tiny, so the updates themselves (the
-    weights' change) are compared: a schedule advanced per micro-batch moves them 8x as far."""
+    weights' change) are compared: a schedule advanced per micro-batch moves them 8x as far
+    (the old loop: 14x the bound), fp32 rounding of weights near 0.1 a few percent of them."""
     transformers = pytest.importorskip("transformers")
     config = json.loads((ROOT / "examples/configs/7b_on_24gb.json").read_text())
     assert config["gradient_accumulation_steps"] == 8
@@ -76,7 +77,7 @@ def test_fine_tuning_loop_trains_like_plain_pytorch_with_its_schedule(tmp_path, 
     moved = max(float((expected[k] - initial[k]).abs().max()) for k in expected)
     apart = max(float(((trained[k] - initial[k]) - (expected[k] - initial[k])).abs().max()) for k in expected)
     assert moved > 1e-7  # the updates are there to compare
-    assert apart <= 0.02 * moved, (apart, moved)
+    assert apart <= 0.05 * moved, (apart, moved)
 
 
 # ---- "Porting a plain PyTorch loop" ---------------------------------------------------------------
