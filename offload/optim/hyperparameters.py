@@ -12,7 +12,9 @@ scheduler attached to `engine.optimizer` and stepped after every `optimizer.step
 advance k times per update: the loop must step it when an update was applied
 (`if engine.step(): scheduler.step()`). The engine cannot step or hold back the user's scheduler,
 so it tells: when a group's lr changed, with a torch scheduler attached (its "initial_lr" key),
-since a step() that applied nothing, the next step() warns once, naming that loop.
+since a step() that applied nothing, the next step() warns once, naming that loop. Once
+`engine.optimizer` is built, `engine.step()` goes through its `step()` (`built_optimizer`), so
+what wraps it (a torch scheduler's count of optimizer steps, step hooks) sees every step.
 
 `engine.optimizer` is built on first use: torch.optim.Optimizer imports torch._dynamo (about 2 s
 and 70 MB of host memory) the first time one is made, which a training loop that never asks for
