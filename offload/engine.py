@@ -257,8 +257,30 @@ class Engine:
 
         With overlap 'forward' the update runs on while the next forward computes: the
         weights are committed (each unit's next use waits for its own update)."""
+        optimizer = self.hyper.built_optimizer
+        if optimizer is None:
+            return self._apply_step()
+        # through engine.optimizer.step(): what wraps it (an LR scheduler's step counting, the
+        # optimizer's step hooks) sees every step, whichever of the two the loop calls
+        optimizer.step()
+        return optimizer.applied
+
+    def _apply_step(self) -> bool:
         self._check_open()
         return self.window.step()
+
+    # ---- engine.optimizer's state and zero_grad (offload.runtime.optimizer_state, window) --------
+    def _optimizer_state(self, params: list) -> dict:
+        self._check_open()
+        return self.window.optimizer_state(params)
+
+    def _load_optimizer_state(self, params: list, state, check_groups) -> None:
+        self._check_open()
+        self.window.load_optimizer_state(params, state, check_groups)
+
+    def _zero_grad(self) -> None:
+        self._check_open()
+        self.window.zero_grad()
 
     # ---- weights out (offload.runtime.weights_out reads them) ------------------------------
     def _fp32_weight(self, param: nn.Parameter) -> torch.Tensor:

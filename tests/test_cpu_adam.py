@@ -226,3 +226,61 @@ def test_rejects_mismatched_loaded_state():
     opt.state[param]["exp_avg"] = torch.zeros(5)
     with pytest.raises(ValueError, match="exp_avg has 5 elements"):
         opt.step()
+
+
+# ---- issue 33, finding 4: tensor hyperparameters and torch's decoupled_weight_decay ----------
+def test_tensor_lr_and_betas_updated_in_place_are_read_at_every_step():
+    """A loop (or scheduler) that updates the lr / betas tensors in place: torch reads them at
+    each step, so does CPUAdamW (it turned them into floats at construction)."""
+    params = make_params([(33,), (4, 5)])
+    theirs_params, ours_params = clone_params(params), clone_params(params)
+    lr_t, lr_o = torch.tensor(1e-2), torch.tensor(1e-2)
+    betas_t, betas_o = (torch.tensor(0.9), torch.tensor(0.999)), (torch.tensor(0.9), torch.tensor(0.999))
+    theirs = torch.optim.AdamW(theirs_params, lr=lr_t, betas=betas_t, weight_decay=0.05, foreach=False)
+    ours = CPUAdamW(ours_params, lr=lr_o, betas=betas_o, weight_decay=0.05)
+    assert ours.param_groups[0]["lr"] is lr_o
+    gen = torch.Generator().manual_seed(3)
+    for step in range(12):
+        for lr, betas in ((lr_t, betas_t), (lr_o, betas_o)):
+            lr.fill_(1e-2 * (0.7**step))
+            betas[0].fill_(0.9 - 0.02 * step)
+            betas[1].fill_(0.999 - 0.001 * step)
+        for a, b in zip(ours_params, theirs_params):
+            g = torch.randn(a.shape, generator=gen)
+            a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    assert_params_close(ours_params, theirs_params)
+
+
+@pytest.mark.parametrize("how", ["group", "constructor"])
+def test_decoupled_weight_decay_false_runs_adam_with_l2_like_torch(how):
+    """torch.optim.AdamW with a group `decoupled_weight_decay=False` runs Adam (L2 decay): so
+    does CPUAdamW, and its state dict says one mode in both keys."""
+    params = make_params([(50,), (7, 3)])
+    theirs_params, ours_params = clone_params(params), clone_params(params)
+    if how == "group":
+        theirs = torch.optim.AdamW([{"params": theirs_params, "decoupled_weight_decay": False}], lr=1e-2, weight_decay=0.1)
+        ours = CPUAdamW([{"params": ours_params, "decoupled_weight_decay": False}], lr=1e-2, weight_decay=0.1)
+    else:
+        theirs = torch.optim.Adam(theirs_params, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=False)
+        ours = CPUAdamW(ours_params, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=False)
+    run_both(ours, theirs, ours_params, theirs_params, steps=20)
+    assert_params_close(ours_params, theirs_params)
+    group = ours.state_dict()["param_groups"][0]
+    assert group["decoupled_weight_decay"] is False and group["adamw_mode"] is False
+
+
+def test_the_two_mode_keys_set_apart_are_refused():
+    params = make_params([(5,)])
+    with pytest.raises(ValueError, match="adamw_mode=True but decoupled_weight_decay=False"):
+        CPUAdamW([{"params": params, "adamw_mode": True, "decoupled_weight_decay": False}])
+    with pytest.raises(ValueError, match="adamw_mode=False but decoupled_weight_decay=True"):
+        CPUAdamW(params, adamw_mode=False, decoupled_weight_decay=True)
+    ours = CPUAdamW(params)
+    ours.param_groups[0]["decoupled_weight_decay"] = False  # set after construction: which one is meant?
+    params[0].grad = torch.ones(5)
+    before = params[0].detach().clone()
+    with pytest.raises(ValueError, match="parameter group 0 sets adamw_mode=True but decoupled_weight_decay=False"):
+        ours.step()
+    assert torch.equal(params[0].detach(), before)

@@ -18,6 +18,18 @@ def _as_float(name: str, value) -> float:
     return float(value)
 
 
+def _mode(where: str, adamw_mode, decoupled_weight_decay, *, default: bool) -> bool:
+    """AdamW (True) or Adam with L2 (False) from either key; both given and different is an error."""
+    given = {bool(v) for v in (adamw_mode, decoupled_weight_decay) if v is not None}
+    if len(given) > 1:
+        raise ValueError(
+            f"CPUAdamW: {where} sets adamw_mode={bool(adamw_mode)} but decoupled_weight_decay="
+            f"{bool(decoupled_weight_decay)}; they are one setting (True: AdamW's decoupled decay, False: Adam's L2): "
+            "set one of them, or both equal"
+        )
+    return given.pop() if given else default
+
+
 class CPUAdamW(torch.optim.Optimizer):
     """AdamW (or Adam with ``adamw_mode=False``) over fp32 CPU parameters.
 
@@ -29,6 +41,13 @@ class CPUAdamW(torch.optim.Optimizer):
 
     Parameters must be fp32, dense, contiguous and on the CPU. ``amsgrad`` and ``maximize``
     are not supported and raise.
+
+    ``lr`` and ``betas`` may be scalar tensors, as with torch: they are kept as given and read at
+    every step, so a loop or scheduler that updates the tensor in place takes effect. Each
+    group's mode is torch's ``decoupled_weight_decay`` key and this class's ``adamw_mode``, kept
+    equal: a group (or the constructor) given ``decoupled_weight_decay=False`` runs Adam with L2
+    weight decay (the kernel's adam mode), as torch.optim.AdamW does with that group key; the
+    two keys set to different values is an error.
     """
 
     def __init__(
@@ -38,30 +57,32 @@ class CPUAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,
-        adamw_mode: bool = True,
+        adamw_mode: bool | None = None,
         *,
         bias_correction: bool = True,
         amsgrad: bool = False,
         maximize: bool = False,
+        decoupled_weight_decay: bool | None = None,
     ):
-        lr = _as_float("lr", lr)
-        if not lr >= 0.0:
-            raise ValueError(f"CPUAdamW: invalid lr {lr} (must be >= 0)")
+        # tensors are kept (read at every step), their values checked now
+        if not _as_float("lr", lr) >= 0.0:
+            raise ValueError(f"CPUAdamW: invalid lr {_as_float('lr', lr)} (must be >= 0)")
         if not eps >= 0.0:
             raise ValueError(f"CPUAdamW: invalid eps {eps} (must be >= 0)")
         if len(tuple(betas)) != 2:
             raise ValueError(f"CPUAdamW: betas must be a pair (beta1, beta2), got {betas!r}")
-        beta1, beta2 = (_as_float("betas", b) for b in betas)
-        for index, beta in enumerate((beta1, beta2)):
+        for index, beta in enumerate(_as_float("betas", b) for b in betas):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"CPUAdamW: invalid beta at index {index}: {beta} (must be in [0, 1))")
         if not weight_decay >= 0.0:
             raise ValueError(f"CPUAdamW: invalid weight_decay {weight_decay} (must be >= 0)")
         self._check_unsupported(amsgrad, maximize)
-        adamw_mode = bool(adamw_mode)
+        adamw_mode = _mode("the constructor", adamw_mode, decoupled_weight_decay, default=True)
+        if not isinstance(lr, torch.Tensor):
+            lr = float(lr)
         defaults = dict(
             lr=lr,
-            betas=(beta1, beta2),
+            betas=tuple(b if isinstance(b, torch.Tensor) else float(b) for b in betas),
             eps=eps,
             weight_decay=weight_decay,
             adamw_mode=adamw_mode,
@@ -102,9 +123,16 @@ class CPUAdamW(torch.optim.Optimizer):
             )
 
     def add_param_group(self, param_group: dict) -> None:
-        # A group added later (by the user) chooses adamw_mode; keep torch's key consistent.
-        if "adamw_mode" in param_group and "decoupled_weight_decay" not in param_group:
-            param_group["decoupled_weight_decay"] = bool(param_group["adamw_mode"])
+        # A group may choose its mode by either key (torch's decoupled_weight_decay, or
+        # adamw_mode); both are set, equal, before torch fills in the defaults
+        if "adamw_mode" in param_group or "decoupled_weight_decay" in param_group:
+            mode = _mode(
+                f"parameter group {len(self.param_groups)}",
+                param_group.get("adamw_mode"),
+                param_group.get("decoupled_weight_decay"),
+                default=True,
+            )
+            param_group["adamw_mode"] = param_group["decoupled_weight_decay"] = mode
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
             self._check_param(p)
@@ -135,9 +163,13 @@ class CPUAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             self._check_unsupported(group.get("amsgrad", False), group.get("maximize", False))
-            beta1, beta2 = group["betas"]
+            # set apart after construction (group["decoupled_weight_decay"] = False): which one
+            # was meant is unknown, so neither is guessed
+            adamw_mode = _mode(f"parameter group {index}", group["adamw_mode"], group["decoupled_weight_decay"], default=True)
+            # read now: a tensor lr or betas updated in place since the last step takes effect
+            beta1, beta2 = (_as_float("betas", b) for b in group["betas"])
             lr = _as_float("lr", group["lr"])
             for p in group["params"]:
                 if p.grad is None:
@@ -164,11 +196,11 @@ class CPUAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"],
                     step=step_t.item(),
                     lr=lr,
-                    beta1=_as_float("betas", beta1),
-                    beta2=_as_float("betas", beta2),
+                    beta1=beta1,
+                    beta2=beta2,
                     eps=group["eps"],
                     weight_decay=group["weight_decay"],
-                    adamw_mode=group["adamw_mode"],
+                    adamw_mode=adamw_mode,
                     bias_correction=group.get("bias_correction", True),
                 )
         return loss

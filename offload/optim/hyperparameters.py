@@ -7,6 +7,15 @@ section (`ConfigSchedule`; it refuses to share the lr with either of the others)
 reads them once per step, on the main thread, into one `StepHyper` per group (overlap backward:
 when the window's last backward begins, since its units step during that backward).
 
+Under gradient accumulation a step() inside a window applies nothing (it returns False). A torch
+scheduler attached to `engine.optimizer` and stepped after every `optimizer.step()` would then
+advance k times per update: the loop must step it when an update was applied
+(`if engine.step(): scheduler.step()`). The engine cannot step or hold back the user's scheduler,
+so it tells: when a group's lr changed, with a torch scheduler attached (its "initial_lr" key),
+since a step() that applied nothing, the next step() warns once, naming that loop. Once
+`engine.optimizer` is built, `engine.step()` goes through its `step()` (`built_optimizer`), so
+what wraps it (a torch scheduler's count of optimizer steps, step hooks) sees every step.
+
 `engine.optimizer` is built on first use: torch.optim.Optimizer imports torch._dynamo (about 2 s
 and 70 MB of host memory) the first time one is made, which a training loop that never asks for
 it should not pay. Until then the groups are the dicts given at construction; once built, the
@@ -41,11 +50,19 @@ class GroupHyperparameters:
         }
         self.schedule = ConfigSchedule(scheduler, groups)
         self.schedule.apply(groups, 0)
+        # each group's lr right after a step() that applied nothing (None after one that did)
+        self._lrs_after_idle_step: list[float] | None = None
+        self._warned_scheduler = False
 
     def optimizer(self, engine) -> EngineOptimizer:
         """`engine.optimizer`, built on the first call."""
         if self._optimizer is None:
             self._optimizer = EngineOptimizer(engine, self._groups, defaults=self.defaults)
+        return self._optimizer
+
+    @property
+    def built_optimizer(self) -> EngineOptimizer | None:
+        """`engine.optimizer` if it was asked for (None until then)."""
         return self._optimizer
 
     @property
@@ -83,6 +100,26 @@ class GroupHyperparameters:
         self.schedule.refuse_manual()
         for group in self.param_groups:
             group["lr"] = value
+
+    def after_step(self, applied: bool) -> None:
+        """A step() returned `applied`; one that applied nothing keeps the lrs it leaves."""
+        self._lrs_after_idle_step = None if applied else [float(group["lr"]) for group in self.param_groups]
+
+    def check_scheduler_stepped_alone(self) -> None:
+        """Before a step(): warns once if an attached torch scheduler moved the lr since a step()
+        that applied nothing (see the module docstring)."""
+        before, self._lrs_after_idle_step = self._lrs_after_idle_step, None
+        if before is None or self._warned_scheduler:
+            return
+        groups = self.param_groups
+        if any("initial_lr" in group for group in groups) and before != [float(group["lr"]) for group in groups]:
+            self._warned_scheduler = True
+            logger.warning(
+                "offload: the learning rate changed after an engine step that applied no update (a micro-batch inside a "
+                "gradient accumulation window): an LR scheduler stepped on every micro-batch advances "
+                "gradient_accumulation_steps times per update. Step it only when an update was applied: "
+                "`if engine.step(): scheduler.step()` (this warning is shown once)"
+            )
 
     def check_untouched(self) -> None:
         """Before a step: with a config schedule, nothing else changed the lr (see ConfigSchedule)."""

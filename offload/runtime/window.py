@@ -27,6 +27,7 @@ from offload.optim.hyperparameters import GroupHyperparameters
 from offload.optim.loss_scaling import DynamicLossScaler, gradient_multiplier
 from offload.optim.step_hyper import StepHyper
 from offload.platform.collectives import Collectives
+from offload.runtime import optimizer_state
 from offload.runtime.events import Phase
 from offload.runtime.gradients import GradientOffload
 from offload.runtime.overlap import OverlapPolicy, Stepping
@@ -103,6 +104,12 @@ class GradientWindow:
         # why the state is part loaded (a checkpoint that passed its checks failed to apply), or None
         self._part_loaded: str | None = None
         self._outside_backward_began_at = 0.0
+        # backwards since the last window step() decided or zero_grad dropped: what zero_grad
+        # has to drop (none right after a step, whose units may still be stepping)
+        self._backwards_undecided = 0
+        # whether a backward ran since the last step() call; a step() without one warns once
+        self._backward_since_step_call = False
+        self._warned_step_without_backward = False
 
     def check_open(self) -> None:
         """The engine is not closed (its parts are shut down once it is)."""
@@ -171,7 +178,7 @@ class GradientWindow:
             raise
         finally:
             self.timings["backward"] += time.perf_counter() - started
-        self.micro_steps += 1
+        self._count_backward()
 
     def _before_backward(self) -> bool:
         """Checks that need no other rank, before a backward changes anything; returns whether
@@ -275,7 +282,12 @@ class GradientWindow:
             self.schedule.end_backward()
         finally:
             self.timings["backward"] += time.perf_counter() - self._outside_backward_began_at
+        self._count_backward()
+
+    def _count_backward(self) -> None:
         self.micro_steps += 1
+        self._backwards_undecided += 1
+        self._backward_since_step_call = True
 
     def _finish_abandoned_backward(self) -> None:
         """A plain backward that failed inside autograd never reached its end (`queue_callback`
@@ -360,10 +372,14 @@ class GradientWindow:
         With overlap 'forward' the update runs on while the next forward computes: the
         weights are committed (each unit's next use waits for its own update)."""
         started = time.perf_counter()
+        self._warn_step_without_backward()
+        self.hyper.check_scheduler_stepped_alone()
         try:
-            return self._step()
+            applied = self._step()
         finally:
             self.timings["step"] += time.perf_counter() - started
+        self.hyper.after_step(applied)
+        return applied
 
     def _step(self) -> bool:
         self.check_open()
@@ -379,6 +395,10 @@ class GradientWindow:
         # the window is decided from here on (stepped, skipped or refused); an interrupt in the
         # wait above leaves it open, and the next step() takes it again
         self._stepped_at_micro = self.micro_steps
+        self._backwards_undecided = 0
+        # the units stepped in place during its last backward belong to this window alone (a
+        # zero_grad in the next one has none to refuse)
+        self._stepped_in_backward = []
         window = [unit for unit in self.units if unit.window_started]
         if self.policy.steps_in_backward and not self.policy.speculative:
             return self._finish_window_stepped_in_backward(window)
@@ -563,6 +583,93 @@ class GradientWindow:
         failures.extend(self.store.settle())
         return failures
 
+    # ---- engine.optimizer.zero_grad(), and a step() with nothing to apply ----------------------
+    def zero_grad(self) -> None:
+        """torch's `optimizer.zero_grad()` (set_to_none): every gradient accumulated since the
+        last window step() decided is dropped; the next backward's gradients alone are used. The
+        backwards still count (`micro_steps`): a window ends at every k-th backward, as
+        `if (i + 1) % k == 0: optimizer.step()` ends it in a plain loop, and holds the gradients
+        of its backwards since the zero_grad. Right after a step (nothing since) it does nothing.
+
+        Dropped exactly where nothing was applied yet: speculative steps (overlap 'backward' with
+        clipping or fp16) are taken back. Units stepped in place during the backward that ended
+        the window (overlap 'backward' without clipping or fp16) cannot be: refused, naming them,
+        before anything changes."""
+        self.check_open()
+        self._finish_abandoned_backward()
+        self.refuse_partly_stepped()
+        if not self._backwards_undecided:
+            return
+        # the gradients in flight land first (and, overlap 'backward', the steps they started)
+        self.gradients.wait_all()
+        self.stepping.wait()
+        if self._stepped_in_backward:
+            names = [unit.spec.name for unit in sorted(self._stepped_in_backward, key=lambda unit: unit.index)]
+            raise OffloadError(
+                f"zero_grad() after the backward that ended a gradient window with overlap 'backward': units "
+                f"{', '.join(names[:4])}{' …' if len(names) > 4 else ''} already stepped in place on its gradients as "
+                "they landed, and a step taken in place cannot be taken back; nothing was dropped. To skip such a batch, "
+                "decide before its backward (engine.backward refuses a non-finite loss before anything changes), or use "
+                "overlap 'forward' (exact, the default) or add gradient_clipping (its steps are speculative until step())"
+            )
+        speculated, self._speculated = list(self._speculated.values()), {}
+        self._take_back(speculated, restore=True)
+        self._discard_window()
+        self._nonfinite_units = []
+        self._window_hypers = None
+        self._backwards_undecided = 0
+        # a window that ended with the dropped backward is decided (nothing to step): step() returns False
+        if self.micro_steps % self.config.gradient_accumulation_steps == 0:
+            self._stepped_at_micro = self.micro_steps
+
+    def optimizer_state(self, params: list) -> dict:
+        """engine.optimizer.state_dict()'s `state` (offload.runtime.optimizer_state.read), once
+        the steps in flight are done: the state of the last applied step."""
+        self.check_open()
+        self._finish_abandoned_backward()
+        self.refuse_partly_stepped()
+        self.drain()
+        return optimizer_state.read(self.units, self.store, self.collectives, params)
+
+    def load_optimizer_state(self, params: list, state, check_groups) -> None:
+        """engine.optimizer.load_state_dict()'s moments and step counts into the tiers, between
+        windows; `check_groups()` checks the rest of the state dict. Everything is checked, and
+        agreed over ranks, before anything changes (offload.runtime.optimizer_state)."""
+        self.check_open()
+        self._finish_abandoned_backward()
+        self.refuse_partly_stepped()
+        self.drain()
+        error: BaseException | None = None
+        if self._backwards_undecided or any(unit.window_started for unit in self.units):
+            error = optimizer_state.OptimizerStateError(
+                "engine.optimizer.load_state_dict() in the middle of a gradient accumulation window (backwards since "
+                "the last step): load it between steps, after step() applied an update or before the first backward"
+            )
+        try:
+            if error is None:
+                check_groups()
+                moments, steps = optimizer_state.check(self.units, params, state)
+        except OffloadError as found:
+            error = found
+        if self.collectives.ranks_with(error is not None, what="the optimizer state dict check") and error is None:
+            error = optimizer_state.OptimizerStateError("the optimizer state dict was refused on another rank (see its log)")
+        if error is not None:
+            raise error
+        optimizer_state.write(self.units, self.store, self.collectives.rank, moments, steps)
+
+    def _warn_step_without_backward(self) -> None:
+        """A step() with no backward since the last one applies nothing: warned once (a loop that
+        lost its backward, or calls step() twice)."""
+        if not self._backward_since_step_call and not self._warned_step_without_backward:
+            self._warned_step_without_backward = True
+            logger.warning(
+                "offload: engine.step() was called with no backward since the last step() (micro-step %d): there is "
+                "nothing to apply and it returns False. Call engine.backward(loss) (or loss.backward()) on a loss of "
+                "engine(...)'s output before each step() (this warning is shown once)",
+                self.micro_steps,
+            )
+        self._backward_since_step_call = False
+
     def training_state(self) -> dict:
         """The engine's counters and loss scale: what a checkpoint saves beside the tensors."""
         norm = self.last_grad_norm
@@ -611,6 +718,7 @@ class GradientWindow:
         self.micro_steps = state["micro_steps"]
         self.skipped_steps = state["skipped_steps"]
         self._stepped_at_micro = state["stepped_at_micro"]
+        self._backwards_undecided = 0
         self.hyper.load_state(state, self.global_steps)
         self.scaler.load_state_dict(state["loss_scaler"])
         self.last_grad_norm = state["last_grad_norm"]
