@@ -33,6 +33,7 @@ override, and they are exactly where its DeepSpeed branch differs from the plain
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -170,6 +171,15 @@ class OffloadTrainer(Trainer):
         self._grad_norm = torch.zeros((), dtype=torch.float64)
         self.add_callback(_GradNormAfterStep(self))
 
+    def train(self, *args, **kwargs):
+        """`Trainer.train`; with `model_init` (a hyperparameter search's trials), each call builds a
+        fresh model and so a fresh engine: the previous trial's engine is closed first (its swap
+        files removed), as the plain Trainer drops the previous trial's optimizer."""
+        if self.model_init is not None and self.offload_engine is not None:
+            logger.info("offload: model_init builds a new model for this run: closing the previous run's engine")
+            self._close_engine()
+        return super().train(*args, **kwargs)
+
     def _check_supported(self) -> None:
         args = self.args
         if self.is_deepspeed_enabled or getattr(args, "deepspeed", None):
@@ -200,6 +210,10 @@ class OffloadTrainer(Trainer):
         self._engine_config = trainer_config(args, self.offload_config, max_steps=known_steps)
 
     # -- construction: the engine is the optimizer, the offloaded model is the wrapped model --
+    def create_accelerator_and_postprocess(self) -> None:
+        _release_accelerator_precision()
+        super().create_accelerator_and_postprocess()
+
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         accelerator_args = super()._build_accelerator_args(**kwargs)
         # the engine computes in the precision TrainingArguments ask for and scales the fp16 loss
@@ -256,13 +270,12 @@ class OffloadTrainer(Trainer):
     def _build_engine(self) -> Engine:
         model = self.model
         assert model is not None  # the Trainer has its model by now (model=, or model_init at train())
-        config = self._engine_config
-        if self._schedule_in_config():
-            # its "auto" / missing step counts need the run's length, known now (the config was
-            # read and reported once already, in _check_supported)
-            config = self._engine_config = trainer_config(
-                self.args, self.offload_config, max_steps=self.state.max_steps, report=False
-            )
+        # read again from the arguments as they are now (a hyperparameter search's trial sets them
+        # after __init__), with the run's length, known now, for a config schedule's "auto" / missing
+        # step counts (the config was read and reported once already, in _check_supported)
+        config = self._engine_config = trainer_config(
+            self.args, self.offload_config, max_steps=self.state.max_steps, report=False
+        )
         decay = set(self.get_decay_parameter_names(model))
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         groups: list[dict[str, Any]] = [
@@ -391,19 +404,62 @@ class OffloadTrainer(Trainer):
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = self.offload_engine.consolidated_state_dict()  # a collective: every rank
-        self._save(output_dir, state_dict=state_dict)
+        dtypes = {tensor.dtype for tensor in state_dict.values() if tensor.is_floating_point()}
+        self._save(output_dir, state_dict=state_dict)  # save_pretrained empties state_dict as it writes
+        if self.args.should_save and output_dir is not None:  # TrainingArguments' output_dir has a default
+            _write_config_dtype(output_dir, dtypes)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))
 
     def end(self) -> None:
         """Closes the engine (the model keeps the final fp32 weights, on the CPU), then what
         `Trainer.end` does."""
+        self._close_engine()
+        super().end()
+
+    def _close_engine(self) -> None:
         if self.offload_engine is not None:
             self.offload_engine.close()
             self._offloaded_model = None
             self.offload_engine = None
             self.optimizer = None
-        super().end()
+
+
+def _release_accelerator_precision() -> None:
+    """A Trainer built before in this process (a plain one with bf16=True, in a notebook) left
+    accelerate's process-wide AcceleratorState at its mixed precision, which accelerate refuses to
+    change; OffloadTrainer runs accelerate with mixed_precision 'no' (the engine computes in the
+    precision the arguments ask for). The state is reset as the Trainer's own hyperparameter
+    search resets it between trials; the process group (PartialState) stays."""
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision", "no") != "no":
+        logger.info(
+            "offload: accelerate's state was set up by an earlier Trainer with mixed precision %r: reset for "
+            "OffloadTrainer (the engine computes in the TrainingArguments' precision itself)",
+            state.get("_mixed_precision"),
+        )
+        AcceleratorState._reset_state()
+
+
+def _write_config_dtype(output_dir: str, dtypes: set[torch.dtype]) -> None:
+    """`save_pretrained` writes the dtype of the model's first parameter into config.json (bf16
+    while the engine computes in bf16), and `from_pretrained` loads that dtype by default; the
+    weights written are the fp32 master weights (and frozen ones in their own dtype): config.json
+    gets the widest of them (`dtypes`: those of the state dict written), so `from_pretrained(output_dir)`
+    loads what training produced."""
+    if not dtypes:
+        return
+    widest = max(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
+    path = os.path.join(output_dir, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as file:
+        config = json.load(file)
+    config["dtype"] = str(widest).removeprefix("torch.")
+    with open(path, "w") as file:
+        file.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _group_hyper(group: dict) -> dict:
@@ -416,6 +472,12 @@ def _group_hyper(group: dict) -> dict:
 
 
 def _engine_checkpoint(checkpoint: str) -> str:
+    if not os.path.isdir(checkpoint):
+        raise OffloadError(
+            f"resume_from_checkpoint {checkpoint!r} does not exist{' (it is a file)' if os.path.exists(checkpoint) else ''}: "
+            "pass a checkpoint-N directory OffloadTrainer saved (resume_from_checkpoint=True takes the last one "
+            "in output_dir)"
+        )
     path = os.path.join(checkpoint, ENGINE_CHECKPOINT_DIR)
     if not os.path.isdir(path):
         raise OffloadError(

@@ -32,7 +32,7 @@ def _precision(args) -> str:
 def _trainer_values(args) -> dict[str, tuple[Any, str]]:
     """offload key -> (the value the Trainer's arguments give, where it comes from)."""
     return {
-        "precision": (_precision(args), "TrainingArguments bf16 / fp16 (neither: fp32)"),
+        "precision": (_precision(args), f"TrainingArguments.bf16={bool(args.bf16)} / fp16={bool(args.fp16)} (neither: fp32)"),
         "optimizer.type": ("adamw", f"TrainingArguments.optim={_optim_name(args)!r}"),
         "optimizer.lr": (float(args.learning_rate), "TrainingArguments.learning_rate"),
         "optimizer.betas": ((float(args.adam_beta1), float(args.adam_beta2)), "TrainingArguments.adam_beta1 / adam_beta2"),
@@ -114,6 +114,56 @@ def _fill_deepspeed_auto(ds: dict, args, max_steps: int | None = None) -> dict:
     return ds
 
 
+_FILLED_AT_TRAIN = ("scheduler.params.warmup_num_steps", "scheduler.params.total_num_steps")
+
+
+def _deepspeed_mismatches(ds: dict, args) -> list[str]:
+    """Every value a DeepSpeed config writes (not "auto") that differs from what the
+    TrainingArguments give, each as "<DeepSpeed key>=<value> but TrainingArguments.<field>=<value>",
+    as the Trainer's own DeepSpeed integration lists them."""
+    world = max(1, int(getattr(args, "world_size", 1) or 1))
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    checks: list[tuple[str, Any, str]] = [
+        (
+            "train_micro_batch_size_per_gpu",
+            args.per_device_train_batch_size,
+            f"per_device_train_batch_size={args.per_device_train_batch_size!r}",
+        ),
+        (
+            "train_batch_size",
+            batch,
+            f"per_device_train_batch_size={args.per_device_train_batch_size!r} * gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps!r} * world size {world} = {batch!r}",
+        ),
+        (
+            "gradient_accumulation_steps",
+            args.gradient_accumulation_steps,
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps!r}",
+        ),
+        ("gradient_clipping", float(args.max_grad_norm or 0.0), f"max_grad_norm={args.max_grad_norm!r}"),
+        ("optimizer.params.lr", float(args.learning_rate), f"learning_rate={args.learning_rate!r}"),
+        ("optimizer.params.eps", float(args.adam_epsilon), f"adam_epsilon={args.adam_epsilon!r}"),
+        ("optimizer.params.weight_decay", float(args.weight_decay), f"weight_decay={args.weight_decay!r}"),
+        ("bf16.enabled", bool(args.bf16), f"bf16={bool(args.bf16)!r}"),
+        ("bfloat16.enabled", bool(args.bf16), f"bf16={bool(args.bf16)!r}"),
+        ("fp16.enabled", bool(args.fp16), f"fp16={bool(args.fp16)!r}"),
+    ]
+    mismatches = []
+    for key, value, theirs in checks:
+        have = _get(ds, key)
+        if have in (_MISSING, "auto") or isinstance(have, (dict, list)):
+            continue
+        if have != value:
+            mismatches.append(f"{key}={have!r} but TrainingArguments.{theirs}")
+    betas = _get(ds, "optimizer.params.betas")
+    wanted = (float(args.adam_beta1), float(args.adam_beta2))
+    if isinstance(betas, (list, tuple)) and tuple(float(b) for b in betas) != wanted:
+        mismatches.append(
+            f"optimizer.params.betas={list(betas)!r} but TrainingArguments.adam_beta1 / adam_beta2={list(wanted)!r}"
+        )
+    return mismatches
+
+
 def _user_mapping(offload_config, args=None, report: bool = True, max_steps: int | None = None) -> tuple[dict, dict[str, str]]:
     """The keys the user's config sets, as an offload-format mapping, and for a translated config,
     which of the user's keys each offload key came from. With `args`, DeepSpeed `"auto"` values are
@@ -146,24 +196,22 @@ def _user_mapping(offload_config, args=None, report: bool = True, max_steps: int
         raise ConfigError(f"offload_config must be a dict, a JSON path or an offload.Config, got {type(source).__name__}")
     if not is_deepspeed_config(source):
         return copy.deepcopy(source), {}
-    filled = _fill_deepspeed_auto(source, args, max_steps) if args is not None else source
     if args is not None:
-        world = max(1, int(getattr(args, "world_size", 1) or 1))
-        batches = {
-            "train_micro_batch_size_per_gpu": (args.per_device_train_batch_size, "TrainingArguments.per_device_train_batch_size"),
-            "train_batch_size": (
-                args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
-                "per_device_train_batch_size * gradient_accumulation_steps * world size",
-            ),
-        }
-        for key, (value, origin) in batches.items():
-            if filled.get(key, value) != value:
-                raise ConfigError(
-                    f"DeepSpeed {key}={filled[key]!r} but {origin} gives {value!r}: the Trainer's data "
-                    'loader decides the batch; set it to "auto" or make the two equal',
-                    key=key,
-                )
+        mismatches = _deepspeed_mismatches(source, args)
+        if mismatches:
+            raise ConfigError(
+                f"the DeepSpeed config contradicts the TrainingArguments in {len(mismatches)} value(s), which the "
+                "Trainer drives under OffloadTrainer:\n"
+                + "\n".join(f"  - {line}" for line in mismatches)
+                + '\nSet each to "auto" in the DeepSpeed config (the Trainer fills it in), or make the two equal',
+                key=mismatches[0].split("=", 1)[0],
+            )
+    filled = _fill_deepspeed_auto(source, args, max_steps) if args is not None else source
     translation = deepspeed_config.translate_deepspeed(filled)
+    if args is not None and not max_steps:
+        # the schedule's step counts are filled once the run's length is known (at train()); a
+        # WARNING now would name a value that is never used
+        translation.auto = [(key, value) for key, value in translation.auto if key not in _FILLED_AT_TRAIN]
     if report:
         deepspeed_config.report(translation)
     mapping = translation.config
@@ -278,12 +326,18 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None, repo
         if not same:
             theirs = f" (from {sources[key]!r})" if key in sources else ""
             conflicts.append(f"{key}={have!r}{theirs} but {origin} gives {value!r}")
+    seed = mapping.pop("seed", None)
+    if seed is not None and seed != args.seed:
+        conflicts.append(
+            f"seed={seed!r} but TrainingArguments.seed={args.seed!r} (the Trainer seeds the run before the model is built)"
+        )
     if conflicts:
         raise ConfigError(
-            "offload_config contradicts the TrainingArguments, which drive these under OffloadTrainer: "
-            + "; ".join(conflicts)
-            + '. Remove the key from offload_config (or set it to "auto" in a DeepSpeed config), '
-            "or make the two equal"
+            f"offload_config contradicts the TrainingArguments in {len(conflicts)} value(s), which the Trainer drives "
+            "under OffloadTrainer:\n"
+            + "\n".join(f"  - {line}" for line in conflicts)
+            + '\nRemove each key from offload_config (or set it to "auto" in a DeepSpeed config), or make the two equal',
+            key=conflicts[0].split("=", 1)[0],
         )
     # a schedule in the config drives the lr (as a DeepSpeed scheduler section does under the
     # Trainer's DeepSpeed integration) and the Trainer's own scheduler is not built; the run's
@@ -291,13 +345,6 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None, repo
     schedule = _get(mapping, "scheduler.type")
     if schedule not in (_MISSING, "none") and max_steps and _get(mapping, "scheduler.total_num_steps") in (_MISSING, None):
         _set(mapping, "scheduler.total_num_steps", int(max_steps))
-    seed = mapping.pop("seed", None)
-    if seed is not None and seed != args.seed:
-        raise ConfigError(
-            f"offload_config seed={seed!r} but TrainingArguments.seed is {args.seed!r}: the Trainer seeds the "
-            "run (before the model is built); remove seed from offload_config",
-            key="seed",
-        )
     for key, (value, _origin) in wanted.items():
         _set(mapping, key, list(value) if key == "optimizer.betas" else value)
     # the Trainer owns the window (its loss normalisation, a short last window of an epoch): the
