@@ -198,3 +198,19 @@ def test_offload_trainer_makes_the_mix_in_or_refuses_a_skipped_override():
 
     with pytest.raises(ConfigError, match=r"OwnStep.training_step"):
         offload_trainer(OwnStep)
+
+
+def test_the_sft_example_runs_tiny_with_lora(tmp_path, capsys):
+    """examples/sft_trl.py as the README runs it (in this process: importing TRL again costs 10 s)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "sft_trl.py"
+    spec = importlib.util.spec_from_file_location("sft_trl_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--tiny", "--lora", "--steps", "2", "--output-dir", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "trained 2 steps" in printed and "LoRA adapter" in printed
+    reloaded = peft.PeftModel.from_pretrained(example.tiny_model_and_tokenizer()[0], str(tmp_path / "out"))
+    assert any("lora_" in name for name, _ in reloaded.named_parameters())
