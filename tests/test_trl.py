@@ -214,3 +214,42 @@ def test_the_sft_example_runs_tiny_with_lora(tmp_path, capsys):
     assert "trained 2 steps" in printed and "LoRA adapter" in printed
     reloaded = peft.PeftModel.from_pretrained(example.tiny_model_and_tokenizer()[0], str(tmp_path / "out"))
     assert any("lora_" in name for name, _ in reloaded.named_parameters())
+
+
+def test_dpo_with_lora_equals_plain_trl_and_without_an_adapter_is_refused(tmp_path):
+    from trl import DPOConfig, DPOTrainer
+
+    from offload.integrations.trl import OffloadDPOTrainer
+
+    pairs = Dataset.from_dict(
+        {
+            "prompt": ["the quick", "hello", "lorem ipsum", "tiny models"] * 2,
+            "chosen": [" brown fox", " world", " dolor", " train fast"] * 2,
+            "rejected": [" zzz", " qqq", " xxx", " www"] * 2,
+        }
+    )
+
+    def config(name):
+        values = sft_config(tmp_path / name, max_steps=3, max_grad_norm=0.05).to_dict()
+        keep = {"output_dir", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate"}
+        keep |= {"max_grad_norm", "bf16", "seed", "data_seed", "report_to", "use_cpu", "save_strategy", "logging_steps"}
+        keep |= {"disable_tqdm", "dataloader_num_workers", "max_length"}
+        return DPOConfig(**{key: value for key, value in values.items() if key in keep})
+
+    def train(trainer_class, name, **extra):
+        trainer = trainer_class(
+            model=tiny_llama(), args=config(name), train_dataset=pairs, processing_class=tokenizer(), peft_config=lora(), **extra
+        )
+        trainer.train()
+        return trainer
+
+    plain = train(DPOTrainer, "plain")
+    offloaded = train(OffloadDPOTrainer, "offloaded", offload_config=OFFLOAD_CONFIG)
+    try:
+        assert max_difference(final_weights(offloaded), final_weights(plain)) <= TOLERANCE
+        assert grad_norms(offloaded) == pytest.approx(grad_norms(plain), rel=1e-5) and min(grad_norms(plain)) > 0.05
+    finally:
+        offloaded.end()
+    assert offload_trainer(DPOTrainer) is OffloadDPOTrainer
+    with pytest.raises(ConfigError, match="needs a PEFT adapter"):
+        OffloadDPOTrainer(model=tiny_llama(), args=config("refused"), train_dataset=pairs, processing_class=tokenizer())

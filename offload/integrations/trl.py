@@ -1,4 +1,5 @@
-"""TRL's trainers on the offload engine: `OffloadSFTTrainer`, and `offload_trainer(cls)` for others.
+"""TRL's trainers on the offload engine: `OffloadSFTTrainer`, `OffloadDPOTrainer` (with a PEFT
+adapter), and `offload_trainer(cls)` for others.
 
 One change turns a TRL SFT script into an offloaded one::
 
@@ -26,9 +27,10 @@ optimizer state for them alone (the frozen base weights stay as they are, bit fo
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 try:
-    from trl import SFTTrainer
+    from trl import DPOTrainer, SFTTrainer
 except ImportError as error:  # pragma: no cover - trl is in the trl and test extras
     raise ImportError("offload.integrations.trl needs TRL: pip install 'offload[trl]'") from error
 
@@ -41,16 +43,46 @@ _ENGINE_METHODS = ("training_step", "create_optimizer", "create_optimizer_and_sc
 """The Trainer methods OffloadTrainer overrides to run the engine."""
 
 
-class OffloadSFTTrainer(OffloadTrainer, SFTTrainer):
+class _ActivationOffloadStep(OffloadTrainer):
+    """TRL's SFT and DPO trainers override `training_step` only to enter their activation-offload
+    context (`activation_offloading=True` in their config) around the Trainer's step:
+    OffloadTrainer's step (the engine's backward) runs inside that context instead."""
+
+    maybe_activation_offload_context: Any
+
+    def training_step(self, *args, **kwargs):
+        with self.maybe_activation_offload_context:
+            return OffloadTrainer.training_step(self, *args, **kwargs)
+
+
+class OffloadSFTTrainer(_ActivationOffloadStep, SFTTrainer):
     """`trl.SFTTrainer` on the offload engine: takes every argument `SFTTrainer` takes (an
     `SFTConfig`, `peft_config`, `processing_class`...), plus `offload_config` (as
     `OffloadTrainer`). `trainer.end()` closes the engine."""
 
-    def training_step(self, *args, **kwargs):
-        # SFTTrainer's training step enters its activation-offload context (SFTConfig(activation_offloading=True)),
-        # then the Trainer's; OffloadTrainer's step replaces the latter
-        with self.maybe_activation_offload_context:
-            return OffloadTrainer.training_step(self, *args, **kwargs)
+
+class OffloadDPOTrainer(_ActivationOffloadStep, DPOTrainer):
+    """`trl.DPOTrainer` on the offload engine, with a PEFT `peft_config` (the reference model is
+    the base with the adapter disabled, run through the engine like the policy). Without one,
+    DPOTrainer keeps a second whole model as the reference, which the engine does not offload:
+    refused, as a model on the device whole is what offloading exists to avoid."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        if kwargs.get("peft_config") is None and not _is_peft_model(kwargs.get("model", args[0] if args else None)):
+            raise ConfigError(
+                "OffloadDPOTrainer needs a PEFT adapter (peft_config=LoraConfig(...), or a PeftModel): without one "
+                "DPOTrainer keeps a whole second model as the reference, outside the engine; with one, the reference "
+                "is the base with the adapter disabled, offloaded with the policy"
+            )
+        super().__init__(*args, **kwargs)
+
+
+def _is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is in the trl extra
+        return False
+    return isinstance(model, PeftModel)
 
 
 @functools.cache
@@ -64,8 +96,9 @@ def offload_trainer(trainer_class: type) -> type:
         raise TypeError(f"offload_trainer takes a transformers.Trainer subclass, got {trainer_class!r}")
     if issubclass(trainer_class, OffloadTrainer):
         return trainer_class
-    if trainer_class is SFTTrainer:
-        return OffloadSFTTrainer
+    known = {SFTTrainer: OffloadSFTTrainer, DPOTrainer: OffloadDPOTrainer}
+    if trainer_class in known:
+        return known[trainer_class]
     replaced = [
         f"{klass.__name__}.{name}"
         for klass in trainer_class.__mro__[: trainer_class.__mro__.index(Trainer)]
@@ -81,4 +114,4 @@ def offload_trainer(trainer_class: type) -> type:
     return type(f"Offload{trainer_class.__name__}", (OffloadTrainer, trainer_class), {"__module__": trainer_class.__module__})
 
 
-__all__ = ["OffloadSFTTrainer", "offload_trainer"]
+__all__ = ["OffloadDPOTrainer", "OffloadSFTTrainer", "offload_trainer"]
