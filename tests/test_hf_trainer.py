@@ -486,3 +486,11 @@ def test_training_arguments_deepspeed_is_refused_naming_offload_config(tmp_path)
     args.deepspeed = "ds_config.json"  # what TrainingArguments(deepspeed=...) leaves when DeepSpeed is installed
     with pytest.raises(ConfigError, match=r"remove TrainingArguments\(deepspeed=...\).*offload_config"):
         OffloadTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
+
+
+def test_super_offload_with_accumulation_names_the_deepspeed_key(tmp_path):
+    deepspeed = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}}
+    with pytest.raises(ConfigError, match=r"'zero_optimization.offload_optimizer.super_offload' \(overlap 'backward'\)") as error:
+        trainer_config(training_args(tmp_path), deepspeed)  # the Trainer accumulates 2
+    assert error.value.key == "zero_optimization.offload_optimizer.super_offload"
+    assert trainer_config(training_args(tmp_path, gradient_accumulation_steps=1), deepspeed).overlap == "backward"

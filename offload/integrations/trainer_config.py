@@ -352,10 +352,12 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None, repo
     mapping["gradient_accumulation_steps"] = 1
     config = load_config(mapping)
     if config.overlap == "backward" and args.gradient_accumulation_steps > 1:
+        written = sources.get("overlap", "overlap")  # a DeepSpeed super_offload: true asks for it too
         raise ConfigError(
-            "overlap 'backward' steps each unit during the backward that ends the engine's window, but the Trainer "
-            f"accumulates {args.gradient_accumulation_steps} micro-batches per step: use overlap 'forward' (exact, the "
-            "default) or gradient_accumulation_steps 1",
-            key="overlap",
+            f"{'overlap' if written == 'overlap' else repr(written) + ' (overlap'} 'backward'{'' if written == 'overlap' else ')'} "
+            "steps each unit during the backward that ends the engine's window, but the Trainer accumulates "
+            f"{args.gradient_accumulation_steps} micro-batches per step: use overlap 'forward' (exact, the default"
+            f"{'' if written == 'overlap' else ': remove ' + repr(written)}) or gradient_accumulation_steps 1",
+            key=written,
         )
     return config
