@@ -279,10 +279,7 @@ def ds(**top):
     "mapping, key",
     [
         (ds(zero_optimization={"stage": 3, "zero_quantized_weights": True}), "zero_optimization.zero_quantized_weights"),
-        (
-            ds(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}),
-            "zero_optimization.offload_optimizer.ratio",
-        ),
+        (ds(zero_optimization={"stage": 2, "zenflow": {"topk_ratio": 0.05}}), "zero_optimization.zenflow"),
         (ds(compression_training={"weight_quantization": {}}), "compression_training"),
         (ds(curriculum_learning={"enabled": True}), "curriculum_learning"),
         (ds(amp={"enabled": True}), "amp"),

@@ -438,16 +438,17 @@ def test_sub_group_size_maps_where_optimizer_state_can_stream_from_nvme(zero, ma
         assert "in RAM" in ignored["zero_optimization.sub_group_size"]
 
 
-def test_sub_group_size_below_the_minimum_is_raised_to_it(caplog):
-    zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}, "sub_group_size": 100}
-    with caplog.at_level(logging.WARNING, logger="offload.config.deepspeed"):
-        assert load_config({"zero_optimization": zero}).offload.sub_group_size == 1024
-    assert "zero_optimization.sub_group_size = 100 is below offload's minimum piece of 1024" in caplog.text
-    zero["sub_group_size"] = 1024
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="offload.config.deepspeed"):
-        assert load_config({"zero_optimization": zero}).offload.sub_group_size == 1024
-    assert "minimum" not in caplog.text
+@pytest.mark.parametrize("value", [0, 100, 1024, 2**18 - 1])
+def test_sub_group_size_below_the_smallest_useful_piece_means_the_default_piece(value, caplog):
+    """axolotl's ZeRO-3 configs write 0: offload's default piece for the tier, not pieces of
+    1024 elements that make the NVMe step crawl (issue 33, 14)."""
+    zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}, "sub_group_size": value}
+    with caplog.at_level(logging.INFO, logger="offload.config.deepspeed"):
+        assert load_config({"zero_optimization": zero}).offload.sub_group_size is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert f"zero_optimization.sub_group_size ({value} is below the smallest useful piece" in the_ignored_line(caplog)
+    zero["sub_group_size"] = 2**18
+    assert load_config({"zero_optimization": zero}).offload.sub_group_size == 2**18
 
 
 @pytest.mark.parametrize("value", ["auto", "big", True, 1.5e3 + 0.5])

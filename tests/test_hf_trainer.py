@@ -24,7 +24,7 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402 - after the importorskip above
 
 from offload.config.schema import lr_at  # noqa: E402 - after the importorskip above
-from offload.errors import ConfigError  # noqa: E402 - after the importorskip above
+from offload.errors import ConfigError, OffloadError  # noqa: E402 - after the importorskip above
 from offload.integrations.hf import (  # noqa: E402 - after the importorskip above
     ENGINE_CHECKPOINT_DIR,
     OffloadTrainer,
@@ -223,7 +223,7 @@ def test_training_arguments_drive_the_engine_config(tmp_path):
     # what contradicts the arguments is refused, naming both
     with pytest.raises(ConfigError, match=r"optimizer.lr=0.1 .*TrainingArguments.learning_rate"):
         trainer_config(args, {"optimizer": {"lr": 0.1}})
-    with pytest.raises(ConfigError, match=r"precision='bf16'.*bf16 / fp16"):
+    with pytest.raises(ConfigError, match=r"precision='bf16'.*TrainingArguments.bf16=False / fp16=False"):
         trainer_config(args, {"precision": "bf16"})
     with pytest.raises(ConfigError, match=r"optimizer.params.lr"):
         trainer_config(args, {**deepspeed, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
@@ -368,3 +368,129 @@ def test_example_trains_resumes_and_saves(tmp_path):
     assert resumed["losses"] == first["losses"][-len(resumed["losses"]) :]
     model = LlamaForCausalLM.from_pretrained(str(output))
     assert model.config.num_hidden_layers == 2
+
+
+# ---- issue 33: the Trainer as hyperparameter search and notebooks drive it ------------------------
+def test_model_init_trials_each_get_a_fresh_engine_equal_to_the_plain_trainers(tmp_path):
+    """Two trials (train() twice with model_init): each builds a fresh model and engine, the
+    previous engine is closed and its swap files removed, and each equals the plain Trainer's."""
+    args = training_args(tmp_path, max_steps=4, gradient_accumulation_steps=1, eval_strategy="no")
+    plain = Trainer(model_init=tiny_llama, args=args, train_dataset=dataset())
+    plain.train()
+    expected = weights(plain.model.state_dict())
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    config = {**OFFLOAD_CONFIG, "offload": {"param": "cpu", "optimizer": "nvme", "nvme_path": str(swap)}}
+    trainer = OffloadTrainer(model_init=tiny_llama, args=args, train_dataset=dataset(), offload_config=config)
+    try:
+        trainer.train()
+        first = trainer.offload_engine
+        first_weights = weights(first.consolidated_state_dict())
+        trainer.train()
+        assert trainer.offload_engine is not first and "closed" in repr(first)
+        assert len(list(swap.iterdir())) == 1  # the live engine's swap directory only
+        second_weights = weights(trainer.offload_engine.consolidated_state_dict())
+    finally:
+        trainer.end()
+    assert max_difference(first_weights, expected) <= TOLERANCE
+    assert max_difference(second_weights, expected) <= TOLERANCE
+
+
+def test_every_config_and_arguments_mismatch_is_in_one_error_with_both_names(tmp_path):
+    args = training_args(tmp_path)  # accumulation 2, lr 3e-3, max_grad_norm 1.0, fp32
+    deepspeed = {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "gradient_accumulation_steps": 4,
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": "auto"}},
+        "bf16": {"enabled": True},
+    }
+    with pytest.raises(ConfigError) as error:
+        trainer_config(args, deepspeed)
+    message = str(error.value)
+    for line in (
+        "gradient_accumulation_steps=4 but TrainingArguments.gradient_accumulation_steps=2",
+        "gradient_clipping=0.5 but TrainingArguments.max_grad_norm=1.0",
+        "optimizer.params.lr=0.0001 but TrainingArguments.learning_rate=0.003",
+        "bf16.enabled=True but TrainingArguments.bf16=False",
+    ):
+        assert line in message
+    assert "4 value(s)" in message and "train_batch_size" not in message
+    # an offload config: every key in one error too, the seed included
+    with pytest.raises(ConfigError) as error:
+        trainer_config(args, {"optimizer": {"lr": 0.1, "eps": 1e-6}, "precision": "bf16", "seed": 5})
+    message = str(error.value)
+    assert "4 value(s)" in message
+    for part in ("optimizer.lr=0.1", "optimizer.eps=1e-06", "precision='bf16'", "seed=5 but TrainingArguments.seed=0"):
+        assert part in message
+
+
+def test_resume_from_a_missing_path_says_it_does_not_exist(tmp_path):
+    trainer = OffloadTrainer(
+        model=tiny_llama(), args=training_args(tmp_path, max_steps=2, eval_strategy="no"), train_dataset=dataset()
+    )
+    try:
+        with pytest.raises(OffloadError, match=r"'.*nope' does not exist") as error:
+            trainer.train(resume_from_checkpoint=str(tmp_path / "nope"))
+        assert "not saved by OffloadTrainer" not in str(error.value)
+    finally:
+        trainer.end()
+
+
+def test_offload_trainer_after_a_plain_bf16_trainer_in_one_process(tmp_path):
+    """The notebook's one-line swap: the same TrainingArguments(bf16=True), plain Trainer first."""
+    args = training_args(tmp_path, max_steps=1, gradient_accumulation_steps=1, eval_strategy="no", bf16=True)
+    Trainer(model=tiny_llama(), args=args, train_dataset=dataset()).train()
+    trainer = OffloadTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), offload_config=OFFLOAD_CONFIG)
+    try:
+        trainer.train()
+        assert trainer.offload_engine.global_steps == 1 and trainer.offload_engine.config.precision == "bf16"
+    finally:
+        trainer.end()
+
+
+def test_schedule_step_counts_resolved_at_train_are_not_warned_about(tmp_path, caplog):
+    """transformers' ZeRO-3 example has WarmupLR with warmup_num_steps "auto": an epoch-based run
+    knows it only at train(); no WARNING "-> 0" before that."""
+    source = Path(__file__).resolve().parent / "data" / "deepspeed" / "hf_ds_config_zero3.json"
+    args = training_args(tmp_path, max_steps=-1, num_train_epochs=1, warmup_steps=3, eval_strategy="no")
+    with caplog.at_level(logging.WARNING):
+        OffloadTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), offload_config=str(source))
+    assert "warmup_num_steps" not in caplog.text
+    config = trainer_config(args, str(source), max_steps=20, report=False)
+    assert (config.scheduler.warmup_num_steps, config.scheduler.total_num_steps) == (3, 20)
+
+
+def test_bf16_trained_model_saves_and_loads_as_float32(tmp_path):
+    """config.json says float32 and from_pretrained with no dtype loads the trained fp32 weights."""
+    args = training_args(tmp_path, max_steps=2, gradient_accumulation_steps=1, eval_strategy="no", bf16=True)
+    trainer = OffloadTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), offload_config=OFFLOAD_CONFIG)
+    try:
+        trainer.train()
+        trainer.save_model(str(tmp_path / "final"))
+        trained = weights(trainer.offload_engine.consolidated_state_dict())
+    finally:
+        trainer.end()
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["dtype"] == "float32"
+    loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "final"))
+    assert loaded.dtype == torch.float32
+    assert max_difference(weights(loaded.state_dict()), trained) == 0.0
+
+
+def test_training_arguments_deepspeed_is_refused_naming_offload_config(tmp_path):
+    """TrainingArguments(deepspeed=...) needs DeepSpeed installed to be built at all; where it
+    was, OffloadTrainer says to pass the file as offload_config."""
+    args = training_args(tmp_path, eval_strategy="no")
+    args.deepspeed = "ds_config.json"  # what TrainingArguments(deepspeed=...) leaves when DeepSpeed is installed
+    with pytest.raises(ConfigError, match=r"remove TrainingArguments\(deepspeed=...\).*offload_config"):
+        OffloadTrainer(model=tiny_llama(), args=args, train_dataset=dataset())
+
+
+def test_super_offload_with_accumulation_names_the_deepspeed_key(tmp_path):
+    deepspeed = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}}
+    with pytest.raises(ConfigError, match=r"'zero_optimization.offload_optimizer.super_offload' \(overlap 'backward'\)") as error:
+        trainer_config(training_args(tmp_path), deepspeed)  # the Trainer accumulates 2
+    assert error.value.key == "zero_optimization.offload_optimizer.super_offload"
+    assert trainer_config(training_args(tmp_path, gradient_accumulation_steps=1), deepspeed).overlap == "backward"

@@ -20,15 +20,16 @@ Every key ends in one of four places:
   what training computes here. All of them are listed, with the reason, in ONE log line at INFO;
 * **unsupported**: a key offload does not know (a typo: the nearest known key is suggested),
   or a feature switched on whose meaning offload cannot honour (`zero_quantized_weights`,
-  `compression_training`, a partial offload `ratio`...). All are named in ONE `ConfigError`
+  `compression_training`, ZenFlow's `zenflow`...). All are named in ONE `ConfigError`
   (`strict=True`, the default) or ONE WARNING (`strict=False`, which drops them);
 * a value that contradicts offload's maths (AMSGrad, static loss scaling, GPUDirect Storage,
   a non-Adam optimizer, `fp8`): always a `ConfigError`, whatever `strict` says.
 
 `"auto"` values (Hugging Face Trainer / accelerate configs) are resolved to what the Trainer
 would fill in from its arguments at their defaults (`lr` 5e-5, `betas` (0.9, 0.999), `eps`
-1e-8, `weight_decay` 0, `gradient_clipping` 1.0, accumulation 1, warmup 0 steps; precision
-from the machine or accelerate's `mixed_precision`), and listed, each with the value chosen,
+1e-8, `weight_decay` 0, `gradient_clipping` 1.0, accumulation 1, warmup 0 steps); precision
+from accelerate's `mixed_precision`, else from the machine (bf16 where it runs, the CPU included;
+the Trainer's default arguments would give fp32). Each is listed with the value chosen and why,
 in ONE WARNING.
 
 Mapping rules
@@ -46,10 +47,13 @@ zero_optimization
     `sub_group_size` -> `offload.sub_group_size` (the piece of a unit's optimizer state streamed
     from NVMe and stepped at once: the host slots hold `buffer_count` pieces of 16 bytes per
     element) when the optimizer state can live on NVMe (`offload.optimizer` `nvme`, or `auto`
-    from device `none` or no section), at any stage; raised to offload's minimum of 1024 with a
-    warning. DeepSpeed's default and the Hugging Face examples' value, 1e9, makes slots of up to
+    from device `none` or no section), at any stage. A value below the smallest useful piece
+    (2^18 elements, 0 included, as axolotl writes it) leaves offload's default piece for the
+    tier. DeepSpeed's default and the Hugging Face examples' value, 1e9, makes slots of up to
     16 GB each for a model whose units are that large: lower it to save RAM. With the optimizer
-    on `cpu` nothing is streamed and the key is ignored.
+    on `cpu` nothing is streamed and the key is ignored. SuperOffload's
+    `offload_optimizer.super_offload` / `cpuadam_cores_perc`, `offload_optimizer.ratio` and
+    ZenFlow's `zenflow`: `offload.config.deepspeed_offload` says what each maps to.
     An `aio` section inside `zero_optimization` (as the Hugging Face docs write it) is read as
     the top-level `aio`.
 aio
@@ -84,6 +88,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from offload.config import deepspeed_offload
 from offload.config.deepspeed_keys import (
     _ACCEL_INLINE,
     _ACCEL_INLINE_RULES,
@@ -123,10 +128,11 @@ from offload.config.deepspeed_keys import (
     _nearest,
     _Rule,
 )
-from offload.config.sizes import MIN_SUB_GROUP_SIZE
 from offload.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+_TRAINER_DEFAULT = "the Hugging Face Trainer's default"
 
 
 # ---- machine facts (patched in tests) -------------------------------------------------------
@@ -237,7 +243,8 @@ def _zero(b: _Builder, mapping: dict) -> None:
         if section is None:
             continue
         if name in active:
-            b.sort_section(path, section, _OFFLOAD_HANDLED, _OFFLOAD_RULES)
+            extra = deepspeed_offload.OPTIMIZER_OFFLOAD_KEYS if name == "offload_optimizer" else ()
+            b.sort_section(path, section, _OFFLOAD_HANDLED + extra, _OFFLOAD_RULES)
         else:
             for key in section:
                 if key != "device":
@@ -315,30 +322,10 @@ def _zero(b: _Builder, mapping: dict) -> None:
             )
             value = 2
         b.set("offload.buffer_count", value, key)
-    _sub_group_size(b, zero)
-
-
-def _sub_group_size(b: _Builder, zero: dict) -> None:
-    """`zero_optimization.sub_group_size` -> `offload.sub_group_size` where optimizer state can
-    be streamed from NVMe (see the module docstring)."""
-    key = "zero_optimization.sub_group_size"
-    if "sub_group_size" not in zero:
-        return
-    if b.result.config["offload"]["optimizer"] == "cpu":
-        b.ignored(key, _WHY_SUB_GROUP_IN_RAM)
-        return
-    value = b.number(zero["sub_group_size"], key, integer=True)
-    if value < MIN_SUB_GROUP_SIZE:
-        log.warning(
-            "%s %s = %d is below offload's minimum piece of %d elements; using %d",
-            b.result.kind,
-            b.n(key),
-            value,
-            MIN_SUB_GROUP_SIZE,
-            MIN_SUB_GROUP_SIZE,
-        )
-        value = MIN_SUB_GROUP_SIZE
-    b.set("offload.sub_group_size", value, key)
+    if "offload_optimizer" in active:
+        deepspeed_offload.optimizer_offload(b, active["offload_optimizer"], devices["offload_optimizer"])
+    deepspeed_offload.sub_group_size(b, zero, _WHY_SUB_GROUP_IN_RAM)
+    deepspeed_offload.zenflow(b, zero)
 
 
 def _aio(b: _Builder, mapping: dict) -> None:
@@ -405,13 +392,19 @@ def _precision(b: _Builder, mapping: dict, mixed_precision: str | None) -> None:
         if fp == "auto":
             fp = mixed_precision == "fp16"
             b.auto("fp16.enabled", f"{_show(fp)} (accelerate mixed_precision {mixed_precision!r})")
+    # no Trainer arguments here (the Trainer's defaults would give fp32): the machine decides
     if bf == "auto":
         bf = fp is not True and _bf16_supported()
-        why = "fp16 is enabled" if fp is True else ("bf16 is supported here" if bf else "this GPU has no bf16")
+        if fp is True:
+            why = "fp16 is enabled"
+        elif bf:
+            why = f"{'this GPU supports bf16' if _cuda_available() else 'no GPU: the CPU computes in bf16'}; set it to false for fp32"
+        else:
+            why = "this GPU has no bf16"
         b.auto(f"{bf16_key}.enabled", f"{_show(bf)} ({why})")
     if fp == "auto":
         fp = bf is not True and _cuda_available()
-        why = "bf16 is enabled" if bf is True else ("a GPU is present" if fp else "no GPU: fp32")
+        why = "bf16 is enabled" if bf is True else ("a GPU without bf16 is present" if fp else "no GPU: fp32")
         b.auto("fp16.enabled", f"{_show(fp)} ({why})")
     precision = "bf16" if bf else "fp16" if fp else "fp32"
     b.set("precision", precision, f"{bf16_key}.enabled" if bf else "fp16.enabled")
@@ -505,7 +498,7 @@ def _optimizer(b: _Builder, mapping: dict) -> None:
         value = params.get(key)
         if value == "auto":
             value = TRAINER_DEFAULTS[path]
-            b.auto(path, _show(value))
+            b.auto(path, f"{_show(value)} ({_TRAINER_DEFAULT})")
         elif value is None:
             value = _DS_OPT_DEFAULTS[key]
         elif key == "betas":
@@ -556,7 +549,7 @@ def _scheduler(b: _Builder, mapping: dict) -> None:
                 )
             elif path in TRAINER_DEFAULTS:
                 value = TRAINER_DEFAULTS[path]
-                b.auto(path, _show(value))
+                b.auto(path, f"{_show(value)} ({_TRAINER_DEFAULT})")
             else:
                 raise b.fail(path, "'auto' cannot be resolved here; give a value")
         elif value is None:
@@ -577,7 +570,7 @@ def _steps(b: _Builder, mapping: dict) -> None:
     clip = mapping.get("gradient_clipping")
     if clip == "auto":
         clip = TRAINER_DEFAULTS["gradient_clipping"]
-        b.auto("gradient_clipping", f"{_show(clip)} (max_grad_norm)")
+        b.auto("gradient_clipping", f"{_show(clip)} ({_TRAINER_DEFAULT} max_grad_norm)")
         b.set("gradient_clipping", clip, "gradient_clipping")
     elif clip is not None:
         b.set("gradient_clipping", b.number(clip, "gradient_clipping"), "gradient_clipping")
@@ -625,7 +618,7 @@ def _steps(b: _Builder, mapping: dict) -> None:
     elif mapping.get("gradient_accumulation_steps") == "auto" and not b.has("gradient_accumulation_steps"):
         value = TRAINER_DEFAULTS["gradient_accumulation_steps"]
         b.set("gradient_accumulation_steps", value, "gradient_accumulation_steps")
-        b.auto("gradient_accumulation_steps", _show(value))
+        b.auto("gradient_accumulation_steps", f"{_show(value)} ({_TRAINER_DEFAULT})")
 
 
 # ---- accelerate -----------------------------------------------------------------------------
@@ -755,8 +748,7 @@ def report(translation: Translation, strict: bool = True) -> None:
     if translation.auto:
         chosen = "; ".join(f"{key} -> {value}" for key, value in translation.auto)
         log.warning(
-            "%s config: 'auto' values resolved as the Hugging Face Trainer would with its default arguments "
-            "(write values to choose others): %s",
+            "%s config: 'auto' values resolved here, with no Trainer arguments to fill them (write values to choose others): %s",
             kind,
             chosen,
         )

@@ -86,7 +86,6 @@ _WHY_SUB_GROUP_IN_RAM = (
 
 _WHY_FEATURE = "a DeepSpeed feature offload does not implement; it would change training"
 _WHY_QUANTIZED = "quantized weights or gradients (ZeRO++) change the maths; offload keeps 16-bit weights and fp32 state"
-_WHY_RATIO = "partial offload: offload places all optimizer state on one tier (set ratio 1 or remove it)"
 _WHY_AUTOCAST = "casting inputs (offload casts parameters; cast inputs in your training loop)"
 _WHY_LOW_MASTER = "16-bit master weights or optimizer state (offload always keeps them in fp32)"
 _WHY_GRAD_DTYPE = "gradient accumulation in a 16-bit type (offload accumulates gradients in fp32)"
@@ -259,12 +258,12 @@ _ZERO_HANDLED = (
     "cpu_offload_params",
     "cpu_offload_use_pin_memory",
     "aio",
+    "zenflow",
 )
 
 _OFFLOAD_HANDLED = ("device", "nvme_path", "pin_memory", "buffer_count")
 _OFFLOAD_RULES = {
     **_rules(_WHY_OFFLOAD_TUNING, "buffer_size", "max_in_cpu", "fast_init", "pipeline_read", "pipeline_write", "pipeline"),
-    "ratio": _Rule("ratio 1 is the whole state", ok=lambda v: v == 1, why_not=_WHY_RATIO),
 }
 
 _AIO_HANDLED = ("block_size", "queue_depth", "thread_count", "intra_op_parallelism", "use_gds")

@@ -33,11 +33,9 @@ override, and they are exactly where its DeepSpeed branch differs from the plain
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,8 +47,8 @@ except ImportError as error:  # pragma: no cover - transformers is in the test e
     raise ImportError("offload.integrations.hf needs transformers and accelerate: pip install transformers accelerate") from error
 
 import offload
-from offload.config.schema import Config, is_deepspeed_config, load_config
 from offload.errors import ConfigError, OffloadError
+from offload.integrations.trainer_config import _scheduler_name, split_offload_config, trainer_config
 
 if TYPE_CHECKING:
     from offload.engine import Engine
@@ -60,303 +58,6 @@ logger = logging.getLogger(__name__)
 ENGINE_CHECKPOINT_DIR = "offload_engine"
 """The engine's checkpoint, inside each of the Trainer's `checkpoint-N/` directories."""
 SCHEDULER_NAME = "scheduler.pt"
-
-# TrainingArguments.optim values that mean AdamW (what the engine's CPU Adam computes).
-ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
-
-
-# ---- the config: TrainingArguments decide what the Trainer owns ------------------------------
-def _precision(args) -> str:
-    if getattr(args, "bf16", False):
-        return "bf16"
-    if getattr(args, "fp16", False):
-        return "fp16"
-    return "fp32"
-
-
-def _trainer_values(args) -> dict[str, tuple[Any, str]]:
-    """offload key -> (the value the Trainer's arguments give, where it comes from)."""
-    return {
-        "precision": (_precision(args), "TrainingArguments bf16 / fp16 (neither: fp32)"),
-        "optimizer.type": ("adamw", f"TrainingArguments.optim={_optim_name(args)!r}"),
-        "optimizer.lr": (float(args.learning_rate), "TrainingArguments.learning_rate"),
-        "optimizer.betas": ((float(args.adam_beta1), float(args.adam_beta2)), "TrainingArguments.adam_beta1 / adam_beta2"),
-        "optimizer.eps": (float(args.adam_epsilon), "TrainingArguments.adam_epsilon"),
-        "optimizer.weight_decay": (float(args.weight_decay), "TrainingArguments.weight_decay"),
-        "gradient_clipping": (float(args.max_grad_norm or 0.0), "TrainingArguments.max_grad_norm"),
-        "gradient_accumulation_steps": (int(args.gradient_accumulation_steps), "TrainingArguments.gradient_accumulation_steps"),
-    }
-
-
-_TRAINER_KEYS = (
-    "precision",
-    "optimizer.type",
-    "optimizer.lr",
-    "optimizer.betas",
-    "optimizer.eps",
-    "optimizer.weight_decay",
-    "gradient_clipping",
-    "gradient_accumulation_steps",
-)
-
-
-def _scheduler_name(args) -> str:
-    kind = getattr(args, "lr_scheduler_type", "linear")
-    return getattr(kind, "value", kind)
-
-
-def _optim_name(args) -> str:
-    optim = getattr(args, "optim", "adamw_torch")
-    return getattr(optim, "value", optim)
-
-
-def _get(mapping: dict, dotted: str) -> Any:
-    node: Any = mapping
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
-def _set(mapping: dict, dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    node = mapping
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[last] = value
-
-
-_MISSING = object()
-
-
-def _fill_deepspeed_auto(ds: dict, args, max_steps: int | None = None) -> dict:
-    """A DeepSpeed config with its `"auto"` values filled from TrainingArguments, as the Trainer's own
-    DeepSpeed integration fills them (the schedule's step counts once `max_steps` is known)."""
-    ds = copy.deepcopy(ds)
-    world = max(1, int(getattr(args, "world_size", 1) or 1))
-    fills = {
-        "optimizer.params.lr": args.learning_rate,
-        "optimizer.params.betas": [args.adam_beta1, args.adam_beta2],
-        "optimizer.params.eps": args.adam_epsilon,
-        "optimizer.params.weight_decay": args.weight_decay,
-        "gradient_clipping": args.max_grad_norm,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-        "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
-        "bf16.enabled": bool(args.bf16),
-        "bfloat16.enabled": bool(args.bf16),
-        "fp16.enabled": bool(args.fp16),
-        "scheduler.params.warmup_min_lr": 0.0,
-        "scheduler.params.warmup_max_lr": args.learning_rate,
-    }
-    if max_steps:
-        fills["scheduler.params.warmup_num_steps"] = int(args.get_warmup_steps(max_steps))
-        fills["scheduler.params.total_num_steps"] = int(max_steps)
-    for key, value in fills.items():
-        if _get(ds, key) == "auto":
-            _set(ds, key, value)
-    return ds
-
-
-def _user_mapping(offload_config, args=None, report: bool = True, max_steps: int | None = None) -> tuple[dict, dict[str, str]]:
-    """The keys the user's config sets, as an offload-format mapping, and for a translated config,
-    which of the user's keys each offload key came from. With `args`, DeepSpeed `"auto"` values are
-    filled from them; without, they count as not set. An `offload.Config` sets what differs from
-    `offload.Config()`."""
-    from offload.config import deepspeed as deepspeed_config
-
-    if offload_config is None:
-        return {}, {}
-    if isinstance(offload_config, Config):
-        return _differences(offload_config.to_dict(), Config().to_dict()), {}
-    source = offload_config
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(
-                f"offload_config {str(path)!r} does not exist; pass a dict, an offload.Config or the "
-                "path of an offload or DeepSpeed JSON (or an accelerate YAML)"
-            )
-        if path.suffix.lower() in (".yaml", ".yml"):
-            translation = deepspeed_config.translate_accelerate(path)
-            if report:
-                deepspeed_config.report(translation)
-            return translation.config, dict(translation.sources)
-        try:
-            source = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"offload_config {str(path)!r} is not valid JSON: {error}") from error
-    if not isinstance(source, dict):
-        raise ConfigError(f"offload_config must be a dict, a JSON path or an offload.Config, got {type(source).__name__}")
-    if not is_deepspeed_config(source):
-        return copy.deepcopy(source), {}
-    filled = _fill_deepspeed_auto(source, args, max_steps) if args is not None else source
-    if args is not None:
-        world = max(1, int(getattr(args, "world_size", 1) or 1))
-        batches = {
-            "train_micro_batch_size_per_gpu": (args.per_device_train_batch_size, "TrainingArguments.per_device_train_batch_size"),
-            "train_batch_size": (
-                args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
-                "per_device_train_batch_size * gradient_accumulation_steps * world size",
-            ),
-        }
-        for key, (value, origin) in batches.items():
-            if filled.get(key, value) != value:
-                raise ConfigError(
-                    f"DeepSpeed {key}={filled[key]!r} but {origin} gives {value!r}: the Trainer's data "
-                    'loader decides the batch; set it to "auto" or make the two equal',
-                    key=key,
-                )
-    translation = deepspeed_config.translate_deepspeed(filled)
-    if report:
-        deepspeed_config.report(translation)
-    mapping = translation.config
-    # a translated key counts as the user's only if they wrote its DeepSpeed key, not as "auto"
-    # (the translator also writes DeepSpeed's defaults for absent ones, and fp32 when no
-    # precision section exists)
-    sources = {}
-    for ours, theirs in translation.sources.items():
-        written = _get(filled, theirs) not in (_MISSING, "auto")
-        if ours == "precision":
-            written = any(_get(filled, f"{key}.enabled") not in (_MISSING, "auto") for key in ("bf16", "bfloat16", "fp16"))
-        if written:
-            sources[ours] = theirs
-        elif ours in _TRAINER_KEYS:
-            _drop(mapping, ours)
-    return mapping, sources
-
-
-def _differences(values: dict, defaults: dict) -> dict:
-    result = {}
-    for key, value in values.items():
-        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
-            nested = _differences(value, defaults[key])
-            if nested:
-                result[key] = nested
-        elif value != defaults.get(key, _MISSING):
-            result[key] = value
-    return result
-
-
-def _drop(mapping: dict, dotted: str) -> None:
-    *parents, last = dotted.split(".")
-    node = mapping
-    for part in parents:
-        node = node.get(part, {})
-    if isinstance(node, dict):
-        node.pop(last, None)
-
-
-def split_offload_config(offload_config) -> tuple[dict[str, Any], dict]:
-    """Splits a config written for the engine alone (offload's, DeepSpeed's or accelerate's) into
-    `TrainingArguments` keyword arguments for what the Trainer drives under OffloadTrainer
-    (precision, AdamW's lr / betas / eps / weight decay, clipping, accumulation) and the rest, an
-    offload config mapping for `OffloadTrainer(offload_config=...)`::
-
-        arguments, engine_config = split_offload_config("examples/configs/7b_on_24gb.json")
-        args = TrainingArguments(output_dir="out", **arguments)
-        trainer = OffloadTrainer(model=model, args=args, train_dataset=ds, offload_config=engine_config)
-
-    DeepSpeed `"auto"` values are left to the arguments' own defaults."""
-    mapping, _sources = _user_mapping(offload_config)
-    names = {
-        "optimizer.lr": "learning_rate",
-        "optimizer.eps": "adam_epsilon",
-        "optimizer.weight_decay": "weight_decay",
-        "gradient_clipping": "max_grad_norm",
-        "gradient_accumulation_steps": "gradient_accumulation_steps",
-    }
-    arguments: dict[str, Any] = {}
-    for key, name in names.items():
-        value = _get(mapping, key)
-        if value is not _MISSING:
-            arguments[name] = value
-    betas = _get(mapping, "optimizer.betas")
-    if betas is not _MISSING:
-        arguments["adam_beta1"], arguments["adam_beta2"] = (float(b) for b in betas)
-    precision = _get(mapping, "precision")
-    if precision in ("bf16", "fp16"):
-        arguments[precision] = True
-    if _get(mapping, "optimizer.type") not in (_MISSING, "adamw"):
-        raise ConfigError(
-            f"optimizer.type {_get(mapping, 'optimizer.type')!r} has no TrainingArguments counterpart: "
-            "the Trainer's optimizer is AdamW; use type 'adamw'",
-            key="optimizer.type",
-        )
-    rest = copy.deepcopy(mapping)
-    for key in _TRAINER_KEYS:
-        _drop(rest, key)
-    if rest.get("optimizer") == {}:
-        del rest["optimizer"]
-    return arguments, rest
-
-
-def trainer_config(args, offload_config=None, max_steps: int | None = None, report: bool = True) -> Config:
-    """The engine's config for a Trainer run: placement, prefetch, I/O, overlap and wrapping from
-    `offload_config` (offload's JSON / dict / Config, a DeepSpeed JSON or dict, an accelerate YAML);
-    precision, AdamW hyper-parameters, clipping and accumulation from `TrainingArguments`.
-
-    A value the user's config sets that contradicts TrainingArguments is a ConfigError naming both
-    (as the Trainer's DeepSpeed integration refuses mismatched values); DeepSpeed `"auto"` values
-    are filled from TrainingArguments. The engine's own window is 1: the Trainer accumulates, and
-    calls `optimizer.step()` at the end of each of its windows. `report`: log what a DeepSpeed or
-    accelerate config had ignored or resolved (once per run: False when building it again)."""
-    optim = _optim_name(args)
-    if optim not in ADAMW_OPTIMS:
-        raise ConfigError(
-            f"TrainingArguments.optim={optim!r} cannot run on offload: its CPU optimizer is AdamW; "
-            f"use optim one of {', '.join(ADAMW_OPTIMS)} (the default adamw_torch)"
-        )
-    mapping, sources = _user_mapping(offload_config, args, report=report, max_steps=max_steps)
-    wanted = _trainer_values(args)
-    conflicts = []
-    for key, (value, origin) in wanted.items():
-        have = _get(mapping, key)
-        if have is _MISSING:
-            continue
-        same = (
-            (tuple(float(v) for v in have) == value)
-            if key == "optimizer.betas" and isinstance(have, (list, tuple))
-            else (have == value)
-        )
-        if not same:
-            theirs = f" (from {sources[key]!r})" if key in sources else ""
-            conflicts.append(f"{key}={have!r}{theirs} but {origin} gives {value!r}")
-    if conflicts:
-        raise ConfigError(
-            "offload_config contradicts the TrainingArguments, which drive these under OffloadTrainer: "
-            + "; ".join(conflicts)
-            + '. Remove the key from offload_config (or set it to "auto" in a DeepSpeed config), '
-            "or make the two equal"
-        )
-    # a schedule in the config drives the lr (as a DeepSpeed scheduler section does under the
-    # Trainer's DeepSpeed integration) and the Trainer's own scheduler is not built; the run's
-    # length is its total when the config leaves it open
-    schedule = _get(mapping, "scheduler.type")
-    if schedule not in (_MISSING, "none") and max_steps and _get(mapping, "scheduler.total_num_steps") in (_MISSING, None):
-        _set(mapping, "scheduler.total_num_steps", int(max_steps))
-    seed = mapping.pop("seed", None)
-    if seed is not None and seed != args.seed:
-        raise ConfigError(
-            f"offload_config seed={seed!r} but TrainingArguments.seed is {args.seed!r}: the Trainer seeds the "
-            "run (before the model is built); remove seed from offload_config",
-            key="seed",
-        )
-    for key, (value, _origin) in wanted.items():
-        _set(mapping, key, list(value) if key == "optimizer.betas" else value)
-    # the Trainer owns the window (its loss normalisation, a short last window of an epoch): the
-    # engine accumulates every backward until the Trainer's optimizer.step()
-    mapping["gradient_accumulation_steps"] = 1
-    config = load_config(mapping)
-    if config.overlap == "backward" and args.gradient_accumulation_steps > 1:
-        raise ConfigError(
-            "overlap 'backward' steps each unit during the backward that ends the engine's window, but the Trainer "
-            f"accumulates {args.gradient_accumulation_steps} micro-batches per step: use overlap 'forward' (exact, the "
-            "default) or gradient_accumulation_steps 1",
-            key="overlap",
-        )
-    return config
 
 
 # ---- what the Trainer sees as the model --------------------------------------------------------
@@ -470,6 +171,15 @@ class OffloadTrainer(Trainer):
         self._grad_norm = torch.zeros((), dtype=torch.float64)
         self.add_callback(_GradNormAfterStep(self))
 
+    def train(self, *args, **kwargs):
+        """`Trainer.train`; with `model_init` (a hyperparameter search's trials), each call builds a
+        fresh model and so a fresh engine: the previous trial's engine is closed first (its swap
+        files removed), as the plain Trainer drops the previous trial's optimizer."""
+        if self.model_init is not None and self.offload_engine is not None:
+            logger.info("offload: model_init builds a new model for this run: closing the previous run's engine")
+            self._close_engine()
+        return super().train(*args, **kwargs)
+
     def _check_supported(self) -> None:
         args = self.args
         if self.is_deepspeed_enabled or getattr(args, "deepspeed", None):
@@ -500,6 +210,10 @@ class OffloadTrainer(Trainer):
         self._engine_config = trainer_config(args, self.offload_config, max_steps=known_steps)
 
     # -- construction: the engine is the optimizer, the offloaded model is the wrapped model --
+    def create_accelerator_and_postprocess(self) -> None:
+        _release_accelerator_precision()
+        super().create_accelerator_and_postprocess()
+
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         accelerator_args = super()._build_accelerator_args(**kwargs)
         # the engine computes in the precision TrainingArguments ask for and scales the fp16 loss
@@ -556,13 +270,12 @@ class OffloadTrainer(Trainer):
     def _build_engine(self) -> Engine:
         model = self.model
         assert model is not None  # the Trainer has its model by now (model=, or model_init at train())
-        config = self._engine_config
-        if self._schedule_in_config():
-            # its "auto" / missing step counts need the run's length, known now (the config was
-            # read and reported once already, in _check_supported)
-            config = self._engine_config = trainer_config(
-                self.args, self.offload_config, max_steps=self.state.max_steps, report=False
-            )
+        # read again from the arguments as they are now (a hyperparameter search's trial sets them
+        # after __init__), with the run's length, known now, for a config schedule's "auto" / missing
+        # step counts (the config was read and reported once already, in _check_supported)
+        config = self._engine_config = trainer_config(
+            self.args, self.offload_config, max_steps=self.state.max_steps, report=False
+        )
         decay = set(self.get_decay_parameter_names(model))
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         groups: list[dict[str, Any]] = [
@@ -691,19 +404,62 @@ class OffloadTrainer(Trainer):
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state_dict = self.offload_engine.consolidated_state_dict()  # a collective: every rank
-        self._save(output_dir, state_dict=state_dict)
+        dtypes = {tensor.dtype for tensor in state_dict.values() if tensor.is_floating_point()}
+        self._save(output_dir, state_dict=state_dict)  # save_pretrained empties state_dict as it writes
+        if self.args.should_save and output_dir is not None:  # TrainingArguments' output_dir has a default
+            _write_config_dtype(output_dir, dtypes)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))
 
     def end(self) -> None:
         """Closes the engine (the model keeps the final fp32 weights, on the CPU), then what
         `Trainer.end` does."""
+        self._close_engine()
+        super().end()
+
+    def _close_engine(self) -> None:
         if self.offload_engine is not None:
             self.offload_engine.close()
             self._offloaded_model = None
             self.offload_engine = None
             self.optimizer = None
-        super().end()
+
+
+def _release_accelerator_precision() -> None:
+    """A Trainer built before in this process (a plain one with bf16=True, in a notebook) left
+    accelerate's process-wide AcceleratorState at its mixed precision, which accelerate refuses to
+    change; OffloadTrainer runs accelerate with mixed_precision 'no' (the engine computes in the
+    precision the arguments ask for). The state is reset as the Trainer's own hyperparameter
+    search resets it between trials; the process group (PartialState) stays."""
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision", "no") != "no":
+        logger.info(
+            "offload: accelerate's state was set up by an earlier Trainer with mixed precision %r: reset for "
+            "OffloadTrainer (the engine computes in the TrainingArguments' precision itself)",
+            state.get("_mixed_precision"),
+        )
+        AcceleratorState._reset_state()
+
+
+def _write_config_dtype(output_dir: str, dtypes: set[torch.dtype]) -> None:
+    """`save_pretrained` writes the dtype of the model's first parameter into config.json (bf16
+    while the engine computes in bf16), and `from_pretrained` loads that dtype by default; the
+    weights written are the fp32 master weights (and frozen ones in their own dtype): config.json
+    gets the widest of them (`dtypes`: those of the state dict written), so `from_pretrained(output_dir)`
+    loads what training produced."""
+    if not dtypes:
+        return
+    widest = max(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
+    path = os.path.join(output_dir, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as file:
+        config = json.load(file)
+    config["dtype"] = str(widest).removeprefix("torch.")
+    with open(path, "w") as file:
+        file.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _group_hyper(group: dict) -> dict:
@@ -716,6 +472,12 @@ def _group_hyper(group: dict) -> dict:
 
 
 def _engine_checkpoint(checkpoint: str) -> str:
+    if not os.path.isdir(checkpoint):
+        raise OffloadError(
+            f"resume_from_checkpoint {checkpoint!r} does not exist{' (it is a file)' if os.path.exists(checkpoint) else ''}: "
+            "pass a checkpoint-N directory OffloadTrainer saved (resume_from_checkpoint=True takes the last one "
+            "in output_dir)"
+        )
     path = os.path.join(checkpoint, ENGINE_CHECKPOINT_DIR)
     if not os.path.isdir(path):
         raise OffloadError(
