@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -175,3 +176,27 @@ def test_plain_trainer_with_engine_optimizer_clips_like_the_plain_trainer(swap_d
         assert grad_norms(trainer) == pytest.approx(grad_norms(plain), rel=1e-4)
         difference = max_difference(weights(engine.consolidated_state_dict()), weights(plain.model.state_dict()))
         assert difference <= 1e-5, f"weights differ from the plain Trainer's by {difference:.3g}"
+
+
+def test_the_example_prints_what_plain_accelerate_prints(tmp_path, capsys):
+    """examples/accelerate_loop.py --tiny (a llama, clipping, a scheduler, save / load_state) on
+    offload and with --plain: the same losses, norms and learning rates."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "accelerate_loop.py"
+    spec = importlib.util.spec_from_file_location("accelerate_loop", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    printed = []
+    for extra in ([], ["--plain"]):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        example.main(
+            ["--tiny", "--steps", "2", "--max-grad-norm", "0.5", "--output", str(tmp_path / f"state{len(extra)}"), *extra]
+        )
+        printed.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("step")])
+    assert len(printed[0]) == 3 and "max 0.5" in printed[0][0]
+    numbers = [[float(value) for line in run for value in re.findall(r"\d+\.\d+(?:e-?\d+)?", line)] for run in printed]
+    assert numbers[0] == pytest.approx(numbers[1], rel=1e-3, abs=1e-4)

@@ -243,3 +243,29 @@ def test_torch_clip_coefficient_and_combined_norms():
     assert combine_norms([3.0, 4.0], 1.0) == 7.0
     assert combine_norms([3.0, 4.0], math.inf) == 4.0
     assert combine_norms([], 2.0) == 0.0
+
+
+# ---- two ranks (gloo) ------------------------------------------------------------------------
+def _clip_on_two_ranks(rank: int, world_size: int, swaps: list[str]) -> dict:
+    from distributed_worker import RANK_DEVICE, local_half
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    with offload.initialize(model, make_config(swaps, "cpu", "nvme", "forward"), device=RANK_DEVICE) as engine:
+        data = [local_half(batch, rank, world_size) for batch in batches(3)]
+        clip = lambda: torch.nn.utils.clip_grad_norm_(engine.model.parameters(), MAX_NORM)  # noqa: E731
+        norms = engine_clipped_run(engine, data, clip=clip)
+        return {"norms": norms, "weights": engine.consolidated_state_dict()}
+
+
+def test_two_ranks_clip_on_the_global_norm_as_one_rank_with_the_whole_batch(tmp_path):
+    """Each rank's handles hold the norm over both ranks' shards, of the ranks' mean gradient."""
+    from distributed_worker import launch, rank_swap_dirs
+
+    torch.manual_seed(0)
+    reference, torch_norms = torch_clipped_run(TinyNet(), batches(3))
+    results = launch(_clip_on_two_ranks, 2, rank_swap_dirs(tmp_path, 2), deadline_s=240)
+    assert all(result["ok"] for result in results), results
+    for result in results:
+        assert result["value"]["norms"] == pytest.approx(torch_norms, rel=1e-5)
+        assert max_weight_difference(result["value"]["weights"], reference) <= 1e-5
