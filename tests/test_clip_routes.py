@@ -77,12 +77,12 @@ def test_torch_clip_grad_norm_in_a_plain_loop_equals_torch(swap_dir, param, opti
         assert all(p.grad is None for p in engine.model.parameters())
 
 
-@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0])
 def test_engine_clip_grad_norm_equals_torch_for_each_norm_type(swap_dir, norm_type):
     torch.manual_seed(0)
     model = TinyNet()
     data = batches(3)
-    max_norm = MAX_NORM if norm_type != math.inf else 0.01
+    max_norm = MAX_NORM
     reference, torch_norms = torch_clipped_run(model, data, max_norm=max_norm, norm_type=norm_type)
     placement = ("cpu", "nvme", "forward") if norm_type == 2.0 else ("none", "cpu", "none")
     with offload.initialize(copy.deepcopy(model), make_config(swap_dir, *placement)) as engine:
@@ -91,7 +91,7 @@ def test_engine_clip_grad_norm_equals_torch_for_each_norm_type(swap_dir, norm_ty
         assert max_weight_difference(engine.consolidated_state_dict(), reference) <= fp32_weight_tolerance(engine)
 
 
-@pytest.mark.parametrize("norm_type", [1.0, math.inf])
+@pytest.mark.parametrize("norm_type", [math.inf])
 def test_torch_clip_with_other_norm_types_equals_torch(swap_dir, norm_type):
     torch.manual_seed(0)
     model = TinyNet()
