@@ -36,7 +36,9 @@ def parse_args(argv=None):
     parser.add_argument("--offload-config", help="the engine's config (default with --tiny: param and optimizer on the CPU)")
     parser.add_argument("--plain", action="store_true", help="plain accelerate (Accelerator()), for comparison")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument(
+        "--accumulation", type=int, help="micro-batches per step (default: 2, or with --offload-config the config's)"
+    )
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--output", help="where save_state writes (default: a temporary directory)")
     return parser.parse_args(argv)
@@ -62,15 +64,18 @@ def make_model(args) -> torch.nn.Module:
 
 def make_accelerator(args) -> Accelerator:
     if args.plain:
-        return Accelerator(gradient_accumulation_steps=args.accumulation)
-    # the one change: offload's accelerator, given the engine's config
-    offload_config = args.offload_config or TINY_OFFLOAD_CONFIG
-    return OffloadAccelerator(offload_config=offload_config, gradient_accumulation_steps=args.accumulation)
+        return Accelerator(gradient_accumulation_steps=args.accumulation or 2)
+    # the one change: offload's accelerator, given the engine's config (whose accumulation, if
+    # any, becomes accelerate's)
+    if args.offload_config is None:
+        return OffloadAccelerator(offload_config=TINY_OFFLOAD_CONFIG, gradient_accumulation_steps=args.accumulation or 2)
+    extra = {} if args.accumulation is None else {"gradient_accumulation_steps": args.accumulation}
+    return OffloadAccelerator(offload_config=args.offload_config, **extra)
 
 
 def make_loader(args, vocab_size: int) -> torch.utils.data.DataLoader:
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab_size, (args.steps * args.accumulation * 2 + 2, 32), generator=generator)
+    ids = torch.randint(0, vocab_size, (args.steps * (args.accumulation or 2) * 2 + 2, 32), generator=generator)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2, shuffle=False)
 
 

@@ -83,6 +83,8 @@ def accelerate_loop(accelerator, model, data, *, state=None, save_to=None, accum
 
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_accelerate_loop_with_one_line_changed_equals_plain_accelerate(swap_dir, accumulation):
+    """Accumulation as accelerate's (the plain run's) and, for the offload run, the config's: it
+    runs through accelerate's accumulate() (the engine steps at each sync)."""
     torch.manual_seed(0)
     model = TinyNet()
     data = batches(4)
@@ -92,7 +94,8 @@ def test_accelerate_loop_with_one_line_changed_equals_plain_accelerate(swap_dir,
     assert min(plain_norms) > MAX_NORM  # clipping acted
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    accelerator = OffloadAccelerator(offload_config=offload_config(swap_dir), gradient_accumulation_steps=accumulation)
+    accelerator = OffloadAccelerator(offload_config=offload_config(swap_dir, gradient_accumulation_steps=accumulation))
+    assert accelerator.gradient_accumulation_steps == accumulation
     offloaded, norms, lr = accelerate_loop(accelerator, copy.deepcopy(model), data)
     engine = accelerator.engine
     assert engine.global_steps == 4 // accumulation
@@ -111,6 +114,9 @@ def test_save_state_and_load_state_resume_exactly(swap_dir, tmp_path):
     first = OffloadAccelerator(offload_config=offload_config(swap_dir))
     accelerate_loop(first, copy.deepcopy(model), data[:2], save_to=tmp_path / "state")
     assert (tmp_path / "state" / ENGINE_CHECKPOINT_DIR).is_dir()
+    # saving again into the same directory replaces its state, as accelerate's files are
+    first.save_state(tmp_path / "state")
+    assert [p.name for p in (tmp_path / "state" / ENGINE_CHECKPOINT_DIR).iterdir() if p.is_dir()] == ["global_step2-1"]
     first.end_training()
     AcceleratorState._reset_state(reset_partial_state=True)
     torch.manual_seed(123)
@@ -133,6 +139,22 @@ def test_what_the_engine_cannot_honour_is_refused_at_prepare(swap_dir):
         accelerator.prepare(model)
     with pytest.raises(ConfigError, match="mixed_precision 'bf16'"):
         OffloadAccelerator(offload_config=offload_config(swap_dir), mixed_precision="bf16")
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps 3 and the offload config's 2"):
+        OffloadAccelerator(offload_config=offload_config(swap_dir, gradient_accumulation_steps=2), gradient_accumulation_steps=3)
+
+
+def test_accumulation_without_accumulate_is_refused_at_the_first_backward(swap_dir):
+    model = TinyNet()
+    accelerator = OffloadAccelerator(offload_config=offload_config(swap_dir, gradient_accumulation_steps=2))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    x, y = batches(1)[0]
+    with pytest.raises(OffloadError, match=r"accelerator\.accumulate\(model\)"):
+        accelerator.backward(mse(model, x, y))
+    assert accelerator.engine.micro_steps == 0
+    with accelerator.accumulate(model):
+        accelerator.backward(mse(model, x, y))
+    assert accelerator.engine.micro_steps == 1
+    accelerator.end_training()
 
 
 # ---- the plain Trainer with engine.optimizer -------------------------------------------------

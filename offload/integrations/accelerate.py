@@ -27,8 +27,10 @@ returns in place of each object:
   wrapper steps only with the weights;
 - the scheduler and the data loaders: accelerate's own.
 
-`backward(loss)` divides by accelerate's `gradient_accumulation_steps` (as accelerate does) and
-calls `engine.backward`; `clip_grad_norm_` is `engine.clip_grad_norm_` (the global norm over
+Accumulation runs through accelerate: the config's `gradient_accumulation_steps` becomes
+accelerate's (the script's `with accelerator.accumulate(model):` decides the sync steps, where it
+clips and the engine steps; a backward outside it is refused then). `backward(loss)` divides by
+it (as accelerate does) and calls `engine.backward`; `clip_grad_norm_` is `engine.clip_grad_norm_` (the global norm over
 all units, tiers and ranks); `save_state` / `load_state` write and read the engine's
 checkpoint (weights, moments, counters) beside accelerate's files (optimizer groups, scheduler,
 RNG, data loader positions), and `unwrap_model(model)` is the Hugging Face model (its
@@ -39,6 +41,7 @@ reduces the gradients itself (no DDP). `accelerator.end_training()` closes the e
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Any
@@ -138,7 +141,8 @@ class OffloadAccelerator(Accelerator):
     itself, so accelerate's autocast and GradScaler stay off)."""
 
     def __init__(self, *args, offload_config=None, **kwargs) -> None:
-        self.offload_config = load_config(offload_config)
+        # a copy: prepare writes into it (the optimizer type, the accumulation moved to accelerate)
+        self.offload_config = copy.deepcopy(load_config(offload_config))
         asked = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION")
         if asked is not None and _PRECISION_OF.get(str(asked)) != self.offload_config.precision:
             raise ConfigError(
@@ -147,9 +151,24 @@ class OffloadAccelerator(Accelerator):
                 key="precision",
             )
         kwargs["mixed_precision"] = "no"
+        # accumulation runs through accelerate (accumulate(), sync_gradients), so that a script's
+        # clipping and stepping at its sync steps meet the end of the engine's window
+        window = self.offload_config.gradient_accumulation_steps
+        asked_steps = kwargs.get("gradient_accumulation_steps", 1)
+        if window > 1:
+            if asked_steps not in (1, window):
+                raise ConfigError(
+                    f"gradient_accumulation_steps {asked_steps} and the offload config's {window} differ: set one",
+                    key="gradient_accumulation_steps",
+                )
+            kwargs["gradient_accumulation_steps"] = window
+            self.offload_config.gradient_accumulation_steps = 1
+            logger.info("offload: the config's gradient_accumulation_steps %d runs through accelerate's accumulate()", window)
         super().__init__(*args, **kwargs)
         self.engine: Engine | None = None
         self._offloaded_optimizer: OffloadedOptimizer | None = None
+        self._syncs = 0  # accumulate() entries (accelerate's _do_sync)
+        self._syncs_at_backward = 0
 
     # ---- prepare -----------------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
@@ -178,12 +197,6 @@ class OffloadAccelerator(Accelerator):
     def _build_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         kind, groups = _engine_groups(optimizer, model)
         config = self.offload_config
-        if self.gradient_accumulation_steps > 1 and config.gradient_accumulation_steps > 1:
-            raise ConfigError(
-                f"accelerate's gradient_accumulation_steps ({self.gradient_accumulation_steps}) and the offload config's "
-                f"({config.gradient_accumulation_steps}) are both set: accumulate in one place",
-                key="gradient_accumulation_steps",
-            )
         if config.optimizer.type != kind:
             logger.info(
                 "offload: the script's %s sets the engine's optimizer type (the config said %r)", kind, config.optimizer.type
@@ -205,9 +218,21 @@ class OffloadAccelerator(Accelerator):
         if kwargs:
             raise OffloadError(f"accelerator.backward({', '.join(kwargs)}=...) is not supported on the offload engine")
         assert self._offloaded_optimizer is not None
+        if self.gradient_accumulation_steps > 1 and self._syncs == self._syncs_at_backward:
+            raise OffloadError(
+                f"gradient accumulation ({self.gradient_accumulation_steps} micro-batches) runs through accelerate: "
+                "wrap each micro-batch in `with accelerator.accumulate(model):` (without it every micro-batch would "
+                "step); nothing was run"
+            )
+        self._syncs_at_backward = self._syncs
         # a scheduler stepped since the last step: the steps taken during this backward use its values
         self._offloaded_optimizer.sync_hyperparameters()
         engine.backward(loss / self.gradient_accumulation_steps)
+
+    def _do_sync(self):
+        # accelerate's step counter inside accumulate() (an underscore method of accelerate 1.15)
+        self._syncs += 1
+        super()._do_sync()
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """The engine's global norm (all units, tiers, ranks), and the coming step clips by
@@ -231,7 +256,16 @@ class OffloadAccelerator(Accelerator):
         `offload_engine/` beside them, the engine's checkpoint. Every process calls it."""
         engine = self._require_engine()
         location = super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
-        engine.save_checkpoint(os.path.join(location, ENGINE_CHECKPOINT_DIR))
+        root = os.path.join(location, ENGINE_CHECKPOINT_DIR)
+        # as accelerate's files, the directory's state is replaced: a new tag (rank 0's choice),
+        # and the older ones removed once it is written (keep_last=1; never before)
+        tag = base = f"global_step{engine.global_steps}"
+        number = 0
+        while os.path.exists(os.path.join(root, tag)):
+            number += 1
+            tag = f"{base}-{number}"
+        tag = engine.collectives.broadcast_object(tag, what="the checkpoint tag")
+        engine.save_checkpoint(root, tag=tag, keep_last=1)
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
