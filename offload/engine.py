@@ -282,6 +282,13 @@ class Engine:
         self._check_open()
         self.window.zero_grad()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """After the backward that ends a window, before step(): the global gradient norm (all
+        units, tiers and ranks; p-norms and inf), and the coming step clips by torch's factor
+        min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ then optimizer.step()."""
+        self._check_open()
+        return self.window.clip_grad_norm(max_norm, norm_type)
+
     # ---- weights out (offload.runtime.weights_out reads them) ------------------------------
     def _fp32_weight(self, param: nn.Parameter) -> torch.Tensor:
         """The fp32 weights of one parameter (the model's state_dict hooks)."""
@@ -359,6 +366,7 @@ class Engine:
             self.window.drain()
             final = self.consolidated_state_dict() if restore_weights else None
         finally:
+            self.window.handles.clear()
             self.window.closed = True
             OPEN_ENGINES.discard(self)
             self.weights.invalidate()

@@ -443,3 +443,23 @@ def test_estimate_states_what_a_load_needs():
     costs = checkpoint_costs(7_000_000_000, 1)
     assert costs["bytes"] == 84_000_000_000 and costs["load_extra_disk"] == 0
     assert costs["load_extra_ram_per_rank"] == 16 << 20 and costs["load_bytes_read"] == 2 * costs["bytes"]
+
+
+def test_counters_are_checked_as_plain_data():
+    from offload.runtime.counters import check_counters
+
+    good = {"global_steps": 3, "micro_steps": 6, "skipped_steps": 1, "stepped_at_micro": 6, "last_grad_norm": 0.5, "lr": 0.1}
+    check_counters(good, set(good))
+    check_counters({**good, "stepped_at_micro": -1, "global_steps": 0, "skipped_steps": 0, "last_grad_norm": None}, set(good))
+    for change, words in [
+        ({"micro_steps": 3}, "counters disagree"),
+        ({"stepped_at_micro": 7}, "counters disagree"),
+        ({"global_steps": True}, "global_steps is True"),
+        ({"skipped_steps": -1}, "skipped_steps is -1"),
+        ({"last_grad_norm": float("inf")}, "last_grad_norm is inf"),
+        ({"last_grad_norm": -0.5}, "last_grad_norm is -0.5"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            check_counters({**good, **change}, set(good))
+    with pytest.raises(ValueError, match="lacks lr and has keys offload never writes: extra"):
+        check_counters({**{k: v for k, v in good.items() if k != "lr"}, "extra": 1}, set(good))

@@ -24,11 +24,13 @@ from offload.config.schema import Config
 from offload.errors import NonFiniteError, OffloadError
 from offload.model.unit_state import UnitState
 from offload.optim.hyperparameters import GroupHyperparameters
-from offload.optim.loss_scaling import DynamicLossScaler, gradient_multiplier
+from offload.optim.loss_scaling import DynamicLossScaler, clip_coefficient, gradient_multiplier
 from offload.optim.step_hyper import StepHyper
 from offload.platform.collectives import Collectives
 from offload.runtime import optimizer_state
+from offload.runtime.counters import check_counters
 from offload.runtime.events import Phase
+from offload.runtime.grad_handles import GradHandles, check_norm_type, combine_norms, torch_clip_coefficient
 from offload.runtime.gradients import GradientOffload
 from offload.runtime.overlap import OverlapPolicy, Stepping
 from offload.runtime.prefetch import step_order
@@ -110,6 +112,14 @@ class GradientWindow:
         # whether a backward ran since the last step() call; a step() without one warns once
         self._backward_since_step_call = False
         self._warned_step_without_backward = False
+        # each trainable param's .grad between the backward that ends a window and step():
+        # what torch.nn.utils.clip_grad_norm_ reads and scales (runtime/grad_handles)
+        self.handles = GradHandles(
+            store=store,
+            collectives=collectives,
+            drain=self.drain,
+            divisor=lambda: self.scaler.scale * self.collectives.world_size,
+        )
 
     def check_open(self) -> None:
         """The engine is not closed (its parts are shut down once it is)."""
@@ -123,6 +133,7 @@ class GradientWindow:
         that fails leaves the engine as it would be without them."""
         for failure in self.settle():
             logger.warning("offload: load_checkpoint discards failed work in flight: %s", failure)
+        self.handles.clear()
         self.take_back_undecided("load_checkpoint in the middle of a window")
         self._window_hypers = None
 
@@ -184,6 +195,7 @@ class GradientWindow:
         """Checks that need no other rank, before a backward changes anything; returns whether
         it ends a gradient window. Deterministic on every rank (same counters and config)."""
         self._refuse_unfrozen()
+        self._drop_handles_before_backward()
         accumulation = self.config.gradient_accumulation_steps
         if self.policy.steps_in_backward and self._window_ended_without_step():
             raise OffloadError(
@@ -288,6 +300,7 @@ class GradientWindow:
         self.micro_steps += 1
         self._backwards_undecided += 1
         self._backward_since_step_call = True
+        self._after_backward()
 
     def _finish_abandoned_backward(self) -> None:
         """A plain backward that failed inside autograd never reached its end (`queue_callback`
@@ -392,6 +405,10 @@ class GradientWindow:
             return False
         self.hyper.check_untouched()
         self.drain()
+        # what user code's clip_grad_norm_ multiplied the window's gradients by (an error, before
+        # anything changes, when it scaled some and not others)
+        user_factor = self.handles.factor()
+        self.handles.clear()
         # the window is decided from here on (stepped, skipped or refused); an interrupt in the
         # wait above leaves it open, and the next step() takes it again
         self._stepped_at_micro = self.micro_steps
@@ -403,20 +420,12 @@ class GradientWindow:
         if self.policy.steps_in_backward and not self.policy.speculative:
             return self._finish_window_stepped_in_backward(window)
         try:
-            norms = {}
-            for unit in window:
-                if unit.grad_sq_norm is None:
-                    unit.grad_sq_norm = self.store.grad_sq_norm(unit)
-                norms[unit.index] = unit.grad_sq_norm
-            local = sum(norms.values())
-            (total,) = self.collectives.sum_host([local], what="the global gradient norm")
+            norms, total = self._window_sq_norms(window)
         except BaseException:
             # the window stays unstepped, as without speculation: so do its speculated units
             self._abandon_speculation("step() failed before it knew the global norm")
             raise
-        multiplier, norm = gradient_multiplier(
-            self.scaler.scale * self.collectives.world_size, total, self.config.gradient_clipping
-        )
+        multiplier, norm = self._multiplier(total, user_factor)
         self.last_grad_norm = norm
         speculated, self._speculated = list(self._speculated.values()), {}
         window_hypers, self._window_hypers = self._window_hypers, None
@@ -458,6 +467,86 @@ class GradientWindow:
         order = step_order(self.schedule.context.forward_order.recorded, len(self.units))
         self._submit_steps([self.units[i] for i in order if self.units[i].window_started], hypers)
         return True
+
+    def _window_sq_norms(self, window: list[UnitState]) -> tuple[dict[int, float], float]:
+        """Each unit's squared norm of its stored gradient shard, and their sum over units and
+        ranks (loss-scaled, summed over ranks: `gradient_multiplier` undoes both)."""
+        norms = {}
+        for unit in window:
+            if unit.grad_sq_norm is None:
+                unit.grad_sq_norm = self.store.grad_sq_norm(unit)
+            norms[unit.index] = unit.grad_sq_norm
+        (total,) = self.collectives.sum_host([sum(norms.values())], what="the global gradient norm")
+        return norms, total
+
+    def _multiplier(self, total_sq: float, user_factor: float) -> tuple[float, float]:
+        """(what the step multiplies the stored gradients by, the global norm before clipping).
+        `user_factor`: what clip_grad_norm_ multiplied the gradients by; the config's
+        gradient_clipping then acts on the gradients so scaled, as it would after torch's."""
+        loss_scale = self.scaler.scale * self.collectives.world_size
+        if user_factor == 1.0:
+            return gradient_multiplier(loss_scale, total_sq, self.config.gradient_clipping)
+        unclipped, norm = gradient_multiplier(loss_scale, total_sq, 0.0)
+        if not math.isfinite(user_factor):
+            # torch would step on non-finite gradients; the engine refuses (or, fp16, skips) the step
+            logger.warning("offload: clip_grad_norm_ multiplied the gradients by %s", user_factor)
+            return float("nan"), float("nan")
+        scaled = user_factor * norm
+        return unclipped * user_factor * clip_coefficient(scaled, self.config.gradient_clipping), norm
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """engine.clip_grad_norm_: the global gradient norm of the window (as torch computes it
+        on the full gradients, of those clip_grad_norm_ scaled already if it did), and the
+        coming step clips by torch's coefficient min(1, max_norm / (norm + 1e-6))."""
+        self.check_open()
+        self._finish_abandoned_backward()
+        self.refuse_partly_stepped()
+        norm_type = check_norm_type(norm_type)
+        if not self._window_ended_without_step():
+            raise OffloadError(
+                "engine.clip_grad_norm_ goes after the backward that ends a gradient window (gradient_accumulation_steps "
+                f"{self.config.gradient_accumulation_steps}; {self.micro_steps} backward(s) so far) and before step(), "
+                "as torch.nn.utils.clip_grad_norm_ goes before optimizer.step()"
+            )
+        if self.policy.steps_in_backward and not self.policy.speculative:
+            raise OffloadError(self._clip_refusal())
+        current = self.handles.factor()
+        self.drain()
+        if norm_type == 2.0:
+            _, total = self._window_sq_norms([unit for unit in self.units if unit.window_started])
+            norm = gradient_multiplier(self.scaler.scale * self.collectives.world_size, total, 0.0)[1]
+        else:
+            norm = combine_norms(self.handles.param_norms(norm_type), norm_type)
+        norm *= abs(current)
+        self.handles.scale_all(torch_clip_coefficient(norm, max_norm))
+        return torch.tensor(norm, dtype=torch.float32)
+
+    def _clip_refusal(self) -> str:
+        return (
+            "clipping by clip_grad_norm_ with overlap 'backward' and no gradient_clipping in the config: each unit "
+            "stepped in place as soon as its gradients were final, before the global norm was known, so its "
+            "gradients can no longer be clipped. Set the config's gradient_clipping to the max norm instead (the "
+            "steps during backward are then speculative, and step() clips on the global norm exactly; "
+            "engine.last_grad_norm holds it), or use overlap 'forward'"
+        )
+
+    def _after_backward(self) -> None:
+        """A backward ended: if it ended the window, the params' .grad become its handles."""
+        if self.micro_steps % self.config.gradient_accumulation_steps:
+            return
+        refusal = self._clip_refusal() if self.policy.steps_in_backward and not self.policy.speculative else None
+        self.handles.install(self.units, refusal)
+
+    def _drop_handles_before_backward(self) -> None:
+        """autograd adds into a .grad that is not None: the handles go before a backward; a clip
+        they recorded that no step() took would be lost, so that is refused."""
+        if self.handles.clipped():
+            raise OffloadError(
+                "clip_grad_norm_ scaled the gradients of the window the last backward ended, but step() was not called "
+                "before this backward: the engine cannot scale only the gradients accumulated so far. Call step() "
+                "after clip_grad_norm_ (clip only after the backward that ends a window)"
+            )
+        self.handles.clear()
 
     def _commit(self, speculated: list[UnitState]) -> None:
         """The speculative steps stand (the factor they used is the true one): each unit's spare
@@ -612,6 +701,8 @@ class GradientWindow:
                 "decide before its backward (engine.backward refuses a non-finite loss before anything changes), or use "
                 "overlap 'forward' (exact, the default) or add gradient_clipping (its steps are speculative until step())"
             )
+        # the window's .grad handles and any clip recorded on them go with its gradients
+        self.handles.clear()
         speculated, self._speculated = list(self._speculated.values()), {}
         self._take_back(speculated, restore=True)
         self._discard_window()
@@ -686,29 +777,7 @@ class GradientWindow:
     def check_training_state(self, state: dict) -> None:
         """Raises ValueError naming the key when `state` (what `training_state()` gave, read back
         from a file nobody vouches for) is not one `load_training_state` restores exactly."""
-        expected = set(self.training_state())
-        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or extra:
-            raise ValueError(
-                f"{'lacks ' + ', '.join(missing) if missing else ''}{' and ' if missing and extra else ''}"
-                f"{'has keys offload never writes: ' + ', '.join(extra) if extra else ''}"
-            )
-        for key in ("global_steps", "micro_steps", "skipped_steps", "stepped_at_micro"):
-            value, least = state[key], -1 if key == "stepped_at_micro" else 0  # -1: never stepped
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
-                raise ValueError(f"{key} is {value!r:.60}, not a count (an integer, at least {least})")
-        # each step, taken or skipped, ended a window of at least one micro-step
-        if (
-            state["global_steps"] + state["skipped_steps"] > state["micro_steps"]
-            or state["stepped_at_micro"] > state["micro_steps"]
-        ):
-            raise ValueError(
-                f"counters disagree: {state['global_steps']} steps and {state['skipped_steps']} skipped, the last at "
-                f"micro-step {state['stepped_at_micro']}, in {state['micro_steps']} micro-steps"
-            )
-        norm = state["last_grad_norm"]
-        if norm is not None and (isinstance(norm, bool) or not isinstance(norm, int | float) or not 0 <= norm < math.inf):
-            raise ValueError(f"last_grad_norm is {norm!r:.60}, not a finite non-negative number or null")
+        check_counters(state, set(self.training_state()))
         self.hyper.check_state(state)
         self.scaler.check_state_dict(state["loss_scaler"])
 

@@ -536,6 +536,18 @@ class TierStore:
             norm += squared_norm(target)
         return norm
 
+    def read_grad(self, unit: UnitState) -> Iterator[tuple[int, torch.Tensor]]:
+        """The stored fp32 gradient as (offset in the shard, values) pieces: the resident buffer
+        whole, or each NVMe piece read into the gradient slot (valid until the next piece is
+        asked for). Main thread, with the gradient transfers waited for (the slot is theirs)."""
+        if "grad32" not in unit.swap_kinds:
+            yield 0, unit.resident_state["grad32"]
+            return
+        for j, (start, end) in enumerate(unit.state_pieces):
+            target = self._grad_slot[: end - start]
+            self._require_swap().read_into(unit.swap_name("grad32", j), target).wait()
+            yield start, target
+
     # ---- 16-bit weights (their home: storage.param16) ---------------------------------------
     def read_param16(self, unit: UnitState) -> tuple[torch.Tensor, bool]:
         """The unit's 16-bit shard on the host (a fetch on the transfer worker, a weights read on
