@@ -28,6 +28,7 @@ import os
 import torch
 from torch import nn
 
+from offload.config.sizes import format_bytes
 from offload.model.unit_state import UnitState
 from offload.model.units import shard_pieces
 from offload.optim.engine_optimizer import OptimizerStateError
@@ -64,7 +65,7 @@ def refusal(units: list[UnitState], room: int) -> str | None:
     needed = sum(8 * p.numel() for unit in units for i, p in enumerate(unit.spec.params) if _trainable(unit, i))
     if needed > room:
         return (
-            f"the moments take {needed / 2**30:.2f} GiB, more than the {room / 2**30:.2f} GiB this rank may fill "
+            f"the moments take {format_bytes(needed)}, more than the {format_bytes(room)} this rank may fill "
             f"(half the RAM available now, shared by the node's ranks)"
         )
     return None
@@ -83,7 +84,10 @@ def _homes(units: list[UnitState]) -> dict[int, tuple[UnitState, int]]:
 def read(units: list[UnitState], store: TierStore, collectives: Collectives, params: list[nn.Parameter]) -> dict:
     """torch's `state` for `params` (engine.optimizer's parameters in group order): {index:
     {"step", "exp_avg", "exp_avg_sq"}}, full on every rank. The steps in flight are waited for
-    by the caller."""
+    by the caller. Before any unit stepped there is no state to gather, on any tier: empty, as
+    torch's before its first step (accelerate's prepare round-trips a state dict at the start)."""
+    if not any(unit.step_count for unit in units):
+        return {}
     why = refusal(units, host_room())
     if collectives.ranks_with(why is not None, what="whether the optimizer state fits in host memory"):
         why = why or "it would not fit in host memory on another rank"
