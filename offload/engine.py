@@ -133,6 +133,9 @@ class Engine:
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
         self.model = model
+        # parameters frozen at initialize are handed back by close() in the dtype they came in
+        frozen = model.named_parameters(remove_duplicate=False)
+        self._frozen_dtypes = {name: p.dtype for name, p in frozen if not p.requires_grad and p.is_floating_point()}
         runtime = build(model, self.config, groups, process_group=process_group, device=device, run_name=run_name)
         self._runtime: Runtime = runtime
         # the parts, by name (tests, checkpoints and integrations reach them so)
@@ -356,7 +359,8 @@ class Engine:
         """Finishes pending work, frees host buffers and removes swap files.
 
         With `restore_weights`, the model's parameters are left holding the final fp32 weights
-        on the CPU (a full fp32 copy of the model in RAM) and its buffers where they were before
+        on the CPU (a full fp32 copy of the model in RAM; parameters frozen at `initialize` keep
+        the dtype they had, a bf16 base bit for bit) and its buffers where they were before
         `initialize`; without, the parameters are left empty."""
         if self._closed:
             return
@@ -378,7 +382,7 @@ class Engine:
             with torch.no_grad():
                 for name, param in params.items():
                     if name in final:
-                        param.data = final[name]
+                        param.data = final[name].to(self._frozen_dtypes.get(name, torch.float32))
                 for module, name, home in self._runtime.buffer_homes:
                     buffer = getattr(module, name)
                     if buffer is not None:
