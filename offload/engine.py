@@ -168,10 +168,10 @@ class Engine:
         """A block inside which the parameters of `module` (the whole model by default) can be
         read between steps: on the device, whole, with the weights of the latest step. Outside
         it an offloaded parameter's storage is freed between uses (a read of its values raises
-        an OffloadError naming this). For reading only (EMA, weight norms, copies): a write is refused when the block ends. With several
-        ranks, every rank enters it with the same module (the weights are gathered). A large
-        model can be read block by block: `for layer in model.layers: with
-        engine.params_on_device(layer): ...`."""
+        an OffloadError naming this). For reading only (EMA, weight norms, copies): a write is
+        refused when the block ends. With several ranks, every rank enters it with the same
+        module (the weights are gathered). A large model can be read block by block:
+        `for layer in model.layers: with engine.params_on_device(layer): ...`."""
         self._check_open()
         self.window.settle_before_use()
         with held_on_device(self.schedule.context, self.model if module is None else module, self._runtime.undo_write):
