@@ -151,7 +151,9 @@ class Engine:
         )
         assert runtime.schedule is not None  # build installs it
         self.schedule = runtime.schedule
-        self._state_dict_hooks = StateDictHooks(model, set(self.weights.home), self._fp32_weight, self.weights.invalidate)
+        self._state_dict_hooks = StateDictHooks(
+            model, set(self.weights.home), self._fp32_weight, self.weights.invalidate, self.schedule.reads
+        )
         # what the engine read at start is what it uses: changing it later would silently do nothing
         freeze(self.config, "engine.config")
         OPEN_ENGINES.add(self)
@@ -209,12 +211,11 @@ class Engine:
     def params_on_device(self, module: nn.Module | None = None):
         """A block inside which the parameters of `module` (the whole model by default) can be
         read between steps: on the device, whole, with the weights of the latest step. Outside
-        it an offloaded parameter's storage is freed between uses (reading it reads freed
-        memory), and with overlap `forward` a step may still be writing the weights. For reading
-        only (EMA, weight norms, copies): a write is refused when the block ends. With several
-        ranks, every rank enters it with the same module (the weights are gathered). A large
-        model can be read block by block: `for layer in model.layers: with
-        engine.params_on_device(layer): ...`."""
+        it an offloaded parameter's storage is freed between uses (a read of its values raises
+        an OffloadError naming this). For reading only (EMA, weight norms, copies): a write is
+        refused when the block ends. With several ranks, every rank enters it with the same
+        module (the weights are gathered). A large model can be read block by block:
+        `for layer in model.layers: with engine.params_on_device(layer): ...`."""
         self._check_open()
         self.window.settle_before_use()
         with held_on_device(self.schedule.context, self.model if module is None else module, self._runtime.undo_write):

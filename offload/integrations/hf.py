@@ -149,6 +149,13 @@ class _GradNormAfterStep(TrainerCallback):
         norm = None if engine is None else engine.last_grad_norm
         self.trainer._grad_norm.fill_(float("nan") if norm is None else norm)
 
+    def on_train_end(self, args, state, control, **kwargs):
+        # train() returns with the last step applied: `trainer.model` read from any thread (or
+        # copied out without torch calls) is final. Reads between steps wait per unit
+        # (offload/runtime/param_reads.py), so on_step_end keeps the step overlapped.
+        if self.trainer.offload_engine is not None:
+            self.trainer.offload_engine.window.drain()
+
 
 # ---- the Trainer ---------------------------------------------------------------------------------
 class OffloadTrainer(Trainer):

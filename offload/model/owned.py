@@ -30,27 +30,87 @@ from offload.errors import OffloadError
 
 class StateDictHooks:
     """Post-hooks on `model`'s modules that fill its state_dict with `fp32_of(param)` for every
-    parameter `fp32_of` knows; `done()` is called at the end of the model's own state_dict."""
+    parameter `fp32_of` knows; `done()` is called at the end of the model's own state_dict.
+
+    A tied parameter (GPT-2's `wte.weight` as `lm_head.weight`) is one tensor under each of its
+    names, as in plain PyTorch's state_dict (`torch.save` stores it once; loading keeps the two
+    tied). `reads` (the engine's `ParamReads`, or None) is suspended while a module's own
+    state_dict runs: torch's walk `detach()`es each parameter, a view that the post-hook replaces
+    with fp32 weights, and must not count as a read of weights that are not on the device."""
 
     def __init__(
-        self, model: nn.Module, owned: set[int], fp32_of: Callable[[nn.Parameter], torch.Tensor], done: Callable[[], None]
+        self,
+        model: nn.Module,
+        owned: set[int],
+        fp32_of: Callable[[nn.Parameter], torch.Tensor],
+        done: Callable[[], None],
+        reads=None,
     ) -> None:
+        self.fp32_of = fp32_of
+        self.done = done
+        self.reads = reads
+        # id(parameter) -> the key of its last entry and (weakly) its value: a tied parameter's
+        # next entry in the same state_dict is that value, found there under that key
+        self._filled: dict[int, tuple[str, weakref.ref[torch.Tensor]]] = {}
         self.handles = []
         for module in model.modules():
             names = [name for name, param in module._parameters.items() if param is not None and id(param) in owned]
             if names:
-                self.handles.append(module.register_state_dict_post_hook(_fill(names, fp32_of, module)))
-        self.handles.append(model.register_state_dict_post_hook(_at_end(done, model)))
+                if reads is not None:
+                    self.handles.append(module.register_state_dict_pre_hook(_suspend(reads, module)))
+                self.handles.append(module.register_state_dict_post_hook(self._fill_hook(names, module)))
+        self.handles.append(model.register_state_dict_post_hook(self._at_end_hook(model)))
         self.handles.append(model.register_load_state_dict_pre_hook(_refuse_load(model)))
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self._filled.clear()
+
+    def _fill_hook(self, names: list[str], owner: nn.Module):
+        def hook(module, state_dict, prefix, local_metadata) -> None:
+            if module is not owner:
+                return
+            if self.reads is not None:
+                self.reads.resume()
+            for name in names:
+                key = prefix + name
+                value = state_dict.get(key)
+                # keep_vars=True: the entry is the parameter itself, and the caller wants exactly that
+                if value is None or isinstance(value, nn.Parameter):
+                    continue
+                param = module._parameters[name]
+                assert param is not None  # `names` holds only parameters that are set
+                earlier_key, earlier = self._filled.get(id(param), (None, None))
+                tied = None if earlier is None else earlier()
+                if tied is not None and state_dict.get(earlier_key) is tied:
+                    state_dict[key] = tied
+                    continue
+                state_dict[key] = self.fp32_of(param)
+                self._filled[id(param)] = (key, weakref.ref(state_dict[key]))
+
+        return hook
+
+    def _at_end_hook(self, owner: nn.Module):
+        def hook(module, state_dict, prefix, local_metadata) -> None:
+            if module is owner:
+                self._filled.clear()
+                self.done()
+
+        return hook
 
 
 # The hooks act only for the module they were registered on (`owner`): a copy of the model
 # (copy.deepcopy, an EMA's AveragedModel) carries them, and its state_dict holds its own weights.
+
+
+def _suspend(reads, owner: nn.Module):
+    def hook(module, prefix, keep_vars) -> None:
+        if module is owner:
+            reads.suspend()
+
+    return hook
 
 
 def _refuse_load(owner: nn.Module):
@@ -68,29 +128,6 @@ def _refuse_load(owner: nn.Module):
             "engine.load_checkpoint(...) for an offload checkpoint (offload export gives safetensors from one); "
             "or engine.close() first, load, and initialize again"
         )
-
-    return hook
-
-
-def _fill(names: list[str], fp32_of, owner: nn.Module):
-    def hook(module, state_dict, prefix, local_metadata) -> None:
-        if module is not owner:
-            return
-        for name in names:
-            key = prefix + name
-            value = state_dict.get(key)
-            # keep_vars=True: the entry is the parameter itself, and the caller wants exactly that
-            if value is None or isinstance(value, nn.Parameter):
-                continue
-            state_dict[key] = fp32_of(module._parameters[name])
-
-    return hook
-
-
-def _at_end(done, owner: nn.Module):
-    def hook(module, state_dict, prefix, local_metadata) -> None:
-        if module is owner:
-            done()
 
     return hook
 

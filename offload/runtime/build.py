@@ -342,7 +342,7 @@ def _install_schedule(runtime: Runtime) -> None:
     schedule = Schedule(
         runtime.model,
         context,
-        watch_external_reads=offloaded or runtime.config.overlap == "forward" or distributed,
+        watch_external_reads=offloaded or runtime.config.overlap != "none" or distributed,
         process=runtime.process,
     )
     runtime.stepper.events = context.events

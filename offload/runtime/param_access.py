@@ -1,8 +1,8 @@
 """Reading the model's parameters between steps: `engine.params_on_device(module)`.
 
 Between uses, an offloaded unit's parameters are views of device storage freed to 0 bytes
-(residency.py): reading one reads freed memory. With `param: none` they hold weights, but a
-step running on the optimizer worker (overlap `forward`) may still be writing them. Inside
+(residency.py): a read of one is refused (param_reads.py). With `param: none` they hold weights,
+and a read waits for a step still running on the optimizer worker (overlap `forward`). Inside
 `held_on_device` every unit with a parameter under `module` is held on the device, its weights
 those of the latest step, whole (every rank's shard gathered): reads are safe and current.
 

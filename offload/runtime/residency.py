@@ -2,8 +2,8 @@
 
 Every unit's params are views into its `device_flat` buffer. With `param: none` that buffer
 always holds the weights. With `param: cpu|nvme` its storage is freed (resized to 0 bytes)
-between uses: the params keep their shapes and any accidental read fails loudly instead of
-reading stale data. A fetch re-allocates the storage (main thread) and the transfer worker
+between uses: the params keep their shapes, and a read of their values outside the engine's
+work is refused before it reaches the freed memory (param_reads.py). A fetch re-allocates the storage (main thread) and the transfer worker
 fills it from the host copy or the swap file, on the host-to-device stream; the compute stream waits on
 the copy's event before the unit runs.
 
@@ -19,7 +19,6 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.profiler import record_function
 
 from offload.config.placement import ParamTier
@@ -295,7 +294,7 @@ def _check_params_view_buffer(unit: UnitState) -> None:
     `.cpu()` or an assignment to `param.data` after initialize replaces a param's storage: the
     engine would go on updating a buffer the model no longer reads (and with the weights
     offloaded, the conversion itself read freed storage). Out of the sight of torch function
-    modes: `ExternalParamReads` would take these looks at the params for reads."""
+    modes: param_reads.py would take these looks at the params for reads."""
     with torch._C.DisableTorchFunction():
         storage = _device_flat(unit).untyped_storage()._cdata
         for name, param in zip(unit.spec.param_names, unit.spec.params, strict=True):
@@ -321,25 +320,3 @@ def tensors_in(value) -> list[torch.Tensor]:
         elif isinstance(item, dict):
             stack.extend(item.values())
     return found
-
-
-class ExternalParamReads(TorchFunctionMode):
-    """Sees every torch call during forward; a parameter of a unit that is not running (read
-    outside its module's forward) makes `on_external(unit_index)` bring that unit in and hold it."""
-
-    def __init__(self, unit_of_param: dict[int, int], is_active, on_external) -> None:
-        super().__init__()
-        self.unit_of_param = unit_of_param
-        self.is_active = is_active
-        self.on_external = on_external
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for value in (*args, *kwargs.values()):
-            candidates = value if isinstance(value, (list, tuple)) else (value,)
-            for candidate in candidates:
-                if isinstance(candidate, torch.Tensor):
-                    unit_index = self.unit_of_param.get(id(candidate))
-                    if unit_index is not None and not self.is_active(unit_index):
-                        self.on_external(unit_index)
-        return func(*args, **kwargs)

@@ -54,8 +54,9 @@ from offload.platform.rank_order import describe as describe_op
 from offload.runtime.events import EntryKind, EventLog, Phase
 from offload.runtime.gradients import GradientOffload
 from offload.runtime.overlap import OverlapPolicy, Stepping
+from offload.runtime.param_reads import ParamReads, read_between_steps
 from offload.runtime.prefetch import ExecutionOrder
-from offload.runtime.residency import ExternalParamReads, Residency, tensors_in
+from offload.runtime.residency import Residency, tensors_in
 
 logger = logging.getLogger(__name__)
 
@@ -442,11 +443,17 @@ class Schedule:
         self.process = process
         context.trainable = [{i for i, p in enumerate(unit.spec.params) if p.requires_grad} for unit in context.units]
         context.schedules = [(RootSchedule if unit.index == 0 else UnitSchedule)(unit, context) for unit in context.units]
-        self.unit_of_param = {id(p): unit.index for unit in context.units for p in unit.spec.params}
-        # Reads of a parameter outside its unit's forward are seen (and wait for the unit's
-        # weights) when they could otherwise read freed storage (params offloaded), weights a
-        # step is still writing (overlap forward), or a shard not yet gathered (several ranks).
-        self.watch_external_reads = watch_external_reads
+        # Reads of a parameter outside its unit's forward and backward are seen (param_reads.py)
+        # when they could otherwise read freed storage (params offloaded), weights a step is
+        # still writing (overlap), or a shard not yet gathered (several ranks).
+        self.reads = (
+            ParamReads(
+                {id(p): (unit.index, name) for unit in context.units for name, p in zip(unit.spec.param_names, unit.spec.params)},
+                self.on_param_read,
+            )
+            if watch_external_reads
+            else None
+        )
         self.hooks: list = []
 
     @property
@@ -468,26 +475,44 @@ class Schedule:
             for index, param in enumerate(schedule.unit.spec.params):
                 if param.requires_grad:
                     hooks.append(param.register_post_accumulate_grad_hook(_grad(schedule.on_param_grad, index)))
+        if self.reads is not None:
+            self.reads.open()
 
     def remove(self) -> None:
         for hook in self.hooks:
             hook.remove()
         self.hooks.clear()
+        if self.reads is not None:
+            self.reads.close()
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
             self.context.forwards_started += 1
+        if self.reads is not None:
+            self.reads.install()
         try:
-            if not self.watch_external_reads:
-                return self.model(*args, **kwargs)
-            with ExternalParamReads(self.unit_of_param, self._is_active, self._hold_external):
-                return self.model(*args, **kwargs)
+            return self.model(*args, **kwargs)
         except BaseException:
             # what the always-called post-forward hooks could not unwind (a KeyboardInterrupt
             # is not an Exception, and skips them)
             abort_forward(self.context)
             raise
+
+    def on_param_read(self, unit_index: int, name: str, func) -> None:
+        """A torch call reads parameter `name` of unit `unit_index` outside the engine's own work.
+        Inside a forward, or in the loss code before its backward: the unit is held until the
+        end of backward (as a tied weight read by the head). During backward: autograd's and the
+        engine's own reads. Between steps: `read_between_steps` waits for the unit's step, or
+        refuses a read of weights that are not there."""
+        context = self.context
+        if context.in_backward():
+            return
+        if context.entered or context.phase is Phase.FORWARD or context.root_holds_for_backward:
+            if not self._is_active(unit_index):
+                self._hold_external(unit_index)
+            return
+        read_between_steps(context.residency, context.stepping, context.units[unit_index], name, func)
 
     def _is_active(self, unit_index: int) -> bool:
         context = self.context
