@@ -683,11 +683,17 @@ class GradientWindow:
         Dropped exactly where nothing was applied yet: speculative steps (overlap 'backward' with
         clipping or fp16) are taken back. Units stepped in place during the backward that ended
         the window (overlap 'backward' without clipping or fp16) cannot be: refused, naming them,
-        before anything changes."""
+        before anything changes.
+
+        With the config's gradient_accumulation_steps, `step(); zero_grad()` on every micro-batch
+        is accelerate's loop: a zero_grad() right after a step() that applied nothing because the
+        window is still open keeps the window's gradients, as accelerate's optimizer does while it
+        accumulates (a zero_grad() with no step() since the last backward drops them)."""
         self.check_open()
         self._finish_abandoned_backward()
         self.refuse_partly_stepped()
-        if not self._backwards_undecided:
+        accumulating = not self._backward_since_step_call and self.micro_steps % self.config.gradient_accumulation_steps
+        if not self._backwards_undecided or accumulating:
             return
         # the gradients in flight land first (and, overlap 'backward', the steps they started)
         self.gradients.wait_all()
