@@ -268,3 +268,20 @@ def test_tied_weights_are_one_tensor_in_the_open_models_state_dict(swap_dir, par
         assert again["lm_head.weight"] is not state["lm_head.weight"]
     finally:
         engine.close()
+
+
+def test_a_conversion_that_changes_nothing_is_not_a_read(swap_dir):
+    """The Hugging Face Trainer calls model.to(device) at its start: with params offloaded, a
+    .to() to the device and dtype they have hands back each parameter itself and reads nothing;
+    one that would convert them is a read, and says what to use."""
+    from offload.errors import OffloadError
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    with offload.initialize(model, config(swap_dir, "cpu")) as engine:
+        x, y = batches(1)[0]
+        engine.backward(mse(engine, x, y))
+        engine.step()
+        assert model.to("cpu") is model and model.to(torch.device("cpu"), dtype=torch.float32) is model
+        with pytest.raises(OffloadError, match="consolidated_state_dict"):
+            model.inp.weight.to(torch.float16)

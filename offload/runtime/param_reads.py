@@ -68,6 +68,7 @@ _METADATA_CALLS = frozenset(
         torch.Tensor.new_ones,
         torch.Tensor.new_full,
         torch.numel,
+        torch._has_compatible_shallow_copy_type,
         torch.is_floating_point,
         torch.is_complex,
         torch.empty_like,
@@ -88,6 +89,26 @@ def reads_weights(func) -> bool:
     if name == "__get__":
         return getattr(getattr(func, "__self__", None), "__name__", None) in _DATA_PROPERTIES
     return name not in ("__set__", "__delete__")
+
+
+def returns_itself(func, args: tuple, kwargs: dict) -> bool:
+    """Whether a conversion hands back the tensor itself, reading nothing: `t.to(...)` to the
+    device, dtype and layout it has (a `model.to(device)` that changes nothing, as the Hugging
+    Face Trainer calls at its start), `t.cpu()` of a CPU tensor."""
+    tensor = args[0] if args else None
+    if not isinstance(tensor, torch.Tensor):
+        return False
+    if func is torch.Tensor.cpu:
+        return tensor.device.type == "cpu"
+    if func is not torch.Tensor.to or kwargs.get("copy"):
+        return False
+    try:
+        parsed = torch._C._nn._parse_to(*args[1:], **{key: value for key, value in kwargs.items() if key != "non_blocking"})
+    except (TypeError, RuntimeError):
+        return False
+    device, dtype, _, memory_format = parsed
+    same_device = device is None or device == tensor.device or (device.type == tensor.device.type and device.index is None)
+    return same_device and dtype in (None, tensor.dtype) and memory_format in (None, torch.preserve_format)
 
 
 def describe_call(func) -> str:
@@ -191,7 +212,7 @@ class _ParamReadsMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _OWNERS:
+        if _OWNERS and not returns_itself(func, args, kwargs):
             _check_call(func, args)
             if kwargs:
                 _check_call(func, tuple(kwargs.values()))
