@@ -177,22 +177,9 @@ def test_the_mode_sits_under_the_users_modes_and_leaves_at_close(swap_dir):
 def test_trainer_callback_and_model_after_train_see_the_applied_steps(tmp_path, slow_adam):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from offload.integrations.hf import OffloadTrainer
+    from test_hf_trainer import tiny_llama
 
-    def tiny_llama():
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(
-                vocab_size=64,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
-                tie_word_embeddings=False,
-            )
-        )
+    from offload.integrations.hf import OffloadTrainer
 
     generator = torch.Generator().manual_seed(1)
     rows = torch.randint(0, 64, (8, 16), generator=generator)
