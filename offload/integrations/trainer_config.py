@@ -199,12 +199,10 @@ def _user_mapping(offload_config, args=None, report: bool = True, max_steps: int
     if args is not None:
         mismatches = _deepspeed_mismatches(source, args)
         if mismatches:
-            raise ConfigError(
-                f"the DeepSpeed config contradicts the TrainingArguments in {len(mismatches)} value(s), which the "
-                "Trainer drives under OffloadTrainer:\n"
-                + "\n".join(f"  - {line}" for line in mismatches)
-                + '\nSet each to "auto" in the DeepSpeed config (the Trainer fills it in), or make the two equal',
-                key=mismatches[0].split("=", 1)[0],
+            raise _contradiction(
+                "the DeepSpeed config",
+                mismatches,
+                'Set each to "auto" in the DeepSpeed config (the Trainer fills it in), or make the two equal',
             )
     filled = _fill_deepspeed_auto(source, args, max_steps) if args is not None else source
     translation = deepspeed_config.translate_deepspeed(filled)
@@ -332,12 +330,10 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None, repo
             f"seed={seed!r} but TrainingArguments.seed={args.seed!r} (the Trainer seeds the run before the model is built)"
         )
     if conflicts:
-        raise ConfigError(
-            f"offload_config contradicts the TrainingArguments in {len(conflicts)} value(s), which the Trainer drives "
-            "under OffloadTrainer:\n"
-            + "\n".join(f"  - {line}" for line in conflicts)
-            + '\nRemove each key from offload_config (or set it to "auto" in a DeepSpeed config), or make the two equal',
-            key=conflicts[0].split("=", 1)[0],
+        raise _contradiction(
+            "offload_config",
+            conflicts,
+            'Remove each key from offload_config (or set it to "auto" in a DeepSpeed config), or make the two equal',
         )
     # a schedule in the config drives the lr (as a DeepSpeed scheduler section does under the
     # Trainer's DeepSpeed integration) and the Trainer's own scheduler is not built; the run's
@@ -361,3 +357,12 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None, repo
             key=written,
         )
     return config
+
+
+def _contradiction(source: str, lines: list[str], advice: str) -> ConfigError:
+    """One error listing every value of `source` that contradicts the TrainingArguments."""
+    return ConfigError(
+        f"{source} contradicts the TrainingArguments in {len(lines)} value(s), which the Trainer drives under "
+        "OffloadTrainer:\n" + "\n".join(f"  - {line}" for line in lines) + f"\n{advice}",
+        key=lines[0].split("=", 1)[0],
+    )
