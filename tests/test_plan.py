@@ -25,6 +25,7 @@ from offload.plan.optimizer_plan import (
     slot_bytes_for,
     swap_bytes_for_state,
     weighted_median,
+    whole_blocks,
 )
 
 GiB = 2**30
@@ -118,8 +119,9 @@ def test_pieces_cover_the_unit_exactly_in_order(numel, data):
     assert all(0 < size <= sub_group_size for size in sizes) or numel == 0
     assert all(size == sub_group_size for size in sizes[:-1])  # only the last may be shorter
     assert len(pieces) == max(1, -(-numel // sub_group_size))
-    # a slot holds the largest piece
-    assert max(sizes) == shape_slots([numel], buffer_count=3, sub_group_size=sub_group_size).piece
+    # a slot holds the largest piece, a whole number of int8 moment blocks (plan.state_layout.INT8_BLOCK)
+    piece = shape_slots([numel], buffer_count=3, sub_group_size=sub_group_size).piece
+    assert piece == whole_blocks(sub_group_size, numel)
 
 
 def test_slot_bytes_are_buffer_count_pieces_of_16_bytes_and_a_4_byte_gradient_piece():
@@ -183,7 +185,7 @@ def test_slot_shape_properties(numels, buffer_count, sub_group_size):
     cap = DEFAULT_SUB_GROUP_SIZE if sub_group_size is None else sub_group_size
     assert 0 <= shape.piece <= min(largest, cap)  # never more than a piece can hold
     if sub_group_size is not None:
-        assert shape.piece == min(largest, sub_group_size)
+        assert shape.piece == whole_blocks(sub_group_size, largest)
     if buffer_count is not None:
         assert shape.count == buffer_count
     else:

@@ -27,7 +27,7 @@ from offload.checkpoint.engine_state import CheckpointCorruptError, CheckpointRe
 from offload.errors import ConfigError
 from offload.model.units import build_units, plan_flat_layout
 from offload.plan.budgets import host_bytes_beside_optimizer_state
-from offload.plan.optimizer_plan import SlotShape, piece_bounds, shape_slots, slot_bytes_for
+from offload.plan.optimizer_plan import SlotShape, piece_bounds, shape_slots, slot_bytes_for, whole_blocks
 
 # A block of TinyNet(width=48) has 9456 params, its shard 10240 elements: 10 pieces of 1024, the
 # input/output "<root>" unit 2 pieces. (TinyNet's default width 32 gives blocks of ~4k elements.)
@@ -79,7 +79,8 @@ def assert_streamed_in_pieces(engine, sub_group_size: int = PIECE) -> None:
     more than one piece."""
     for unit in engine.units:
         if unit.optimizer_tier.streamed:
-            assert unit.state_pieces == piece_bounds(unit.optimizer_numel, sub_group_size)
+            # a piece is a whole number of int8 moment blocks (plan.state_layout.INT8_BLOCK)
+            assert unit.state_pieces == piece_bounds(unit.optimizer_numel, whole_blocks(sub_group_size, unit.optimizer_numel))
         else:
             assert unit.state_pieces == [(0, unit.optimizer_numel)]
     for unit in blocks_of(engine):
@@ -356,7 +357,7 @@ def test_slots_hold_one_piece(swap_dir, sub_group_size, buffer_count):
     engine = offload.initialize(copy.deepcopy(model), config)
     try:
         largest = max(unit.optimizer_numel for unit in engine.units)
-        numel = min(largest, sub_group_size)
+        numel = whole_blocks(sub_group_size, largest)
         if sub_group_size < largest:
             assert_streamed_in_pieces(engine, sub_group_size)
         else:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from offload.config.placement import OptimizerTier
 from offload.config.sizes import MIN_SUB_GROUP_SIZE, format_bytes, round_up
+from offload.plan.state_layout import INT8_BLOCK
 
 STATE_BYTES_PER_ELEMENT = 16  # master, exp_avg, exp_avg_sq, grad32, fp32 each
 STATE_KIND_COUNT = 4
@@ -142,6 +143,15 @@ def weighted_median(numels: list[int]) -> int:
     return 0
 
 
+def whole_blocks(piece: int, largest: int) -> int:
+    """`piece` (at most `largest`, the largest streamed state) cut down to whole int8 moment blocks
+    (plan.state_layout.INT8_BLOCK), so that every piece starts at a block: a streamed piece's
+    moments encode and decode on their own. A piece as large as the largest state stays whole."""
+    if piece >= largest:
+        return largest
+    return max(INT8_BLOCK, piece - piece % INT8_BLOCK)
+
+
 def shape_slots(streamed_numels: list[int], *, buffer_count: int | None, sub_group_size: int | None) -> SlotShape:
     """The piece and the slot count for units whose optimizer states of `streamed_numels`
     elements stream from NVMe; `buffer_count` / `sub_group_size`: the config's, None when unset.
@@ -162,6 +172,7 @@ def shape_slots(streamed_numels: list[int], *, buffer_count: int | None, sub_gro
     else:
         typical = round_up(weighted_median(streamed_numels), PIECE_ALIGN)
         piece = min(largest, cap, max(MIN_SUB_GROUP_SIZE, typical, round_up(-(-footprint // MAX_AUTO_SLOTS), PIECE_ALIGN)))
+    piece = whole_blocks(piece, largest)
     if buffer_count is not None:
         count = buffer_count
     elif piece == 0:
@@ -194,7 +205,7 @@ def slot_bytes_for(largest_state: int, buffer_count: int | None, sub_group_size:
     before it knows which units those are (an unset key's choice never takes more RAM)."""
     return slot_bytes(
         SlotShape(
-            piece=min(largest_state, DEFAULT_SUB_GROUP_SIZE if sub_group_size is None else sub_group_size),
+            piece=whole_blocks(DEFAULT_SUB_GROUP_SIZE if sub_group_size is None else sub_group_size, largest_state),
             count=DEFAULT_BUFFER_COUNT if buffer_count is None else buffer_count,
         )
     )
