@@ -1,0 +1,541 @@
+"""What compact optimizer state costs in training quality: the same small Llama, trained from the
+same random init on the same batches in the same order, under each optimizer, in one process.
+
+    python benchmarks/bench_quality.py                      # 300 steps, every run, plot + CSV
+    python benchmarks/bench_quality.py --steps 600 --noise-seeds 2
+    python benchmarks/bench_quality.py --small --steps 8    # seconds: the smoke test's setting
+
+Runs (same seed, data and order):
+  (a) torch AdamW        torch.optim.AdamW, fp32 state: the reference
+  (b) offload fp32       offload.initialize(model, config), optimizer.state_precision fp32
+  (c) offload bf16       ... bf16 moments
+  (d) offload int8       ... int8 moments
+  (e) bnb AdamW8bit      bitsandbytes' 8-bit AdamW on the CPU (when bitsandbytes is installed)
+(c) and (d) run when the engine's config has `optimizer.state_precision` (read from the schema;
+nothing to change here when it lands). (b) against (a) is a sanity check: with fp32 compute the
+engine's fp32 state is torch's AdamW to fp32 rounding, so their curves must overlap.
+
+Data: the Python standard library's own top-level sources (`sysconfig.get_paths()['stdlib']`,
+`*.py`, sorted by name), byte-level tokens (vocabulary 256). Every 10th file is held out as the
+validation set; training batches are random windows of the other files, drawn from a generator
+seeded by the data-order seed.
+
+Compute precision: fp32 by default. On this machine's CPU (AVX2, no bf16 instructions) a bf16
+forward and backward is about 8x slower than fp32, which would make 300 steps take an hour, and
+the moments' precision, which is what is compared, does not depend on it. `--precision bf16`
+runs the real mixed-precision route instead: the engine with bf16 compute, and for torch and
+bitsandbytes a bf16 copy of the model computing while the optimizer updates fp32 master weights
+(the engine's arithmetic, so (b) still tracks (a)).
+
+Noise: `--noise-seeds K` trains the reference K more times with other data-order seeds (same
+init, same step count unless `--noise-steps`); the spread (max - min) of the final losses across
+those runs and the main one is the noise band a difference between optimizers is judged against.
+
+Printed: final train loss (mean of the last 20 steps) and validation loss per run, each as a
+ratio to (a) in %, int8 against bitsandbytes, and the issue's targets (bf16 within 0.5% of fp32
+AdamW, int8 within 1%, int8 within noise of AdamW8bit). Written: a CSV of every step's train loss
+and each evaluation's validation loss, and a PNG of the curves (paths printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import dataclasses
+import math
+import os
+import statistics
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import offload
+
+REFERENCE = "torch AdamW"
+FINAL_WINDOW = 20  # train loss reported = mean of the last this many steps
+VALIDATION_EVERY_NTH_FILE = 10
+
+
+# ---- what the engine offers ----------------------------------------------------------------------
+def engine_state_precisions() -> tuple[str, ...]:
+    """The `optimizer.state_precision` values this engine accepts: ("fp32",) until the key exists."""
+    from offload.config.schema import OptimizerConfig
+
+    if "state_precision" in {f.name for f in dataclasses.fields(OptimizerConfig)}:
+        return ("fp32", "bf16", "int8")
+    return ("fp32",)
+
+
+def engine_optimizer_section(state_precision: str) -> dict:
+    """The config's optimizer keys that choose the state precision (none before the key exists)."""
+    if engine_state_precisions() == ("fp32",):
+        return {}
+    return {"state_precision": state_precision}
+
+
+def bitsandbytes_adamw8bit():
+    """bitsandbytes.optim.AdamW8bit, or None when bitsandbytes is not installed."""
+    try:
+        import bitsandbytes
+    except ImportError:
+        return None
+    return bitsandbytes.optim.AdamW8bit
+
+
+# ---- data ----------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Corpus:
+    train: torch.Tensor  # uint8 tokens
+    validation: torch.Tensor
+    files: int
+    source: str
+
+
+def stdlib_corpus(max_bytes: int | None = None) -> Corpus:
+    """The standard library's top-level .py files, sorted by name, as bytes; every
+    VALIDATION_EVERY_NTH_FILE-th file is held out. `max_bytes` caps each split (the smoke test)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    if not files:
+        raise RuntimeError(f"no .py files under the standard library path {root}: cannot build the benchmark's text")
+    train, validation = bytearray(), bytearray()
+    for index, path in enumerate(files):
+        (validation if index % VALIDATION_EVERY_NTH_FILE == 0 else train).extend(path.read_bytes())
+    if max_bytes is not None:
+        train, validation = train[:max_bytes], validation[: max(max_bytes // 4, 4096)]
+    return Corpus(
+        torch.frombuffer(train, dtype=torch.uint8), torch.frombuffer(validation, dtype=torch.uint8), len(files), str(root)
+    )
+
+
+def training_batches(corpus: Corpus, steps: int, batch: int, seq: int, seed: int) -> list[torch.Tensor]:
+    """`steps` batches of random windows of the training text, in an order fixed by `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(corpus.train) - seq, (steps, batch), generator=generator)
+    return [torch.stack([corpus.train[s : s + seq] for s in row.tolist()]).long() for row in starts]
+
+
+def validation_batches(corpus: Corpus, count: int, batch: int, seq: int) -> list[torch.Tensor]:
+    """`count` batches of evenly spaced windows of the held-out text (the same for every run)."""
+    windows = count * batch
+    stride = max(1, (len(corpus.validation) - seq) // windows)
+    starts = [i * stride for i in range(windows)]
+    return [torch.stack([corpus.validation[s : s + seq] for s in starts[i : i + batch]]).long() for i in range(0, windows, batch)]
+
+
+# ---- model ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Size:
+    layers: int
+    hidden: int
+    heads: int
+    intermediate: int
+    batch: int
+    seq: int
+
+
+FULL = Size(layers=4, hidden=128, heads=4, intermediate=344, batch=8, seq=128)
+SMALL = Size(layers=2, hidden=32, heads=2, intermediate=64, batch=2, seq=32)
+
+
+def build_model(size: Size) -> torch.nn.Module:
+    """A byte-level Llama, random init (seed 0), no downloads."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.heads,
+        max_position_embeddings=size.seq,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+# ---- learning rate -------------------------------------------------------------------------------
+def lr_at(step: int, steps: int, peak: float) -> float:
+    """Linear warmup over the first 10% of steps, then cosine decay to 10% of the peak (step from 0)."""
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ---- one optimizer under training ----------------------------------------------------------------
+class TorchTrainer:
+    """A torch optimizer class on the model. With bf16 compute the optimizer updates fp32 master
+    copies and a bf16 copy of the model computes (the engine's arithmetic)."""
+
+    def __init__(self, model, optimizer_class, hyper: dict, precision: str):
+        self.model = copy.deepcopy(model)
+        if precision == "bf16":
+            self.masters = [p.detach().clone() for p in self.model.parameters()]
+            for master in self.masters:
+                master.requires_grad_(True)
+            self.model = self.model.to(torch.bfloat16)
+            self.optimizer = optimizer_class(self.masters, **hyper)
+        else:
+            self.masters = None
+            self.optimizer = optimizer_class(self.model.parameters(), **hyper)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def train_step(self, ids: torch.Tensor) -> float:
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if self.masters is not None:
+            for master, param in zip(self.masters, self.model.parameters()):
+                master.grad = param.grad.float()
+                param.grad = None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            with torch.no_grad():
+                for master, param in zip(self.masters, self.model.parameters()):
+                    param.copy_(master)
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def evaluate(self, ids: torch.Tensor) -> float:
+        return float(self.model(input_ids=ids, labels=ids).loss)
+
+    def close(self) -> None:
+        pass
+
+
+class EngineTrainer:
+    """The model under offload.initialize: param none, optimizer cpu, the given state precision."""
+
+    def __init__(self, model, hyper: dict, precision: str, state_precision: str, threads: int):
+        config = {
+            "precision": precision,
+            "optimizer": {
+                "lr": hyper["lr"],
+                "betas": list(hyper["betas"]),
+                "eps": hyper["eps"],
+                "weight_decay": hyper["weight_decay"],
+                "threads": threads,
+                **engine_optimizer_section(state_precision),
+            },
+            "offload": {"param": "none", "optimizer": "cpu"},
+        }
+        self.engine = offload.initialize(copy.deepcopy(model), config)
+
+    def set_lr(self, lr: float) -> None:
+        self.engine.lr = lr
+
+    def train_step(self, ids: torch.Tensor) -> float:
+        loss = self.engine(input_ids=ids, labels=ids).loss
+        self.engine.backward(loss)
+        self.engine.step()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def evaluate(self, ids: torch.Tensor) -> float:
+        return float(self.engine(input_ids=ids, labels=ids).loss)
+
+    def close(self) -> None:
+        self.engine.close(restore_weights=False)
+
+
+@dataclasses.dataclass
+class Curve:
+    name: str
+    seed: int
+    train: list[float]  # every step's loss
+    validation: list[tuple[int, float]]  # (steps done, mean validation loss)
+    seconds: float
+
+    @property
+    def final_train(self) -> float:
+        return statistics.fmean(self.train[-FINAL_WINDOW:])
+
+    @property
+    def final_validation(self) -> float:
+        return self.validation[-1][1]
+
+
+def train(name: str, make: Callable[[], object], batches, validation, steps: int, lr: float, eval_every: int, seed: int) -> Curve:
+    """Trains one run over `batches[:steps]`, evaluating every `eval_every` steps and at the end."""
+    trainer = make()
+    train_losses: list[float] = []
+    validation_losses: list[tuple[int, float]] = []
+    started = time.perf_counter()
+
+    def evaluate(done: int) -> None:
+        validation_losses.append((done, statistics.fmean(trainer.evaluate(ids) for ids in validation)))
+
+    try:
+        evaluate(0)
+        for step in range(steps):
+            trainer.set_lr(lr_at(step, steps, lr))
+            loss = trainer.train_step(batches[step])
+            if not math.isfinite(loss):
+                raise RuntimeError(f"{name}: loss {loss} at step {step + 1}")
+            train_losses.append(loss)
+            if (step + 1) % eval_every == 0 or step + 1 == steps:
+                evaluate(step + 1)
+    finally:
+        trainer.close()
+    return Curve(name, seed, train_losses, validation_losses, time.perf_counter() - started)
+
+
+# ---- report --------------------------------------------------------------------------------------
+def percent(value: float, reference: float) -> float:
+    """How far `value` is above `reference`, in % of it."""
+    return 100.0 * (value / reference - 1.0)
+
+
+def write_csv(path: Path, curves: list[Curve]) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["run", "seed", "step", "train_loss", "validation_loss"])
+        for curve in curves:
+            validation = dict(curve.validation)
+            if 0 in validation:
+                writer.writerow([curve.name, curve.seed, 0, "", f"{validation[0]:.6f}"])
+            for step, loss in enumerate(curve.train, start=1):
+                writer.writerow(
+                    [curve.name, curve.seed, step, f"{loss:.6f}", f"{validation[step]:.6f}" if step in validation else ""]
+                )
+
+
+def write_plot(path: Path, curves: list[Curve], title: str) -> bool:
+    """Train (smoothed over FINAL_WINDOW steps) and validation curves; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for curve in curves:
+        noise = curve.name != REFERENCE and curve.name.startswith(REFERENCE)
+        style = {"color": "grey", "alpha": 0.5, "linewidth": 0.8} if noise else {"linewidth": 1.2}
+        label = curve.name
+        window = min(FINAL_WINDOW, len(curve.train))
+        smoothed = [statistics.fmean(curve.train[max(0, i - window + 1) : i + 1]) for i in range(len(curve.train))]
+        left.plot(range(1, len(smoothed) + 1), smoothed, label=label, **style)
+        right.plot(
+            [s for s, _ in curve.validation[1:]],
+            [v for _, v in curve.validation[1:]],
+            marker="o",
+            markersize=3,
+            label=label,
+            **style,
+        )
+    left.set(title=f"train loss (mean of last {FINAL_WINDOW} steps)", xlabel="step", ylabel="loss")
+    right.set(title="validation loss", xlabel="step", ylabel="loss")
+    # the interesting part is the end: start the y axis at the loss after the first tenth
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    tail = [v for c in curves for v in c.train[len(c.train) // 10 :]]
+    if tail:
+        left.set_ylim(min(tail) * 0.98, max(tail) * 1.02)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def summarize(curves: list[Curve], band_runs: list[Curve]) -> dict:
+    """Final losses, ratios to the reference, the noise band (the spread of `band_runs`: the
+    reference under several data-order seeds) and the targets' verdicts."""
+    by_name = {c.name: c for c in curves}
+    reference = by_name[REFERENCE]
+    rows = {}
+    for curve in curves:
+        rows[curve.name] = {
+            "train": curve.final_train,
+            "validation": curve.final_validation,
+            "train_vs_reference_pct": percent(curve.final_train, reference.final_train),
+            "validation_vs_reference_pct": percent(curve.final_validation, reference.final_validation),
+            "seconds": curve.seconds,
+        }
+    band = {}
+    if band_runs:
+        for key, value in (("train", lambda c: c.final_train), ("validation", lambda c: c.final_validation)):
+            values = [value(c) for c in band_runs]
+            band[key] = {
+                "spread_pct": percent(max(values), min(values)),
+                "stdev_pct": 100.0 * statistics.stdev(values) / statistics.fmean(values),
+                "values": values,
+            }
+    summary: dict = {"runs": rows, "noise": band, "targets": {}}
+    if "offload fp32" in by_name:
+        steps = min(len(reference.train), len(by_name["offload fp32"].train))
+        summary["offload_fp32_max_step_difference"] = max(
+            abs(a - b) for a, b in zip(reference.train[:steps], by_name["offload fp32"].train[:steps])
+        )
+    targets = summary["targets"]
+    for name, limit in (("offload bf16", 0.5), ("offload int8", 1.0)):
+        if name in rows:
+            worst = max(rows[name]["train_vs_reference_pct"], rows[name]["validation_vs_reference_pct"])
+            targets[f"{name} within {limit}% of {REFERENCE}"] = worst <= limit
+    if "offload int8" in rows and "bnb AdamW8bit" in rows:
+        gap = {key: percent(rows["offload int8"][key], rows["bnb AdamW8bit"][key]) for key in ("train", "validation")}
+        summary["int8_vs_bnb_pct"] = gap
+        if band:
+            targets["offload int8 within noise of bnb AdamW8bit"] = all(abs(gap[k]) <= band[k]["spread_pct"] for k in gap)
+    return summary
+
+
+def print_summary(summary: dict, noise_steps: int | None) -> None:
+    header = f"{'run':<22}{'train':>9}{'vs ref %':>10}{'valid':>9}{'vs ref %':>10}{'s/run':>8}"
+    print(header)
+    print("-" * len(header))
+    for name, row in summary["runs"].items():
+        print(
+            f"{name:<22}{row['train']:>9.4f}{row['train_vs_reference_pct']:>+10.3f}"
+            f"{row['validation']:>9.4f}{row['validation_vs_reference_pct']:>+10.3f}{row['seconds']:>8.0f}"
+        )
+    if "offload_fp32_max_step_difference" in summary:
+        print(
+            f"sanity: offload fp32 vs {REFERENCE}, largest per-step train loss difference {summary['offload_fp32_max_step_difference']:.2e}"
+        )
+    for key, band in summary["noise"].items():
+        values = " ".join(f"{v:.4f}" for v in band["values"])
+        print(
+            f"noise ({key}, {REFERENCE} over {len(band['values'])} data-order seeds at {noise_steps} steps): "
+            f"spread {band['spread_pct']:.3f}%, stdev {band['stdev_pct']:.3f}%  [{values}]"
+        )
+    if "int8_vs_bnb_pct" in summary:
+        gap = summary["int8_vs_bnb_pct"]
+        print(f"offload int8 vs bnb AdamW8bit: train {gap['train']:+.3f}%, validation {gap['validation']:+.3f}%")
+    for target, met in summary["targets"].items():
+        print(f"target: {target}: {'met' if met else 'NOT met'}")
+
+
+# ---- main ----------------------------------------------------------------------------------------
+def main(argv=None) -> dict:
+    """Parses the options (see the module docstring) and runs the benchmark; returns its summary."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--small", action="store_true", help="a tiny model and text (the smoke test's setting)")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="compute precision (see the docstring)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warmup 10%%, cosine to 10%%)")
+    parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999))
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0, help="data-order seed of the compared runs")
+    parser.add_argument("--noise-seeds", type=int, default=2, help="extra reference runs with other data-order seeds")
+    parser.add_argument("--noise-steps", type=int, default=None, help="steps of the noise runs (default: --steps)")
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch and C++ Adam threads (default 1: on a shared 2-core machine two spinning threads ran 10x slower)",
+    )
+    parser.add_argument("--runs", default=None, help="comma-separated subset of the run names (default: all available)")
+    parser.add_argument("--out", default=None, help="directory for the CSV and PNG (default: a new temporary one)")
+    args = parser.parse_args(argv)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return run(args)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Trains every run, prints the comparison, writes the CSV and the plot; returns the summary
+    (`summarize`'s dict with the paths of the CSV and the PNG added)."""
+    size = SMALL if args.small else FULL
+    corpus = stdlib_corpus(max_bytes=1 << 16 if args.small else None)
+    model = build_model(size)
+    params = sum(p.numel() for p in model.parameters())
+    hyper = {"lr": args.lr, "betas": tuple(args.betas), "eps": 1e-8, "weight_decay": args.weight_decay}
+    validation = validation_batches(corpus, args.eval_batches, size.batch, size.seq)
+    noise_steps = args.noise_steps or args.steps
+
+    makers: dict[str, Callable[[], object]] = {REFERENCE: lambda: TorchTrainer(model, torch.optim.AdamW, hyper, args.precision)}
+    for state in engine_state_precisions():
+        makers[f"offload {state}"] = lambda state=state: EngineTrainer(model, hyper, args.precision, state, args.threads)
+    adamw8bit = bitsandbytes_adamw8bit()
+    if adamw8bit is not None:
+        makers["bnb AdamW8bit"] = lambda: TorchTrainer(model, adamw8bit, hyper, args.precision)
+    if args.runs:
+        wanted = [name.strip() for name in args.runs.split(",")]
+        unknown = [name for name in wanted if name not in makers]
+        if unknown:
+            raise SystemExit(f"--runs: unknown or unavailable {unknown}; available: {list(makers)}")
+        makers = {name: makers[name] for name in makers if name in wanted or name == REFERENCE}
+
+    print(
+        f"Llama {size.layers}x{size.hidden} ({size.heads} heads, mlp {size.intermediate}), {params / 1e6:.2f}M params, "
+        f"byte-level, batch {size.batch}x{size.seq}, {args.steps} steps, compute {args.precision}, "
+        f"AdamW lr {args.lr} (warmup 10%, cosine to 10%) betas {tuple(args.betas)} wd {args.weight_decay}; "
+        f"text: {corpus.files} stdlib files under {corpus.source}, {len(corpus.train) / 1e6:.2f} MB train, "
+        f"{len(corpus.validation) / 1e6:.2f} MB held out; torch threads {torch.get_num_threads()}, "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    missing = []
+    if engine_state_precisions() == ("fp32",):
+        missing.append("offload bf16/int8 (the engine has no optimizer.state_precision yet)")
+    if adamw8bit is None:
+        missing.append("bnb AdamW8bit (bitsandbytes not installed: pip install -e .[bench])")
+    if missing:
+        print("not run: " + "; ".join(missing))
+
+    batches = training_batches(corpus, args.steps, size.batch, size.seq, args.seed)
+    curves = []
+    for name, make in makers.items():
+        curve = train(name, make, batches, validation, args.steps, args.lr, args.eval_every, args.seed)
+        print(
+            f"  {name:<20} train {curve.final_train:.4f}  validation {curve.final_validation:.4f}  ({curve.seconds:.0f} s)",
+            flush=True,
+        )
+        curves.append(curve)
+    noise = []
+    if args.noise_seeds:
+        seeds = list(range(args.seed + 1, args.seed + 1 + args.noise_seeds))
+        if noise_steps != args.steps:
+            seeds.insert(0, args.seed)  # the band comes from runs of one length: the main seed again, at noise_steps
+        for seed in seeds:
+            order = training_batches(corpus, noise_steps, size.batch, size.seq, seed)
+            curve = train(
+                f"{REFERENCE} seed {seed}", makers[REFERENCE], order, validation, noise_steps, args.lr, args.eval_every, seed
+            )
+            print(
+                f"  {curve.name:<20} train {curve.final_train:.4f}  validation {curve.final_validation:.4f}  ({curve.seconds:.0f} s)",
+                flush=True,
+            )
+            noise.append(curve)
+    band = noise if noise_steps != args.steps else [curves[0], *noise]
+    summary = summarize(curves, band if len(band) > 1 else [])
+    print()
+    print_summary(summary, noise_steps)
+
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-quality-"))
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, png_path = out / "bench_quality.csv", out / "bench_quality.png"
+    write_csv(csv_path, curves + noise)
+    print(f"curves: {csv_path}")
+    title = f"Llama {params / 1e6:.2f}M byte-level on stdlib sources, {args.steps} steps, compute {args.precision}"
+    if write_plot(png_path, curves + noise, title):
+        print(f"plot: {png_path}")
+    else:
+        png_path = None
+        print("plot: not written (matplotlib not installed: pip install -e .[bench])")
+    summary["csv"], summary["png"] = str(csv_path), png_path and str(png_path)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

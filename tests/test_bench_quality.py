@@ -1,0 +1,72 @@
+"""benchmarks/bench_quality.py runs end to end at its smallest setting (a 40k-parameter Llama, a
+few steps): the summary, the printed table, the CSV and the plot keep their shape, and the
+engine's fp32 state trains exactly like torch.optim.AdamW (the benchmark's sanity check)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_quality.py")
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_smallest_setting_reports_every_run(bench, tmp_path, capsys):
+    argv = ["--small", "--steps", str(STEPS), "--eval-every", "3", "--eval-batches", "2", "--noise-seeds", "1"]
+    summary = bench.main([*argv, "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+
+    expected = {bench.REFERENCE, *(f"offload {p}" for p in bench.engine_state_precisions())}
+    if bench.bitsandbytes_adamw8bit() is not None:
+        expected.add("bnb AdamW8bit")
+    assert set(summary["runs"]) == expected
+    for name, row in summary["runs"].items():
+        assert math.isfinite(row["train"]) and math.isfinite(row["validation"]), name
+        assert f"\n{name:<22}{row['train']:>9.4f}" in out  # its line in the table
+    assert summary["runs"][bench.REFERENCE]["train_vs_reference_pct"] == 0.0
+    # fp32 state is torch's AdamW to fp32 rounding: the curves coincide step by step
+    assert summary["offload_fp32_max_step_difference"] < 1e-4
+    # the noise band: the reference over two data-order seeds
+    assert set(summary["noise"]) == {"train", "validation"}
+    assert len(summary["noise"]["train"]["values"]) == 2 and summary["noise"]["train"]["spread_pct"] >= 0
+    if {"offload int8", "bnb AdamW8bit"} <= expected:
+        assert "offload int8 within noise of bnb AdamW8bit" in summary["targets"]
+    for target in summary["targets"]:
+        assert f"target: {target}: " in out
+
+    with open(summary["csv"], newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0]) == ["run", "seed", "step", "train_loss", "validation_loss"]
+    for name in [*expected, f"{bench.REFERENCE} seed 1"]:
+        mine = [r for r in rows if r["run"] == name]
+        assert [int(r["step"]) for r in mine] == list(range(STEPS + 1)), name
+        assert [r["step"] for r in mine if r["validation_loss"]] == ["0", "3", "6"], name
+    assert f"curves: {summary['csv']}" in out
+    if summary["png"] is not None:
+        with open(summary["png"], "rb") as handle:
+            assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert f"plot: {summary['png']}" in out
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth(bench):
+    rates = [bench.lr_at(step, 100, 1.0) for step in range(100)]
+    assert rates[0] == pytest.approx(0.1) and rates[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
+    assert rates[-1] == pytest.approx(0.1, abs=0.01)
