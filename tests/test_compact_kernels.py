@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from offload.config.state_layout import INT8_BLOCK, int8_moment_bytes
 from offload.optim import kernels
 from offload.optim import moments as M
-from offload.plan.state_layout import INT8_BLOCK, int8_moment_bytes
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from offload.plan.state_layout import INT8_BLOCK, StatePrecision, int8_moment_bytes
+from offload.config.state_layout import INT8_BLOCK, StatePrecision, int8_moment_bytes
 
 __all__ = [
     "MomentView",
