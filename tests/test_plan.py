@@ -119,7 +119,7 @@ def test_pieces_cover_the_unit_exactly_in_order(numel, data):
     assert all(0 < size <= sub_group_size for size in sizes) or numel == 0
     assert all(size == sub_group_size for size in sizes[:-1])  # only the last may be shorter
     assert len(pieces) == max(1, -(-numel // sub_group_size))
-    # a slot holds the largest piece, a whole number of int8 moment blocks (plan.state_layout.INT8_BLOCK)
+    # a slot holds the largest piece, a whole number of int8 moment blocks (config.state_layout.INT8_BLOCK)
     piece = shape_slots([numel], buffer_count=3, sub_group_size=sub_group_size).piece
     assert piece == whole_blocks(sub_group_size, numel)
 

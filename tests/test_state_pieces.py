@@ -79,7 +79,7 @@ def assert_streamed_in_pieces(engine, sub_group_size: int = PIECE) -> None:
     more than one piece."""
     for unit in engine.units:
         if unit.optimizer_tier.streamed:
-            # a piece is a whole number of int8 moment blocks (plan.state_layout.INT8_BLOCK)
+            # a piece is a whole number of int8 moment blocks (config.state_layout.INT8_BLOCK)
             assert unit.state_pieces == piece_bounds(unit.optimizer_numel, whole_blocks(sub_group_size, unit.optimizer_numel))
         else:
             assert unit.state_pieces == [(0, unit.optimizer_numel)]

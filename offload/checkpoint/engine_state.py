@@ -163,7 +163,9 @@ def _write_rank_file(engine: CheckpointedEngine, directory: str, rank: int, cano
         write_all(fd, prefix, path)
         # pieces come in the slices' order (a unit's in increasing shard position), so a
         # slice's bytes, and their checksums, are produced in order
-        for piece in engine.store.stream_optimizer_states_on_host(engine.units):
+        # the moments as fp32 values whatever their stored precision (decoded chunk by chunk):
+        # one format for every precision, and a compact state's values are exact fp32 numbers
+        for piece in engine.store.fp32_states(engine.units):
             unit = piece.unit
             unit_slices = by_unit.get(unit.index, [])
             for s, offset in unit_slices:
@@ -417,6 +419,8 @@ def _finish(engine: CheckpointedEngine, root, temp, final, tag, files, canonical
         "placement": {"param": engine.config.offload.param, "optimizer": engine.config.offload.optimizer},
         "precision": engine.config.precision,
         "optimizer": engine.config.optimizer.type,
+        # how the engine stored the moments (the files hold their fp32 values in every precision)
+        "state_precision": engine.store.codec.precision.value,
         "engine": engine.training_state(),
         "params": params,
         "state_dict_keys": [[key, what] for key, what in keys],
@@ -543,7 +547,11 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
     # weights (the masters, then the frozen params' with no optimizer state)
     param_pieces: list[tuple[int, int, int, int]] = []
     weights = torch.empty(0)
-    for piece in store.overwrite_optimizer_states(engine.units):
+    _log_precision_change(
+        reader.index, engine.store.codec.precision.value, reader.index["world_size"], engine.collectives.world_size
+    )
+    # fp32 moments for the files' values, encoded into the engine's precision as each chunk is done
+    for piece in store.overwrite_fp32_states(engine.units):
         unit, targets = piece.unit, piece.views
         if piece.start == 0:
             start, end = unit.layout.shard_range(rank)
@@ -591,6 +599,27 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
                 rank % len(parts),
             )
         set_rng_state(verified.rng)
+
+
+def _log_precision_change(index: dict, precision: str, saved_world: int, world: int) -> None:
+    """Says when the moments change precision on the way in: exact from bf16 or int8 into a
+    wider precision or into the same one on as many ranks (the files hold the stored values,
+    which re-encode to themselves), rounded into a narrower one, or into int8 blocks that
+    regroup on another number of ranks."""
+    saved = index.get("state_precision", "fp32")
+    if saved == precision and (precision != "int8" or saved_world == world):
+        return
+    order = {"int8": 0, "bf16": 1, "fp32": 2}
+    exact = saved in order and order[saved] <= order[precision] and (precision != "int8" or saved_world == world)
+    logger.info(
+        "offload: the checkpoint's Adam moments were stored in %s (by %d ranks), this engine stores them in %s (on %d "
+        "ranks): they are converted %s",
+        saved,
+        saved_world,
+        precision,
+        world,
+        "exactly" if exact else "with rounding (optimizer.state_precision " + precision + ")",
+    )
 
 
 def _load_buffers(engine: CheckpointedEngine, buffers: dict[str, torch.Tensor], keys) -> None:

@@ -19,7 +19,7 @@ from offload.config.sizes import round_up
 from offload.errors import ConfigError
 
 # Each parameter starts at a multiple of this many elements (64 bytes of bf16: a cache line).
-# A multiple of plan.state_layout.INT8_BLOCK: an int8 moment's block (one shared exponent) never
+# A multiple of config.state_layout.INT8_BLOCK: an int8 moment's block (one shared exponent) never
 # holds elements of two parameters, so a parameter's step never re-encodes another's.
 PARAM_ALIGN_ELEMENTS = 32
 # Each rank's shard is a multiple of this many elements (4 KiB of bf16, 8 KiB of fp32: O_DIRECT).

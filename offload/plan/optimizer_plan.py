@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from offload.config.placement import OptimizerTier
 from offload.config.sizes import MIN_SUB_GROUP_SIZE, format_bytes, round_up
-from offload.plan.state_layout import INT8_BLOCK
+from offload.config.state_layout import INT8_BLOCK
 
 STATE_BYTES_PER_ELEMENT = 16  # master, exp_avg, exp_avg_sq, grad32, fp32 each
 STATE_KIND_COUNT = 4
@@ -145,7 +145,7 @@ def weighted_median(numels: list[int]) -> int:
 
 def whole_blocks(piece: int, largest: int) -> int:
     """`piece` (at most `largest`, the largest streamed state) cut down to whole int8 moment blocks
-    (plan.state_layout.INT8_BLOCK), so that every piece starts at a block: a streamed piece's
+    (config.state_layout.INT8_BLOCK), so that every piece starts at a block: a streamed piece's
     moments encode and decode on their own. A piece as large as the largest state stays whole."""
     if piece >= largest:
         return largest

@@ -23,6 +23,7 @@ from torch import nn
 
 from offload.config.placement import ParamTier
 from offload.config.schema import Config
+from offload.config.state_layout import StateBytes, StatePrecision, gradient_bytes_for
 from offload.errors import OffloadError
 from offload.model.materialize import has_meta_state, mapped_zeros, materialize_unit_params
 from offload.model.unit_state import UnitState
@@ -221,6 +222,7 @@ def _log_start(config: Config, units: list[UnitState], collectives: Collectives)
 def _store(config: Config, units, collectives: Collectives, device: Device, ledger, policy, run_name, compute_dtype):
     """The optimizer plan (where each unit's state goes) and the tier store that holds it."""
     local_rank = int(os.environ.get("LOCAL_RANK", collectives.rank))
+    state = state_bytes(config, compute_dtype)
     plan = plan_optimizer(
         config,
         units,
@@ -243,8 +245,21 @@ def _store(config: Config, units, collectives: Collectives, device: Device, ledg
         optimizer_tiers=plan.tiers,
         device=device.torch_device,
         speculate=policy.speculative,
+        state=state,
     )
     return plan, store
+
+
+def state_bytes(config: Config, compute_dtype: torch.dtype) -> StateBytes:
+    """The stored width of each optimizer state kind: the config's moment precision, and the
+    gradient in its 16-bit arrival dtype where nothing is added into it (config.state_layout)."""
+    compute_bytes = torch.empty(0, dtype=compute_dtype).element_size()
+    return StateBytes(
+        StatePrecision(getattr(config.optimizer, "state_precision", "fp32")),
+        gradient_bytes_for(
+            compute_bytes, config.gradient_accumulation_steps, getattr(config.optimizer, "gradient_precision", "auto")
+        ),
+    )
 
 
 def build(model: nn.Module, config: Config, groups: list[dict], *, process_group, device, run_name) -> Runtime:

@@ -96,17 +96,21 @@ def read(units: list[UnitState], store: TierStore, collectives: Collectives, par
             f"Use {CHECKPOINT_ROUTE}"
         )
     values: dict[int, dict[str, torch.Tensor]] = {}
-    rank = collectives.rank
-    for piece in store.stream_optimizer_states_on_host(units):
+    shards: dict[str, torch.Tensor] = {}
+    for piece in store.fp32_states(units):
         unit = piece.unit
         if unit.step_count == 0:
             continue  # not stepped yet: no state, as in torch before the first step
-        assert piece.start == 0 and piece.last, "a resident unit is one piece"
-        start, end = unit.layout.shard_range(rank)
+        if piece.start == 0:
+            shards = {kind: torch.zeros(unit.shard_numel, dtype=torch.float32) for kind in MOMENTS}
+        for kind in MOMENTS:
+            # a resident unit comes whole, or (compact moments) in decoded chunks
+            shards[kind][piece.start : piece.end].copy_(piece.views[kind])
+        if not piece.last:
+            continue
         full = {}
         for kind in MOMENTS:
-            shard = torch.zeros(unit.shard_numel, dtype=torch.float32)
-            shard[: unit.optimizer_numel].copy_(piece.views[kind][: unit.optimizer_numel])
+            shard = shards[kind]
             if collectives.is_distributed:
                 whole = torch.empty(unit.layout.padded_numel, dtype=torch.float32)
                 collectives.all_gather_host(whole, shard, what=f"{kind} of unit {unit.spec.name}")
@@ -204,7 +208,8 @@ def _unit_steps(units: list[UnitState], steps: dict[int, int]) -> dict[int, int]
 def write(units: list[UnitState], store: TierStore, rank: int, moments: dict[int, dict], steps: dict[int, int]) -> None:
     """Each unit's shard of the moments (checked by `check`) into its tier, the masters kept;
     then the step counts. The caller has waited for the steps in flight."""
-    for piece in store.stream_optimizer_states(units, include_grad=False):
+    # moments as fp32 values, encoded back into the stored precision and stored piece by piece
+    for piece in store.update_fp32_moments(units):
         unit = piece.unit
         start, end = unit.layout.shard_range(rank)
         for kind in MOMENTS:
@@ -217,7 +222,5 @@ def write(units: list[UnitState], store: TierStore, rank: int, moments: dict[int
             for kind in MOMENTS:
                 source = given[kind].reshape(-1)[a + low - pos : a + high - pos]
                 piece.views[kind][low - piece.start : high - piece.start].copy_(source)
-        if piece.slot is not None:
-            store.store_optimizer_state(piece)
     for unit in units:
         unit.step_count = steps[unit.index]

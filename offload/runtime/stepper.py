@@ -31,13 +31,15 @@ import torch
 from torch.profiler import record_function
 
 from offload.config.placement import OptimizerTier, ParamTier
-from offload.model.unit_state import STEPPED_KINDS, UnitState
+from offload.config.state_layout import MOMENT_KINDS
+from offload.model.unit_state import UnitState
 from offload.model.units import FlatLayout
-from offload.optim import kernels
+from offload.optim import kernels, moments
 from offload.optim.device_adam import device_adam_step
 from offload.optim.step_hyper import StepHyper
 from offload.platform.device import Device
 from offload.storage.buffers import StatePiece
+from offload.storage.state_codec import block_aligned_gaps
 from offload.storage.tiers import TierStore
 
 if TYPE_CHECKING:
@@ -207,11 +209,26 @@ class UnitStepper:
 
     def _carry_over(self, piece: StatePiece, ranges: list[tuple[int, int, int]]) -> None:
         """A speculative step leaves the whole spare state current: what it does not step (params
-        without a gradient this window, padding) is copied over from the resident state."""
-        spare = piece.unit.spare_state
-        for start, end in unstepped_ranges(ranges, piece.start, piece.end):
-            for kind in STEPPED_KINDS:
-                spare[kind][start:end].copy_(piece.views[kind][start - piece.start : end - piece.start])
+        without a gradient this window, padding) is copied over from the resident state, in its
+        stored form (a compact moment's codes and block exponents as they are)."""
+        unit, codec = piece.unit, self.store.codec
+        spare = unit.spare_state
+        gaps = unstepped_ranges(ranges, piece.start, piece.end)
+        for start, end in gaps:
+            spare["master"][start:end].copy_(piece.views["master"][start - piece.start : end - piece.start])
+        if not codec.compact:
+            for start, end in gaps:
+                for kind in MOMENT_KINDS:
+                    spare[kind][start:end].copy_(piece.views[kind][start - piece.start : end - piece.start])
+            return
+        numel = piece.end - piece.start
+        for start, end in block_aligned_gaps(gaps, codec.precision, piece.end):
+            for kind in MOMENT_KINDS:
+                source = codec.moment_view(piece.views[kind], numel, start - piece.start, end - piece.start)
+                target = codec.moment_view(spare[kind], unit.optimizer_numel, start, end)
+                target.values.copy_(source.values)
+                if target.block_exponents is not None:
+                    target.block_exponents.copy_(source.block_exponents)
 
     def _step_on_host(
         self,
@@ -227,6 +244,14 @@ class UnitStepper:
         new master and moments go to the unit's spare state; the resident ones are only read."""
         views, base = piece.views, piece.start
         sixteen_bit = out.dtype != torch.float32
+        if self.store.codec.compact:
+            self._step_compact(unit, piece, hypers, ranges, out if sixteen_bit else None, speculative, kernels.adam_step_compact)
+            if not sixteen_bit:
+                master = unit.spare_state["master"] if speculative else views["master"]
+                offset = 0 if speculative else base
+                for _, start, end in ranges:
+                    out[start:end].copy_(master[start - offset : end - offset])
+            return
         for group, start, end in ranges:
             state_out = None
             if speculative:
@@ -245,6 +270,46 @@ class UnitStepper:
             if not sixteen_bit:
                 out[start:end].copy_(state_out[0] if state_out else views["master"][start - base : end - base])
 
+    def _step_compact(
+        self,
+        unit: UnitState,
+        piece: StatePiece,
+        hypers: Sequence[StepHyper],
+        ranges: list[tuple[int, int, int]],
+        out16: torch.Tensor | None,
+        speculative: bool,
+        adam_step,
+    ) -> None:
+        """Adam over compact moments (bf16 or int8 blocks: docs/compact_state.md) with `adam_step`:
+        the C++ kernel on host states, its torch twin (moments.adam_step_torch) on the device;
+        both give the same bits. The rounding's random bits are keyed on the unit, this rank and
+        the unit's step count, and each element's place in the shard."""
+        codec = self.store.codec
+        views, base, numel = piece.views, piece.start, piece.end - piece.start
+        key = moments.rounding_key(unit.index, self.rank, unit.step_count)
+        for group, start, end in ranges:
+            state_out = None
+            if speculative:
+                spare = unit.spare_state
+                state_out = (
+                    spare["master"][start:end],
+                    codec.moment_view(spare["exp_avg"], unit.optimizer_numel, start, end),
+                    codec.moment_view(spare["exp_avg_sq"], unit.optimizer_numel, start, end),
+                )
+            adam_step(
+                views["master"][start - base : end - base],
+                views["grad32"][start - base : end - base],
+                codec.moment_view(views["exp_avg"], numel, start - base, end - base),
+                codec.moment_view(views["exp_avg_sq"], numel, start - base, end - base),
+                precision=codec.precision.value,
+                position=start,
+                rounding_key=key,
+                step=unit.step_count,
+                param_out16=None if out16 is None else out16[start:end],
+                state_out=state_out,
+                **hypers[group].adam_arguments(),
+            )
+
     def _step_on_device(
         self,
         unit: UnitState,
@@ -261,10 +326,15 @@ class UnitStepper:
         stream = self.device.optimizer
 
         def step() -> None:
+            if self.store.codec.compact:
+                self._step_compact(unit, piece, hypers, ranges, None, False, moments.adam_step_torch)
+                for _, start, end in ranges:
+                    out[start:end].copy_(views["master"][start:end])
+                return
             for group, start, end in ranges:
                 device_adam_step(
                     views["master"][start:end],
-                    views["grad32"][start:end],
+                    views["grad32"][start:end].float(),
                     views["exp_avg"][start:end],
                     views["exp_avg_sq"][start:end],
                     step=unit.step_count,

@@ -204,6 +204,8 @@ class GradientWindow:
                 "called after it. Call engine.step() after the backward that ends each window; another backward first "
                 "would step the weights a second time (overlap 'none' / 'forward' accumulate it into the window instead)"
             )
+        if any(unit.window_started for unit in self.units):
+            self.store.refuse_gradient_sum("this backward would add its gradients to those of the last, before step()")
         boundary = (self.micro_steps + 1) % accumulation == 0
         if boundary and self.policy.steps_in_backward:
             self.hyper.check_untouched()
@@ -254,9 +256,7 @@ class GradientWindow:
         starts reading the master and moments of the first NVMe pieces the step will stream, in
         its order, while backward computes (TierStore.prefetch_optimizer_states). Not with overlap
         'backward' without speculation, whose units step one by one as their gradients land."""
-        if not boundary or not self.store.streamed_units:
-            return
-        if self.policy.steps_in_backward and not self.policy.speculative:
+        if not boundary or not self.store.streamed_units or (self.policy.steps_in_backward and not self.policy.speculative):
             return
         order = step_order(self.schedule.context.forward_order.recorded, len(self.units))
         self.optimizer_worker.submit(self.store.prefetch_optimizer_states, [self.units[i] for i in order])

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -140,14 +141,18 @@ class OptimizerSlot:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     grad32: torch.Tensor
+    # (kind, elements of a piece) -> elements of the buffer that stores them (the moments may be
+    # compact: storage.state_codec); the identity for fp32 state
+    stored_numel: Callable[[str, int], int] = lambda kind, numel: numel
     pending_writes: list = field(default_factory=list)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "grad32": self.grad32}
 
     def views(self, numel: int) -> dict[str, torch.Tensor]:
-        """The first `numel` elements of each buffer, by kind: a piece read into the slot."""
-        return {kind: buffer[:numel] for kind, buffer in self.tensors().items()}
+        """The stored form of a piece of `numel` elements read into the slot, by kind: the start
+        of each buffer."""
+        return {kind: buffer[: self.stored_numel(kind, numel)] for kind, buffer in self.tensors().items()}
 
     def wait_writes(self) -> None:
         """Waits for every write queued on the slot, even after one failed (the slot is reused

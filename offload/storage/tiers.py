@@ -25,6 +25,8 @@ import torch
 from offload.config.placement import OptimizerTier, ParamTier
 from offload.config.schema import Config
 from offload.config.sizes import format_bytes, parse_size
+from offload.config.state_layout import FP32_STATE, StateBytes
+from offload.errors import OffloadError
 from offload.model.unit_state import STATE_KINDS, STEPPED_KINDS, UnitState
 from offload.optim import kernels
 from offload.plan.budgets import host_budget_bytes, pool_page_slack
@@ -37,6 +39,7 @@ from offload.plan.room import host_cap, nvme_path_for_rank
 from offload.storage.buffers import BufferRing, OptimizerSlot, StatePiece
 from offload.storage.memory import HostBufferPool, TierLedger
 from offload.storage.param16 import HostParam16, NvmeParam16, Param16Home, Param16WriteBack
+from offload.storage.state_codec import StateCodec, make_codec
 
 if TYPE_CHECKING:
     from offload.storage.swap import SwapHandle, SwapStore
@@ -68,12 +71,16 @@ class TierStore:
         optimizer_tiers: list[OptimizerTier] | None = None,
         device: torch.device | None = None,
         speculate: bool = False,
+        state: StateBytes = FP32_STATE,
     ) -> None:
         """`optimizer_tiers`: each unit's (the plan of `offload.optimizer: auto`); by default the
         config's `offload.optimizer` for every unit. `speculate`: units step speculatively during
         backward (overlap 'backward' with clipping or fp16); the units with resident host state
         get a spare state, as many as the RAM left after everything else allows
-        (plan.plan_speculation)."""
+        (plan.plan_speculation). `state`: the bytes of each state kind (the moments' precision,
+        the gradient's width; config.state_layout), whose formats `self.codec` knows."""
+        self.state = state
+        self.codec: StateCodec = make_codec(state, compute_dtype, rank)
         self.units = units
         self.param_tier = ParamTier(config.offload.param)
         if optimizer_tiers is None:
@@ -150,7 +157,7 @@ class TierStore:
                 for unit in units:
                     for piece, (start, end) in enumerate(unit.state_pieces):
                         for kind in unit.swap_kinds:
-                            specs[unit.swap_name(kind, piece)] = (end - start, torch.float32)
+                            specs[unit.swap_name(kind, piece)] = self.codec.storage(kind, end - start)
                     if self.param_tier is ParamTier.NVME:
                         specs[unit.swap_name("param16")] = (unit.shard_numel, compute_dtype)
                 self.swap.reserve(specs)
@@ -212,29 +219,28 @@ class TierStore:
             if unit.optimizer_tier is OptimizerTier.DEVICE:
                 # on the accelerator, stepped there (offload.optimizer.device_adam)
                 for kind in STATE_KINDS:
-                    unit.resident_state[kind] = torch.empty(unit.optimizer_numel, dtype=torch.float32, device=self.device)
-                nbytes = 4 * len(STATE_KINDS) * unit.optimizer_numel
+                    numel, dtype = self.codec.storage(kind, unit.optimizer_numel)
+                    unit.resident_state[kind] = torch.empty(numel, dtype=dtype, device=self.device)
+                nbytes = sum(t.numel() * t.element_size() for t in unit.resident_state.values())
                 self.ledger.allocate("device", nbytes, "optimizer_state")
                 self._device_state_bytes += nbytes
             elif unit.optimizer_tier is OptimizerTier.HOST:
                 for kind in STATE_KINDS:
+                    numel, dtype = self.codec.storage(kind, unit.optimizer_numel)
                     if unit.optimizer_numel:
-                        unit.resident_state[kind] = self.pool.alloc(
-                            unit.optimizer_numel, torch.float32, category="optimizer_state"
-                        )
+                        unit.resident_state[kind] = self.pool.alloc(numel, dtype, category="optimizer_state")
                     else:  # only frozen params in this shard: nothing to hold (not even a page)
-                        unit.resident_state[kind] = torch.empty(0, dtype=torch.float32)
+                        unit.resident_state[kind] = torch.empty(0, dtype=dtype)
                 if speculating:
                     for kind in STEPPED_KINDS:
                         # pageable: only the CPU Adam reads and writes it, never a copy to the device
-                        unit.spare_state[kind] = self.pool.alloc(
-                            unit.optimizer_numel, torch.float32, category="spare_state", pin=False
-                        )
+                        numel, dtype = self.codec.storage(kind, unit.optimizer_numel)
+                        unit.spare_state[kind] = self.pool.alloc(numel, dtype, category="spare_state", pin=False)
             elif unit.gradient_in_ram:
                 # an NVMe-streamed unit's gradient, kept in RAM (_plan_gradients): the transfer
                 # worker adds into it, the step reads it in place of a slot's grad32
                 unit.resident_state["grad32"] = self.pool.alloc(
-                    unit.optimizer_numel, torch.float32, category="gradient", pin=False
+                    unit.optimizer_numel, self.codec.grad_dtype, category="gradient", pin=False
                 )
         self._slots: list[OptimizerSlot] = []
         if self.streamed_units:
@@ -247,7 +253,7 @@ class TierStore:
                 format_bytes(self.budget["optimizer_slots"]),
             )
             if "grad_slot" in self.budget:
-                self._grad_slot = self.pool.alloc(self.slot_shape.piece, torch.float32, category="grad_slot")
+                self._grad_slot = self.pool.alloc(self.slot_shape.piece, self.codec.grad_dtype, category="grad_slot")
         if "param16" in self.budget:
             for unit in self.units:
                 unit.param16 = self.pool.alloc(unit.shard_numel, self.compute_dtype, category="param16")
@@ -266,12 +272,17 @@ class TierStore:
             )
 
     def _allocate_slot(self, numel: int) -> OptimizerSlot:
-        """One slot: the fp32 buffers of STATE_KINDS, `numel` elements each (one piece),
-        allocated in that order."""
+        """One slot: the buffers of STATE_KINDS for `numel` elements each (one piece, in each
+        kind's stored form: `codec.storage`), allocated in that order."""
         master, exp_avg, exp_avg_sq, grad32 = (
-            self.pool.alloc(numel, torch.float32, category="optimizer_slots") for _ in STATE_KINDS
+            self.pool.alloc(*self.codec.storage(kind, numel), category="optimizer_slots") for kind in STATE_KINDS
         )
-        return OptimizerSlot(master, exp_avg, exp_avg_sq, grad32)
+        return OptimizerSlot(master, exp_avg, exp_avg_sq, grad32, stored_numel=self.codec.storage_numel)
+
+    def _host_empty(self, kind: str, numel: int) -> torch.Tensor:
+        """An uninitialised host tensor for `numel` elements of `kind` in its stored form."""
+        stored, dtype = self.codec.storage(kind, numel)
+        return torch.empty(stored, dtype=dtype)
 
     def _require_swap(self) -> SwapStore:
         """The swap store, for an operation on NVMe-resident state (a streamed optimizer tier or
@@ -466,8 +477,7 @@ class TierStore:
                 for unit in units:
                     if unit.optimizer_tier is OptimizerTier.DEVICE:
                         # filled on the host (a checkpoint reads into host memory), then copied over
-                        staged = {kind: torch.empty(unit.optimizer_numel, dtype=torch.float32) for kind in STATE_KINDS}
-                        del staged["grad32"]
+                        staged = {kind: self._host_empty(kind, unit.optimizer_numel) for kind in STEPPED_KINDS}
                         yield StatePiece(unit, 0, 0, staged, None, last=True)
                         for kind, values in staged.items():
                             unit.resident_state[kind].copy_(values)
@@ -488,6 +498,31 @@ class TierStore:
             finally:
                 for slot in self._slots:
                     slot.wait_writes()
+
+    # ---- the state as fp32 numbers (checkpoints, engine.optimizer's state dict) -----------------
+    def fp32_states(self, units: list[UnitState]) -> Iterator[StatePiece]:
+        """`stream_optimizer_states_on_host` with the moments as fp32 values (decoded chunk by
+        chunk from a compact precision: StateCodec.fp32_pieces); read only."""
+        return self.codec.fp32_pieces(self.stream_optimizer_states_on_host(units), decode=True, encode=False)
+
+    def overwrite_fp32_states(self, units: list[UnitState]) -> Iterator[StatePiece]:
+        """`overwrite_optimizer_states` with fp32 moments for the caller to fill: what it wrote is
+        encoded into the stored form before the piece is stored."""
+        return self.codec.fp32_pieces(self.overwrite_optimizer_states(units), decode=False, encode=True)
+
+    def update_fp32_moments(self, units: list[UnitState]) -> Iterator[StatePiece]:
+        """Each unit's state piece by piece, moments as fp32 values the caller may change (the
+        master is only read): what it leaves is encoded back and a streamed piece stored before
+        the next is read."""
+        source = self.stream_optimizer_states(units, include_grad=False)
+        return self.codec.fp32_pieces(self._stored_after_use(source), decode=True, encode=True)
+
+    def _stored_after_use(self, pieces: Iterator[StatePiece]) -> Iterator[StatePiece]:
+        """`pieces`, each streamed one stored back once the consumer asks for the next."""
+        for piece in pieces:
+            yield piece
+            if piece.slot is not None:
+                self.store_optimizer_state(piece)
 
     def store_optimizer_state(self, piece: StatePiece, include_grad: bool = False) -> None:
         """Queues the writes of a streamed piece's states from its slot back to their swap files."""
@@ -511,6 +546,8 @@ class TierStore:
         micro-batch (zero). An NVMe-resident gradient is read, added to and written back one
         piece of `state_pieces` at a time, through `_grad_slot`."""
         pieces = sorted(pieces, key=lambda piece: piece[0])
+        if not first_in_window:
+            self.refuse_gradient_sum(f"a second gradient landed in unit {unit.spec.name}'s window")
         if "grad32" not in unit.swap_kinds:
             return _accumulate(unit.resident_state["grad32"], 0, pieces, first_in_window, compute_norm)
         swap = self._require_swap()
@@ -524,6 +561,19 @@ class TierStore:
             norm += piece_norm or 0.0
             swap.write_from(name, target).wait()
         return norm if compute_norm else None
+
+    def refuse_gradient_sum(self, what: str) -> None:
+        """Raises, saying `what` happened, when gradients are kept in their 16-bit arrival dtype
+        (one micro-batch per step), where a sum would round; returns with fp32 gradients. The
+        window refuses a second backward before a step; a landing checks again."""
+        if self.codec.grad_dtype == torch.float32:
+            return
+        dtype = str(self.codec.grad_dtype).replace("torch.", "")
+        raise OffloadError(
+            f"{what}: with gradient_accumulation_steps 1 offload keeps each gradient in {dtype}, where a sum would "
+            "round. Call step() after every backward, set gradient_accumulation_steps to the backward calls per step "
+            '(accumulated in fp32), or set optimizer.gradient_precision to "fp32"'
+        )
 
     def grad_sq_norm(self, unit: UnitState) -> float:
         """Squared norm of the stored fp32 gradient (for a unit whose window ended early)."""

@@ -1,0 +1,513 @@
+"""The compact Adam moment formats and the compact step in torch (docs/compact_state.md).
+
+The reference for the C++ kernel (`offload.optim.kernels.adam_step_compact`) and the step the
+device tier runs: every function here gives, on any device, bit for bit what the kernel gives
+on the CPU. Only exactly rounded fp32 operations are used (add, subtract, multiply, divide;
+the fused multiply-adds and the square root are computed through float64 and rounded once),
+and the formats' integer arithmetic runs on int64 tensors holding unsigned 32-bit values.
+
+Storage of one moment of a piece of `n` elements (`moment_storage`):
+
+- `fp32`: n float32;
+- `bf16`: n bfloat16 (the bits of the value, rounded stochastically);
+- `int8`: one uint8 buffer of `int8_moment_bytes(n)` bytes: n codes, then ceil(n / 32) block
+  exponents. `moment_view` cuts the codes and exponents of a range out of it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from offload.config.state_layout import INT8_BLOCK, StatePrecision, int8_moment_bytes
+
+__all__ = [
+    "MomentView",
+    "ROUNDING_SEED",
+    "moment_storage",
+    "moment_view",
+    "fmix32",
+    "rounding_key",
+    "random_bits",
+    "decode",
+    "encode",
+    "adam_step_torch",
+]
+
+ROUNDING_SEED = 0x0FF1CAD5
+_MASK32 = 0xFFFFFFFF
+_TWO_POW_M14 = 2.0**-14  # where the int8 formats' subnormal range ends (code 8 / 16)
+_KINDS = ("exp_avg", "exp_avg_sq")
+
+
+class MomentView(NamedTuple):
+    """One moment of a range of elements, as stored.
+
+    fp32: `values` float32 (n), no exponents; bf16: `values` bfloat16 (n), no exponents; int8:
+    `values` uint8 codes (n) and `block_exponents` uint8 (ceil(n / 32)), one per block of 32
+    elements starting at the range's first element.
+    """
+
+    values: torch.Tensor
+    block_exponents: torch.Tensor | None = None
+
+
+def _precision(precision) -> StatePrecision:
+    try:
+        return StatePrecision(precision)
+    except ValueError:
+        raise ValueError(f"state precision must be one of 'fp32', 'bf16', 'int8', got {precision!r}") from None
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in _KINDS:
+        raise ValueError(f"moment kind must be 'exp_avg' or 'exp_avg_sq', got {kind!r}")
+
+
+def moment_storage(precision: str, numel: int) -> tuple[int, torch.dtype]:
+    """(numel, dtype) of the buffer that holds one moment of a piece of `numel` elements."""
+    p = _precision(precision)
+    if numel < 0:
+        raise ValueError(f"moment_storage: numel must be >= 0, got {numel}")
+    if p is StatePrecision.FP32:
+        return numel, torch.float32
+    if p is StatePrecision.BF16:
+        return numel, torch.bfloat16
+    return int8_moment_bytes(numel), torch.uint8
+
+
+def moment_view(precision: str, buffer: torch.Tensor, piece_numel: int, start: int, end: int) -> MomentView:
+    """The view of elements [start, end) (relative to the piece) of the moment buffer of a piece
+    of `piece_numel` elements (a buffer shaped as `moment_storage` says). For int8, `start` must
+    be a multiple of 32 (a block's first element); the exponents are those of the blocks that
+    [start, end) touches."""
+    p = _precision(precision)
+    numel, dtype = moment_storage(p.value, piece_numel)
+    if buffer.dtype != dtype or buffer.dim() != 1 or buffer.numel() != numel:
+        raise ValueError(
+            f"moment_view: a {p.value} moment of {piece_numel} elements is a 1-d {str(dtype).replace('torch.', '')} "
+            f"buffer of {numel} elements, got shape {tuple(buffer.shape)} of {str(buffer.dtype).replace('torch.', '')}"
+        )
+    if not 0 <= start <= end <= piece_numel:
+        raise ValueError(f"moment_view: need 0 <= start <= end <= piece_numel ({piece_numel}), got [{start}, {end})")
+    if p is not StatePrecision.INT8:
+        return MomentView(buffer[start:end], None)
+    if start % INT8_BLOCK:
+        raise ValueError(
+            f"moment_view: start {start} is not a multiple of {INT8_BLOCK}; an int8 range must begin on a block boundary"
+        )
+    first, last = start // INT8_BLOCK, -(-end // INT8_BLOCK)
+    return MomentView(buffer[start:end], buffer[piece_numel + first : piece_numel + last])
+
+
+# ---- counter-based random bits -------------------------------------------------------------
+
+
+def fmix32(h: int) -> int:
+    """MurmurHash3's 32-bit finalizer (mod 2^32)."""
+    h &= _MASK32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _MASK32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _MASK32
+    h ^= h >> 16
+    return h
+
+
+def rounding_key(unit: int, rank: int, step: int) -> int:
+    """The rounding key of one unit's step: fmix32(fmix32(fmix32(fmix32(step) ^ rank) ^ unit) ^ SEED),
+    each input taken mod 2^32. `step` is the unit's Adam step count after this step."""
+    for name, value in (("unit", unit), ("rank", rank), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"rounding_key: {name} must be an int >= 0, got {value!r}")
+    return fmix32(fmix32(fmix32(fmix32(step) ^ (rank & _MASK32)) ^ (unit & _MASK32)) ^ ROUNDING_SEED)
+
+
+def _mul32(h: torch.Tensor, constant: int) -> torch.Tensor:
+    """h * constant mod 2^32 for h in [0, 2^32) held in int64, without overflowing int64: the
+    high half of h contributes only the low 16 bits of its product."""
+    low = (h & 0xFFFF) * constant
+    high = ((h >> 16) * constant) & 0xFFFF
+    return (low + (high << 16)) & _MASK32
+
+
+def _fmix32_tensor(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def random_bits(key: int, position: int, n: int, device=None) -> torch.Tensor:
+    """bits(i) = fmix32(key ^ ((position + i) mod 2^32)) for i in [0, n): uint32 values in int64."""
+    if position < 0:
+        raise ValueError(f"random_bits: position must be >= 0, got {position}")
+    index = (torch.arange(n, dtype=torch.int64, device=device) + (position & _MASK32)) & _MASK32
+    return _fmix32_tensor(index ^ (key & _MASK32))
+
+
+# ---- bit-level helpers ----------------------------------------------------------------------
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The bits of fp32 x as unsigned 32-bit values in int64."""
+    return x.contiguous().view(torch.int32).to(torch.int64) & _MASK32
+
+
+def _float(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 numbers with the given bits (unsigned 32-bit values in int64)."""
+    return ((bits ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
+
+
+def _f32(x: float) -> float:
+    """x rounded to fp32 (as the kernel rounds each scalar), as a Python float."""
+    return float(np.float32(x))
+
+
+def _fma(a: torch.Tensor | float, b: torch.Tensor | float, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c rounded once (a fused multiply-add), exactly, on any device.
+
+    a * b of two fp32 numbers is exact in float64; the float64 sum is made round-to-odd (its
+    exact error, Knuth's two-sum, decides whether an even last bit moves one step towards it),
+    and rounding a round-to-odd float64 (53 bits >= 24 + 2) to fp32 is the correct rounding.
+    """
+    a64 = a.double() if isinstance(a, torch.Tensor) else a
+    b64 = b.double() if isinstance(b, torch.Tensor) else b
+    product = a64 * b64
+    assert isinstance(product, torch.Tensor)
+    c64 = c.double()
+    total = product + c64
+    virtual = total - product
+    error = (product - (total - virtual)) + (c64 - virtual)
+    bits = total.view(torch.int64)
+    move = (error != 0) & ((bits & 1) == 0) & torch.isfinite(total)
+    towards = torch.where((error > 0) == (total > 0), 1, -1)
+    bits = torch.where(move, bits + towards, bits)
+    return bits.view(torch.float64).float()
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root (torch's CPU sqrt is within an ulp, not exact; a
+    float64 square root rounded to fp32 is)."""
+    return x.double().sqrt().float()
+
+
+# ---- bf16 -----------------------------------------------------------------------------------
+
+
+def _encode_bf16(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    h = (_bits(x) + r) >> 16
+    h = torch.where(torch.isnan(x), 0x7FC0, h)
+    return ((h ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16)
+
+
+# ---- int8 -----------------------------------------------------------------------------------
+
+# (shift, subnormal base, normal base, largest code) of the two code formats
+_E4M3 = (20, 904, 896, 127)  # exp_avg: sign bit + 7-bit magnitude
+_E4M4 = (19, 1808, 1792, 255)  # exp_avg_sq's root: 8-bit magnitude
+
+
+def _block_exponents(magnitude_bits: torch.Tensor, reload: bool) -> torch.Tensor:
+    """Block exponent bytes (int64) from the magnitudes' bits (int64), zero-padded to whole blocks."""
+    largest = magnitude_bits.view(-1, INT8_BLOCK).amax(dim=1)
+    if reload:
+        # an exact power of two 2^k as the largest magnitude takes k's exponent (y = 1)
+        e = torch.clamp((largest + 0x7FFFFF) >> 23, max=253)
+    else:
+        e = torch.clamp((largest >> 23) + 1, max=253)
+    e = torch.where(largest == 0, 0, e)
+    return torch.where(largest >= 0x7F800000, 255, e)
+
+
+def _encode_int8(x: torch.Tensor, r: torch.Tensor, fmt: tuple[int, int, int, int], signed: bool, reload: bool):
+    """(codes uint8 n, exponents uint8 ceil(n/32)) of fp32 x, with the random words r (int64)."""
+    shift, sub_base, normal_base, top = fmt
+    n = x.numel()
+    blocks = -(-n // INT8_BLOCK)
+    u = _bits(x)
+    magnitude = u & 0x7FFFFFFF
+    padded = torch.nn.functional.pad(magnitude, (0, blocks * INT8_BLOCK - n))
+    e = _block_exponents(padded, reload)
+    inverse = _float(torch.clamp(254 - e, min=0) << 23)
+    y = x.abs() * inverse.repeat_interleave(INT8_BLOCK)[:n]
+    small = _bits(y + _TWO_POW_M14)
+    c = torch.where(y < _TWO_POW_M14, ((small + r) >> shift) - sub_base, ((_bits(y) + r) >> shift) - normal_base)
+    c = torch.clamp(c, max=top)
+    if signed:
+        c = c | ((u >> 31) << 7)
+    c = torch.where((e == 255).repeat_interleave(INT8_BLOCK)[:n], 0, c)
+    return c.to(torch.uint8), e.to(torch.uint8)
+
+
+def _decode_int8(codes: torch.Tensor, exponents: torch.Tensor, fmt: tuple[int, int, int, int], signed: bool):
+    shift, sub_base, normal_base, _ = fmt
+    n = codes.numel()
+    c = codes.to(torch.int64)
+    sign = None
+    if signed:
+        sign = c >> 7
+        c = c & 127
+    normal = c >= (1 << (23 - shift))  # 8 (E4M3) or 16 (E4M4): the first code of the normal range
+    value = _float(torch.where(normal, c + normal_base, c + sub_base) << shift)
+    value = torch.where(normal, value, value - _TWO_POW_M14)
+    e = exponents.to(torch.int64)
+    scale = torch.where(e == 255, math.nan, _float(e << 23))
+    x = value * scale.repeat_interleave(INT8_BLOCK)[:n]
+    if sign is not None:
+        x = torch.where(sign == 1, -x, x)
+    return x
+
+
+def _check_view(op: str, name: str, precision: StatePrecision, view: MomentView, n: int | None = None) -> int:
+    if not isinstance(view, MomentView):
+        raise TypeError(f"{op}: {name} must be a MomentView (moments.moment_view builds one), got {type(view).__name__}")
+    values, exponents = view
+    expected = {StatePrecision.FP32: torch.float32, StatePrecision.BF16: torch.bfloat16, StatePrecision.INT8: torch.uint8}
+    if values.dtype != expected[precision]:
+        raise TypeError(
+            f"{op}: {name}.values of a {precision.value} moment must be {str(expected[precision]).replace('torch.', '')}, "
+            f"got {str(values.dtype).replace('torch.', '')}"
+        )
+    count = values.numel()
+    if n is not None and count != n:
+        raise ValueError(f"{op}: {name} has {count} elements but param has {n}")
+    if precision is StatePrecision.INT8:
+        blocks = -(-count // INT8_BLOCK)
+        if exponents is None or exponents.dtype != torch.uint8 or exponents.numel() != blocks:
+            got = "None" if exponents is None else f"{exponents.numel()} of {str(exponents.dtype).replace('torch.', '')}"
+            raise ValueError(f"{op}: {name}.block_exponents of {count} int8 elements must be {blocks} uint8, got {got}")
+    elif exponents is not None:
+        raise ValueError(f"{op}: {name}.block_exponents must be None for a {precision.value} moment")
+    return count
+
+
+def decode(precision: str, kind: str, view: MomentView, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 values of a stored moment (int8 exp_avg_sq: the stored root, squared). Exact:
+    every stored value is an fp32 number. Written into `out` (fp32, same numel) when given."""
+    p = _precision(precision)
+    _check_kind(kind)
+    n = _check_view("decode", kind, p, view)
+    if p is StatePrecision.FP32:
+        x = view.values
+    elif p is StatePrecision.BF16:
+        x = view.values.float()
+    elif n == 0:
+        x = torch.zeros(0, device=view.values.device)
+    else:
+        exponents = view.block_exponents
+        assert exponents is not None  # checked above
+        if kind == "exp_avg":
+            x = _decode_int8(view.values.reshape(-1), exponents, _E4M3, signed=True)
+        else:
+            root = _decode_int8(view.values.reshape(-1), exponents, _E4M4, signed=False)
+            x = root * root
+    x = x.reshape(view.values.shape)
+    if out is None:
+        return x if x is not view.values else x.clone()
+    out.copy_(x.reshape(out.shape))
+    return out
+
+
+def encode(
+    precision: str,
+    kind: str,
+    values: torch.Tensor,
+    view: MomentView,
+    *,
+    position: int,
+    key: int,
+    root: bool = False,
+    reload: bool = False,
+) -> None:
+    """Store fp32 `values` (same numel) into `view`, rounding stochastically with the random
+    words of elements [position, position + n) under `key` (for int8, `position` is a multiple
+    of 32 and the view's blocks start at its first element).
+
+    exp_avg_sq: `values` is v; int8 stores sqrt(v) (correctly rounded). `root=True` says
+    `values` already is that root (the step passes the root it computed).
+
+    `reload=True` is for values read back from a checkpoint (fp32 values an encode decoded
+    before): a block whose largest magnitude is exactly a power of two 2^k takes the exponent
+    with k's binade at y = 1 (code 120 / 240) instead of the next one. Those values then
+    re-encode to themselves, which the step's rule does not guarantee: a block maximum rounded
+    up to 1.0 * scale would move the block to the next exponent and lose the last bit of its
+    smallest codes. Values that decode exactly are not rounded (their random bits add below
+    the kept bits), so `position` and `key` matter only for values that are not representable.
+    """
+    p = _precision(precision)
+    _check_kind(kind)
+    n = _check_view("encode", kind, p, view)
+    if values.numel() != n:
+        raise ValueError(f"encode: values has {values.numel()} elements but the view holds {n}")
+    if values.dtype != torch.float32:
+        raise TypeError(f"encode: values must be float32, got {str(values.dtype).replace('torch.', '')}")
+    if p is StatePrecision.INT8 and position % INT8_BLOCK:
+        raise ValueError(f"encode: position {position} is not a multiple of {INT8_BLOCK} (an int8 range starts on a block)")
+    x = values.reshape(-1)
+    if p is StatePrecision.FP32:
+        view.values.copy_(x.reshape(view.values.shape))
+        return
+    if n == 0:
+        return
+    bits = random_bits(key, position, n, x.device)
+    if p is StatePrecision.BF16:
+        r = bits & 0xFFFF if kind == "exp_avg" else bits >> 16
+        view.values.copy_(_encode_bf16(x, r).reshape(view.values.shape))
+        return
+    assert view.block_exponents is not None
+    if kind == "exp_avg":
+        codes, exponents = _encode_int8(x, bits & 0xFFFFF, _E4M3, signed=True, reload=reload)
+    else:
+        codes, exponents = _encode_int8(x if root else _sqrt(x), bits >> 13, _E4M4, signed=False, reload=reload)
+    view.values.copy_(codes.reshape(view.values.shape))
+    view.block_exponents.copy_(exponents.reshape(view.block_exponents.shape))
+
+
+# ---- the step -------------------------------------------------------------------------------
+
+
+class _Scalars(NamedTuple):
+    """AdamW's scalars for one step, each rounded to fp32 once (kernels.adam_step's rounding)."""
+
+    grad_scale: float
+    apply_scale: bool
+    weight_decay: float
+    l2_decay: bool
+    decay_factor: float
+    decoupled_decay: bool
+    lerp_small: bool
+    lerp_coeff: float
+    beta2: float
+    one_minus_beta2: float
+    bias_correction2_sqrt: float
+    divide_bc2: bool
+    eps: float
+    neg_step_size: float
+
+
+def _scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale) -> _Scalars:
+    lr = float(lr)
+    weight_decay = float(weight_decay)
+    # the same Python expressions as kernels.adam_step (torch/optim/adam.py::_single_tensor_adam)
+    if bias_correction:
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+    else:
+        bias_correction1 = bias_correction2 = 1.0
+    step_size = lr / bias_correction1
+    beta1_weight = _f32(1 - beta1)
+    bc2_sqrt = _f32(bias_correction2**0.5)
+    lerp_small = abs(beta1_weight) < 0.5
+    return _Scalars(
+        grad_scale=_f32(grad_scale),
+        apply_scale=float(grad_scale) != 1.0,
+        weight_decay=_f32(weight_decay),
+        l2_decay=(not adamw_mode) and weight_decay != 0,
+        decay_factor=_f32(1 - lr * weight_decay),
+        decoupled_decay=bool(adamw_mode) and weight_decay != 0,
+        lerp_small=lerp_small,
+        lerp_coeff=beta1_weight if lerp_small else _f32(beta1_weight - 1.0),
+        beta2=_f32(beta2),
+        one_minus_beta2=_f32(1 - beta2),
+        bias_correction2_sqrt=bc2_sqrt,
+        divide_bc2=bc2_sqrt != 1.0,
+        eps=_f32(eps),
+        neg_step_size=_f32(-step_size),
+    )
+
+
+def _check_step(step, lr, beta1, beta2, eps, weight_decay) -> None:
+    op = "adam_step_torch"
+    if float(step) < 1:
+        raise ValueError(f"{op}: step must be >= 1 (the step number after this update), got {step}")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not float(value) >= 0.0:
+            raise ValueError(f"{op}: {name} must be >= 0, got {value}")
+    for name, value in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= float(value) < 1.0:
+            raise ValueError(f"{op}: {name} must be in [0, 1), got {value}")
+
+
+def adam_step_torch(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: MomentView,
+    exp_avg_sq: MomentView,
+    *,
+    precision: str,
+    position: int,
+    rounding_key: int,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    param_out16: torch.Tensor | None = None,
+    state_out: tuple[torch.Tensor, MomentView, MomentView] | None = None,
+) -> None:
+    """One Adam / AdamW step on stored moments, on any device: decode, the fp32 kernel's
+    arithmetic (kernels.adam_step, operation for operation), encode. Bit for bit what
+    kernels.adam_step_compact computes on the CPU (and, for fp32, kernels.adam_step).
+
+    param: fp32 master weights; grad: fp32, bf16 or fp16; the moments: views of `precision`
+    ("fp32", "bf16", "int8"), all over the same n elements, which are elements
+    [position, position + n) of the unit's shard (for int8 position is a multiple of 32).
+    `rounding_key` is `rounding_key(unit, rank, step)`; `step` the step number after this
+    update. param_out16 (bf16 or fp16) receives the 16-bit copy of the new weights when given.
+    state_out = (param_out, exp_avg_out, exp_avg_sq_out) writes the new state there instead of
+    in place (the inputs are then only read).
+    """
+    p_ = _precision(precision)
+    op = "adam_step_torch"
+    n = param.numel()
+    _check_view(op, "exp_avg", p_, exp_avg, n)
+    _check_view(op, "exp_avg_sq", p_, exp_avg_sq, n)
+    if param.dtype != torch.float32:
+        raise TypeError(f"{op}: param must be float32, got {str(param.dtype).replace('torch.', '')}")
+    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16) or grad.numel() != n:
+        raise ValueError(f"{op}: grad must be fp32, bf16 or fp16 with {n} elements, got {grad.dtype} with {grad.numel()}")
+    if p_ is StatePrecision.INT8 and position % INT8_BLOCK:
+        raise ValueError(f"{op}: position {position} is not a multiple of {INT8_BLOCK} (an int8 range starts on a block)")
+    _check_step(step, lr, beta1, beta2, eps, weight_decay)
+    if state_out is None:
+        param_out, m_out, v_out = param, exp_avg, exp_avg_sq
+    else:
+        param_out, m_out, v_out = state_out
+        _check_view(op, "state_out[1]", p_, m_out, n)
+        _check_view(op, "state_out[2]", p_, v_out, n)
+    if n == 0:
+        return
+    s = _scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale)
+    m = decode(p_.value, "exp_avg", exp_avg).reshape(-1)
+    v = decode(p_.value, "exp_avg_sq", exp_avg_sq).reshape(-1)
+    g = grad.reshape(-1).float()
+    p = param.reshape(-1)
+    if s.apply_scale:
+        g = g * s.grad_scale
+    if s.l2_decay:
+        g = _fma(p, s.weight_decay, g)  # grad.add(param, alpha=weight_decay)
+    if s.decoupled_decay:
+        p = p * s.decay_factor  # param.mul_(1 - lr * weight_decay)
+    m = _fma(s.lerp_coeff, g - m, m if s.lerp_small else g)  # exp_avg.lerp_(grad, 1 - beta1)
+    v = v * s.beta2  # exp_avg_sq.mul_(beta2)
+    v = _fma(g * s.one_minus_beta2, g, v)  # .addcmul_(grad, grad, value=1 - beta2)
+    root = _sqrt(v)
+    denom = (root / s.bias_correction2_sqrt if s.divide_bc2 else root) + s.eps
+    p = p + (m * s.neg_step_size) / denom  # param.addcdiv_(exp_avg, denom, value=-step_size)
+    param_out.copy_(p.reshape(param_out.shape))
+    encode(p_.value, "exp_avg", m, m_out, position=position, key=rounding_key)
+    if p_ is StatePrecision.INT8:
+        encode(p_.value, "exp_avg_sq", root, v_out, position=position, key=rounding_key, root=True)
+    else:
+        encode(p_.value, "exp_avg_sq", v, v_out, position=position, key=rounding_key)
+    if param_out16 is not None:
+        param_out16.copy_(p.to(param_out16.dtype).reshape(param_out16.shape))

@@ -1,0 +1,349 @@
+"""Compact Adam state (docs/compact_state.md): the formats and the step in torch
+(offload.optim.moments), and the C++ kernel (kernels.adam_step_compact) against them bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from offload.config.state_layout import INT8_BLOCK, int8_moment_bytes
+from offload.optim import kernels
+from offload.optim import moments as M
+
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def views(precision, n, device="cpu"):
+    """Zeroed exp_avg and exp_avg_sq views of n elements (each its own piece buffer)."""
+    numel, dtype = M.moment_storage(precision, n)
+    return tuple(M.moment_view(precision, torch.zeros(numel, dtype=dtype, device=device), n, 0, n) for _ in range(2))
+
+
+def int_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Equal bit for bit, except that any NaN equals any NaN."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    same = int_bits(actual) == int_bits(expected)
+    if actual.is_floating_point():
+        same |= actual.isnan() & expected.isnan()
+    if not bool(same.all()):
+        i = int((~same).nonzero()[0])
+        raise AssertionError(
+            f"{what}: {int((~same).sum())} of {actual.numel()} differ; first at {i}: {actual[i].item()!r} vs {expected[i].item()!r}"
+        )
+
+
+# ---- random bits ----------------------------------------------------------------------------
+
+
+def fmix32_numpy(h: np.ndarray) -> np.ndarray:
+    """An independent fmix32 in uint32 arithmetic (wraps mod 2^32 by itself)."""
+    h = h.astype(np.uint32)
+    with np.errstate(over="ignore"):
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+    return h
+
+
+def test_hash_values_are_pinned():
+    # MurmurHash3's finalizer: fmix32(1) is its published 0x514E28B7
+    assert [M.fmix32(x) for x in (0, 1, 2, 0xFFFFFFFF, 0x12345678)] == [0, 0x514E28B7, 0x30F4C306, 0x81F16F39, 0xE37CD1BC]
+    assert M.rounding_key(0, 0, 1) == 0xCD7AD63D
+    assert M.rounding_key(3, 1, 7) == 0x1E66B2F0
+    assert M.rounding_key(2**32 + 3, 1, 7) == 0x1E66B2F0  # inputs taken mod 2^32
+    assert M.rounding_key(123456, 7, 100000) == 0xDA2354AF
+    # positions wrap mod 2^32
+    assert M.random_bits(0xDEADBEEF, 2**32 - 2, 4).tolist() == [0x182E95FB, 0xFB58C23C, 0x0DE5C6A9, 0xDD6A89D7]
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        M.rounding_key(0, 0, -1)
+
+
+def test_random_bits_equal_an_independent_fmix32():
+    key = M.rounding_key(5, 2, 11)
+    position = 2**32 - 1000
+    got = M.random_bits(key, position, 5000).numpy()
+    index = (np.arange(5000, dtype=np.uint64) + position) % 2**32
+    expected = fmix32_numpy((index ^ key).astype(np.uint32))
+    assert (got == expected.astype(np.int64)).all()
+    # a range at an offset is the same words as the middle of a longer range
+    assert torch.equal(M.random_bits(key, 77, 100), M.random_bits(key, 0, 177)[77:])
+
+
+# ---- storage and views ----------------------------------------------------------------------
+
+
+def test_storage_and_views():
+    assert M.moment_storage("fp32", 70) == (70, torch.float32)
+    assert M.moment_storage("bf16", 70) == (70, torch.bfloat16)
+    assert M.moment_storage("int8", 70) == (int8_moment_bytes(70), torch.uint8) == (73, torch.uint8)
+    buffer = torch.arange(73, dtype=torch.uint8)
+    view = M.moment_view("int8", buffer, 70, 32, 70)
+    assert view.values.tolist() == list(range(32, 70)) and view.block_exponents.tolist() == [71, 72]
+    assert view.values.data_ptr() == buffer.data_ptr() + 32  # views, not copies
+    view = M.moment_view("int8", buffer, 70, 0, 33)
+    assert view.values.numel() == 33 and view.block_exponents.tolist() == [70, 71]
+    assert M.moment_view("int8", buffer, 70, 64, 64).block_exponents.numel() == 0
+    with pytest.raises(ValueError, match="start 16 is not a multiple of 32"):
+        M.moment_view("int8", buffer, 70, 16, 70)
+    with pytest.raises(ValueError, match="buffer of 73 elements"):
+        M.moment_view("int8", buffer[:72], 70, 0, 70)
+    fp32 = torch.zeros(10)
+    view = M.moment_view("fp32", fp32, 10, 3, 7)
+    assert view.block_exponents is None and view.values.data_ptr() == fp32.data_ptr() + 12
+    with pytest.raises(ValueError, match="state precision must be one of"):
+        M.moment_storage("fp8", 4)
+
+
+# ---- formats --------------------------------------------------------------------------------
+
+
+def encoded(precision, kind, x, *, position=0, key=1, reload=False, root=False):
+    (view, _) = views(precision, x.numel())
+    M.encode(precision, kind, x, view, position=position, key=key, reload=reload, root=root)
+    return view
+
+
+def roundtrip(precision, kind, x, **kw):
+    return M.decode(precision, kind, encoded(precision, kind, x, **kw))
+
+
+def int8_values(kind: str, seed: int, blocks: int, top: int) -> torch.Tensor:
+    """Decoded int8 values: random codes with magnitudes up to `top`, random exponents, one
+    NaN block (255) and one zero block (0). exp_avg: exponents 1..252 (all); exp_avg_sq:
+    90..190, where v = root * root is a normal fp32 number (the range a step's v has: roots
+    of at most sqrt(fp32 max) < 2^64; v below 2^-126 would lose bits to fp32 subnormals)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = blocks * INT8_BLOCK
+    codes = torch.randint(0, 256, (n,), generator=gen, dtype=torch.int64)
+    magnitude = codes & 127 if kind == "exp_avg" else codes
+    codes = torch.where(magnitude > top, codes - magnitude + top, codes)
+    low, high = (1, 253) if kind == "exp_avg" else (90, 191)
+    exponents = torch.randint(low, high, (blocks,), generator=gen, dtype=torch.int64)
+    for block, e in ((3, 255), (5, 0)):
+        exponents[block] = e
+        codes[block * INT8_BLOCK : (block + 1) * INT8_BLOCK] = 0
+    return M.decode("int8", kind, M.MomentView(codes.to(torch.uint8), exponents.to(torch.uint8)))
+
+
+def test_int8_code_values_follow_the_doc():
+    # every code's value by the formula in docs/compact_state.md, computed in double
+    for kind, mantissa_bits, bias_code in (("exp_avg", 3, 120), ("exp_avg_sq", 4, 240)):
+        top = 128 if kind == "exp_avg" else 256
+        codes = torch.arange(top, dtype=torch.uint8)
+        values = M.decode("int8", kind, M.MomentView(codes, torch.full((top // 32,), 127, dtype=torch.uint8)))
+        if kind == "exp_avg_sq":
+            values = values.sqrt()
+        lowest = 1 << mantissa_bits
+        for c in range(top):
+            if c >= lowest:
+                expected = (1 + (c & (lowest - 1)) / lowest) * 2.0 ** ((c >> mantissa_bits) - 15)
+            else:
+                expected = c * 2.0 ** (-14 - mantissa_bits)
+            assert values[c].item() == expected, (kind, c)
+        assert values[bias_code].item() == 1.0
+    # bit 7 of an exp_avg code is the sign (-0.0 included)
+    negative = M.decode(
+        "int8",
+        "exp_avg",
+        M.MomentView(torch.tensor([0x80 | 120, 0x80], dtype=torch.uint8), torch.tensor([130], dtype=torch.uint8)),
+    )
+    assert negative[0].item() == -8.0 and int_bits(negative)[1].item() == int_bits(torch.tensor(-0.0)).item()
+
+
+@pytest.mark.parametrize("kind", ["exp_avg", "exp_avg_sq"])
+def test_bf16_decode_of_encode_is_the_identity_on_bf16_values(kind):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(10_000, generator=gen) * torch.exp2(torch.randint(-140, 120, (10_000,), generator=gen).float())
+    if kind == "exp_avg_sq":
+        x = x.abs()
+    x = torch.cat([x, torch.tensor([0.0, -0.0, math.inf, -math.inf, 1e-45, -3e-39, 3.3895e38])]).bfloat16().float()
+    for key in (0, 1, 0xFFFFFFFF):
+        assert_same(roundtrip("bf16", kind, x, key=key, position=123), x, f"bf16 {kind} round trip")
+    nan = encoded("bf16", kind, torch.tensor([math.nan, -math.nan]))
+    assert int_bits(nan.values).tolist() == [0x7FC0, 0x7FC0]
+
+
+@pytest.mark.parametrize("kind", ["exp_avg", "exp_avg_sq"])
+def test_int8_decode_of_encode_is_the_identity_on_decoded_values(kind):
+    # reload=True: on every decoded value (block magnitudes up to 1.0 * scale: y <= 1), which
+    # is what makes a checkpoint of decoded fp32 moments resume bitwise. The step's rule: on
+    # blocks whose largest magnitude is below 1.0 * scale (the next test has the exception).
+    one = 120 if kind == "exp_avg" else 240
+    for reload, top in ((True, one), (False, one - 1)):
+        x = int8_values(kind, seed=1, blocks=400, top=top)
+        for key in (0, 1, 0xFFFFFFFF):
+            view = encoded("int8", kind, x, key=key, position=32 * 5, reload=reload)
+            assert_same(M.decode("int8", kind, view), x, f"int8 {kind} round trip, reload={reload}")
+            assert view.block_exponents[3].item() == 255 and view.block_exponents[5].item() == 0
+
+
+def test_the_steps_int8_rule_is_not_idempotent_and_reload_is():
+    # docs/compact_state.md: e = A + 1 from the block's largest magnitude. A largest value that
+    # an encode rounded up to exactly 1.0 * scale re-encodes one exponent higher, where the
+    # block's smallest odd code is not representable. reload=True (the rule for values read
+    # back from a checkpoint) keeps the exponent and the values.
+    scale = 2.0**-3  # exponent byte 124
+    x = torch.zeros(32)
+    x[0] = 1.0 * scale  # code 120: what y = 0.99 rounded up to
+    x[1] = 3 * 2.0**-17 * scale  # subnormal code 3
+    view = M.MomentView(torch.tensor([120, 3] + [0] * 30, dtype=torch.uint8), torch.tensor([124], dtype=torch.uint8))
+    assert_same(M.decode("int8", "exp_avg", view), x, "the block")
+    moved = encoded("int8", "exp_avg", x)
+    assert moved.block_exponents.item() == 125
+    assert M.decode("int8", "exp_avg", moved)[1].item() != x[1].item()  # 1.5 codes at the coarser scale
+    kept = encoded("int8", "exp_avg", x, reload=True)
+    assert kept.block_exponents.item() == 124
+    assert_same(M.decode("int8", "exp_avg", kept), x, "reload")
+
+
+def test_int8_special_blocks():
+    x = torch.zeros(5 * 32)
+    x[32:64] = torch.linspace(-1, 1, 32)
+    x[40] = math.nan  # block 1: NaN
+    x[64:96] = torch.linspace(0, 1, 32)
+    x[70] = math.inf  # block 2: inf
+    x[96] = -0.0  # block 3: zeros (one negative)
+    x[128:160] = torch.linspace(1e-42, 1e-40, 32)  # block 4: subnormal fp32
+    view = encoded("int8", "exp_avg", x)
+    assert view.block_exponents.tolist()[:4] == [0, 255, 255, 0]
+    assert view.values[32:96].eq(0).all(), "a non-finite block's codes are 0"
+    assert view.values[96].item() == 0x80 and view.values[97:128].eq(0).all()
+    back = M.decode("int8", "exp_avg", view)
+    assert back[32:96].isnan().all() and back[96:128].eq(0).all() and back[:32].eq(0).all()
+    assert int_bits(back[96:97]).item() == int_bits(torch.tensor([-0.0])).item()
+    assert view.block_exponents[4].item() == 1  # subnormal: scale 2^-126
+    torch.testing.assert_close(back[128:160], x[128:160], rtol=1 / 8, atol=0)
+    # an exp_avg_sq block holding v = inf or NaN decodes NaN; zeros stay zero
+    v = torch.tensor([0.0] * 32 + [1.0] * 31 + [math.inf])
+    back = roundtrip("int8", "exp_avg_sq", v)
+    assert back[:32].eq(0).all() and back[32:].isnan().all()
+
+
+def test_int8_partial_last_block_touches_nothing_beyond_its_range():
+    n, piece = 70, 96
+    buffer = torch.full((int8_moment_bytes(piece),), 0xAB, dtype=torch.uint8)
+    view = M.moment_view("int8", buffer, piece, 0, n)
+    x = torch.linspace(-1, 1, n)
+    M.encode("int8", "exp_avg", x, view, position=0, key=3)
+    assert buffer[n:piece].eq(0xAB).all() and buffer[piece + 3 :].eq(0xAB).all()
+    torch.testing.assert_close(M.decode("int8", "exp_avg", view), x, rtol=1 / 8, atol=2.0**-17)
+    # the last block's exponent comes from its own 6 elements
+    small = torch.cat([torch.ones(64), torch.full((6,), 1e-3)])
+    assert encoded("int8", "exp_avg", small).block_exponents[2].item() == (int_bits(torch.tensor(1e-3)).item() >> 23) + 1
+
+
+@pytest.mark.parametrize(
+    "precision,kind", [("bf16", "exp_avg"), ("bf16", "exp_avg_sq"), ("int8", "exp_avg"), ("int8", "exp_avg_sq")]
+)
+def test_stochastic_rounding_is_unbiased(precision, kind):
+    # One block of 32 values encoded at 4096 positions (one key): each value rounds to one of
+    # its two neighbours, and their mean is the value within 5 standard errors (a standard
+    # deviation is at most half the neighbours' distance d, bounded here by the format's
+    # relative spacing plus, for int8, its subnormal spacing). Round to nearest or truncation
+    # is off by up to d / 2, some 25 standard errors.
+    gen = torch.Generator().manual_seed(2)
+    target = torch.rand(32, generator=gen) * 0.9 + 0.05
+    target[0] = 1.0  # the block's largest: int8 scale 2 (e = A + 1)
+    target[1] = 3e-6  # int8's subnormal range
+    if kind == "exp_avg":
+        target[2:8] = -target[2:8]
+    copies = 4096
+    # the stored quantity is the target: v for bf16, the root for int8 exp_avg_sq
+    back = roundtrip(precision, kind, target.repeat(copies), position=0, key=M.rounding_key(1, 0, 1), root=True).view(copies, 32)
+    back = back.double()
+    if precision == "int8" and kind == "exp_avg_sq":
+        back = back.sqrt()  # exact: the decoded v is the square of a stored root
+    for j in range(32):
+        assert back[:, j].unique().numel() <= 2, (j, back[:, j].unique())
+    if precision == "bf16":
+        d = target.double().abs() * 2.0**-7
+    else:
+        mantissa, subnormal = (3, 17) if kind == "exp_avg" else (4, 18)
+        d = target.double().abs() * 2.0**-mantissa + 2.0 * 2.0**-subnormal
+    standard_error = d / 2 / math.sqrt(copies)
+    err = (back.mean(0) - target.double()).abs()
+    assert (err <= 5 * standard_error).all(), (err / standard_error).max()
+    # and it does round: most elements take both neighbours
+    assert (back.max(0).values != back.min(0).values).sum() > 16
+
+
+# ---- the step in torch ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "adamw,wd,bias_correction,grad_scale,beta1", [(True, 0.01, True, 1.0, 0.9), (False, 0.05, False, 0.37, 0.3)]
+)
+def test_torch_step_fp32_is_the_cpu_kernel(adamw, wd, bias_correction, grad_scale, beta1):
+    gen = torch.Generator().manual_seed(4)
+    n = 1003
+    p = torch.randn(n, generator=gen)
+    m, v = torch.zeros(n), torch.zeros(n)
+    p2, m2, v2 = p.clone(), m.clone(), v.clone()
+    out16 = torch.zeros(n, dtype=torch.bfloat16)
+    for step in range(1, 11):
+        g = torch.randn(n, generator=gen) * (0.1 if step % 2 else 3.0)
+        hp = dict(
+            step=step,
+            lr=1e-2,
+            beta1=beta1,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=wd,
+            adamw_mode=adamw,
+            bias_correction=bias_correction,
+        )
+        kernels.adam_step(p, g, m, v, grad_scale=grad_scale, **hp)
+        M.adam_step_torch(
+            p2,
+            g,
+            M.MomentView(m2),
+            M.MomentView(v2),
+            precision="fp32",
+            position=0,
+            rounding_key=0,
+            grad_scale=grad_scale,
+            param_out16=out16,
+            **hp,
+        )
+    assert_same(p2, p, "param")
+    assert_same(m2, m, "exp_avg")
+    assert_same(v2, v, "exp_avg_sq")
+    assert_same(out16, p.bfloat16(), "param_out16")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_compact_moments_follow_fp32_adam(precision):
+    # The moments are rounded, not wrong: 50 steps stay near fp32 Adam started from the same
+    # (decoded) state. v starts at 0.6 of the gradients' mean square and grows by 0.07% a step
+    # on average at beta2 = 0.999, less than half a bf16 step: round to nearest (tried) ends
+    # 0.9% (bf16) or -3% (int8) off fp32's sum of v, stochastic rounding 0.06% and 0.15%.
+    gen = torch.Generator().manual_seed(5)
+    n = 2048
+    p32 = torch.randn(n, generator=gen)
+    p = p32.clone()
+    m, v = views(precision, n)
+    M.encode(precision, "exp_avg", torch.randn(n, generator=gen) * 1e-3, m, position=0, key=9)
+    M.encode(precision, "exp_avg_sq", (torch.rand(n, generator=gen) + 0.5) * 2.4e-4, v, position=0, key=9)
+    m32, v32 = M.decode(precision, "exp_avg", m), M.decode(precision, "exp_avg_sq", v)
+    start_v = v32.sum()
+    for step in range(1, 51):
+        g = torch.randn(n, generator=gen) * 2e-2
+        hp = dict(step=1000 + step, **HYPER)
+        kernels.adam_step(p32, g, m32, v32, **hp)
+        M.adam_step_torch(p, g, m, v, precision=precision, position=0, rounding_key=M.rounding_key(0, 0, step), **hp)
+    mc, vc = M.decode(precision, "exp_avg", m), M.decode(precision, "exp_avg_sq", v)
+    bounds = {"bf16": (0.01, 0.01, 0.03, 3e-3), "int8": (0.1, 0.2, 0.3, 1e-2)}[precision]
+    assert (p - p32).abs().max() < bounds[0]  # 50 * lr = 0.5: what a wrong step moves
+    assert (mc - m32).norm() / m32.norm() < bounds[1]
+    assert (vc - v32).norm() / v32.norm() < bounds[2]
+    assert v32.sum() / start_v > 1.02  # v grew
+    assert abs(vc.sum() / v32.sum() - 1) < bounds[3]  # and so did the rounded one, as much
