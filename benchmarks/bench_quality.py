@@ -46,6 +46,7 @@ import dataclasses
 import math
 import os
 import statistics
+import sys
 import sysconfig
 import tempfile
 import time
@@ -54,7 +55,9 @@ from pathlib import Path
 
 import torch
 
-import offload
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import offload  # noqa: E402
 
 REFERENCE = "torch AdamW"
 FINAL_WINDOW = 20  # train loss reported = mean of the last this many steps
@@ -483,7 +486,7 @@ def run(args: argparse.Namespace) -> dict:
         f"AdamW lr {args.lr} (warmup 10%, cosine to 10%) betas {tuple(args.betas)} wd {args.weight_decay}; "
         f"text: {corpus.files} stdlib files under {corpus.source}, {len(corpus.train) / 1e6:.2f} MB train, "
         f"{len(corpus.validation) / 1e6:.2f} MB held out; torch threads {torch.get_num_threads()}, "
-        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; offload from {os.path.dirname(offload.__file__)}"
     )
     missing = []
     if engine_state_precisions() == ("fp32",):

@@ -12,6 +12,15 @@ CPU otherwise (then "device" memory is host memory too).
 A run is `param/optimizer`, optionally `@overlap` (that run's overlap instead of --overlap).
 `--clip N` clips the global gradient norm at N in every run, plain PyTorch included.
 
+`--state-precisions fp32,int8` runs every engine run once per `optimizer.state_precision`, the
+precisions of one run back to back (a pair measured minutes apart would compare two machines),
+and prints how much faster each compact precision steps than fp32 (fp32 s/step over its s/step,
+per round and their median). Issue 34's target: int8 at least 1.5x faster than fp32 with
+nvme/nvme, where the optimizer step reads and writes about 12 bytes per parameter instead of 24
+(master and moments, each way) besides the weights' traffic:
+
+    python benchmarks/bench_step.py --runs nvme/nvme --state-precisions fp32,int8 --rounds 3
+
 Plain PyTorch runs before the first engine run and again after each one: each engine run's
 ratio is against the mean of the two plain runs around it, so a machine whose speed drifts
 over the minutes of the benchmark (a shared 2-core VM drifts by 20%) compares like with like.
@@ -24,15 +33,30 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
-import offload
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import offload  # noqa: E402
 
 RUNS = "none/cpu,cpu/cpu,nvme/cpu,none/nvme,cpu/nvme,nvme/nvme"
+NAME_WIDTH = 58  # the run column; wider when run names carry a state precision
+
+
+def engine_state_precisions() -> tuple[str, ...]:
+    """The `optimizer.state_precision` values this engine accepts: ("fp32",) until the key exists."""
+    from offload.config.schema import OptimizerConfig
+
+    if "state_precision" in {f.name for f in dataclasses.fields(OptimizerConfig)}:
+        return ("fp32", "bf16", "int8")
+    return ("fp32",)
 
 
 def build_model(layers: int, width: int, seq: int):
@@ -78,10 +102,14 @@ def time_plain(model, batches, device, precision, clip):
     return times
 
 
-def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision, clip):
+def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision, clip, state_precision=None):
+    """Times the engine on `batches`; `state_precision` None leaves the config's default (fp32)."""
+    optimizer_section = {"lr": 1e-4}
+    if state_precision is not None and engine_state_precisions() != ("fp32",):
+        optimizer_section["state_precision"] = state_precision  # (an engine without the key has only fp32)
     config = {
         "precision": precision,
-        "optimizer": {"lr": 1e-4},
+        "optimizer": optimizer_section,
         "offload": {"param": param, "optimizer": optimizer, "nvme_path": nvme_path},
         "overlap": overlap,
         "gradient_clipping": clip,
@@ -107,19 +135,23 @@ def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision,
 
 
 def one_round(args, runs, model, batches, plain_step, tokens) -> list[tuple[str, float, float]]:
-    """Times plain PyTorch and every run once, prints the table, and returns (run, s/step, the
-    plain s/step it is compared with) for each engine run."""
+    """Times plain PyTorch and every run once (once per state precision with --state-precisions),
+    prints the table, and returns (run, s/step, the plain s/step it is compared with) for each
+    engine run."""
     plains = [plain_step()]
     rows = []
+    jobs = [(run, state) for run in runs for state in (args.state_precisions or [None])]
     with tempfile.TemporaryDirectory(prefix="bench-step-", dir=args.nvme_path or ".") as swap:
-        for index, run in enumerate(runs):
+        for index, (run, state) in enumerate(jobs):
             placement, _, overlap = run.partition("@")
             param, optimizer = placement.split("/")
             overlap = overlap or args.overlap
-            times, breakdowns, report = time_engine(model, batches, param, optimizer, overlap, swap, args.precision, args.clip)
+            times, breakdowns, report = time_engine(
+                model, batches, param, optimizer, overlap, swap, args.precision, args.clip, state
+            )
             median_index = sorted(range(2, len(times)), key=lambda i: times[i])[(len(times) - 2) // 2]
-            name = f"offload param={param:<4} optimizer={optimizer:<4} overlap={overlap}"
-            if not args.plain_once or index == len(runs) - 1:
+            name = run_name(param, optimizer, overlap, state)
+            if not args.plain_once or index == len(jobs) - 1:
                 plains.append(plain_step())
             rows.append((name, times[median_index], breakdowns[median_index], report))
     if args.plain_once:
@@ -133,11 +165,11 @@ def one_round(args, runs, model, batches, plain_step, tokens) -> list[tuple[str,
     around.insert(0, plain)
 
     print(f"plain PyTorch runs, in order (s/step): {drift}")
-    header = f"{'run':<58}{'step s':>8}{'plain':>7}{'ratio':>7}{'tok/s':>8}{'fwd':>7}{'bwd':>7}{'step':>7}{'w.fetch':>8}{'w.step':>8}{'dev MB':>8}{'host MB':>8}{'nvme MB':>8}"
+    header = f"{'run':<{NAME_WIDTH}}{'step s':>8}{'plain':>7}{'ratio':>7}{'tok/s':>8}{'fwd':>7}{'bwd':>7}{'step':>7}{'w.fetch':>8}{'w.step':>8}{'dev MB':>8}{'host MB':>8}{'nvme MB':>8}"
     print(header)
     print("-" * len(header))
     for (name, seconds, breakdown, report), reference in zip(rows, around, strict=True):
-        line = f"{name:<58}{seconds:>8.3f}{reference:>7.3f}{seconds / reference:>7.2f}{tokens / seconds:>8.0f}"
+        line = f"{name:<{NAME_WIDTH}}{seconds:>8.3f}{reference:>7.3f}{seconds / reference:>7.2f}{tokens / seconds:>8.0f}"
         if breakdown:
             line += "".join(
                 f"{breakdown[k]:>7.3f}" if k in ("forward", "backward", "step") else f"{breakdown[k]:>8.3f}"
@@ -148,6 +180,35 @@ def one_round(args, runs, model, batches, plain_step, tokens) -> list[tuple[str,
                 line += "  speculative windows " + " ".join(f"{k} {v}" for k, v in report["speculation"].items())
         print(line, flush=True)
     return engine_rows
+
+
+def run_name(param: str, optimizer: str, overlap: str, state: str | None) -> str:
+    """A run's name in the tables; with a state precision it ends in `state=...`."""
+    name = f"offload param={param:<4} optimizer={optimizer:<4} overlap={overlap}"
+    return name if state is None else f"{name:<49} state={state}"
+
+
+def print_state_speedups(ratios: dict[str, list[float]], runs: list[str], args) -> None:
+    """For each run, how much faster each compact state precision steps than fp32 (fp32's s/step over
+    its own), per round and the median."""
+    print("\nstate precision against fp32, same run, back to back: fp32 s/step / this s/step (higher: faster)")
+    for run in runs:
+        placement, _, overlap = run.partition("@")
+        param, optimizer = placement.split("/")
+        overlap = overlap or args.overlap
+        fp32 = ratios.get(run_name(param, optimizer, overlap, "fp32"), [])
+        for state in args.state_precisions:
+            if state == "fp32" or not fp32:
+                continue
+            mine = ratios[run_name(param, optimizer, overlap, state)]
+            speedups = [a / b for a, b in zip(fp32, mine)]
+            print(
+                f"{run_name(param, optimizer, overlap, state):<{NAME_WIDTH}}"
+                + "".join(f"{v:>7.2f}x" for v in speedups)
+                + f"   median {statistics.median(speedups):.2f}x"
+            )
+    if "int8" in args.state_precisions and "fp32" in args.state_precisions:
+        print("target (issue 34): state=int8 at least 1.5x faster than state=fp32 with param nvme / optimizer nvme")
 
 
 def main(argv=None) -> int:
@@ -166,7 +227,21 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=1, help="repeat the whole sequence; prints each run's ratio per round and the median"
     )
+    parser.add_argument(
+        "--state-precisions",
+        default=None,
+        help="comma-separated optimizer.state_precision values (fp32, bf16, int8): every run once per value, "
+        "back to back, and each compact one's speed-up over fp32 (default: the config's default, fp32)",
+    )
     args = parser.parse_args(argv)
+    if args.state_precisions:
+        args.state_precisions = [p.strip() for p in args.state_precisions.split(",")]
+        available = engine_state_precisions()
+        unknown = [p for p in args.state_precisions if p not in available]
+        if unknown:
+            parser.error(f"--state-precisions: {unknown} not accepted by this engine (it has {list(available)})")
+        global NAME_WIDTH
+        NAME_WIDTH = 68
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(args.layers, args.width, args.seq)
     count = sum(p.numel() for p in model.parameters())
@@ -182,19 +257,23 @@ def main(argv=None) -> int:
 
     runs = [run.strip() for run in args.runs.split(",")]
     ratios: dict[str, list[float]] = {}
+    seconds_per_step: dict[str, list[float]] = {}
     for round_index in range(args.rounds):
         if args.rounds > 1:
             print(f"\nround {round_index + 1} of {args.rounds}")
         for name, seconds, reference in one_round(args, runs, model, batches, plain_step, tokens):
             ratios.setdefault(name, []).append(seconds / reference)
+            seconds_per_step.setdefault(name, []).append(seconds)
     if args.rounds > 1:
         print(f"\nratio to plain PyTorch in each of {args.rounds} rounds, and their median")
         for name, values in ratios.items():
-            print(f"{name:<58}" + "".join(f"{v:>7.2f}" for v in values) + f"   median {statistics.median(values):.2f}")
+            print(f"{name:<{NAME_WIDTH}}" + "".join(f"{v:>7.2f}" for v in values) + f"   median {statistics.median(values):.2f}")
     print(
         "ratio: against the plain PyTorch runs just before and after each run (--plain-once: the first and last)\n"
         "targets (issue 14, 2-core CPU as device): param none/optimizer cpu <= 1.10x plain; optimizer nvme <= 1.35x plain"
     )
+    if args.state_precisions:
+        print_state_speedups(seconds_per_step, runs, args)
     return 0
 
 
