@@ -416,7 +416,7 @@ def test_cli_says_what_the_engine_takes_from_the_ram_left_over(tmp_path, capsys)
     assert 0 < rows[("none", "nvme")]["gradient_units"] < rows[("none", "nvme")]["streamed_units"]
     assert cli_main(args) == 0
     table = capsys.readouterr().out
-    assert "spare states for" in table and "fp32 gradients of" in table and "offload.gradient_memory caps it" in table
+    assert "spare states for" in table and "16-bit gradients of" in table and "offload.gradient_memory caps it" in table
 
 
 def test_cli_errors_name_the_input(capsys):
