@@ -63,12 +63,10 @@ bf16 / fp16 (and legacy `bfloat16`)
     -> `precision` (neither: `fp32`; both: error). fp16 `initial_scale_power`,
     `loss_scale_window`, `min_loss_scale` -> `loss_scale.*`; a positive `loss_scale` (static
     scaling) is an error. Keys of a disabled section are ignored, as DeepSpeed ignores them.
-    `bf16.bf16_optimizer_states: true` (DeepSpeed: Adam moments in bf16), with or without
-    `bf16_master_weights_and_grads`, -> `optimizer.state_precision` `bf16`, logged at INFO:
-    offload keeps the master weights fp32 and the gradient as `optimizer.gradient_precision`
-    says (16-bit where exact). `bf16_master_weights_and_grads: true` alone (bf16 master weights,
-    fp32 moments) cannot be honoured; `optimizer.params.fp32_optimizer_states: true` beside
-    `bf16_optimizer_states: true` is a contradiction (an error naming both).
+    `bf16_optimizer_states: true` (bf16 Adam moments; with or without `bf16_master_weights_and_grads`)
+    -> `optimizer.state_precision` `bf16`, logged: the master stays fp32. `bf16_master_weights_and_grads`
+    alone cannot be honoured; `bf16_optimizer_states` with `optimizer.params.fp32_optimizer_states:
+    true` is an error naming both.
 optimizer
     `type` (case-insensitive) `AdamW` -> `adamw`; `Adam`, `FusedAdam`, `CPUAdam`,
     `DeepSpeedCPUAdam` -> `adamw` unless `params.adam_w_mode` is false, then `adam`. Other types
