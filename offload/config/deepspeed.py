@@ -45,8 +45,8 @@ zero_optimization
     whose device is `nvme` must name the same `nvme_path`. One `pin_memory` switch (absent:
     pinned, offload's default). `buffer_count`: the larger of the active sections' (at least 2).
     `sub_group_size` -> `offload.sub_group_size` (the piece of a unit's optimizer state streamed
-    from NVMe and stepped at once: the host slots hold `buffer_count` pieces of 16 bytes per
-    element) when the optimizer state can live on NVMe (`offload.optimizer` `nvme`, or `auto`
+    from NVMe and stepped at once: the host slots hold `buffer_count` pieces, 16 bytes per
+    element in fp32) when the optimizer state can live on NVMe (`offload.optimizer` `nvme`, or `auto`
     from device `none` or no section), at any stage. A value below the smallest useful piece
     (2^18 elements, 0 included, as axolotl writes it) leaves offload's default piece for the
     tier. DeepSpeed's default and the Hugging Face examples' value, 1e9, makes slots of up to

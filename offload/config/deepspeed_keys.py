@@ -85,7 +85,7 @@ _WHY_SUB_GROUP_IN_RAM = (
 )
 
 _WHY_FEATURE = "a DeepSpeed feature offload does not implement; it would change training"
-_WHY_QUANTIZED = "quantized weights or gradients (ZeRO++) change the maths; offload keeps 16-bit weights and fp32 state"
+_WHY_QUANTIZED = "quantized weights or gradients (ZeRO++) change the maths; offload keeps 16-bit weights and gradients"
 _WHY_AUTOCAST = "casting inputs (offload casts parameters; cast inputs in your training loop)"
 _WHY_LOW_MASTER = (
     "16-bit master weights (offload keeps the master weights in fp32; for a smaller optimizer state set "

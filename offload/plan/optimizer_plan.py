@@ -67,7 +67,7 @@ class OptimizerPlan:
     def summary(self) -> str:
         counts = {tier: self.tiers.count(tier) for tier in OptimizerTier if tier in self.tiers}
         parts = [
-            f"{tier.value}: {count} units, {format_bytes(self.bytes_by_tier.get(tier.value, 0))}"
+            f"{tier.value}: {count} unit{'' if count == 1 else 's'}, {format_bytes(self.bytes_by_tier.get(tier.value, 0))}"
             for tier, count in counts.items()
         ]
         if self.slot_bytes:
