@@ -96,3 +96,36 @@ def test_parse_size():
 def test_bad_block_size_rejected(tmp_path, capsys):
     rc, _, err = run_cli(capsys, "--path", str(tmp_path), "--block-sizes", "1000", "--size", "64K")
     assert rc == 2 and "multiple of 4096" in err
+
+
+def test_step_seconds_count_the_states_bytes():
+    """The advice converts the best speeds into an optimizer step per billion params with the
+    state streamed from the disk: fp32 moments and gradient move 16 bytes per param each way
+    (12 with the gradient in RAM); compact state moves less."""
+    from offload.config.state_layout import FP32_STATE, StateBytes, StatePrecision
+
+    fp32 = bench_io.step_seconds(2.0, 1.0, FP32_STATE)
+    # each kind's file in whole pages: 16 bytes per param, to a page
+    assert fp32["gradient_on_disk"]["read"] == fp32["gradient_on_disk"]["written"] == pytest.approx(16 * 10**9, abs=4 * 4096)
+    assert fp32["gradient_on_disk"]["seconds"] == pytest.approx(16 / 2 + 16 / 1)
+    assert fp32["gradient_in_ram"]["seconds"] == pytest.approx(12 / 2 + 12 / 1)
+    int8 = bench_io.step_seconds(2.0, 1.0, StateBytes(StatePrecision.INT8, 2))
+    assert int8["gradient_on_disk"]["read"] == pytest.approx((4 + 2 * (1 + 1 / 32) + 2) * 10**9, rel=1e-4)
+    assert (
+        int8["gradient_on_disk"]["seconds"]
+        < bench_io.step_seconds(2.0, 1.0, StateBytes(StatePrecision.BF16, 2))["gradient_on_disk"]["seconds"]
+        < fp32["gradient_on_disk"]["seconds"]
+    )
+
+
+def test_advice_marks_the_configs_precision(tmp_path, capsys):
+    config = tmp_path / "offload.json"
+    config.write_text(json.dumps({"optimizer": {"state_precision": "int8"}}))
+    rc, out, _ = run_cli(capsys, "--path", str(tmp_path), "--json", "--quiet", *SMALL[:2], "--config", str(config))
+    assert rc == 0
+    advice = json.loads(out)["step_advice"]
+    assert advice["config_precision"] == "int8" and advice["gradient_bytes"] == 2  # bf16 compute, one micro-batch
+    assert list(advice["by_precision"]) == ["fp32", "bf16", "int8"]
+    assert bench_io.advice_lines(advice)[3].startswith("  int8 (your config): ")
+    rc, _, err = run_cli(capsys, "--path", str(tmp_path), "--config", str(tmp_path / "missing.json"), *SMALL)
+    assert rc == 2 and "missing.json" in err

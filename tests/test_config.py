@@ -150,6 +150,11 @@ def test_boundary_values_are_accepted():
         ({"offload": {"optimizer": "nvm"}}, "offload.optimizer", "nvme"),
         ({"overlap": "backwards"}, "overlap", "backward"),
         ({"optimizer": {"type": "sgd"}}, "optimizer.type", None),
+        ({"optimizer": {"state_precision": "8bit"}}, "optimizer.state_precision", "int8"),
+        ({"optimizer": {"state_precision": "int4"}}, "optimizer.state_precision", "int8"),
+        ({"optimizer": {"state_precision": "bfloat16"}}, "optimizer.state_precision", "bf16"),
+        ({"optimizer": {"gradient_precision": "fp16"}}, "optimizer.gradient_precision", None),
+        ({"optimizer": {"gradient_precision": "atuo"}}, "optimizer.gradient_precision", "auto"),
     ],
 )
 def test_choices_name_the_key_and_accepted_values(mapping, key, nearest):
@@ -159,6 +164,34 @@ def test_choices_name_the_key_and_accepted_values(mapping, key, nearest):
     assert f"config key '{key}'" in message and "is not one of" in message
     if nearest:
         assert f"did you mean '{nearest}'?" in message
+
+
+def test_state_and_gradient_precision_keys():
+    """optimizer.state_precision: how the Adam moments are stored; optimizer.gradient_precision:
+    auto keeps a 16-bit gradient where exact. Read case-insensitively; an invalid value names the
+    key and every valid one (config.state_layout.StatePrecision's)."""
+    from offload.config.state_layout import StatePrecision
+
+    assert (Config().optimizer.state_precision, Config().optimizer.gradient_precision) == ("fp32", "auto")
+    assert config_module.STATE_PRECISIONS == tuple(p.value for p in StatePrecision)
+    config = load_config({"optimizer": {"state_precision": "INT8", "gradient_precision": "FP32"}})
+    assert (config.optimizer.state_precision, config.optimizer.gradient_precision) == ("int8", "fp32")
+    with pytest.raises(ConfigError) as error:
+        load_config({"optimizer": {"state_precision": "fp8"}})
+    assert error.value.key == "optimizer.state_precision" and "fp32, bf16, int8" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        load_config({"optimizer": {"gradient_precision": "bf16"}})
+    assert error.value.key == "optimizer.gradient_precision" and "auto, fp32" in str(error.value)
+    assert "16-bit" in str(error.value)  # says what auto already does
+
+
+def test_sub_group_size_doc_says_pieces_are_whole_blocks():
+    from offload.config.state_layout import INT8_BLOCK
+    from offload.plan.optimizer_plan import whole_blocks
+
+    doc = field_docs(OffloadConfig)["sub_group_size"]
+    assert f"whole blocks of {INT8_BLOCK} elements" in doc
+    assert whole_blocks(5000, 10**6) == 4992 and whole_blocks(5000, 4000) == 4000  # what it describes
 
 
 def test_overlap_backward_is_accepted_with_clipping_and_fp16():

@@ -509,6 +509,51 @@ def test_precision_rules():
         load_config({"bf16": {"enabled": "yes"}})
 
 
+@pytest.mark.parametrize("master", [None, True, False])
+def test_bf16_optimizer_states_map_to_bf16_moments_with_a_log_line(master, caplog):
+    """DeepSpeed's bf16.bf16_optimizer_states (Adam moments in bf16; DeepSpeed asks for
+    bf16_master_weights_and_grads beside it) is optimizer.state_precision bf16: offload keeps the
+    master fp32 and says so at INFO; an error about the value names the DeepSpeed key."""
+    bf16 = {"enabled": True, "bf16_optimizer_states": True}
+    if master is not None:
+        bf16["bf16_master_weights_and_grads"] = master
+    mapping = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16": bf16}
+    with caplog.at_level(logging.INFO, logger="offload.config.deepspeed"):
+        config = load_config(mapping)
+    assert (config.precision, config.optimizer.state_precision, config.optimizer.gradient_precision) == ("bf16", "bf16", "auto")
+    [line] = [r.getMessage() for r in caplog.records if "bf16_optimizer_states" in r.getMessage()]
+    assert "optimizer.state_precision bf16" in line and "master weights in fp32" in line
+    assert "optimizer.gradient_precision" in line
+    assert ("bf16_master_weights_and_grads: true" in line) == bool(master)
+    assert translate_deepspeed(mapping).sources["optimizer.state_precision"] == "bf16.bf16_optimizer_states"
+    assert "bf16.bf16_optimizer_states" not in ignored_keys(mapping)
+    # the legacy section name too
+    assert translate({"bfloat16": bf16})["optimizer"]["state_precision"] == "bf16"
+
+
+def test_bf16_state_keys_that_cannot_be_honoured_or_contradict():
+    # bf16 master weights with fp32 moments: offload keeps the master fp32
+    with pytest.raises(ConfigError, match="cannot honour") as error:
+        load_config({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
+    assert error.value.key == "bf16.bf16_master_weights_and_grads" and "bf16_optimizer_states" in str(error.value)
+    # bf16 moments and fp32 moments at once: an error naming both keys, even when not strict
+    contradiction = {
+        "bf16": {"enabled": True, "bf16_optimizer_states": True},
+        "optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": True}},
+    }
+    with pytest.raises(ConfigError, match=r"'bf16\.bf16_optimizer_states'.*'optimizer\.params\.fp32_optimizer_states'"):
+        load_config(contradiction, strict=False)
+    with pytest.raises(ConfigError, match=r"bf16_optimizer_states.*true or false"):
+        load_config({"bf16": {"enabled": True, "bf16_optimizer_states": "auto"}})
+    # switched off, or in a disabled section (as DeepSpeed ignores it): fp32 moments
+    off = {"bf16": {"enabled": True, "bf16_optimizer_states": False, "bf16_master_weights_and_grads": False}}
+    assert load_config(off).optimizer.state_precision == "fp32"
+    assert {"bf16.bf16_optimizer_states", "bf16.bf16_master_weights_and_grads"} <= ignored_keys(off)
+    disabled = {"fp16": {"enabled": True}, "bf16": {"enabled": False, "bf16_optimizer_states": True}}
+    assert load_config(disabled).optimizer.state_precision == "fp32"
+    assert "bf16.bf16_optimizer_states" in ignored_keys(disabled)
+
+
 def test_static_loss_scale_is_an_error_even_when_not_strict():
     with pytest.raises(ConfigError, match=r"fp16\.loss_scale.*static loss scaling"):
         load_config({"fp16": {"enabled": True, "loss_scale": 128}}, strict=False)

@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 
 from offload.cli import main as cli_main
 from offload.config.sizes import round_up
+from offload.config.state_layout import FP32_STATE, STATE_KINDS, StateBytes, StatePrecision
 from offload.errors import ConfigError
 from offload.plan import estimate as est
 from offload.plan.budgets import host_budget_bytes
 from offload.plan.machine import Machine
 from offload.plan.model_shapes import ModelShape, shape_from_hf_config, shape_from_module, shape_from_param_count
-from offload.plan.optimizer_plan import shape_slots
+from offload.plan.optimizer_plan import shape_slots, swap_bytes_for_state
 
 transformers = pytest.importorskip("transformers")
 
@@ -226,14 +227,16 @@ def pages(nbytes: int) -> int:
     precision=st.sampled_from(["bf16", "fp32"]),
     device=st.sampled_from(["cuda", "cpu"]),
     sub_group_size=st.sampled_from([1024, 5000, 1 << 26, None]),
+    state=st.sampled_from([FP32_STATE, StateBytes(StatePrecision.BF16, 2), StateBytes(StatePrecision.INT8, 2)]),
 )
 def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(
-    layers, width, world, depth, buffers, placement, precision, device, sub_group_size
+    layers, width, world, depth, buffers, placement, precision, device, sub_group_size, state
 ):
-    """Every category of host_budget_bytes (called with staged_device_copies and sub_group_size as
-    the engine does on that device) appears in the estimate, each buffer rounded up to whole 4 KiB
-    pages; the NVMe slots are shaped as the engine shapes them (None: an unset key), each state
-    kind one buffer of a piece."""
+    """Every category of host_budget_bytes (called with staged_device_copies, sub_group_size and
+    the state's widths as the engine does on that device) appears in the estimate, each buffer
+    rounded up to whole 4 KiB pages; the NVMe slots are shaped as the engine shapes them (None:
+    an unset key), each state kind one buffer of a piece, as wide as `state` stores it; the swap
+    files likewise."""
     shape = ModelShape("t", (1000 * width, 7), (333 * width, 5, 17 * width), layers)
     param, optimizer = placement
     cb = est.COMPUTE_BYTES[precision]
@@ -247,6 +250,7 @@ def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(
         buffer_count=buffers,
         device=device,
         sub_group_size=sub_group_size,
+        state=state,
     )
     shards = shape.shard_numels(world)
     budget = host_budget_bytes(
@@ -258,14 +262,15 @@ def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(
         prefetch_depth=depth,
         staged_device_copies=device == "cuda",
         sub_group_size=sub_group_size,
+        state=state,
     )
     assert set(estimate.host) == set(budget)
     largest = max(shards)
     slots = shape_slots(shards, buffer_count=buffers, sub_group_size=sub_group_size)
     rounded = {
-        "optimizer_state": sum(4 * pages(4 * n) for n in shards),
-        "optimizer_slots": slots.count * 4 * pages(4 * slots.piece),
-        "grad_slot": pages(4 * slots.piece),
+        "optimizer_state": sum(pages(state.kind_bytes(kind, n)) for n in shards for kind in STATE_KINDS),
+        "optimizer_slots": slots.count * sum(pages(state.kind_bytes(kind, slots.piece)) for kind in STATE_KINDS),
+        "grad_slot": pages(state.gradient_bytes * slots.piece),
         "param16": sum(pages(cb * n) for n in shards),
         "param_staging": (depth + 2) * pages(cb * largest),
         "grad_staging": 2 * pages(cb * largest),
@@ -275,6 +280,9 @@ def test_host_estimate_is_host_budget_bytes_rounded_as_the_pool_allocates(
         assert 0 <= estimate.host[category] - nbytes < 4096 * (5 * len(shards) + 4 * slots.count + depth + 8)
     # the staged copies exist on CUDA only
     assert ("grad_staging" in estimate.host) == (device == "cuda")
+    if optimizer == "nvme":
+        weights = sum(4096 + pages(cb * n) for n in shards) if param == "nvme" else 0
+        assert estimate.nvme["swap"] == weights + sum(swap_bytes_for_state(n, slots.piece, state) for n in shards)
 
 
 def test_streamed_state_is_sized_in_pieces_of_sub_group_size():

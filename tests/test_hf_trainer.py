@@ -243,6 +243,28 @@ def test_training_arguments_drive_the_engine_config(tmp_path):
     assert rest == {"offload": {"param": "cpu", "optimizer": "cpu"}, "prefetch": {"depth": 2}, "overlap": "forward"}
 
 
+def test_8bit_adamw_optims_store_int8_moments(tmp_path, caplog):
+    """TrainingArguments.optim's 8-bit AdamWs (torchao's, bitsandbytes') run as the engine's AdamW
+    with int8 moments, said at INFO; the torch AdamWs keep the config's precision (fp32 by
+    default); a config that says otherwise is a contradiction naming both. The Trainer
+    accumulates across the engine's window of 1, so `auto` gives the gradient fp32 then."""
+    for optim in ("adamw_torch_8bit", "adamw_bnb_8bit", "adamw_8bit"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="offload.integrations.trainer_config"):
+            config = trainer_config(training_args(tmp_path, optim=optim), None)
+        assert (config.optimizer.type, config.optimizer.state_precision) == ("adamw", "int8")
+        assert config.optimizer.gradient_precision == "fp32"  # accumulation 2 in the Trainer
+        assert any(f"optim={optim!r}" in r.getMessage() and "int8" in r.getMessage() for r in caplog.records)
+    one = trainer_config(training_args(tmp_path, optim="adamw_8bit", gradient_accumulation_steps=1), None, report=False)
+    assert one.optimizer.gradient_precision == "auto"
+    for optim in ("adamw_torch", "adamw_torch_fused"):
+        assert trainer_config(training_args(tmp_path, optim=optim), None).optimizer.state_precision == "fp32"
+    bf16 = {"optimizer": {"state_precision": "bf16"}}
+    assert trainer_config(training_args(tmp_path), bf16).optimizer.state_precision == "bf16"
+    with pytest.raises(ConfigError, match=r"optimizer.state_precision='bf16' but TrainingArguments.optim='adamw_8bit'"):
+        trainer_config(training_args(tmp_path, optim="adamw_8bit"), bf16)
+
+
 def test_deepspeed_config_from_the_hf_docs_runs_unchanged(tmp_path):
     """transformers' own ZeRO-3 example config (all "auto", CPU offload, a WarmupLR section): its
     schedule drives the lr, as under the Trainer's DeepSpeed integration, also across a resume."""

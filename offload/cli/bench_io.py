@@ -1,9 +1,11 @@
 """`offload bench-io --path DIR`: swap read/write throughput over block size x queue depth x threads.
 
 Writes then reads a scratch file at DIR with the same engine the swap store uses (O_DIRECT
-where the filesystem allows it), prints a table in GB/s (1e9 bytes/s) and the best `io`
-section to paste in a config; `--json` prints the whole result instead. The scratch file
-is removed on every exit path, Ctrl-C and SIGTERM included.
+where the filesystem allows it), prints a table in GB/s (1e9 bytes/s), the best `io`
+section to paste in a config, and what an optimizer step whose state streams from this disk
+would take at the best speeds, per billion params, for each `optimizer.state_precision`
+(`step_seconds`; `--config` says which one is yours); `--json` prints the whole result instead.
+The scratch file is removed on every exit path, Ctrl-C and SIGTERM included.
 
 Note on the engine: a pool of `threads` workers each doing one pread/pwrite at a time, so
 the number of requests in flight is min(threads, queue_depth); combinations with more
@@ -25,6 +27,9 @@ import uuid
 import torch
 
 from offload.config.sizes import format_bytes, parse_bytes
+from offload.config.state_layout import StateBytes, StatePrecision
+from offload.errors import ConfigError
+from offload.plan.optimizer_plan import step_disk_traffic
 from offload.storage.aio import AioEngine, probe_o_direct, round_up
 from offload.storage.memory import HostBufferPool
 
@@ -233,6 +238,63 @@ def _best_io(rows: list[dict], ops) -> dict:
     return {"block_size": b, "queue_depth": q, "threads": t}
 
 
+PARAMS_PER_ADVICE = 10**9  # the advice is per billion params of optimizer state on the disk
+
+
+def step_seconds(read_gbps: float, write_gbps: float, state: StateBytes, *, accumulation_steps: int = 1) -> dict:
+    """Disk bytes and seconds of one optimizer step of PARAMS_PER_ADVICE params whose state
+    streams from a disk reading `read_gbps` and writing `write_gbps` GB/s, as wide as `state`
+    (plan.step_disk_traffic: master and moments read and written, the gradient written during
+    backward and read by the step; with the gradient in RAM, the master and moments alone).
+    Seconds are reads then writes, not overlapped: an upper bound for one drive."""
+    advice = {}
+    for where, in_ram in (("gradient_on_disk", False), ("gradient_in_ram", True)):
+        traffic = step_disk_traffic(
+            PARAMS_PER_ADVICE, PARAMS_PER_ADVICE, state, gradient_in_ram=in_ram, accumulation_steps=accumulation_steps
+        )
+        seconds = traffic.read / (read_gbps * 1e9) + traffic.written / (write_gbps * 1e9)
+        advice[where] = {"read": traffic.read, "written": traffic.written, "seconds": round(seconds, 3)}
+    return advice
+
+
+def step_advice(result: dict, state: StateBytes, accumulation_steps: int = 1) -> dict:
+    """`step_seconds` at the sweep's best read and write speeds for every state precision (the
+    gradient as wide as `state`'s), and which precision is the config's."""
+    read, write = result["best"].get("read"), result["best"].get("write")
+    if not read or not write or read["gbps"] <= 0 or write["gbps"] <= 0:
+        return {}
+    return {
+        "params": PARAMS_PER_ADVICE,
+        "config_precision": state.precision.value,
+        "gradient_bytes": state.gradient_bytes,
+        "by_precision": {
+            precision.value: step_seconds(
+                read["gbps"], write["gbps"], StateBytes(precision, state.gradient_bytes), accumulation_steps=accumulation_steps
+            )
+            for precision in StatePrecision
+        },
+    }
+
+
+def advice_lines(advice: dict, mine: str = "your config") -> list[str]:
+    """The step advice in words, one line per precision (the config's marked with `mine`)."""
+    if not advice:
+        return []
+    lines = [
+        f"an optimizer step per {advice['params'] / 1e9:g}B params of optimizer state on this disk, at the best speeds "
+        f"above (reads then writes; {'fp32' if advice['gradient_bytes'] == 4 else '16-bit'} gradient):"
+    ]
+    for precision, row in advice["by_precision"].items():
+        mark = f" ({mine})" if precision == advice["config_precision"] else ""
+        on_disk, in_ram = row["gradient_on_disk"], row["gradient_in_ram"]
+        lines.append(
+            f"  {precision}{mark}: {format_bytes(on_disk['read'] + on_disk['written'])} moved, {on_disk['seconds']:.2f} s; "
+            f"with the gradient in RAM (offload.gradient_memory) {format_bytes(in_ram['read'] + in_ram['written'])}, "
+            f"{in_ram['seconds']:.2f} s"
+        )
+    return lines
+
+
 def format_table(result: dict) -> str:
     lines = [f"{'op':<6} {'block':>9} {'depth':>6} {'threads':>8} {'GB/s':>8}"]
     for r in result["rows"]:
@@ -260,6 +322,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=1, help="passes per combination; the best is kept")
     parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--config",
+        help="an offload, DeepSpeed JSON or accelerate YAML config: the step advice marks its optimizer.state_precision "
+        "and keeps the gradient as it does (default: fp32 moments, bf16 compute, one micro-batch per step)",
+    )
 
 
 def run(args) -> int:
@@ -267,6 +334,11 @@ def run(args) -> int:
         if b <= 0 or b % 4096:
             print(f"offload bench-io: block size {b} must be a positive multiple of 4096", file=sys.stderr)
             return 2
+    try:
+        state, accumulation = _config_state(getattr(args, "config", None))
+    except ConfigError as error:
+        print(f"offload bench-io: {error}", file=sys.stderr)
+        return 2
 
     def progress(done, total, row):
         if not args.quiet:
@@ -290,6 +362,7 @@ def run(args) -> int:
         return 1
     for w in result["warnings"]:
         log.warning("%s", w)
+    result["step_advice"] = step_advice(result, state, accumulation)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -302,6 +375,19 @@ def run(args) -> int:
         print(
             f"best {op}: {r['gbps']:.2f} GB/s at block {format_bytes(r['block_size'])}, depth {r['queue_depth']}, threads {r['threads']}"
         )
+    for line in advice_lines(result["step_advice"], mine="your config" if getattr(args, "config", None) else "the default"):
+        print(line)
     print("io section to paste in the config:")
     print(json.dumps({"io": result["io"]}, indent=2))
     return 0
+
+
+def _config_state(path: str | None) -> tuple[StateBytes, int]:
+    """The optimizer state's widths and the accumulation steps of the config at `path` (the
+    defaults' without one)."""
+    from offload.config.schema import Config, load_config
+    from offload.config.state_layout import state_bytes_for
+
+    config = load_config(path) if path else Config()
+    compute_bytes = 4 if config.precision == "fp32" else 2
+    return state_bytes_for(config, compute_bytes), config.gradient_accumulation_steps

@@ -1,4 +1,5 @@
-"""`offload estimate`: bytes per tier for a model under every placement, what fits, what to use."""
+"""`offload estimate`: bytes per tier for a model under every placement, what fits, what to use,
+and (unless `--state-precision` picks one) what each optimizer state precision takes."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from offload.config.sizes import parse_size
+from offload.config.state_layout import StatePrecision
 from offload.errors import ConfigError
 from offload.plan import estimate as est
 from offload.plan.machine import DEVICE_KINDS, Machine, detect_machine
 from offload.plan.model_shapes import ModelShape, shape_from_hf_config, shape_from_param_count
+from offload.plan.precisions import compare_state_precisions, state_for
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--precision", choices=sorted(est.COMPUTE_BYTES), help="compute precision (default: the config's, else bf16)"
+    )
+    parser.add_argument(
+        "--state-precision",
+        choices=[p.value for p in StatePrecision],
+        help="how the Adam moments are stored (optimizer.state_precision; default: the config's, else fp32); "
+        "without it, a table shows what each precision takes for the recommended placement",
     )
     parser.add_argument("--world-size", type=int, default=1, help="ranks the model is sharded over (default 1)")
     parser.add_argument(
@@ -138,9 +148,7 @@ def build_report(args) -> dict:
     ram = size("--ram", args.ram, binary=True) if args.ram is not None else machine.ram_bytes
     disk = size("--disk", args.disk, binary=False) if args.disk is not None else machine.disk_bytes
     machine = Machine(gpu_bytes, ram, disk, ranks_per_node, nvme_path, device)
-    report = est.estimate_report(
-        _shape(args),
-        machine,
+    settings: dict[str, Any] = dict(
         precision=precision,
         world_size=args.world_size,
         prefetch_depth=config.prefetch.depth,
@@ -155,7 +163,19 @@ def build_report(args) -> dict:
         micro_batch=args.micro_batch,
         seq_len=args.seq_len,
         checkpointing=args.checkpointing,
+        accumulation_steps=config.gradient_accumulation_steps,
+        # the moments as asked, the gradient as the engine keeps it (state_layout.state_bytes_for)
+        state=state_for(
+            args.state_precision or config.optimizer.state_precision,
+            precision=precision,
+            accumulation_steps=config.gradient_accumulation_steps,
+            gradient_precision=config.optimizer.gradient_precision,
+        ),
     )
+    shape = _shape(args)
+    report = est.estimate_report(shape, machine, **settings)
+    if args.state_precision is None:
+        report["state_precisions"] = compare_state_precisions(shape, machine, report, **settings)
     report["machine"]["size_notes"] = notes
     return report
 
@@ -177,6 +197,10 @@ def format_report(report: dict) -> str:
             f"sub-group size {settings['sub_group_size'] or 'auto'})"
         ),
         (
+            f"optimizer state: {_state_words(settings['state'])} (optimizer.state_precision, optimizer.gradient_precision; "
+            f"gradient accumulation {settings['gradient_accumulation_steps']})"
+        ),
+        (
             f"machine: GPU {gpu}, RAM {f(machine['ram_bytes'])} available, disk {f(machine['disk_bytes'])} free at "
             f"{machine['nvme_path']}"
         ),
@@ -193,7 +217,12 @@ def format_report(report: dict) -> str:
         )
         if row.get("plan"):
             lines.append(f"{'':<18} optimizer state split: {row['plan']}")
-        lines.extend(f"{'':<18} {line}" for line in leftover_lines(row.get("leftover_ram")))
+        lines.extend(f"{'':<18} {line}" for line in leftover_lines(row.get("leftover_ram"), settings["state"]))
+        disk = row.get("disk_per_step")
+        if disk and disk["read"] + disk["written"]:
+            lines.append(
+                f"{'':<18} disk traffic of the optimizer state per step: {f(disk['read'])} read + {f(disk['written'])} written"
+            )
     activations = report["activations_bytes"]
     lines.append("")
     lines.append(
@@ -201,6 +230,9 @@ def format_report(report: dict) -> str:
         f"{', checkpointing' if settings['checkpointing'] else ''}): about {f(activations)} per GPU "
         f"({report['activations_note']})"
     )
+    if report.get("state_precisions"):
+        lines.append("")
+        lines.extend(precision_lines(report["state_precisions"], settings["state"]["state_precision"]))
     saved = report["checkpoint"]
     lines.append(
         f"checkpoint: {f(saved['bytes'])} on disk (fp32 master and moments); a load checks it whole before applying it: "
@@ -216,8 +248,40 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def leftover_lines(leftover: dict | None) -> list[str]:
-    """What the engine takes beside a placement's row from the RAM left over, in words."""
+def _state_words(state: dict) -> str:
+    gradient = "fp32" if state["gradient_bytes"] == 4 else "16-bit"
+    return f"{state['state_precision']} moments, fp32 master, {gradient} gradient: {state['bytes_per_param']:g} bytes per param"
+
+
+def precision_lines(table: dict, chosen: str) -> list[str]:
+    """The per-precision comparison (plan.precisions.compare_state_precisions) as a table."""
+    f = est.format_bytes
+    lines = [
+        f"what each optimizer.state_precision takes for {table['param']} / {table['optimizer']} ({table['why']}; "
+        "choose one with --state-precision or the config):",
+        f"{'precision':<12} {'B/param':>7} {'device':>10} {'host':>10} {'nvme':>10} {'disk per step (read + written)':>32}  "
+        "fits  recommended",
+    ]
+    for row in table["rows"]:
+        name = row["state_precision"] + (" *" if row["state_precision"] == chosen else "")
+        disk = row["disk_per_step"]
+        traffic = "-" if disk is None else f"{f(disk['read'])} + {f(disk['written'])}"
+        recommended = "nothing fits" if row["recommended"] is None else " / ".join(row["recommended"])
+        lines.append(
+            f"{name:<12} {row['bytes_per_param']:>7.3g} {f(row['device']):>10} {f(row['host']):>10} {f(row['nvme']):>10} "
+            f"{traffic:>32}  {'yes' if row['fits'] else 'no':<4}  {recommended}"
+        )
+        if row["plan"]:
+            lines.append(f"{'':<12} optimizer state split: {row['plan']}")
+    lines.append(
+        "(* the precision the placement rows above count; every precision keeps fp32 master weights and fp32 checkpoints)"
+    )
+    return lines
+
+
+def leftover_lines(leftover: dict | None, state: dict | None = None) -> list[str]:
+    """What the engine takes beside a placement's row from the RAM left over, in words; `state`:
+    the report's settings["state"] (the gradient's width)."""
     if not leftover:
         return []
     f = est.format_bytes
@@ -231,10 +295,11 @@ def leftover_lines(leftover: dict | None) -> list[str]:
         freed = (
             f" (less the {f(leftover['grad_slot_freed'])} gradient slot then not needed)" if leftover["grad_slot_freed"] else ""
         )
+        width = "fp32" if state is None or state["gradient_bytes"] == 4 else "16-bit"
         lines.append(
-            f"+ {f(leftover['gradient'])} of the RAM left over{freed}: fp32 gradients of {leftover['gradient_units']} of "
+            f"+ {f(leftover['gradient'])} of the RAM left over{freed}: {width} gradients of {leftover['gradient_units']} of "
             f"{leftover['streamed_units']} NVMe units; {f(leftover['nvme_saved'])} less on nvme, and those units' steps "
-            "move 24 disk bytes per param instead of 32 (offload.gradient_memory caps it)"
+            "move only the master and moments over the disk (offload.gradient_memory caps it)"
         )
     return lines
 

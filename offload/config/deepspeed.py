@@ -45,8 +45,8 @@ zero_optimization
     whose device is `nvme` must name the same `nvme_path`. One `pin_memory` switch (absent:
     pinned, offload's default). `buffer_count`: the larger of the active sections' (at least 2).
     `sub_group_size` -> `offload.sub_group_size` (the piece of a unit's optimizer state streamed
-    from NVMe and stepped at once: the host slots hold `buffer_count` pieces of 16 bytes per
-    element) when the optimizer state can live on NVMe (`offload.optimizer` `nvme`, or `auto`
+    from NVMe and stepped at once: the host slots hold `buffer_count` pieces, 16 bytes per
+    element in fp32) when the optimizer state can live on NVMe (`offload.optimizer` `nvme`, or `auto`
     from device `none` or no section), at any stage. A value below the smallest useful piece
     (2^18 elements, 0 included, as axolotl writes it) leaves offload's default piece for the
     tier. DeepSpeed's default and the Hugging Face examples' value, 1e9, makes slots of up to
@@ -63,6 +63,10 @@ bf16 / fp16 (and legacy `bfloat16`)
     -> `precision` (neither: `fp32`; both: error). fp16 `initial_scale_power`,
     `loss_scale_window`, `min_loss_scale` -> `loss_scale.*`; a positive `loss_scale` (static
     scaling) is an error. Keys of a disabled section are ignored, as DeepSpeed ignores them.
+    `bf16_optimizer_states: true` (bf16 Adam moments; with or without `bf16_master_weights_and_grads`)
+    -> `optimizer.state_precision` `bf16`, logged: the master stays fp32. `bf16_master_weights_and_grads`
+    alone cannot be honoured; `bf16_optimizer_states` with `optimizer.params.fp32_optimizer_states:
+    true` is an error naming both.
 optimizer
     `type` (case-insensitive) `AdamW` -> `adamw`; `Adam`, `FusedAdam`, `CPUAdam`,
     `DeepSpeedCPUAdam` -> `adamw` unless `params.adam_w_mode` is false, then `adam`. Other types
@@ -115,6 +119,7 @@ from offload.config.deepspeed_keys import (
     _WHY_DEVICE_NONE,
     _WHY_DISABLED,
     _WHY_LAUNCHER,
+    _WHY_LOW_MASTER,
     _WHY_OFF,
     _WHY_RESUME,
     _WHY_SUB_GROUP_IN_RAM,
@@ -412,6 +417,7 @@ def _precision(b: _Builder, mapping: dict, mixed_precision: str | None) -> None:
     if bf16 is not None:
         if bf:
             b.sort_section(bf16_key, bf16, _BF16_HANDLED, _BF16_RULES)
+            _bf16_state(b, bf16, bf16_key, mapping)
         else:
             for key in sorted(set(bf16) - {"enabled"}):
                 b.ignored(f"{bf16_key}.{key}", _WHY_DISABLED)
@@ -440,6 +446,38 @@ def _precision(b: _Builder, mapping: dict, mixed_precision: str | None) -> None:
         )
     if fp16.get("min_loss_scale", "auto") != "auto":
         b.set("loss_scale.min_scale", float(b.number(fp16["min_loss_scale"], "fp16.min_loss_scale")), "fp16.min_loss_scale")
+
+
+def _bf16_state(b: _Builder, bf16: dict, prefix: str, mapping: dict) -> None:
+    """An enabled bf16 section's `bf16_optimizer_states` and `bf16_master_weights_and_grads`."""
+    states_key, master_key = f"{prefix}.bf16_optimizer_states", f"{prefix}.bf16_master_weights_and_grads"
+    states = b.flag(bf16["bf16_optimizer_states"], states_key) if "bf16_optimizer_states" in bf16 else None
+    master = b.flag(bf16["bf16_master_weights_and_grads"], master_key) if "bf16_master_weights_and_grads" in bf16 else None
+    if not states:
+        if states is False:
+            b.ignored(states_key, _WHY_OFF)
+        if master:
+            b.unsupported(master_key, _WHY_LOW_MASTER)
+        elif master is False:
+            b.ignored(master_key, _WHY_OFF)
+        return
+    params = (mapping.get("optimizer") or {}).get("params") if isinstance(mapping.get("optimizer"), dict) else None
+    fp32_states = params.get("fp32_optimizer_states") if isinstance(params, dict) else None
+    if fp32_states is True:
+        raise ConfigError(
+            f"{b.result.kind} config keys '{b.n(states_key)}': true and 'optimizer.params.fp32_optimizer_states': true "
+            "contradict each other (Adam moments in bf16 and in fp32); remove one of them",
+            key=b.n(states_key),
+        )
+    b.set("optimizer.state_precision", "bf16", states_key)
+    log.info(
+        "%s %s: true -> optimizer.state_precision bf16: the Adam moments are stored in bf16 (rounded stochastically); "
+        "offload keeps the master weights in fp32%s and the gradient as optimizer.gradient_precision says (auto: "
+        "16-bit when each step has one micro-batch, fp32 when gradients accumulate)",
+        b.result.kind,
+        b.n(states_key),
+        f" ({b.n(master_key)}: true asks for bf16 master weights and gradients; that part is not taken)" if master else "",
+    )
 
 
 def _communication_dtype(b: _Builder, mapping: dict) -> None:

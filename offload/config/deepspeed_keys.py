@@ -85,9 +85,12 @@ _WHY_SUB_GROUP_IN_RAM = (
 )
 
 _WHY_FEATURE = "a DeepSpeed feature offload does not implement; it would change training"
-_WHY_QUANTIZED = "quantized weights or gradients (ZeRO++) change the maths; offload keeps 16-bit weights and fp32 state"
+_WHY_QUANTIZED = "quantized weights or gradients (ZeRO++) change the maths; offload keeps 16-bit weights and gradients"
 _WHY_AUTOCAST = "casting inputs (offload casts parameters; cast inputs in your training loop)"
-_WHY_LOW_MASTER = "16-bit master weights or optimizer state (offload always keeps them in fp32)"
+_WHY_LOW_MASTER = (
+    "16-bit master weights (offload keeps the master weights in fp32; for a smaller optimizer state set "
+    "bf16.bf16_optimizer_states true, which maps to optimizer.state_precision bf16)"
+)
 _WHY_GRAD_DTYPE = "gradient accumulation in a 16-bit type (offload accumulates gradients in fp32)"
 _WHY_AMP = "NVIDIA apex AMP (use bf16 or fp16)"
 _WHY_COMM_DTYPE = "a communication data type other than the compute precision (offload reduce-scatters in the compute precision)"
@@ -276,10 +279,10 @@ _FP16_RULES = {
     "fp16_master_weights_and_grads": _when_off(_WHY_LOW_MASTER),
     "type": _ignore("the fp16 dtype name (offload's fp16 is torch.float16)"),
 }
-_BF16_HANDLED = ("enabled",)
+# bf16_optimizer_states and bf16_master_weights_and_grads are read together (deepspeed._bf16_state)
+_BF16_HANDLED = ("enabled", "bf16_optimizer_states", "bf16_master_weights_and_grads")
 _BF16_RULES = {
     **_rules(_WHY_TUNING, "immediate_grad_update", "check_grad_overflow", "check_overflow"),
-    **_rules(_when_off(_WHY_LOW_MASTER), "bf16_master_weights_and_grads", "bf16_optimizer_states"),
     "auto_cast": _when_off(_WHY_AUTOCAST),
 }
 

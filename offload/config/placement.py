@@ -30,7 +30,7 @@ class ParamTier(str, enum.Enum):
 
 
 class OptimizerTier(str, enum.Enum):
-    """Where the fp32 master weights, Adam moments and fp32 gradient live."""
+    """Where the optimizer state (fp32 master weights, Adam moments, gradient) lives."""
 
     DEVICE = "device"  # on the accelerator, stepped there (offload.optimizer: auto may choose it)
     HOST = "cpu"  # resident host buffers, stepped in place

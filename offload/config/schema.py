@@ -36,6 +36,9 @@ PARAM_TIERS = ("none", "cpu", "nvme")
 OPTIMIZER_TIERS = ("auto", "device", "cpu", "nvme")
 OVERLAPS = ("none", "forward", "backward")
 OPTIMIZER_TYPES = ("adamw", "adam")
+# how the Adam moments are stored (config.state_layout.StatePrecision), and the gradient
+STATE_PRECISIONS = ("fp32", "bf16", "int8")
+GRADIENT_PRECISIONS = ("auto", "fp32")
 SCHEDULER_TYPES = ("none", "warmup", "warmup_decay", "warmup_cosine", "one_cycle", "lr_range_test")
 WARMUP_TYPES = ("log", "linear")
 # Names users bring from DeepSpeed and transformers for our choices (suggested, not accepted).
@@ -54,6 +57,8 @@ VALUE_ALIASES = {
     "half": "fp16",
     "float32": "fp32",
     "gpu": "none",
+    "8bit": "int8",
+    "uint8": "int8",
 }
 
 
@@ -104,6 +109,10 @@ class OptimizerConfig(ReadOnlyOnceFrozen):
     """Weight decay coefficient (decoupled for adamw, L2 for adam)."""
     bias_correction: bool = True
     """Apply Adam's bias correction to both moments."""
+    state_precision: str = "fp32"
+    """How the Adam moments (`exp_avg`, `exp_avg_sq`) are stored: `fp32` (4 bytes each; torch.optim.AdamW bit for bit), `bf16` (2 bytes each, rounded stochastically) or `int8` (1 byte each and a shared power-of-two exponent byte per block of 32 elements, rounded stochastically; docs/compact_state.md has the format). The step computes in fp32 and the master weights stay fp32 in every precision; checkpoints store fp32 values. Per param the optimizer state takes 16 bytes (fp32 with an fp32 gradient), 10 (bf16) or about 8 (int8) with a 16-bit gradient; `offload estimate` shows what each takes on every tier and on the disk per step."""
+    gradient_precision: str = "auto"
+    """How the gradient the step reads is stored: `auto` keeps it in its 16-bit arrival dtype (2 bytes per param instead of 4; exact, since nothing is added into it) when the compute `precision` is bf16 or fp16 and each optimizer step has one micro-batch (`gradient_accumulation_steps` 1), else fp32; `fp32` always stores it in fp32 (4 bytes per param)."""
     threads: int = 0
     """Threads of the C++ CPU Adam; 0 means every CPU this process may use."""
 
@@ -113,23 +122,23 @@ class OffloadConfig(ReadOnlyOnceFrozen):
     param: str = "none"
     """Where 16-bit weights live between uses: `none` (on the accelerator), `cpu`, `nvme`."""
     optimizer: str = "auto"
-    """Where fp32 master weights, Adam states and fp32 gradients live: `auto` (per unit: the device's spare memory, then host RAM while it lasts, then NVMe; see `max_device_memory`, `max_host_memory`), `device` (all on the accelerator, stepped there), `cpu`, `nvme`."""
+    """Where the optimizer state (fp32 master weights, Adam moments and gradients) lives: `auto` (per unit: the device's spare memory, then host RAM while it lasts, then NVMe; see `max_device_memory`, `max_host_memory`), `device` (all on the accelerator, stepped there), `cpu`, `nvme`."""
     max_device_memory: int | str | None = None
     """`auto`: device memory the optimizer state may take, bytes or a size like `"40GB"`; default on CUDA: the memory free at start less the engine's 16-bit weights and gradient buffers and a quarter of the device for activations; on the CPU standing in for the device: none (it is the host's RAM)."""
     max_host_memory: int | str | None = None
     """`auto`: RAM the optimizer state may take, bytes or a size like `"40GB"` / `"40GiB"`; default: the RAM available at start less 10% and the engine's other host buffers."""
     speculation_memory: int | str | None = None
-    """`overlap: backward` with clipping or fp16: RAM the spare states of the speculative steps may take (12 bytes per param of each unit whose state is in RAM, last units first), bytes or a size like `"8GiB"`; `0` turns speculation off (units step once the global norm is known); default: what `max_host_memory` (or the RAM available at start less 10%) leaves after everything else."""
+    """`overlap: backward` with clipping or fp16: RAM the spare states of the speculative steps may take (the master and moments once more: 12 bytes per param of each unit whose state is in RAM with fp32 moments, 8 with bf16, about 6 with int8; last units first), bytes or a size like `"8GiB"`; `0` turns speculation off (units step once the global norm is known); default: what `max_host_memory` (or the RAM available at start less 10%) leaves after everything else."""
     gradient_memory: int | str | None = None
-    """Optimizer state on NVMe: RAM the fp32 gradients of those units may take instead of their swap files (4 bytes per param, first units first), so that the step reads and writes only the master and moments (24 bytes per param on the disk instead of 32), bytes or a size like `"4GiB"`; `0` keeps every such gradient on NVMe; default: what `max_host_memory` (or the RAM available at start less 10%) leaves after everything else."""
+    """Optimizer state on NVMe: RAM the gradients of those units may take instead of their swap files (4 bytes per param, 2 for a 16-bit gradient: `optimizer.gradient_precision`; first units first), so that the step reads and writes only the master and moments (with fp32 moments 24 bytes per param on the disk instead of 32), bytes or a size like `"4GiB"`; `0` keeps every such gradient on NVMe; default: what `max_host_memory` (or the RAM available at start less 10%) leaves after everything else."""
     nvme_path: str | list[str] = "./offload-swap"
     """Directory for swap files (must exist and be writable); a list spreads ranks over disks."""
     pin_memory: bool = True
     """Pin host buffers when CUDA is present (faster copies; counts against locked RAM)."""
     buffer_count: int | None = None
-    """Host slots that stream NVMe-resident optimizer state, a piece per slot of 16 bytes per element (read ahead, step, write back), at least 2; default: as many as fit in the RAM of 3 slots of the largest piece (at most 32)."""
+    """Host slots that stream NVMe-resident optimizer state, a piece per slot (master, moments and gradient: 16 bytes per element with fp32 moments and gradient, fewer with `optimizer.state_precision` bf16 / int8) read ahead, stepped and written back, at least 2; default: as many as fit in the RAM of 3 slots of the largest piece (at most 32)."""
     sub_group_size: int | None = None
-    """Elements of one unit's optimizer state streamed from NVMe and stepped as one piece (DeepSpeed's `zero_optimization.sub_group_size`), at least 1024; default: a typical streamed unit, so most units are one piece (at most 2^26, 1 GiB of state)."""
+    """Elements of one unit's optimizer state streamed from NVMe and stepped as one piece (DeepSpeed's `zero_optimization.sub_group_size`), at least 1024; a piece smaller than the unit's state is cut down to whole blocks of 32 elements (so that an int8 moment's block never spans two pieces), a larger one holds the whole state; default: a typical streamed unit, so most units are one piece (at most 2^26 elements, 1 GiB of fp32 state)."""
 
 
 @dataclass
@@ -241,7 +250,7 @@ class Config(ReadOnlyOnceFrozen):
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     """Fetching parameters ahead of use."""
     overlap: str = "forward"
-    """When the CPU step runs: `none` (after backward), `forward` (unit by unit during the next forward), `backward` (as each unit's gradients are final; with clipping or fp16 the step is speculative: units with their state in RAM step into spare buffers, 12 more bytes per param where RAM allows, and step() commits them, or steps again from the old state when clipping acts or skips on an fp16 overflow; exact either way)."""
+    """When the CPU step runs: `none` (after backward), `forward` (unit by unit during the next forward), `backward` (as each unit's gradients are final; with clipping or fp16 the step is speculative: units with their state in RAM step into spare buffers (the master and moments once more) where RAM allows, and step() commits them, or steps again from the old state when clipping acts or skips on an fp16 overflow; exact either way)."""
     io: IOConfig = field(default_factory=IOConfig)
     """Swap I/O settings (`offload bench-io` prints the best for a disk)."""
     wrap: WrapConfig = field(default_factory=WrapConfig)
@@ -445,6 +454,14 @@ def validate(config: Config) -> Config:
     config.overlap = _choice("overlap", config.overlap, OVERLAPS)
     config.optimizer.type = _choice("optimizer.type", config.optimizer.type, OPTIMIZER_TYPES)
     opt = config.optimizer
+    opt.state_precision = _choice("optimizer.state_precision", opt.state_precision, STATE_PRECISIONS)
+    if opt.gradient_precision.lower() in ("bf16", "fp16", "bfloat16", "float16"):
+        raise _fail(
+            "optimizer.gradient_precision",
+            f"{opt.gradient_precision!r} is not one of {', '.join(GRADIENT_PRECISIONS)}: `auto` keeps the gradient in "
+            "its 16-bit compute dtype wherever that is exact (one micro-batch per optimizer step), fp32 otherwise",
+        )
+    opt.gradient_precision = _choice("optimizer.gradient_precision", opt.gradient_precision, GRADIENT_PRECISIONS)
     if not opt.lr >= 0:
         raise _fail("optimizer.lr", f"must be >= 0, got {opt.lr}")
     for i, beta in enumerate(opt.betas):

@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from offload.config.schema import Config
 
 INT8_BLOCK = 32  # elements sharing one exponent byte (a block never holds two parameters: units.PARAM_ALIGN_ELEMENTS)
 
@@ -32,6 +36,10 @@ class StatePrecision(str, enum.Enum):
 
 
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
+# every kind of a unit's optimizer state (model.unit_state.STATE_KINDS), and what a step writes
+# anew (model.unit_state.STEPPED_KINDS): the gradient is only read
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad32")
+STEPPED_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def int8_moment_bytes(numel: int) -> int:
@@ -79,13 +87,23 @@ class StateBytes:
         return self.stepped_bytes(numel) + self.gradient_bytes * numel
 
     @property
+    def moment_per_element(self) -> float:
+        """Bytes per element of one moment, for large states (the int8 exponents amortised)."""
+        return {StatePrecision.FP32: 4.0, StatePrecision.BF16: 2.0, StatePrecision.INT8: 1.0 + 1.0 / INT8_BLOCK}[self.precision]
+
+    @property
     def per_element(self) -> float:
         """Bytes per element of all four kinds, for large states (the int8 exponents amortised)."""
-        moment = {StatePrecision.FP32: 4.0, StatePrecision.BF16: 2.0, StatePrecision.INT8: 1.0 + 1.0 / INT8_BLOCK}
-        return 4.0 + 2 * moment[self.precision] + self.gradient_bytes
+        return 4.0 + 2 * self.moment_per_element + self.gradient_bytes
+
+    def describe(self) -> str:
+        """In words, e.g. "int8 moments, fp32 master, 16-bit gradient: 8.06 bytes per param"."""
+        gradient = "fp32 gradient" if self.gradient_bytes == 4 else "16-bit gradient"
+        return f"{self.precision.value} moments, fp32 master, {gradient}: {self.per_element:.3g} bytes per param"
 
 
 FP32_STATE = StateBytes()
+"""Today's state: fp32 moments and an fp32 gradient, 16 bytes per element (every plan function's default)."""
 
 
 def gradient_bytes_for(compute_bytes: int, accumulation_steps: int, gradient_precision: str) -> int:
@@ -95,3 +113,14 @@ def gradient_bytes_for(compute_bytes: int, accumulation_steps: int, gradient_pre
     if gradient_precision == "fp32" or compute_bytes == 4 or accumulation_steps != 1:
         return 4
     return 2
+
+
+def state_bytes_for(config: Config, compute_bytes: int) -> StateBytes:
+    """The StateBytes of a validated config whose compute dtype takes `compute_bytes` per element:
+    its `optimizer.state_precision`, and the gradient width `gradient_bytes_for` gives for its
+    `gradient_accumulation_steps` and `optimizer.gradient_precision`. What the tiers allocate,
+    `auto` plans, and `offload estimate` counts."""
+    return StateBytes(
+        precision=StatePrecision(config.optimizer.state_precision),
+        gradient_bytes=gradient_bytes_for(compute_bytes, config.gradient_accumulation_steps, config.optimizer.gradient_precision),
+    )

@@ -164,6 +164,9 @@ class OffloadAccelerator(Accelerator):
             kwargs["gradient_accumulation_steps"] = window
             self.offload_config.gradient_accumulation_steps = 1
             logger.info("offload: the config's gradient_accumulation_steps %d runs through accelerate's accumulate()", window)
+        if kwargs.get("gradient_accumulation_steps", 1) > 1 and self.offload_config.optimizer.gradient_precision == "auto":
+            # the engine's window is 1 while accelerate adds micro-batches into the gradient: fp32
+            self.offload_config.optimizer.gradient_precision = "fp32"
         super().__init__(*args, **kwargs)
         self.engine: Engine | None = None
         self._offloaded_optimizer: OffloadedOptimizer | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,14 @@ from typing import Any
 from offload.config.schema import Config, is_deepspeed_config, load_config
 from offload.errors import ConfigError
 
-# TrainingArguments.optim values that mean AdamW (what the engine's CPU Adam computes).
+logger = logging.getLogger(__name__)
+
+# TrainingArguments.optim values that mean AdamW (what the engine's CPU Adam computes); the state
+# precision is offload_config's (optimizer.state_precision, fp32 by default).
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+# AdamW with 8-bit moments (torchao's, bitsandbytes'): the engine's AdamW with int8 moments
+# (optimizer.state_precision int8, docs/compact_state.md; its own blockwise format).
+ADAMW_8BIT_OPTIMS = ("adamw_torch_8bit", "adamw_bnb_8bit", "adamw_8bit")
 
 
 # ---- the config: TrainingArguments decide what the Trainer owns ------------------------------
@@ -31,7 +38,12 @@ def _precision(args) -> str:
 
 def _trainer_values(args) -> dict[str, tuple[Any, str]]:
     """offload key -> (the value the Trainer's arguments give, where it comes from)."""
+    optim = _optim_name(args)
+    state = {}
+    if optim in ADAMW_8BIT_OPTIMS:
+        state["optimizer.state_precision"] = ("int8", f"TrainingArguments.optim={optim!r}")
     return {
+        **state,
         "precision": (_precision(args), f"TrainingArguments.bf16={bool(args.bf16)} / fp16={bool(args.fp16)} (neither: fp32)"),
         "optimizer.type": ("adamw", f"TrainingArguments.optim={_optim_name(args)!r}"),
         "optimizer.lr": (float(args.learning_rate), "TrainingArguments.learning_rate"),
@@ -304,10 +316,11 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None, repo
     calls `optimizer.step()` at the end of each of its windows. `report`: log what a DeepSpeed or
     accelerate config had ignored or resolved (once per run: False when building it again)."""
     optim = _optim_name(args)
-    if optim not in ADAMW_OPTIMS:
+    if optim not in ADAMW_OPTIMS + ADAMW_8BIT_OPTIMS:
         raise ConfigError(
             f"TrainingArguments.optim={optim!r} cannot run on offload: its CPU optimizer is AdamW; "
-            f"use optim one of {', '.join(ADAMW_OPTIMS)} (the default adamw_torch)"
+            f"use optim one of {', '.join(ADAMW_OPTIMS + ADAMW_8BIT_OPTIMS)} (the default adamw_torch; the 8-bit ones "
+            "store the moments in int8)"
         )
     mapping, sources = _user_mapping(offload_config, args, report=report, max_steps=max_steps)
     wanted = _trainer_values(args)
@@ -346,7 +359,18 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None, repo
     # the Trainer owns the window (its loss normalisation, a short last window of an epoch): the
     # engine accumulates every backward until the Trainer's optimizer.step()
     mapping["gradient_accumulation_steps"] = 1
+    gradient_precision = _get(mapping, "optimizer.gradient_precision")
+    if args.gradient_accumulation_steps > 1 and (gradient_precision is _MISSING or str(gradient_precision).lower() == "auto"):
+        # the engine's window is 1, yet gradients are added into across the Trainer's micro-batches:
+        # what `auto` means then (state_layout.gradient_bytes_for) is an fp32 gradient
+        _set(mapping, "optimizer.gradient_precision", "fp32")
     config = load_config(mapping)
+    if optim in ADAMW_8BIT_OPTIMS and report:
+        logger.info(
+            "offload: TrainingArguments.optim=%r -> optimizer.state_precision int8: the engine's AdamW keeps the Adam "
+            "moments in int8 (blockwise, rounded stochastically; docs/compact_state.md), the master weights in fp32",
+            optim,
+        )
     if config.overlap == "backward" and args.gradient_accumulation_steps > 1:
         written = sources.get("overlap", "overlap")  # a DeepSpeed super_offload: true asks for it too
         raise ConfigError(

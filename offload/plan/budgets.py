@@ -4,6 +4,7 @@ plain arithmetic (no torch), shared by the engine's plan and `offload estimate`.
 from __future__ import annotations
 
 from offload.config.placement import OptimizerTier, ParamTier
+from offload.config.state_layout import FP32_STATE, StateBytes
 from offload.plan.optimizer_plan import PAGE, shape_slots
 
 
@@ -25,6 +26,7 @@ def host_budget_bytes(
     staged_device_copies: bool,
     optimizer_numels: list[int] | None = None,
     sub_group_size: int | None = None,
+    state: StateBytes = FP32_STATE,
 ) -> dict[str, int]:
     """Bytes of host memory each use needs for this placement (plain arithmetic, tested directly).
 
@@ -34,7 +36,9 @@ def host_budget_bytes(
     device buffers are host memory already. optimizer_numels: the part of each shard with
     optimizer state (its trainable params; frozen ones have none); the whole shard by default.
     buffer_count, sub_group_size: the config's `offload.buffer_count` and
-    `offload.sub_group_size` (None: unset, chosen by `plan.shape_slots`).
+    `offload.sub_group_size` (None: unset, chosen by `plan.shape_slots`). state: the bytes of
+    each kind of optimizer state (`config.state_layout.state_bytes_for`; default fp32 moments and
+    gradient, 16 bytes per element).
     """
     param_tier = ParamTier(param_tier)
     if isinstance(optimizer_tier, list):
@@ -44,16 +48,17 @@ def host_budget_bytes(
     largest = max(shard_numels, default=0)
     total = sum(shard_numels)
     states = shard_numels if optimizer_numels is None else optimizer_numels
-    resident = sum(n for n, tier in zip(states, tiers) if tier is OptimizerTier.HOST)
-    streamed = [(n, state) for n, state, tier in zip(shard_numels, states, tiers) if tier.streamed]
+    resident = [n for n, tier in zip(states, tiers) if tier is OptimizerTier.HOST and n]
+    streamed = [n for n, tier in zip(states, tiers) if tier.streamed]
     need = {}
     if resident:
-        need["optimizer_state"] = 16 * resident  # master, exp_avg, exp_avg_sq, grad32
+        # master, exp_avg, exp_avg_sq, grad32 of each unit (an int8 moment's exponents per unit)
+        need["optimizer_state"] = sum(state.total_bytes(n) for n in resident)
     if streamed:
-        shape = shape_slots([state for _, state in streamed], buffer_count=buffer_count, sub_group_size=sub_group_size)
-        # per slot: the four fp32 states of the largest piece
-        need["optimizer_slots"] = shape.count * 16 * shape.piece
-        need["grad_slot"] = 4 * shape.piece
+        shape = shape_slots(streamed, buffer_count=buffer_count, sub_group_size=sub_group_size)
+        # per slot: the four kinds of state of the largest piece; the transfer worker's gradient piece
+        need["optimizer_slots"] = shape.count * state.total_bytes(shape.piece)
+        need["grad_slot"] = state.gradient_bytes * shape.piece
     if param_tier.host_copy or (param_tier is ParamTier.DEVICE and staged_device_copies):
         # the weights' home (cpu), or the pinned source of their copy to the device (none, CUDA);
         # with `none` on the CPU the step writes the device buffer, host memory, in place

@@ -9,14 +9,20 @@ records), so an estimate can be checked against a real run:
   that fetches fill before the all-gather. On top of that, the 16-bit gradient of the unit whose
   backward just finished, on its way to the host (`GRADS_IN_FLIGHT` of the largest unit): with
   the weights offloaded that makes `prefetch.depth + 2` units beside the root.
-- host: `offload.plan.budgets.host_budget_bytes` (fp32 master, Adam moments and fp32 gradient at 16
-  bytes per element of this rank's shard when the optimizer lives on `cpu`; streaming slots when
-  it lives on `nvme`: slots of one piece per fp32 state kind, as many and as large as
-  `plan.shape_slots` makes them, and the fp32 gradient piece; the 16-bit home copy or its staging
-  ring), each buffer rounded up to 4 KiB.
+- host: `offload.plan.budgets.host_budget_bytes` (fp32 master, Adam moments and gradient of
+  each element of this rank's shard when the optimizer lives on `cpu`; streaming slots when it
+  lives on `nvme`: slots of one piece per state kind, as many and as large as `plan.shape_slots`
+  makes them, and the gradient piece; the 16-bit home copy or its staging ring), each buffer
+  rounded up to 4 KiB.
 - nvme: one swap file per state kind and piece of a streamed unit (`plan.piece_bounds`), and one
-  per unit for the weights on `nvme` (each a 4 KiB header + data rounded up to 4 KiB): 16 bytes
-  per shard element for the optimizer on `nvme`, 2 (or 4 in fp32) for the weights on `nvme`.
+  per unit for the weights on `nvme` (each a 4 KiB header + data rounded up to 4 KiB); 2 bytes
+  per shard element (or 4 in fp32) for the weights on `nvme`.
+
+Each kind of optimizer state is as wide as a `StateBytes` says (`state=`; default fp32 moments
+and gradient: 16 bytes per element; `state_layout.state_bytes_for` gives a config's), so every
+figure follows `optimizer.state_precision` and `optimizer.gradient_precision`;
+`compare_state_precisions` puts them side by side. `step_disk_bytes` is what the optimizer
+state moves over the disk per step.
 
 Activations are not in the engine's ledger: `activation_bytes` is a separate, rough figure (it
 depends on the model's code, attention kernel, sequence length and checkpointing).
@@ -33,14 +39,16 @@ from dataclasses import asdict, dataclass, field
 from offload.config import sizes
 from offload.config.placement import OptimizerTier
 from offload.config.sizes import MIN_SUB_GROUP_SIZE, format_bytes, round_up
+from offload.config.state_layout import FP32_STATE, STATE_KINDS, StateBytes, StatePrecision
 from offload.errors import ConfigError
 from offload.plan.budgets import host_budget_bytes, host_bytes_beside_optimizer_state, pool_page_slack
 from offload.plan.machine import DEVICE_KINDS, Machine
 from offload.plan.model_shapes import ModelShape
 from offload.plan.optimizer_plan import (
     PAGE,
-    STATE_KIND_COUNT,
     Capacity,
+    DiskTraffic,
+    LeftoverRam,
     PlanError,
     device_room,
     engine_device_bytes,
@@ -49,6 +57,7 @@ from offload.plan.optimizer_plan import (
     plan_leftover_ram,
     plan_optimizer_tiers,
     shape_slots,
+    step_disk_traffic,
     swap_bytes_for_state,
     swap_file_bytes,
 )
@@ -58,7 +67,8 @@ COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # weights on the device move nothing; the optimizer on cpu moves 2 B/param of gradients down and
 # 2 B/param of weights up over PCIe; weights on cpu add 2 x 2 B/param (forward and backward
 # fetches); weights on nvme read 2 x 2 B/param from disk; the optimizer on nvme reads and writes
-# about 32 B/param from disk every step, the most expensive traffic of all.
+# its state from disk every step (32 B/param with fp32 moments and gradient, about 16 with int8
+# moments and a 16-bit gradient: `step_disk_bytes`), the most expensive traffic of all.
 # `auto` (the optimizer state in RAM while it lasts, then on NVMe, planned for the machine as the
 # engine plans it) sits between all in RAM and all on NVMe.
 PLACEMENTS = (
@@ -104,6 +114,8 @@ class TierEstimate:
     # each unit's optimizer tier, and the piece its streamed state is read and written in
     optimizer_tiers: list[str] = field(default_factory=list)
     piece: int = 0
+    # the bytes of each kind of optimizer state it was counted with
+    state: StateBytes = FP32_STATE
 
     def total(self, tier: str) -> int:
         return sum(getattr(self, tier).values())
@@ -144,6 +156,7 @@ def estimate_tiers(
     device: str = "cuda",
     optimizer_tiers: list[str] | None = None,
     sub_group_size: int | None = None,
+    state: StateBytes = FP32_STATE,
 ) -> TierEstimate:
     """Peak bytes of one rank on each tier for this placement (see the module docstring).
 
@@ -153,7 +166,8 @@ def estimate_tiers(
     switch as the engine's: `host_budget_bytes(..., staged_device_copies=device == "cuda")`.
     optimizer_tiers: each unit's optimizer tier (`device` / `cpu` / `nvme`), for `auto` (see `plan_auto`).
     sub_group_size: `offload.sub_group_size`, the largest piece a streamed unit's state is read,
-    stepped and written in (the size of the host slots and of each swap file of that state)."""
+    stepped and written in (the size of the host slots and of each swap file of that state).
+    state: the bytes of each kind of optimizer state (`state_layout.state_bytes_for`)."""
     if device not in DEVICE_KINDS:
         raise ConfigError(f"device {device!r} is not one of {', '.join(DEVICE_KINDS)}", key="device")
     staged_device_copies = device == "cuda"
@@ -200,8 +214,8 @@ def estimate_tiers(
         if world_size > 1:
             result.device["param_shard"] = cb * largest_shard * min(len(padded), prefetch_depth + 1)
 
-    if device_shards:  # fp32 master, moments and gradient of the units stepped on the device
-        result.device["optimizer_state"] = 16 * sum(device_shards)
+    if device_shards:  # master, moments and gradient of the units stepped on the device
+        result.device["optimizer_state"] = sum(state.total_bytes(n) for n in device_shards)
 
     # host: the engine's budget (state.host_budget_bytes), every buffer rounded up to a page as
     # the host pool allocates it (one buffer per state kind and unit, per slot, per staging buffer)
@@ -214,16 +228,18 @@ def estimate_tiers(
         prefetch_depth=prefetch_depth,
         staged_device_copies=staged_device_copies,
         sub_group_size=sub_group_size,
+        state=state,
     )
     result.engine_host_request = sum(budget.values()) + pool_page_slack(len(shards), slots.count, prefetch_depth)
     result.optimizer_tiers = list(tiers)
     result.piece = slots.piece
+    result.state = state
     if "optimizer_state" in budget:
-        result.host["optimizer_state"] = 4 * sum(_page(4 * n) for n in host_shards)
+        result.host["optimizer_state"] = sum(_page(state.kind_bytes(kind, n)) for n in host_shards for kind in STATE_KINDS)
     if "optimizer_slots" in budget:
-        # per slot one fp32 buffer of a piece per state kind (master, exp_avg, exp_avg_sq, grad32)
-        result.host["optimizer_slots"] = slots.count * 4 * _page(4 * slots.piece)
-        result.host["grad_slot"] = _page(4 * slots.piece)
+        # per slot one buffer of a piece per state kind (master, exp_avg, exp_avg_sq, grad32)
+        result.host["optimizer_slots"] = slots.count * sum(_page(state.kind_bytes(kind, slots.piece)) for kind in STATE_KINDS)
+        result.host["grad_slot"] = _page(state.kind_bytes("grad32", slots.piece))
     if "param16" in budget:
         result.host["param16"] = sum(_page(cb * n) for n in shards)
     if "param_staging" in budget:
@@ -232,7 +248,7 @@ def estimate_tiers(
         result.host["grad_staging"] = 2 * _page(cb * largest_shard)
 
     # nvme: swap files
-    swap = sum(swap_bytes_for_state(n, slots.piece) for n in nvme_shards)  # four fp32 kinds, a file per piece
+    swap = sum(swap_bytes_for_state(n, slots.piece, state) for n in nvme_shards)  # four kinds, a file per piece
     if param == "nvme":
         swap += sum(swap_file_bytes(cb * n) for n in shards)
     if swap:
@@ -252,7 +268,7 @@ class LeftoverUse:
     spare_state: int
     speculating_units: int
     resident_units: int
-    # fp32 gradients kept in RAM, of the units whose optimizer state streams from NVMe
+    # gradients kept in RAM, of the units whose optimizer state streams from NVMe
     gradient: int
     gradient_units: int
     streamed_units: int
@@ -267,6 +283,34 @@ class LeftoverUse:
         return self.spare_state + self.gradient - self.grad_slot_freed
 
 
+def leftover_plan(
+    shape: ModelShape,
+    estimate: TierEstimate,
+    machine: Machine,
+    *,
+    world_size: int = 1,
+    speculate: bool = False,
+    max_host_memory: int | None = None,
+    speculation_memory: int | None = None,
+    gradient_memory: int | None = None,
+) -> LeftoverRam:
+    """Per unit, what the engine would take from the RAM `estimate`'s placement leaves on
+    `machine`, as it decides at start (tiers.TierStore, plan.plan_leftover_ram): the host cap
+    (`max_host_memory`, or the RAM available less HOST_MARGIN, shared by the node's ranks) less
+    the placement's host budget, spent on state as wide as `estimate.state`. `speculate`:
+    overlap 'backward' with clipping or fp16 (`speculates`)."""
+    cap = host_cap_bytes(max_host_memory, machine.ram_bytes, machine.ranks_per_node)
+    return plan_leftover_ram(
+        shape.shard_numels(world_size),
+        [OptimizerTier(tier) for tier in estimate.optimizer_tiers],
+        room=cap - estimate.engine_host_request,
+        speculate=speculate,
+        speculation_cap=speculation_memory,
+        gradient_cap=gradient_memory,
+        state=estimate.state,
+    )
+
+
 def leftover_ram(
     shape: ModelShape,
     estimate: TierEstimate,
@@ -278,21 +322,25 @@ def leftover_ram(
     speculation_memory: int | None = None,
     gradient_memory: int | None = None,
 ) -> LeftoverUse:
-    """What the engine would take from the RAM `estimate`'s placement leaves on `machine`, as it
-    decides at start (tiers.TierStore): the host cap (`max_host_memory`, or the RAM available
-    less HOST_MARGIN, shared by the node's ranks) less the placement's host budget. `speculate`:
-    overlap 'backward' with clipping or fp16 (`speculates`)."""
+    """What the engine would take from the RAM `estimate`'s placement leaves on `machine`
+    (`leftover_plan`, whose arguments these are), in bytes and units."""
+    plan = leftover_plan(
+        shape,
+        estimate,
+        machine,
+        world_size=world_size,
+        speculate=speculate,
+        max_host_memory=max_host_memory,
+        speculation_memory=speculation_memory,
+        gradient_memory=gradient_memory,
+    )
+    return leftover_use(shape, estimate, plan, world_size=world_size)
+
+
+def leftover_use(shape: ModelShape, estimate: TierEstimate, plan: LeftoverRam, *, world_size: int = 1) -> LeftoverUse:
+    """`plan` (`leftover_plan`) in bytes and units beside `estimate`'s placement."""
     shards = shape.shard_numels(world_size)
     tiers = [OptimizerTier(tier) for tier in estimate.optimizer_tiers]
-    cap = host_cap_bytes(max_host_memory, machine.ram_bytes, machine.ranks_per_node)
-    plan = plan_leftover_ram(
-        shards,
-        tiers,
-        room=cap - estimate.engine_host_request,
-        speculate=speculate,
-        speculation_cap=speculation_memory,
-        gradient_cap=gradient_memory,
-    )
     streamed = [index for index, tier in enumerate(tiers) if tier.streamed]
     in_ram = [index for index in streamed if plan.gradients_in_ram[index]]
     every_gradient_in_ram = bool(streamed) and len(in_ram) == len(streamed)
@@ -304,9 +352,36 @@ def leftover_ram(
         gradient_units=len(in_ram),
         streamed_units=len(streamed),
         grad_slot_freed=estimate.host.get("grad_slot", 0) if every_gradient_in_ram else 0,
-        # one of the four state kinds' swap files, piece by piece
-        nvme_saved=sum(swap_bytes_for_state(shards[index], estimate.piece) // STATE_KIND_COUNT for index in in_ram),
+        # the gradient's swap files, piece by piece
+        nvme_saved=sum(
+            swap_bytes_for_state(shards[index], estimate.piece, estimate.state, kinds=("grad32",)) for index in in_ram
+        ),
     )
+
+
+def step_disk_bytes(
+    shape: ModelShape,
+    estimate: TierEstimate,
+    gradients_in_ram: list[bool] | None = None,
+    *,
+    world_size: int = 1,
+    accumulation_steps: int = 1,
+) -> DiskTraffic:
+    """What the optimizer state of `estimate`'s NVMe units reads from and writes to the disk in
+    one optimizer step (plan.step_disk_traffic per unit, in `estimate.piece` pieces, as wide as
+    `estimate.state`); `gradients_in_ram`: per unit, whether its gradient stays in RAM
+    (`leftover_plan`; none by default); `accumulation_steps`: micro-batches per step (a
+    gradient on NVMe is read and written again for each one after the first). The 16-bit
+    weights' own traffic with param `nvme` is not counted."""
+    shards = shape.shard_numels(world_size)
+    in_ram = gradients_in_ram or [False] * len(shards)
+    total = DiskTraffic()
+    for numel, tier, kept in zip(shards, estimate.optimizer_tiers, in_ram):
+        if OptimizerTier(tier).streamed:
+            total += step_disk_traffic(
+                numel, estimate.piece, estimate.state, gradient_in_ram=kept, accumulation_steps=accumulation_steps
+            )
+    return total
 
 
 def speculates(overlap: str, gradient_clipping: float, precision: str) -> bool:
@@ -327,6 +402,7 @@ def plan_auto(
     sub_group_size: int | None = None,
     max_device_memory: int | None = None,
     max_host_memory: int | None = None,
+    state: StateBytes = FP32_STATE,
 ) -> tuple[list[str] | None, str]:
     """`offload.optimizer: auto` on `machine`, as the engine plans it (plan.room.plan_optimizer): per
     unit `device`, `cpu` or `nvme`, and the plan in words; (None, why) when nothing fits. The
@@ -334,7 +410,8 @@ def plan_auto(
     it free) less this placement's weights and gradients and the activations (`activations`
     plus ACTIVATION_SLACK of the GPU when the estimate knows them, else the engine's default
     share: set `offload.max_device_memory` to the room this plan shows to get the same split).
-    `max_device_memory`, `max_host_memory`: the config's caps (bytes), as the engine applies them."""
+    `max_device_memory`, `max_host_memory`: the config's caps (bytes), as the engine applies them.
+    `state`: the bytes of each kind of optimizer state (`state_layout.state_bytes_for`)."""
     _check_sub_group_size(sub_group_size)
     cb = COMPUTE_BYTES[precision]
     shards = shape.shard_numels(world_size)
@@ -365,7 +442,7 @@ def plan_auto(
     )
     try:
         plan = plan_optimizer_tiers(
-            shards, list(range(len(shards))), capacity, buffer_count=buffer_count, sub_group_size=sub_group_size
+            shards, list(range(len(shards))), capacity, buffer_count=buffer_count, sub_group_size=sub_group_size, state=state
         )
     except PlanError as error:
         return None, str(error)
@@ -447,8 +524,10 @@ def recommended_config(
     prefetch_depth: int = 2,
     buffer_count: int | None = None,
     sub_group_size: int | None = None,
+    state_precision: str = "fp32",
 ) -> dict:
-    """An offload config (every key valid for `offload.load_config`) for this placement."""
+    """An offload config (every key valid for `offload.load_config`) for this placement (and the
+    state precision the estimate counted, when it is not the default fp32)."""
     param, optimizer = placement
     offload: dict[str, str | int] = {"param": param, "optimizer": optimizer}
     if "nvme" in placement or optimizer == "auto":
@@ -457,9 +536,11 @@ def recommended_config(
             offload["buffer_count"] = buffer_count
     if optimizer in ("nvme", "auto") and sub_group_size is not None:  # the piece the estimate sized the slots with
         offload["sub_group_size"] = sub_group_size
-    config = {"precision": precision, "offload": offload, "overlap": "forward"}
+    config: dict = {"precision": precision, "offload": offload, "overlap": "forward"}
     if param != "none":
         config["prefetch"] = {"depth": prefetch_depth}
+    if state_precision != StatePrecision.FP32.value:
+        config["optimizer"] = {"state_precision": state_precision}
     return config
 
 
@@ -501,12 +582,17 @@ def estimate_report(
     gradient_clipping: float = 0.0,
     speculation_memory: int | None = None,
     gradient_memory: int | None = None,
+    state: StateBytes = FP32_STATE,
+    accumulation_steps: int = 1,
 ) -> dict:
     """Every placement's bytes per tier, whether it fits `machine`, what the engine would take
-    beside them from the RAM left over (`leftover_ram`), and the recommended config (a JSON-able
-    dict; the CLI prints it as a table or as JSON). The engine's device kind is `machine.device`.
+    beside them from the RAM left over (`leftover_ram`), what its optimizer state moves over the
+    disk per step (`step_disk_bytes`), and the recommended config (a JSON-able dict; the CLI
+    prints it as a table or as JSON). The engine's device kind is `machine.device`.
     `max_device_memory`, `max_host_memory`: the config's caps for `auto` and for what is left
-    over; `overlap`, `gradient_clipping`, `speculation_memory`, `gradient_memory`: the config's."""
+    over; `overlap`, `gradient_clipping`, `speculation_memory`, `gradient_memory`,
+    `accumulation_steps`: the config's; `state`: the bytes of each kind of optimizer state
+    (`state_layout.state_bytes_for` of the config)."""
     activations = activation_bytes(
         shape, micro_batch=micro_batch, seq_len=seq_len, precision=precision, checkpointing=checkpointing
     )
@@ -529,6 +615,7 @@ def estimate_report(
                 sub_group_size=sub_group_size,
                 max_device_memory=max_device_memory,
                 max_host_memory=max_host_memory,
+                state=state,
             )
             if tiers is None:
                 rows.append(
@@ -553,11 +640,12 @@ def estimate_report(
             device=machine.device,
             optimizer_tiers=tiers,
             sub_group_size=sub_group_size,
+            state=state,
         )
         estimate.plan = plan
         problems = fit_problems(estimate, machine, activations or 0)
         fits[placement] = not problems
-        leftover = leftover_ram(
+        taken = leftover_plan(
             shape,
             estimate,
             machine,
@@ -567,12 +655,17 @@ def estimate_report(
             speculation_memory=speculation_memory,
             gradient_memory=gradient_memory,
         )
+        leftover = leftover_use(shape, estimate, taken, world_size=world_size)
+        traffic = step_disk_bytes(
+            shape, estimate, taken.gradients_in_ram, world_size=world_size, accumulation_steps=accumulation_steps
+        )
         rows.append(
             {
                 **estimate.as_dict(),
                 "fits": not problems,
                 "problems": problems,
                 "leftover_ram": {**asdict(leftover), "host": leftover.host},
+                "disk_per_step": {"read": traffic.read, "written": traffic.written},
             }
         )
         if tiers is not None and "device" in tiers and "nvme" not in tiers:
@@ -606,6 +699,8 @@ def estimate_report(
             "gradient_clipping": gradient_clipping,
             "speculation_memory": speculation_memory,
             "gradient_memory": gradient_memory,
+            "gradient_accumulation_steps": accumulation_steps,
+            "state": state_settings(state),
         },
         "machine": {
             "gpu_bytes": machine.gpu_bytes,
@@ -629,8 +724,19 @@ def estimate_report(
                 prefetch_depth=prefetch_depth,
                 buffer_count=buffer_count,
                 sub_group_size=sub_group_size,
+                state_precision=state.precision.value,
             ),
         },
+    }
+
+
+def state_settings(state: StateBytes) -> dict:
+    """How a report states the optimizer state it counted: the moments' precision, the gradient's
+    bytes per element, and the bytes per param of all four kinds (large states)."""
+    return {
+        "state_precision": state.precision.value,
+        "gradient_bytes": state.gradient_bytes,
+        "bytes_per_param": round(state.per_element, 3),
     }
 
 

@@ -1,7 +1,8 @@
 """Where each unit's optimizer state goes under `offload.optimizer: auto` (plain logic, no torch).
 
-A unit's optimizer state (fp32 master, exp_avg, exp_avg_sq, fp32 gradient: 16 bytes per
-element of this rank's shard) goes to the fastest tier with room, in the order the units step:
+A unit's optimizer state (fp32 master, exp_avg, exp_avg_sq, gradient: bytes per element of this
+rank's shard as `config.state_layout.StateBytes` counts them for the config's precision, 16 with
+fp32 moments and gradient) goes to the fastest tier with room, in the order the units step:
 
 - the device first (a unit there steps on the accelerator in microseconds), after the 16-bit
   weights, the gradient buffers and an activation reserve; never on a machine whose "device" is
@@ -15,6 +16,9 @@ finish before its own next use: the first units to step are the ones the next fo
 for, so they take the fast tiers, and the last ones (with the most forward time ahead of them
 to hide their disk traffic) take NVMe. The host slots that stream NVMe units are paid for only
 when some unit goes there.
+
+Every byte count of optimizer state here takes a `StateBytes` (`state=`, default `FP32_STATE`:
+fp32 moments and gradient), the one the tiers allocate with (`state_layout.state_bytes_for`).
 """
 
 from __future__ import annotations
@@ -23,10 +27,8 @@ from dataclasses import dataclass, field
 
 from offload.config.placement import OptimizerTier
 from offload.config.sizes import MIN_SUB_GROUP_SIZE, format_bytes, round_up
-from offload.config.state_layout import INT8_BLOCK
+from offload.config.state_layout import FP32_STATE, INT8_BLOCK, STATE_KINDS, STEPPED_KINDS, StateBytes
 
-STATE_BYTES_PER_ELEMENT = 16  # master, exp_avg, exp_avg_sq, grad32, fp32 each
-STATE_KIND_COUNT = 4
 # Swap files (a header page, then the data in whole pages: swap.py) and host pool buffers
 # (memory.py) come in whole pages of this size.
 PAGE = 4096
@@ -65,7 +67,7 @@ class OptimizerPlan:
     def summary(self) -> str:
         counts = {tier: self.tiers.count(tier) for tier in OptimizerTier if tier in self.tiers}
         parts = [
-            f"{tier.value}: {count} units, {format_bytes(self.bytes_by_tier.get(tier.value, 0))}"
+            f"{tier.value}: {count} unit{'' if count == 1 else 's'}, {format_bytes(self.bytes_by_tier.get(tier.value, 0))}"
             for tier, count in counts.items()
         ]
         if self.slot_bytes:
@@ -126,7 +128,8 @@ PIECE_ALIGN = 1024
 @dataclass(frozen=True)
 class SlotShape:
     """How NVMe-streamed optimizer state passes through RAM: `count` host slots, each holding one
-    piece of at most `piece` elements of a unit's state (fp32 master, moments and gradient)."""
+    piece of at most `piece` elements of a unit's state (master, moments and gradient, each in
+    its stored width: `StateBytes`). Counted in elements, so the same for every precision."""
 
     piece: int
     count: int
@@ -187,19 +190,25 @@ def swap_file_bytes(nbytes: int) -> int:
     return PAGE + round_up(nbytes, PAGE)
 
 
-def swap_bytes_for_state(numel: int, piece: int) -> int:
-    """Disk bytes of one unit's NVMe-resident state: a swap file per state kind and piece (small
-    pieces pay a page each for headers)."""
-    return sum(STATE_KIND_COUNT * swap_file_bytes(4 * (end - start)) for start, end in piece_bounds(numel, piece))
+def swap_bytes_for_state(numel: int, piece: int, state: StateBytes = FP32_STATE, *, kinds: tuple[str, ...] = STATE_KINDS) -> int:
+    """Disk bytes of one unit's NVMe-resident state: a swap file per state kind (of `kinds`, all
+    four by default) and piece, each as wide as `state` stores that kind (small pieces pay a
+    page each for headers)."""
+    return sum(
+        swap_file_bytes(state.kind_bytes(kind, end - start)) for start, end in piece_bounds(numel, piece) for kind in kinds
+    )
 
 
-def slot_bytes(shape: SlotShape) -> int:
+def slot_bytes(shape: SlotShape, state: StateBytes = FP32_STATE) -> int:
     """Host bytes of the slots that stream NVMe-resident units: `shape.count` sets of master,
-    moments and gradient (fp32) for one piece, plus the transfer worker's fp32 gradient piece."""
-    return shape.count * shape.piece * STATE_BYTES_PER_ELEMENT + 4 * shape.piece
+    moments and gradient for one piece (`state.total_bytes`: 16 bytes per element in fp32), plus
+    the transfer worker's gradient piece (`state.gradient_bytes` per element)."""
+    return shape.count * state.total_bytes(shape.piece) + state.gradient_bytes * shape.piece
 
 
-def slot_bytes_for(largest_state: int, buffer_count: int | None, sub_group_size: int | None) -> int:
+def slot_bytes_for(
+    largest_state: int, buffer_count: int | None, sub_group_size: int | None, state: StateBytes = FP32_STATE
+) -> int:
     """At most the host bytes of the slots (`slot_bytes`) when the largest streamed state has
     `largest_state` elements, whichever units stream beside it: what `auto` sets aside for them
     before it knows which units those are (an unset key's choice never takes more RAM)."""
@@ -207,21 +216,61 @@ def slot_bytes_for(largest_state: int, buffer_count: int | None, sub_group_size:
         SlotShape(
             piece=whole_blocks(DEFAULT_SUB_GROUP_SIZE if sub_group_size is None else sub_group_size, largest_state),
             count=DEFAULT_BUFFER_COUNT if buffer_count is None else buffer_count,
-        )
+        ),
+        state,
     )
 
 
-# A speculative step's spare state: master, exp_avg, exp_avg_sq (fp32), each in whole pages.
-SPARE_KIND_COUNT = 3
+@dataclass(frozen=True)
+class DiskTraffic:
+    """Bytes read from and written to the swap files in one optimizer step."""
+
+    read: int = 0
+    written: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.read + self.written
+
+    def __add__(self, other: DiskTraffic) -> DiskTraffic:
+        return DiskTraffic(self.read + other.read, self.written + other.written)
 
 
-def spare_state_bytes(numel: int) -> int:
+def step_disk_traffic(
+    numel: int,
+    piece: int,
+    state: StateBytes = FP32_STATE,
+    *,
+    gradient_in_ram: bool = False,
+    accumulation_steps: int = 1,
+) -> DiskTraffic:
+    """What one unit whose optimizer state streams from NVMe moves to and from its swap files per
+    optimizer step, each piece's file in whole pages: the step reads the master and moments and
+    writes them back; a gradient kept on NVMe (`gradient_in_ram` False) is written as backward
+    lands it, read and written again for each further micro-batch of an accumulation window of
+    `accumulation_steps`, and read by the step. With fp32 moments and gradient that is 16 bytes
+    per element read and 16 written (24 in all with the gradient in RAM)."""
+    read = written = 0
+    for start, end in piece_bounds(numel, piece):
+        stepped = sum(round_up(state.kind_bytes(kind, end - start), PAGE) for kind in STEPPED_KINDS)
+        read += stepped
+        written += stepped
+        if not gradient_in_ram:
+            gradient = round_up(state.kind_bytes("grad32", end - start), PAGE)
+            read += accumulation_steps * gradient
+            written += accumulation_steps * gradient
+    return DiskTraffic(read=read, written=written)
+
+
+def spare_state_bytes(numel: int, state: StateBytes = FP32_STATE) -> int:
     """Host bytes of one unit's spare state (overlap 'backward' with clipping or fp16): its
-    master and moments once more, each buffer in whole pages."""
-    return SPARE_KIND_COUNT * round_up(4 * numel, PAGE)
+    master and moments once more (`STEPPED_KINDS`), each buffer in whole pages."""
+    return sum(round_up(state.kind_bytes(kind, numel), PAGE) for kind in STEPPED_KINDS)
 
 
-def plan_speculation(optimizer_numels: list[int], tiers: list[OptimizerTier], room: int) -> list[bool]:
+def plan_speculation(
+    optimizer_numels: list[int], tiers: list[OptimizerTier], room: int, state: StateBytes = FP32_STATE
+) -> list[bool]:
     """Which units step speculatively during backward (overlap 'backward' with clipping or fp16:
     stepped into a spare state as soon as their gradients are final, the old state kept for an
     exact redo if the global norm asks for clipping or an fp16 overflow skips the step).
@@ -229,29 +278,32 @@ def plan_speculation(optimizer_numels: list[int], tiers: list[OptimizerTier], ro
     Only units whose state is resident in RAM speculate (a DEVICE-tier unit steps on the device
     at step() in far less time than backward; an NVMe one would need a second set of swap files).
     Units are taken from the last (the first whose gradients are final in backward) to the root,
-    while their spare state (`spare_state_bytes`) fits in `room` bytes of RAM; a unit that does
-    not fit is passed over and smaller ones after it may still be taken. Units not taken step
-    once the norm is known, exactly as with overlap 'none'."""
+    while their spare state (`spare_state_bytes` under `state`) fits in `room` bytes of RAM; a
+    unit that does not fit is passed over and smaller ones after it may still be taken. Units
+    not taken step once the norm is known, exactly as with overlap 'none'."""
     chosen = [False] * len(optimizer_numels)
     left = room
     for index in reversed(range(len(optimizer_numels))):
-        need = spare_state_bytes(optimizer_numels[index])
+        need = spare_state_bytes(optimizer_numels[index], state)
         if tiers[index] is OptimizerTier.HOST and optimizer_numels[index] and need <= left:
             chosen[index] = True
             left -= need
     return chosen
 
 
-def gradient_bytes(numel: int) -> int:
-    """Host bytes of one unit's fp32 gradient kept in RAM (whole pages)."""
-    return round_up(4 * numel, PAGE)
+def gradient_bytes(numel: int, state: StateBytes = FP32_STATE) -> int:
+    """Host bytes of one unit's gradient kept in RAM (`state.gradient_bytes` per element, whole pages)."""
+    return round_up(state.kind_bytes("grad32", numel), PAGE)
 
 
-def plan_gradients_in_ram(optimizer_numels: list[int], tiers: list[OptimizerTier], room: int) -> list[bool]:
-    """Which units whose optimizer state streams from NVMe keep their fp32 gradient in RAM.
+def plan_gradients_in_ram(
+    optimizer_numels: list[int], tiers: list[OptimizerTier], room: int, state: StateBytes = FP32_STATE
+) -> list[bool]:
+    """Which units whose optimizer state streams from NVMe keep their gradient in RAM.
 
     Such a unit's gradient is otherwise written to its swap file as backward lands it and read
-    back by the step: 8 of the 32 bytes per param that cross the disk each step. Kept in RAM it
+    back by the step (`step_disk_traffic`): with fp32 moments and gradient 8 of the 32 bytes per
+    param that cross the disk each step. Kept in RAM it
     never touches the disk, and the step reads and writes only the master and moments. Units are
     taken from the first (the root, whose step the next forward waits for first, and whose
     gradients are final last in backward) on, while their gradient (`gradient_bytes`) fits in
@@ -260,7 +312,7 @@ def plan_gradients_in_ram(optimizer_numels: list[int], tiers: list[OptimizerTier
     chosen = [False] * len(optimizer_numels)
     left = room
     for index, numel in enumerate(optimizer_numels):
-        need = gradient_bytes(numel)
+        need = gradient_bytes(numel, state)
         if tiers[index].streamed and numel and need <= left:
             chosen[index] = True
             left -= need
@@ -284,7 +336,7 @@ def host_cap_bytes(max_host_memory: int | None, available: int, ranks_per_node: 
 @dataclass(frozen=True)
 class LeftoverRam:
     """What the engine takes from the RAM its placement leaves within the host cap: spare states
-    for speculative steps (overlap 'backward' with clipping or fp16), then the fp32 gradients of
+    for speculative steps (overlap 'backward' with clipping or fp16), then the gradients of
     units whose optimizer state streams from NVMe. Per unit, whether it got one."""
 
     speculating: list[bool]
@@ -302,19 +354,20 @@ def plan_leftover_ram(
     speculate: bool,
     speculation_cap: int | None,
     gradient_cap: int | None,
+    state: StateBytes = FP32_STATE,
 ) -> LeftoverRam:
     """Spends `room` bytes of RAM (the host cap less everything the placement needs): first on
     spare states (`plan_speculation`, at most `speculation_cap` bytes, only when `speculate`),
-    then, out of what is still left, on fp32 gradients kept in RAM (`plan_gradients_in_ram`, at
-    most `gradient_cap` bytes). The engine (tiers.TierStore) and `offload estimate` both decide
-    with this."""
+    then, out of what is still left, on gradients kept in RAM (`plan_gradients_in_ram`, at most
+    `gradient_cap` bytes), each as wide as `state` stores it. The engine (tiers.TierStore) and
+    `offload estimate` both decide with this."""
     room = max(0, room)
     speculating = [False] * len(optimizer_numels)
     if speculate:
-        speculating = plan_speculation(optimizer_numels, tiers, _capped(room, speculation_cap))
-    spare = sum(spare_state_bytes(n) for n, chosen in zip(optimizer_numels, speculating) if chosen)
-    in_ram = plan_gradients_in_ram(optimizer_numels, tiers, _capped(room - spare, gradient_cap))
-    gradients = sum(gradient_bytes(n) for n, chosen in zip(optimizer_numels, in_ram) if chosen)
+        speculating = plan_speculation(optimizer_numels, tiers, _capped(room, speculation_cap), state)
+    spare = sum(spare_state_bytes(n, state) for n, chosen in zip(optimizer_numels, speculating) if chosen)
+    in_ram = plan_gradients_in_ram(optimizer_numels, tiers, _capped(room - spare, gradient_cap), state)
+    gradients = sum(gradient_bytes(n, state) for n, chosen in zip(optimizer_numels, in_ram) if chosen)
     return LeftoverRam(speculating=speculating, gradients_in_ram=in_ram, spare_bytes=spare, gradient_bytes=gradients)
 
 
@@ -329,12 +382,15 @@ def plan_optimizer_tiers(
     *,
     buffer_count: int | None,
     sub_group_size: int | None,
+    state: StateBytes = FP32_STATE,
 ) -> OptimizerPlan:
     """Per unit (indexed as `shard_numels`), the tier of its optimizer state; see the module
-    docstring. `step_order` lists every unit once, in the order they step."""
+    docstring. `step_order` lists every unit once, in the order they step. `state`: the bytes
+    of each kind of state (a unit needs `state.total_bytes` on the device or in RAM, its slots
+    and swap files are as wide)."""
     if sorted(step_order) != list(range(len(shard_numels))):
         raise ValueError("step_order must list every unit exactly once")
-    need = [STATE_BYTES_PER_ELEMENT * n for n in shard_numels]
+    need = [state.total_bytes(n) for n in shard_numels]
     tiers: list[OptimizerTier | None] = [None] * len(need)
     reasons = [""] * len(need)
     device_left = capacity.device
@@ -357,7 +413,7 @@ def plan_optimizer_tiers(
     # start from the largest of all and shrink while fewer, smaller units are left to stream
     slots_for = max((shard_numels[u] for u in rest), default=0)
     while True:
-        slots = slot_bytes_for(slots_for, buffer_count, sub_group_size)
+        slots = slot_bytes_for(slots_for, buffer_count, sub_group_size, state)
         host_left = capacity.host - slots
         if host_left < 0:
             raise PlanError(
@@ -377,9 +433,9 @@ def plan_optimizer_tiers(
         if streamed >= slots_for:
             break
         slots_for = streamed
-    slots = slot_bytes_for(slots_for, buffer_count, sub_group_size)
+    slots = slot_bytes_for(slots_for, buffer_count, sub_group_size, state)
     piece = shape_slots([shard_numels[u] for u in nvme_units], buffer_count=buffer_count, sub_group_size=sub_group_size).piece
-    nvme_need = sum(swap_bytes_for_state(shard_numels[u], piece) for u in nvme_units)
+    nvme_need = sum(swap_bytes_for_state(shard_numels[u], piece, state) for u in nvme_units)
     if nvme_need > capacity.nvme:
         total = sum(need)
         raise PlanError(

@@ -15,6 +15,7 @@ import torch
 from offload.config.placement import OptimizerTier, ParamTier
 from offload.config.schema import Config
 from offload.config.sizes import format_bytes, parse_size
+from offload.config.state_layout import FP32_STATE, StateBytes
 from offload.errors import ConfigError
 from offload.model.unit_state import UnitState
 from offload.plan.budgets import host_bytes_beside_optimizer_state
@@ -39,6 +40,7 @@ def plan_optimizer(
     staged_device_copies: bool,
     local_rank: int,
     device_memory: tuple[int, int] | None = None,
+    state: StateBytes = FP32_STATE,
 ) -> OptimizerPlan:
     """Each unit's optimizer tier: the config's `device` / `cpu` / `nvme` for every unit, or under
     `auto` the plan of offload.plan.optimizer_plan from this machine's room: the accelerator's
@@ -47,7 +49,8 @@ def plan_optimizer(
     for it), RAM (`max_host_memory`, or what is available less HOST_MARGIN, shared by the ranks
     of this node) less the engine's other host buffers, and the free disk under this rank's
     `nvme_path`. Units are planned in index order (the root, then the blocks: the order an
-    ordinary forward runs them, so the order they step)."""
+    ordinary forward runs them, so the order they step). `state`: the bytes of each kind of
+    optimizer state, as the tiers will allocate them (`config.state_layout.state_bytes_for`)."""
     choice = config.offload.optimizer
     if choice != "auto":
         tier = OptimizerTier(choice)
@@ -84,11 +87,13 @@ def plan_optimizer(
             capacity,
             buffer_count=config.offload.buffer_count,
             sub_group_size=config.offload.sub_group_size,
+            state=state,
         )
     except PlanError as error:
         raise ConfigError(f"offload.optimizer auto: {error}", key="offload.optimizer") from None
     logger.info(
-        "offload: optimizer auto (device memory for it %s, RAM %s, disk %s): %s",
+        "offload: optimizer auto (%s; device memory for it %s, RAM %s, disk %s): %s",
+        state.describe(),
         format_bytes(capacity.device),
         format_bytes(capacity.host),
         format_bytes(nvme_free),

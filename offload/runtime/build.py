@@ -23,7 +23,7 @@ from torch import nn
 
 from offload.config.placement import ParamTier
 from offload.config.schema import Config
-from offload.config.state_layout import StateBytes, StatePrecision, gradient_bytes_for
+from offload.config.state_layout import StateBytes, state_bytes_for
 from offload.errors import OffloadError
 from offload.model.materialize import has_meta_state, mapped_zeros, materialize_unit_params
 from offload.model.unit_state import UnitState
@@ -230,6 +230,7 @@ def _store(config: Config, units, collectives: Collectives, device: Device, ledg
         staged_device_copies=device.separate_memory,
         local_rank=local_rank,
         device_memory=device.memory(),
+        state=state,
     )
     store = TierStore(
         units,
@@ -253,13 +254,7 @@ def _store(config: Config, units, collectives: Collectives, device: Device, ledg
 def state_bytes(config: Config, compute_dtype: torch.dtype) -> StateBytes:
     """The stored width of each optimizer state kind: the config's moment precision, and the
     gradient in its 16-bit arrival dtype where nothing is added into it (config.state_layout)."""
-    compute_bytes = torch.empty(0, dtype=compute_dtype).element_size()
-    return StateBytes(
-        StatePrecision(getattr(config.optimizer, "state_precision", "fp32")),
-        gradient_bytes_for(
-            compute_bytes, config.gradient_accumulation_steps, getattr(config.optimizer, "gradient_precision", "auto")
-        ),
-    )
+    return state_bytes_for(config, torch.empty(0, dtype=compute_dtype).element_size())
 
 
 def build(model: nn.Module, config: Config, groups: list[dict], *, process_group, device, run_name) -> Runtime:

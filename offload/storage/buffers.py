@@ -172,7 +172,7 @@ class OptimizerSlot:
             raise first
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class StatePiece:
     """One piece of a unit's optimizer state as `TierStore` streams it: the fp32 values of the
     state's elements [start, start + n) by kind, wherever they are now."""
@@ -190,3 +190,7 @@ class StatePiece:
     @property
     def end(self) -> int:
         return self.start + self.views["master"].numel()
+
+    def __repr__(self) -> str:
+        # no tensors: a piece's buffers may be freed (the pool closed) by the time it is shown
+        return f"StatePiece({self.unit.spec.name}, piece {self.index}, [{self.start}, {self.end}), last={self.last})"

@@ -117,6 +117,7 @@ class TierStore:
             staged_device_copies=staged_device_copies,
             optimizer_numels=[unit.optimizer_numel for unit in units],
             sub_group_size=config.offload.sub_group_size,
+            state=state,
         )
         # Page-rounding per buffer: every buffer's capacity rounds up to 4 KiB.
         page_slack = pool_page_slack(len(units), self.slot_shape.count, config.prefetch.depth)
@@ -182,6 +183,7 @@ class TierStore:
             speculate=speculate,
             speculation_cap=parse_size(config.offload.speculation_memory),
             gradient_cap=parse_size(config.offload.gradient_memory),
+            state=self.state,
         )
         self.speculating = leftover.speculating
         for unit, in_ram in zip(self.units, leftover.gradients_in_ram):
