@@ -103,7 +103,7 @@ def proc_io() -> dict[str, int]:
 
 
 def expected_bytes(state_precision: str, compute_bytes: int = 2) -> StateBytes:
-    """What plan.state_layout counts for this precision under the benchmark's settings."""
+    """What config.state_layout counts for this precision under the benchmark's settings."""
     return StateBytes(state_precision, gradient_bytes_for(compute_bytes, 1, "auto"))
 
 
