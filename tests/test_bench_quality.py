@@ -11,6 +11,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_quality.py")
 STEPS = 6
@@ -43,7 +44,7 @@ def test_smallest_setting_reports_every_run(bench, tmp_path, capsys):
     assert summary["runs"][bench.REFERENCE]["train_vs_reference_pct"] == 0.0
     # fp32 state is torch's AdamW to fp32 rounding: the curves coincide step by step
     assert summary["offload_fp32_max_step_difference"] < 1e-4
-    # the noise band: the reference over two data-order seeds
+    # the noise band: the reference and a run of it from an init moved by one ulp
     assert set(summary["noise"]) == {"train", "validation"}
     assert len(summary["noise"]["train"]["values"]) == 2 and summary["noise"]["train"]["spread_pct"] >= 0
     if {"offload int8", "bnb AdamW8bit"} <= expected:
@@ -55,7 +56,7 @@ def test_smallest_setting_reports_every_run(bench, tmp_path, capsys):
     with open(summary["csv"], newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert list(rows[0]) == ["run", "seed", "step", "train_loss", "validation_loss"]
-    for name in [*expected, f"{bench.REFERENCE} seed 1"]:
+    for name in [*expected, bench.noise_name("rounding", 1)]:
         mine = [r for r in rows if r["run"] == name]
         assert [int(r["step"]) for r in mine] == list(range(STEPS + 1)), name
         assert [r["step"] for r in mine if r["validation_loss"]] == ["0", "3", "6"], name
@@ -71,3 +72,11 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth(bench):
     assert rates[0] == pytest.approx(0.1) and rates[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
     assert rates[-1] == pytest.approx(0.1, abs=0.01)
+
+
+def test_the_noise_runs_init_differs_by_one_ulp_everywhere(bench):
+    model = bench.build_model(bench.SMALL)
+    moved = bench.nudged_by_one_ulp(model, 1)
+    for (name, a), b in zip(model.named_parameters(), moved.parameters()):
+        distance = (b.detach().view(torch.int32).long() - a.detach().view(torch.int32).long()).abs()
+        assert distance.max() == 1 and distance.min() == 1, name  # (no weight is 0 at this init, where 1 ulp is a sign flip)
