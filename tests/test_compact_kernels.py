@@ -10,10 +10,21 @@ import pytest
 import torch
 
 from offload.config.state_layout import INT8_BLOCK, int8_moment_bytes
+from offload.errors import OffloadError
 from offload.optim import kernels
 from offload.optim import moments as M
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The torch reference runs many small elementwise operations: on a shared two-core machine
+    torch's spinning OpenMP workers made them (and the kernel between them) 5x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def views(precision, n, device="cpu"):
@@ -221,7 +232,7 @@ def test_int8_special_blocks():
     assert back[32:96].isnan().all() and back[96:128].eq(0).all() and back[:32].eq(0).all()
     assert int_bits(back[96:97]).item() == int_bits(torch.tensor([-0.0])).item()
     assert view.block_exponents[4].item() == 1  # subnormal: scale 2^-126
-    torch.testing.assert_close(back[128:160], x[128:160], rtol=1 / 8, atol=0)
+    assert ((back[128:160] - x[128:160]).abs() <= x[128:160].abs() / 8).all()
     # an exp_avg_sq block holding v = inf or NaN decodes NaN; zeros stay zero
     v = torch.tensor([0.0] * 32 + [1.0] * 31 + [math.inf])
     back = roundtrip("int8", "exp_avg_sq", v)
@@ -235,7 +246,7 @@ def test_int8_partial_last_block_touches_nothing_beyond_its_range():
     x = torch.linspace(-1, 1, n)
     M.encode("int8", "exp_avg", x, view, position=0, key=3)
     assert buffer[n:piece].eq(0xAB).all() and buffer[piece + 3 :].eq(0xAB).all()
-    torch.testing.assert_close(M.decode("int8", "exp_avg", view), x, rtol=1 / 8, atol=2.0**-17)
+    assert ((M.decode("int8", "exp_avg", view) - x).abs() <= x.abs() / 8 + 2.0**-17).all()
     # the last block's exponent comes from its own 6 elements
     small = torch.cat([torch.ones(64), torch.full((6,), 1e-3)])
     assert encoded("int8", "exp_avg", small).block_exponents[2].item() == (int_bits(torch.tensor(1e-3)).item() >> 23) + 1
@@ -347,3 +358,222 @@ def test_compact_moments_follow_fp32_adam(precision):
     assert (vc - v32).norm() / v32.norm() < bounds[2]
     assert v32.sum() / start_v > 1.02  # v grew
     assert abs(vc.sum() / v32.sum() - 1) < bounds[3]  # and so did the rounded one, as much
+
+
+# ---- the C++ kernel against torch -----------------------------------------------------------
+
+ALL_ISAS = ("avx512", "avx2", "portable")
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request):
+    """Runs the test once per instruction set this CPU has (others are skipped)."""
+    if request.param not in kernels.available_isas():
+        pytest.skip(f"CPU lacks {request.param}")
+    kernels.force_isa(request.param)
+    yield request.param
+    kernels.force_isa(None)
+
+
+@pytest.fixture
+def threads():
+    """Restores the kernels' thread count after a test that sets it."""
+    before = kernels.get_num_threads()
+    yield
+    kernels.set_num_threads(before)
+
+
+def state(precision, n, seed):
+    """Parameters and moments of n elements after an encode of random moments."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    m, v = views(precision, n)
+    M.encode(precision, "exp_avg", torch.randn(n, generator=gen) * 1e-3, m, position=0, key=seed)
+    M.encode(precision, "exp_avg_sq", torch.rand(n, generator=gen) * 1e-6, v, position=0, key=seed)
+    return p, m, v, gen
+
+
+def copy_view(view):
+    return M.MomentView(view.values.clone(), None if view.block_exponents is None else view.block_exponents.clone())
+
+
+def assert_state_same(a, b, what):
+    (pa, ma, va), (pb, mb, vb) = a, b
+    assert_same(pa, pb, f"{what}: param")
+    for name, x, y in (("exp_avg", ma, mb), ("exp_avg_sq", va, vb)):
+        assert_same(x.values, y.values, f"{what}: {name} values")
+        if x.block_exponents is not None:
+            assert_same(x.block_exponents, y.block_exponents, f"{what}: {name} block exponents")
+
+
+# (n, grad dtype, param_out16 dtype, hyperparameters): partial vectors and blocks, every
+# gradient dtype, both 16-bit copies, Adam and AdamW, both lerp branches, bias correction off,
+# a gradient scale; 70_001 elements run on the thread pool (two chunks)
+CASES = [
+    (1, torch.float32, None, dict(HYPER)),
+    (33, torch.bfloat16, torch.bfloat16, dict(HYPER, beta1=0.3, adamw_mode=False, weight_decay=0.05)),
+    (4099, torch.float16, torch.float16, dict(HYPER, bias_correction=False, grad_scale=0.37)),
+    (70_001, torch.bfloat16, torch.bfloat16, dict(HYPER)),
+]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("n,grad_dtype,out_dtype,hyper", CASES, ids=[str(c[0]) for c in CASES])
+def test_kernel_equals_torch_bit_for_bit(isa, precision, n, grad_dtype, out_dtype, hyper):
+    p, m, v, gen = state(precision, n, seed=n)
+    ref = (p.clone(), copy_view(m), copy_view(v))
+    out16 = None if out_dtype is None else torch.zeros(n, dtype=out_dtype)
+    ref16 = None if out_dtype is None else torch.zeros(n, dtype=out_dtype)
+    before = p.clone()
+    for step in range(1, 4):
+        g = (torch.randn(n, generator=gen) * 10.0 ** (-step)).to(grad_dtype)
+        common = dict(precision=precision, position=96, rounding_key=M.rounding_key(7, 1, step), step=step, **hyper)
+        kernels.adam_step_compact(p, g, m, v, param_out16=out16, **common)
+        M.adam_step_torch(*ref[:1], g, *ref[1:], param_out16=ref16, **common)
+        assert_state_same((p, m, v), ref, f"{isa} {precision} step {step}")
+        if out16 is not None:
+            assert_same(out16, ref16, "param_out16")
+    assert not torch.equal(p, before)
+
+
+def test_results_do_not_depend_on_the_thread_count(threads):
+    n = 140_001  # three chunks of the pool; a partial last block
+    results = []
+    for count in (1, 2):
+        kernels.set_num_threads(count)
+        for precision in ("bf16", "int8"):
+            p, m, v, gen = state(precision, n, seed=3)
+            g = torch.randn(n, generator=gen).bfloat16()
+            kernels.adam_step_compact(p, g, m, v, precision=precision, position=0, rounding_key=5, step=1, **HYPER)
+            results.append((p, m, v))
+    assert_state_same(results[0], results[2], "bf16, 1 vs 2 threads")
+    assert_state_same(results[1], results[3], "int8, 1 vs 2 threads")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_a_range_split_on_a_block_is_the_same_step(precision):
+    # a call over [0, n) equals calls over [0, k) and [k, n) of the same piece (k a multiple
+    # of 32, position offset by k): the random bits depend only on the position
+    n, k, base = 1000, 320, 64
+    p, m, v, gen = state(precision, n, seed=11)
+    buffers = [view_buffer(precision, x, n) for x in (m, v)]
+    g = torch.randn(n, generator=gen)
+    whole = (p.clone(), *[M.moment_view(precision, b.clone(), n, 0, n) for b in buffers])
+    hp = dict(precision=precision, rounding_key=99, step=2, **HYPER)
+    kernels.adam_step_compact(whole[0], g, whole[1], whole[2], position=base, **hp)
+    for start, end in ((0, k), (k, n)):
+        pieces = [M.moment_view(precision, b, n, start, end) for b in buffers]
+        kernels.adam_step_compact(p[start:end], g[start:end], *pieces, position=base + start, **hp)
+    assert_state_same((p, m, v), whole, "split")
+
+
+def view_buffer(precision, view, n):
+    """The piece buffer a whole-piece view (from views()) lies in."""
+    numel, dtype = M.moment_storage(precision, n)
+    buffer = torch.empty(0, dtype=dtype).set_(view.values.untyped_storage(), 0, (numel,))
+    assert M.moment_view(precision, buffer, n, 0, n).values.data_ptr() == view.values.data_ptr()
+    return buffer
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_out_of_place_leaves_the_inputs_and_equals_in_place(isa, precision):
+    n = 1000
+    p, m, v, gen = state(precision, n, seed=12)
+    g = torch.randn(n, generator=gen)
+    snapshot = (p.clone(), copy_view(m), copy_view(v))
+    hp = dict(precision=precision, position=0, rounding_key=4, step=3, **HYPER)
+    outs = (torch.empty(n), *views(precision, n))
+    kernels.adam_step_compact(p, g, m, v, state_out=outs, **hp)
+    assert_state_same((p, m, v), snapshot, "inputs after an out-of-place step")
+    kernels.adam_step_compact(p, g, m, v, **hp)
+    assert_state_same(outs, (p, m, v), "out of place vs in place")
+    # an out may be its own input (that one in place)
+    p2, m2, v2 = snapshot[0].clone(), copy_view(snapshot[1]), copy_view(snapshot[2])
+    outs = (p2, *views(precision, n))
+    kernels.adam_step_compact(p2, g, m2, v2, state_out=outs, **hp)
+    assert_state_same(outs, (p, m, v), "param in place, moments out of place")
+
+
+def test_nonfinite_gradients_poison_only_their_block(isa):
+    n = 96
+    for precision in ("bf16", "int8"):
+        p, m, v, gen = state(precision, n, seed=13)
+        ref = (p.clone(), copy_view(m), copy_view(v))
+        g = torch.randn(n, generator=gen)
+        g[40], g[70] = math.nan, math.inf
+        hp = dict(precision=precision, position=0, rounding_key=4, step=3, **HYPER)
+        kernels.adam_step_compact(p, g, m, v, **hp)
+        M.adam_step_torch(ref[0], g, ref[1], ref[2], **hp)
+        assert_state_same((p, m, v), ref, precision)
+        back = M.decode(precision, "exp_avg", m)
+        if precision == "int8":
+            assert m.block_exponents[1:].tolist() == [255, 255] and back[32:].isnan().all()
+            assert not back[:32].isnan().any()
+        else:
+            assert back[40].isnan() and back[70].isinf() and back.isfinite().sum() == n - 2
+
+
+def test_extreme_magnitudes(isa):
+    # block 0: exp_avg near the fp32 maximum (exponent byte 253, y >= 1: codes saturate);
+    # block 1: subnormal exp_avg and exp_avg_sq; block 2: v of 1e-44 (roots below 2^-72)
+    n = 96
+    m_values = torch.cat([torch.full((32,), 3.0e38), torch.full((32,), 1e-40), torch.full((32,), 1e-30)])
+    v_values = torch.cat([torch.full((32,), 1.0), torch.full((32,), 1e-42), torch.full((32,), 1e-44)])
+    m_values[::3] *= -1
+    for precision in ("bf16", "int8"):
+        m, v = views(precision, n)
+        M.encode(precision, "exp_avg", m_values, m, position=0, key=1)
+        M.encode(precision, "exp_avg_sq", v_values, v, position=0, key=1)
+        if precision == "int8":
+            assert m.block_exponents[0].item() == 253
+        p = torch.randn(n, generator=torch.Generator().manual_seed(16))
+        ref = (p.clone(), copy_view(m), copy_view(v))
+        g = torch.zeros(n)
+        g[64:] = 1e-25
+        hp = dict(precision=precision, position=0, rounding_key=4, step=3, **dict(HYPER, beta1=0.01))
+        kernels.adam_step_compact(p, g, m, v, **hp)
+        M.adam_step_torch(ref[0], g, ref[1], ref[2], **hp)
+        assert_state_same((p, m, v), ref, precision)
+
+
+def test_fp32_precision_runs_the_fp32_kernel():
+    n = 100
+    p, m, v, gen = state("fp32", n, seed=14)
+    p2, m2, v2 = p.clone(), m.values.clone(), v.values.clone()
+    g = torch.randn(n, generator=gen)
+    kernels.adam_step_compact(p, g, m, v, precision="fp32", position=0, rounding_key=0, step=1, **HYPER)
+    kernels.adam_step(p2, g, m2, v2, step=1, **HYPER)
+    assert_state_same((p, m, v), (p2, M.MomentView(m2), M.MomentView(v2)), "fp32")
+
+
+def test_errors_name_the_argument():
+    n = 64
+    p, m, v, _ = state("int8", n, seed=15)
+    g = torch.zeros(n)
+    hp = dict(precision="int8", rounding_key=1, step=1, **HYPER)
+    with pytest.raises(ValueError, match="position 16 is not a multiple of 32"):
+        kernels.adam_step_compact(p, g, m, v, position=16, **hp)
+    with pytest.raises(ValueError, match=r"exp_avg.block_exponents has 3 elements; 64 int8 elements take ceil\(64/32\) = 2"):
+        kernels.adam_step_compact(p, g, M.MomentView(m.values, torch.zeros(3, dtype=torch.uint8)), v, position=0, **hp)
+    with pytest.raises(TypeError, match="exp_avg_sq.values must be uint8, got bfloat16"):
+        kernels.adam_step_compact(p, g, m, M.MomentView(torch.zeros(n, dtype=torch.bfloat16)), position=0, **hp)
+    with pytest.raises(TypeError, match="exp_avg must be an offload.optim.moments.MomentView"):
+        kernels.adam_step_compact(p, g, m.values, v, position=0, **hp)
+    with pytest.raises(ValueError, match="grad has 63 elements but param has 64"):
+        kernels.adam_step_compact(p, g[:63], m, v, position=0, **hp)
+    with pytest.raises(ValueError, match="rounding_key must be an int in"):
+        kernels.adam_step_compact(p, g, m, v, position=0, **dict(hp, rounding_key=2**32))
+    with pytest.raises(ValueError, match="precision must be 'fp32', 'bf16' or 'int8'"):
+        kernels.adam_step_compact(p, g, m, v, position=0, **dict(hp, precision="int4"))
+    with pytest.raises(ValueError, match="beta2 must be in"):
+        kernels.adam_step_compact(p, g, m, v, position=0, **dict(hp, beta2=1.0))
+    with pytest.raises(OffloadError, match=r"exp_avg.values must be contiguous"):
+        strided = M.MomentView(torch.zeros(2 * n, dtype=torch.uint8)[::2], m.block_exponents)
+        kernels.adam_step_compact(p, g, strided, v, position=0, **hp)
+    # an out overlapping another tensor (not its own input)
+    out_m = M.MomentView(v.values, torch.zeros(2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"state_out\[1\] \(exp_avg_out\).values overlaps exp_avg_sq.values"):
+        kernels.adam_step_compact(p, g, m, v, position=0, state_out=(torch.empty(n), out_m, views("int8", n)[1]), **hp)
+    # in place, the gradient overlapping a destination (checked by the extension)
+    with pytest.raises(ValueError, match="grad overlaps param"):
+        kernels.adam_step_compact(p, p, m, v, position=0, **hp)

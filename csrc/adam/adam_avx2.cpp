@@ -30,6 +30,25 @@ inline __m128i to_bf16(__m256 p) {
   return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
 }
 
+// AdamW on one vector, the operations of torch's single-tensor AdamW in its order: updates
+// p, m, v and returns sqrt(v') (before bias correction).
+inline __m256 adamw_math(const AdamArgs& a, __m256 g, __m256& p, __m256& m, __m256& v, bool lerp_small,
+                         __m256 lerp_coeff) {
+  if (a.apply_scale) g = _mm256_mul_ps(g, _mm256_set1_ps(a.grad_scale));
+  if (a.l2_decay) g = _mm256_fmadd_ps(p, _mm256_set1_ps(a.weight_decay), g);
+  if (a.decoupled_decay) p = _mm256_mul_ps(p, _mm256_set1_ps(a.decay_factor));
+  m = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, m), lerp_small ? m : g);
+  v = _mm256_mul_ps(v, _mm256_set1_ps(a.beta2));
+  // addcmul_: torch's build contracts self + (value * t1) * t2 into one fused multiply-add
+  v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(a.one_minus_beta2), g), g, v);
+  const __m256 sqrt_v = _mm256_sqrt_ps(v);
+  __m256 root = sqrt_v;
+  if (a.divide_bc2) root = _mm256_div_ps(root, _mm256_set1_ps(a.bias_correction2_sqrt));
+  __m256 denom = _mm256_add_ps(root, _mm256_set1_ps(a.eps));
+  p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(a.neg_step_size), m), denom));
+  return sqrt_v;
+}
+
 // One 8-element step on the given buffers: reads the sources (param_in, grad, exp_avg_in,
 // exp_avg_sq_in), writes the destinations (param, exp_avg, exp_avg_sq, out16). The real
 // arrays, or the tail's stack copies (each source then its own destination).
@@ -49,17 +68,7 @@ inline void adam_vector(const AdamArgs& a, const float* param_in, const void* gr
     m = _mm256_add_ps(m, g);
     v = _mm256_add_ps(v, g);
   } else {
-    if (a.apply_scale) g = _mm256_mul_ps(g, _mm256_set1_ps(a.grad_scale));
-    if (a.l2_decay) g = _mm256_fmadd_ps(p, _mm256_set1_ps(a.weight_decay), g);
-    if (a.decoupled_decay) p = _mm256_mul_ps(p, _mm256_set1_ps(a.decay_factor));
-    m = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, m), lerp_small ? m : g);
-    v = _mm256_mul_ps(v, _mm256_set1_ps(a.beta2));
-    // addcmul_: torch's build contracts self + (value * t1) * t2 into one fused multiply-add
-    v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(a.one_minus_beta2), g), g, v);
-    __m256 root = _mm256_sqrt_ps(v);
-    if (a.divide_bc2) root = _mm256_div_ps(root, _mm256_set1_ps(a.bias_correction2_sqrt));
-    __m256 denom = _mm256_add_ps(root, _mm256_set1_ps(a.eps));
-    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(a.neg_step_size), m), denom));
+    adamw_math(a, g, p, m, v, lerp_small, lerp_coeff);
   }
   _mm256_storeu_ps(param + i, p);
   _mm256_storeu_ps(exp_avg + i, m);
@@ -139,12 +148,311 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
   if (i < end) adam_partial<GradType, OutType, Traffic>(a, i, end - i, lerp_small, lerp_coeff);
 }
 
+// ---- compact moments (docs/compact_state.md) --------------------------------------------
+
+// The random words of elements first .. first + 7 (first = position + index, mod 2^32).
+inline __m256i random_words(uint32_t key, uint32_t first) {
+  __m256i h = _mm256_add_epi32(_mm256_set1_epi32(int(first)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  h = _mm256_xor_si256(h, _mm256_set1_epi32(int(key)));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(int(0x85EBCA6Bu)));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(int(0xC2B2AE35u)));
+  return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+}
+
+inline __m256 load_bf16(const uint16_t* src) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// bf16 with stochastic rounding: r (< 2^16) added below the kept bits; NaN -> 0x7fc0.
+inline __m128i encode_bf16_vector(__m256 x, __m256i r) {
+  __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7fc0), is_nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+// 8 codes (bytes) widened to 32-bit lanes.
+inline __m256i load_codes(const uint8_t* src) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+}
+
+// value(c) of the codes' magnitudes c: float((c + normal_base) << shift) from the first normal
+// code on, float((c + sub_base) << shift) - 2^-14 below it (exact).
+template <int Shift, int SubBase, int NormalBase>
+inline __m256 code_values(__m256i c) {
+  const __m256i normal = _mm256_cmpgt_epi32(c, _mm256_set1_epi32((1 << (23 - Shift)) - 1));
+  const __m256i base = _mm256_blendv_epi8(_mm256_set1_epi32(SubBase), _mm256_set1_epi32(NormalBase), normal);
+  const __m256 value = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, base), Shift));
+  const __m256 shifted = _mm256_sub_ps(value, _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM14Bits))));
+  return _mm256_blendv_ps(shifted, value, _mm256_castsi256_ps(normal));
+}
+
+inline __m256 decode_e4m3_vector(__m256i code, __m256 scale) {
+  const __m256 value = code_values<20, 904, 896>(_mm256_and_si256(code, _mm256_set1_epi32(127)));
+  const __m256 x = _mm256_mul_ps(value, scale);
+  return _mm256_xor_ps(x, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(code, 7), 31)));
+}
+
+inline __m256 decode_e4m4_vector(__m256i code, __m256 scale) {
+  const __m256 value = code_values<19, 1808, 1792>(code);
+  return _mm256_mul_ps(value, scale);
+}
+
+// Codes of y = |x| * inverse rounded with r below the kept bits (docs/compact_state.md).
+template <int Shift, int SubBase, int NormalBase, int Top>
+inline __m256i encode_magnitude_vector(__m256 x, __m256 inverse, __m256i r) {
+  const __m256 two_pow_m14 = _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM14Bits)));
+  const __m256 y =
+      _mm256_mul_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))), inverse);
+  const __m256 small = _mm256_cmp_ps(y, two_pow_m14, _CMP_LT_OQ);
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(_mm256_add_ps(y, two_pow_m14)), r), Shift),
+      _mm256_set1_epi32(SubBase));
+  const __m256i normal = _mm256_sub_epi32(
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(y), r), Shift), _mm256_set1_epi32(NormalBase));
+  const __m256i c = _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(small));
+  return _mm256_min_epi32(c, _mm256_set1_epi32(Top));  // codes are >= 0
+}
+
+inline __m256i encode_e4m3_vector(__m256 x, __m256 inverse, __m256i word) {
+  const __m256i c = encode_magnitude_vector<20, 904, 896, 127>(
+      x, inverse, _mm256_and_si256(word, _mm256_set1_epi32(0xFFFFF)));
+  return _mm256_or_si256(c, _mm256_slli_epi32(_mm256_srli_epi32(_mm256_castps_si256(x), 31), 7));
+}
+
+inline __m256i encode_e4m4_vector(__m256 root, __m256 inverse, __m256i word) {
+  return encode_magnitude_vector<19, 1808, 1792, 255>(root, inverse, _mm256_srli_epi32(word, 13));
+}
+
+// Largest of |x| over 4 vectors, as bits.
+inline uint32_t largest_magnitude(const __m256 (&x)[4]) {
+  const __m256i mask = _mm256_set1_epi32(0x7fffffff);
+  __m256i a = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(x[0]), mask),
+                               _mm256_and_si256(_mm256_castps_si256(x[1]), mask));
+  __m256i b = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(x[2]), mask),
+                               _mm256_and_si256(_mm256_castps_si256(x[3]), mask));
+  a = _mm256_max_epu32(a, b);
+  __m128i h = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
+  return uint32_t(_mm_cvtsi128_si32(h));
+}
+
+// 32 codes in 32-bit lanes (4 vectors, each < 256) packed to 32 bytes in element order.
+inline void store_codes(uint8_t* dst, const __m256i (&c)[4]) {
+  const __m256i words = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), ordered);
+}
+
+template <int OutType>
+inline void store_out16(uint16_t* out16, __m256 p) {
+  if (OutType == kNone) return;
+  const __m128i half =
+      OutType == kBF16 ? to_bf16(p) : _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out16), half);
+}
+
+// The buffers of one compact vector or block: the real arrays at an element offset, or the
+// partial tail's zero-padded stack copies (each source then its own destination).
+struct CompactBuffers {
+  const float* param_in;
+  const void* grad;
+  const void* m_in;  // uint16 (bf16) or uint8 codes (int8)
+  const void* v_in;
+  float* param;
+  void* m_out;
+  void* v_out;
+  uint16_t* out16;
+};
+
+// 8 elements with bf16 moments at offset i of the buffers; `first` is element i's position.
+template <int GradType, int OutType, bool Traffic>
+inline void bf16_vector(const CompactArgs& c, const CompactBuffers& b, size_t i, uint32_t first,
+                        bool lerp_small, __m256 lerp_coeff) {
+  const uint16_t* m_in = static_cast<const uint16_t*>(b.m_in) + i;
+  const uint16_t* v_in = static_cast<const uint16_t*>(b.v_in) + i;
+  __m128i* m_out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.m_out) + i);
+  __m128i* v_out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.v_out) + i);
+  __m256 g = load_grad<GradType>(b.grad, i);
+  __m256 p = _mm256_loadu_ps(b.param_in + i);
+  if (Traffic) {
+    p = _mm256_add_ps(p, g);
+    const __m128i one = _mm_set1_epi16(1);
+    _mm_storeu_si128(m_out, _mm_add_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m_in)), one));
+    _mm_storeu_si128(v_out, _mm_add_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v_in)), one));
+  } else {
+    __m256 m = load_bf16(m_in);
+    __m256 v = load_bf16(v_in);
+    adamw_math(c.step, g, p, m, v, lerp_small, lerp_coeff);
+    const __m256i word = random_words(c.key, first);
+    _mm_storeu_si128(m_out, encode_bf16_vector(m, _mm256_and_si256(word, _mm256_set1_epi32(0xFFFF))));
+    _mm_storeu_si128(v_out, encode_bf16_vector(v, _mm256_srli_epi32(word, 16)));
+  }
+  _mm256_storeu_ps(b.param + i, p);
+  store_out16<OutType>(b.out16 + i, p);
+}
+
+// Elements [i, i + rest), rest < 8, through zero-padded stack copies.
+template <int GradType, int OutType, bool Traffic>
+inline void bf16_partial(const CompactArgs& c, size_t i, size_t rest, bool lerp_small, __m256 lerp_coeff) {
+  const AdamArgs& a = c.step;
+  const size_t grad_bytes = GradType == kF32 ? 4 : 2;
+  alignas(32) float param[8] = {0};
+  alignas(32) unsigned char grad[32] = {0};
+  alignas(32) uint16_t m[8] = {0}, v[8] = {0}, out[8] = {0};
+  std::memcpy(param, a.param_in + i, rest * 4);
+  std::memcpy(grad, static_cast<const unsigned char*>(a.grad) + i * grad_bytes, rest * grad_bytes);
+  std::memcpy(m, static_cast<const uint16_t*>(c.exp_avg_in) + i, rest * 2);
+  std::memcpy(v, static_cast<const uint16_t*>(c.exp_avg_sq_in) + i, rest * 2);
+  const CompactBuffers stack{param, grad, m, v, param, m, v, out};
+  bf16_vector<GradType, OutType, Traffic>(c, stack, 0, uint32_t(c.position + i), lerp_small, lerp_coeff);
+  std::memcpy(a.param + i, param, rest * 4);
+  std::memcpy(static_cast<uint16_t*>(c.exp_avg) + i, m, rest * 2);
+  std::memcpy(static_cast<uint16_t*>(c.exp_avg_sq) + i, v, rest * 2);
+  if (OutType != kNone) std::memcpy(static_cast<uint16_t*>(a.param_out16) + i, out, rest * 2);
+}
+
+template <int GradType, int OutType, bool Traffic>
+void bf16_range(const CompactArgs& args, size_t begin, size_t end) {
+  const CompactArgs c = args;  // a local copy (see adam_range)
+  const bool lerp_small = __builtin_fabsf(c.step.beta1_weight) < 0.5f;
+  const __m256 lerp_coeff = _mm256_set1_ps(lerp_small ? c.step.beta1_weight : c.step.beta1_weight - 1.0f);
+  const CompactBuffers arrays{
+      c.step.param_in, c.step.grad, c.exp_avg_in, c.exp_avg_sq_in,
+      c.step.param,    c.exp_avg,   c.exp_avg_sq, static_cast<uint16_t*>(c.step.param_out16)};
+  size_t i = begin;
+  for (; i + 8 <= end; i += 8)
+    bf16_vector<GradType, OutType, Traffic>(c, arrays, i, uint32_t(c.position + i), lerp_small, lerp_coeff);
+  if (i < end) bf16_partial<GradType, OutType, Traffic>(c, i, end - i, lerp_small, lerp_coeff);
+}
+
+// One block of 32 elements with int8 moments at offset i of the buffers (4 vectors): decode,
+// step, the block's largest magnitudes, encode. The exponents are passed by value (read
+// before anything is written) and returned through m_exponent / v_exponent.
+template <int GradType, int OutType, bool Traffic>
+inline void int8_block(const CompactArgs& c, const CompactBuffers& b, size_t i, uint32_t first,
+                       uint32_t m_exponent_in, uint32_t v_exponent_in, uint8_t* m_exponent,
+                       uint8_t* v_exponent, bool lerp_small, __m256 lerp_coeff) {
+  const uint8_t* m_in = static_cast<const uint8_t*>(b.m_in) + i;
+  const uint8_t* v_in = static_cast<const uint8_t*>(b.v_in) + i;
+  uint8_t* m_out = static_cast<uint8_t*>(b.m_out) + i;
+  uint8_t* v_out = static_cast<uint8_t*>(b.v_out) + i;
+  if (Traffic) {
+    for (int k = 0; k < 4; ++k) {
+      const __m256 p =
+          _mm256_add_ps(_mm256_loadu_ps(b.param_in + i + 8 * k), load_grad<GradType>(b.grad, i + 8 * k));
+      _mm256_storeu_ps(b.param + i + 8 * k, p);
+      store_out16<OutType>(b.out16 + i + 8 * k, p);
+    }
+    const __m256i one = _mm256_set1_epi8(1);
+    const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m_in));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_in));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(m_out), _mm256_add_epi8(m, one));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(v_out), _mm256_add_epi8(v, one));
+    *m_exponent = uint8_t(m_exponent_in + 1);
+    *v_exponent = uint8_t(v_exponent_in + 1);
+    return;
+  }
+  const __m256 m_scale = _mm256_set1_ps(exponent_scale(m_exponent_in));
+  const __m256 v_scale = _mm256_set1_ps(exponent_scale(v_exponent_in));
+  __m256 ms[4], roots[4];
+  for (int k = 0; k < 4; ++k) {
+    const size_t j = i + 8 * k;
+    __m256 g = load_grad<GradType>(b.grad, j);
+    __m256 p = _mm256_loadu_ps(b.param_in + j);
+    __m256 m = decode_e4m3_vector(load_codes(m_in + 8 * k), m_scale);
+    const __m256 stored_root = decode_e4m4_vector(load_codes(v_in + 8 * k), v_scale);
+    __m256 v = _mm256_mul_ps(stored_root, stored_root);
+    roots[k] = adamw_math(c.step, g, p, m, v, lerp_small, lerp_coeff);
+    ms[k] = m;
+    _mm256_storeu_ps(b.param + j, p);
+    store_out16<OutType>(b.out16 + j, p);
+  }
+  const uint32_t m_e = block_exponent(largest_magnitude(ms));
+  const uint32_t v_e = block_exponent(largest_magnitude(roots));
+  const __m256 m_inverse = _mm256_set1_ps(exponent_inverse(m_e));
+  const __m256 v_inverse = _mm256_set1_ps(exponent_inverse(v_e));
+  __m256i m_codes[4], v_codes[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m256i word = random_words(c.key, first + 8 * k);
+    m_codes[k] = encode_e4m3_vector(ms[k], m_inverse, word);
+    v_codes[k] = encode_e4m4_vector(roots[k], v_inverse, word);
+  }
+  if (m_e == 255)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(m_out), _mm256_setzero_si256());
+  else
+    store_codes(m_out, m_codes);
+  if (v_e == 255)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(v_out), _mm256_setzero_si256());
+  else
+    store_codes(v_out, v_codes);
+  *m_exponent = uint8_t(m_e);
+  *v_exponent = uint8_t(v_e);
+}
+
+// The call's last block when it has fewer than 32 elements: zero-padded stack copies (zeros
+// step to zero moments, so the padding leaves the block's largest magnitudes alone).
+template <int GradType, int OutType, bool Traffic>
+inline void int8_partial(const CompactArgs& c, size_t i, size_t rest, bool lerp_small, __m256 lerp_coeff) {
+  const AdamArgs& a = c.step;
+  const size_t grad_bytes = GradType == kF32 ? 4 : 2;
+  const size_t block = i / kInt8Block;
+  alignas(32) float param[32] = {0};
+  alignas(32) unsigned char grad[128] = {0};
+  alignas(32) uint8_t m[32] = {0}, v[32] = {0};
+  alignas(32) uint16_t out[32] = {0};
+  std::memcpy(param, a.param_in + i, rest * 4);
+  std::memcpy(grad, static_cast<const unsigned char*>(a.grad) + i * grad_bytes, rest * grad_bytes);
+  std::memcpy(m, static_cast<const uint8_t*>(c.exp_avg_in) + i, rest);
+  std::memcpy(v, static_cast<const uint8_t*>(c.exp_avg_sq_in) + i, rest);
+  const CompactBuffers stack{param, grad, m, v, param, m, v, out};
+  int8_block<GradType, OutType, Traffic>(c, stack, 0, uint32_t(c.position + i), c.exp_avg_exponents_in[block],
+                                         c.exp_avg_sq_exponents_in[block], c.exp_avg_exponents + block,
+                                         c.exp_avg_sq_exponents + block, lerp_small, lerp_coeff);
+  std::memcpy(a.param + i, param, rest * 4);
+  std::memcpy(static_cast<uint8_t*>(c.exp_avg) + i, m, rest);
+  std::memcpy(static_cast<uint8_t*>(c.exp_avg_sq) + i, v, rest);
+  if (OutType != kNone) std::memcpy(static_cast<uint16_t*>(a.param_out16) + i, out, rest * 2);
+}
+
+template <int GradType, int OutType, bool Traffic>
+void int8_range(const CompactArgs& args, size_t begin, size_t end) {
+  const CompactArgs c = args;  // a local copy (see adam_range)
+  const bool lerp_small = __builtin_fabsf(c.step.beta1_weight) < 0.5f;
+  const __m256 lerp_coeff = _mm256_set1_ps(lerp_small ? c.step.beta1_weight : c.step.beta1_weight - 1.0f);
+  const CompactBuffers arrays{
+      c.step.param_in, c.step.grad, c.exp_avg_in, c.exp_avg_sq_in,
+      c.step.param,    c.exp_avg,   c.exp_avg_sq, static_cast<uint16_t*>(c.step.param_out16)};
+  size_t i = begin;
+  for (; i + kInt8Block <= end; i += kInt8Block) {
+    const size_t block = i / kInt8Block;
+    int8_block<GradType, OutType, Traffic>(c, arrays, i, uint32_t(c.position + i),
+                                           c.exp_avg_exponents_in[block], c.exp_avg_sq_exponents_in[block],
+                                           c.exp_avg_exponents + block, c.exp_avg_sq_exponents + block,
+                                           lerp_small, lerp_coeff);
+  }
+  if (i < end) int8_partial<GradType, OutType, Traffic>(c, i, end - i, lerp_small, lerp_coeff);
+}
+
+template <int Moment, int GradType, int OutType, bool Traffic>
+void compact_range(const CompactArgs& c, size_t begin, size_t end) {
+  if constexpr (Moment == kMomentInt8)
+    int8_range<GradType, OutType, Traffic>(c, begin, end);
+  else
+    bf16_range<GradType, OutType, Traffic>(c, begin, end);
+}
+
 #include "adam/isa_dispatch.inc"
 
 }  // namespace
 
 const IsaKernels& avx2_kernels() {
-  static const IsaKernels table{"avx2", adam, traffic, sum_squares, any_nonfinite};
+  static const IsaKernels table{"avx2",        adam,         traffic,        sum_squares,
+                                any_nonfinite, adam_compact, compact_traffic};
   return table;
 }
 

@@ -58,6 +58,34 @@ struct AdamArgs {
   bool stream;
 };
 
+// Storage of the Adam moments of a compact step (docs/compact_state.md); fp32 moments take
+// adam_step. Values match kernels.py.
+enum MomentType : int { kMomentBF16 = 1, kMomentInt8 = 2 };
+
+// Elements sharing one int8 block exponent (plan.state_layout.INT8_BLOCK).
+constexpr size_t kInt8Block = 32;
+
+// One compact step: `step` carries the scalars and the parameter, gradient and 16-bit copy
+// pointers (its fp32 moment pointers are unused, its `stream` ignored: the compact kernels
+// use ordinary stores). The moments: bf16, n uint16 each; int8, n code bytes each plus
+// ceil(n / 32) block exponents (block b holds elements [32 b, 32 b + 32) of the call; a call
+// starts on a block). Sources and destinations as in AdamArgs: each source is exactly its
+// destination (in place) or overlaps no destination.
+struct CompactArgs {
+  AdamArgs step;
+  int moment_type;  // kMomentBF16 | kMomentInt8
+  const void* exp_avg_in;
+  const void* exp_avg_sq_in;
+  void* exp_avg;
+  void* exp_avg_sq;
+  const uint8_t* exp_avg_exponents_in;  // int8 only
+  const uint8_t* exp_avg_sq_exponents_in;
+  uint8_t* exp_avg_exponents;
+  uint8_t* exp_avg_sq_exponents;
+  uint32_t key;       // rounding_key(unit, rank, step)
+  uint32_t position;  // the first element's offset in the unit's shard, mod 2^32
+};
+
 // (std::min would be an inline function with external linkage; see the note at the top.)
 static inline size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
 
@@ -72,6 +100,11 @@ struct IsaKernels {
   double (*sum_squares)(const void* data, int type, size_t begin, size_t end);
   // True when any element of [begin, end) is NaN or infinite.
   bool (*any_nonfinite)(const void* data, int type, size_t begin, size_t end);
+  // A compact step over elements [begin, end) (int8: begin a multiple of 32, end a multiple
+  // of 32 or the call's last element).
+  void (*adam_compact)(const CompactArgs& args, size_t begin, size_t end);
+  // Its memory traffic around trivial arithmetic (the benchmark's limit), like `traffic`.
+  void (*compact_traffic)(const CompactArgs& args, size_t begin, size_t end);
 };
 
 const IsaKernels& avx512_kernels();
@@ -137,6 +170,77 @@ static inline uint16_t float_to_f16(float f) {
   }
   uint32_t rebased = x - 0x38000000u;  // exponent bias 127 -> 15
   return sign | uint16_t((rebased + 0xfffu + ((rebased >> 13) & 1u)) >> 13);
+}
+
+// ---- compact moments (docs/compact_state.md), scalar forms -----------------------------
+
+// MurmurHash3's 32-bit finalizer: the random word of element i is fmix32(key ^ (position + i)).
+static inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
+}
+
+constexpr uint32_t kTwoPowM14Bits = 0x38800000u;  // 2^-14: where the int8 codes' subnormal range ends
+
+// The int8 block exponent byte from the bits of the block's largest magnitude.
+static inline uint32_t block_exponent(uint32_t largest) {
+  if (largest >= 0x7f800000u) return 255;  // any element not finite
+  if (largest == 0) return 0;
+  const uint32_t e = (largest >> 23) + 1;
+  return e < 253 ? e : 253;
+}
+
+// 2^(e - 127), NaN for a non-finite block (e = 255).
+static inline float exponent_scale(uint32_t e) {
+  return e == 255 ? bits_float(0x7fc00000u) : bits_float(e << 23);
+}
+
+// 2^(127 - e) (0 for e = 255, whose codes are 0 anyway).
+static inline float exponent_inverse(uint32_t e) { return bits_float((e >= 254 ? 0u : 254u - e) << 23); }
+
+// exp_avg code: bit 7 the sign, bits 0..6 an E4M3 magnitude (value(120) = 1).
+static inline float decode_e4m3(uint32_t code, float scale) {
+  const uint32_t c = code & 127u;
+  const float value =
+      c >= 8 ? bits_float((c + 896u) << 20) : bits_float((c + 904u) << 20) - bits_float(kTwoPowM14Bits);
+  return bits_float(float_bits(value * scale) ^ ((code >> 7) << 31));
+}
+
+// exp_avg_sq code: the root's E4M4 magnitude (value(240) = 1).
+static inline float decode_e4m4(uint32_t c, float scale) {
+  const float value =
+      c >= 16 ? bits_float((c + 1792u) << 19) : bits_float((c + 1808u) << 19) - bits_float(kTwoPowM14Bits);
+  return value * scale;
+}
+
+// The stochastic rounding of y = |x| * inverse to a code of `shift` dropped bits (E4M3: 20,
+// bases 904 / 896, largest 127; E4M4: 19, 1808 / 1792, 255); r below the kept bits.
+static inline uint32_t encode_magnitude(float x, float inverse, uint32_t r, uint32_t shift, uint32_t sub_base,
+                                        uint32_t normal_base, uint32_t top) {
+  const float y = bits_float(float_bits(x) & 0x7fffffffu) * inverse;
+  const uint32_t c = y < bits_float(kTwoPowM14Bits)
+                         ? ((float_bits(y + bits_float(kTwoPowM14Bits)) + r) >> shift) - sub_base
+                         : ((float_bits(y) + r) >> shift) - normal_base;
+  return c < top ? c : top;
+}
+
+static inline uint32_t encode_e4m3(float x, float inverse, uint32_t word) {
+  return encode_magnitude(x, inverse, word & 0xFFFFFu, 20, 904, 896, 127) | ((float_bits(x) >> 31) << 7);
+}
+
+static inline uint32_t encode_e4m4(float root, float inverse, uint32_t word) {
+  return encode_magnitude(root, inverse, word >> 13, 19, 1808, 1792, 255);
+}
+
+// bf16 with stochastic rounding: r added below the kept 16 bits; NaN -> 0x7fc0.
+static inline uint16_t encode_bf16(float x, uint32_t r) {
+  const uint32_t u = float_bits(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return uint16_t((u + r) >> 16);
 }
 
 // ---- reductions, written once, compiled per instruction set by each variant ------------

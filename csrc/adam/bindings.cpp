@@ -164,10 +164,14 @@ bool overlap(const ByteRange& x, const ByteRange& y) {
 // A source is read while this and other threads write the destinations: it must overlap none
 // of them, or the result would depend on the order of the writes, except its own destination
 // when it is exactly that buffer (in place: each element read, then written).
-void check_sources(const char* op, const ByteRange (&sources)[3], const ByteRange (&destinations)[4]) {
-  for (int s = 0; s < 3; ++s) {
-    const bool in_place = sources[s].begin == destinations[s].begin;
-    for (int d = 0; d < 4; ++d) {
+// sources[s] for s < paired is destination s's source; the sources after them (a compact
+// step's grad) are only read.
+template <size_t Sources, size_t Destinations>
+void check_sources(const char* op, const ByteRange (&sources)[Sources],
+                   const ByteRange (&destinations)[Destinations], size_t paired = 3) {
+  for (size_t s = 0; s < Sources; ++s) {
+    const bool in_place = s < paired && sources[s].begin == destinations[s].begin;
+    for (size_t d = 0; d < Destinations; ++d) {
       if (in_place && d == s) continue;  // read, then written, element by element
       if (overlap(sources[s], destinations[d]))
         throw std::invalid_argument(std::string(op) + ": " + sources[s].what + " overlaps " +
@@ -230,18 +234,10 @@ void adam_traffic(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t 
   parallel_ranges(n, [&](size_t begin, size_t end) { k.traffic(args, begin, end); });
 }
 
-void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
-               uintptr_t param_out16, size_t n, int grad_type, int out_type, double grad_scale,
-               double weight_decay, bool l2_decay, double decay_factor, bool decoupled_decay,
-               double beta1_weight, double beta2, double one_minus_beta2, double bias_correction2_sqrt,
-               double eps, double neg_step_size, uintptr_t param_in, uintptr_t exp_avg_in,
-               uintptr_t exp_avg_sq_in) {
-  check_step_types("adam_step", grad_type, out_type);
-  if (n == 0) return;
-  AdamArgs args = buffer_args("adam_step", param, grad, exp_avg, exp_avg_sq, param_out16, n, grad_type,
-                              out_type, param_in, exp_avg_in, exp_avg_sq_in);
-  args.stream = use_streaming(n);
-  // Each scalar is rounded to fp32 once, as torch rounds a Python scalar operand.
+// The step's scalars, each rounded to fp32 once, as torch rounds a Python scalar operand.
+void set_scalars(AdamArgs& args, double grad_scale, double weight_decay, bool l2_decay, double decay_factor,
+                 bool decoupled_decay, double beta1_weight, double beta2, double one_minus_beta2,
+                 double bias_correction2_sqrt, double eps, double neg_step_size) {
   args.grad_scale = float(grad_scale);
   args.apply_scale = grad_scale != 1.0;
   args.weight_decay = float(weight_decay);
@@ -257,8 +253,126 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
   args.divide_bc2 = args.bias_correction2_sqrt != 1.0f;
   args.eps = float(eps);
   args.neg_step_size = float(neg_step_size);
+}
+
+void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+               uintptr_t param_out16, size_t n, int grad_type, int out_type, double grad_scale,
+               double weight_decay, bool l2_decay, double decay_factor, bool decoupled_decay,
+               double beta1_weight, double beta2, double one_minus_beta2, double bias_correction2_sqrt,
+               double eps, double neg_step_size, uintptr_t param_in, uintptr_t exp_avg_in,
+               uintptr_t exp_avg_sq_in) {
+  check_step_types("adam_step", grad_type, out_type);
+  if (n == 0) return;
+  AdamArgs args = buffer_args("adam_step", param, grad, exp_avg, exp_avg_sq, param_out16, n, grad_type,
+                              out_type, param_in, exp_avg_in, exp_avg_sq_in);
+  args.stream = use_streaming(n);
+  set_scalars(args, grad_scale, weight_decay, l2_decay, decay_factor, decoupled_decay, beta1_weight, beta2,
+              one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size);
   const IsaKernels& k = kernels();
   parallel_ranges(n, [&](size_t begin, size_t end) { k.adam(args, begin, end); });
+}
+
+// The buffers of one compact step, checked (the scalars left zero). Destinations: param, the
+// moments (bf16: 2n bytes each; int8: n code bytes each) and, for int8, their block exponents
+// (ceil(n / 32) bytes each); sources the *_in (0: the destination, in place).
+CompactArgs compact_buffer_args(const char* op, uintptr_t param, uintptr_t grad, uintptr_t exp_avg,
+                                uintptr_t exp_avg_exponents, uintptr_t exp_avg_sq,
+                                uintptr_t exp_avg_sq_exponents, uintptr_t param_out16, size_t n,
+                                int moment_type, int grad_type, int out_type, uint32_t key, uint64_t position,
+                                uintptr_t param_in, uintptr_t exp_avg_in, uintptr_t exp_avg_exponents_in,
+                                uintptr_t exp_avg_sq_in, uintptr_t exp_avg_sq_exponents_in) {
+  check_step_types(op, grad_type, out_type);
+  if (moment_type != kMomentBF16 && moment_type != kMomentInt8)
+    throw std::invalid_argument(std::string(op) + ": invalid moment type code " +
+                                std::to_string(moment_type));
+  const bool int8 = moment_type == kMomentInt8;
+  if (int8 && position % kInt8Block != 0)
+    throw std::invalid_argument(std::string(op) + ": position " + std::to_string(position) +
+                                " is not a multiple of 32 (an int8 range starts on a block)");
+  check_pointer(op, "param", param);
+  check_pointer(op, "grad", grad);
+  check_pointer(op, "exp_avg", exp_avg);
+  check_pointer(op, "exp_avg_sq", exp_avg_sq);
+  if (int8) {
+    check_pointer(op, "exp_avg block exponents", exp_avg_exponents);
+    check_pointer(op, "exp_avg_sq block exponents", exp_avg_sq_exponents);
+  } else {
+    exp_avg_exponents = exp_avg_sq_exponents = exp_avg_exponents_in = exp_avg_sq_exponents_in = 0;
+  }
+  if (out_type != kNone) check_pointer(op, "param_out16", param_out16);
+  if (!param_in) param_in = param;
+  if (!exp_avg_in) exp_avg_in = exp_avg;
+  if (!exp_avg_sq_in) exp_avg_sq_in = exp_avg_sq;
+  if (!exp_avg_exponents_in) exp_avg_exponents_in = exp_avg_exponents;
+  if (!exp_avg_sq_exponents_in) exp_avg_sq_exponents_in = exp_avg_sq_exponents;
+  const size_t moment_bytes = int8 ? n : 2 * n;
+  const size_t exponent_bytes = int8 ? (n + kInt8Block - 1) / kInt8Block : 0;
+  check_sources(op,
+                {{"param_in", param_in, 4 * n},
+                 {"exp_avg_in", exp_avg_in, moment_bytes},
+                 {"exp_avg_sq_in", exp_avg_sq_in, moment_bytes},
+                 {"exp_avg_in block exponents", exp_avg_exponents_in, exponent_bytes},
+                 {"exp_avg_sq_in block exponents", exp_avg_sq_exponents_in, exponent_bytes},
+                 {"grad", grad, n * (grad_type == kF32 ? 4 : 2)}},
+                {{"param", param, 4 * n},
+                 {"exp_avg", exp_avg, moment_bytes},
+                 {"exp_avg_sq", exp_avg_sq, moment_bytes},
+                 {"exp_avg block exponents", exp_avg_exponents, exponent_bytes},
+                 {"exp_avg_sq block exponents", exp_avg_sq_exponents, exponent_bytes},
+                 {"param_out16", param_out16, out_type == kNone ? 0 : n * 2}},
+                5);
+  CompactArgs args{};
+  args.step.param_in = reinterpret_cast<const float*>(param_in);
+  args.step.grad = reinterpret_cast<const void*>(grad);
+  args.step.param = reinterpret_cast<float*>(param);
+  args.step.param_out16 = out_type == kNone ? nullptr : reinterpret_cast<void*>(param_out16);
+  args.step.grad_type = grad_type;
+  args.step.out_type = out_type;
+  args.moment_type = moment_type;
+  args.exp_avg_in = reinterpret_cast<const void*>(exp_avg_in);
+  args.exp_avg_sq_in = reinterpret_cast<const void*>(exp_avg_sq_in);
+  args.exp_avg = reinterpret_cast<void*>(exp_avg);
+  args.exp_avg_sq = reinterpret_cast<void*>(exp_avg_sq);
+  args.exp_avg_exponents_in = reinterpret_cast<const uint8_t*>(exp_avg_exponents_in);
+  args.exp_avg_sq_exponents_in = reinterpret_cast<const uint8_t*>(exp_avg_sq_exponents_in);
+  args.exp_avg_exponents = reinterpret_cast<uint8_t*>(exp_avg_exponents);
+  args.exp_avg_sq_exponents = reinterpret_cast<uint8_t*>(exp_avg_sq_exponents);
+  args.key = key;
+  args.position = uint32_t(position);  // the random words take positions mod 2^32
+  return args;
+}
+
+void adam_step_compact(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_exponents,
+                       uintptr_t exp_avg_sq, uintptr_t exp_avg_sq_exponents, uintptr_t param_out16, size_t n,
+                       int moment_type, int grad_type, int out_type, uint32_t key, uint64_t position,
+                       double grad_scale, double weight_decay, bool l2_decay, double decay_factor,
+                       bool decoupled_decay, double beta1_weight, double beta2, double one_minus_beta2,
+                       double bias_correction2_sqrt, double eps, double neg_step_size, uintptr_t param_in,
+                       uintptr_t exp_avg_in, uintptr_t exp_avg_exponents_in, uintptr_t exp_avg_sq_in,
+                       uintptr_t exp_avg_sq_exponents_in) {
+  if (n == 0) return;
+  CompactArgs args = compact_buffer_args("adam_step_compact", param, grad, exp_avg, exp_avg_exponents,
+                                         exp_avg_sq, exp_avg_sq_exponents, param_out16, n, moment_type,
+                                         grad_type, out_type, key, position, param_in, exp_avg_in,
+                                         exp_avg_exponents_in, exp_avg_sq_in, exp_avg_sq_exponents_in);
+  set_scalars(args.step, grad_scale, weight_decay, l2_decay, decay_factor, decoupled_decay, beta1_weight,
+              beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size);
+  const IsaKernels& k = kernels();
+  // chunks start at multiples of kChunkElements, whole int8 blocks
+  parallel_ranges(n, [&](size_t begin, size_t end) { k.adam_compact(args, begin, end); });
+}
+
+// The memory traffic of adam_step_compact on these buffers (IsaKernels::compact_traffic), for
+// the benchmark's bandwidth limit. Overwrites the destinations.
+void compact_traffic(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_exponents,
+                     uintptr_t exp_avg_sq, uintptr_t exp_avg_sq_exponents, uintptr_t param_out16, size_t n,
+                     int moment_type, int grad_type, int out_type) {
+  if (n == 0) return;
+  CompactArgs args = compact_buffer_args("compact_traffic", param, grad, exp_avg, exp_avg_exponents,
+                                         exp_avg_sq, exp_avg_sq_exponents, param_out16, n, moment_type,
+                                         grad_type, out_type, 0, 0, 0, 0, 0, 0, 0);
+  const IsaKernels& k = kernels();
+  parallel_ranges(n, [&](size_t begin, size_t end) { k.compact_traffic(args, begin, end); });
 }
 
 double sq_norm(uintptr_t data, size_t n, int type) {
@@ -361,6 +475,21 @@ PYBIND11_MODULE(_adam_ext, m) {
         py::arg("exp_avg_sq"), py::arg("param_out16"), py::arg("n"), py::arg("grad_type"),
         py::arg("out_type"), py::arg("stream"), py::arg("param_in") = 0, py::arg("exp_avg_in") = 0,
         py::arg("exp_avg_sq_in") = 0);
+  m.attr("MOMENT_BF16") = int(kMomentBF16);
+  m.attr("MOMENT_INT8") = int(kMomentInt8);
+  m.def("adam_step_compact", &adam_step_compact, release(), py::arg("param"), py::arg("grad"),
+        py::arg("exp_avg"), py::arg("exp_avg_exponents"), py::arg("exp_avg_sq"),
+        py::arg("exp_avg_sq_exponents"), py::arg("param_out16"), py::arg("n"), py::arg("moment_type"),
+        py::arg("grad_type"), py::arg("out_type"), py::arg("key"), py::arg("position"), py::arg("grad_scale"),
+        py::arg("weight_decay"), py::arg("l2_decay"), py::arg("decay_factor"), py::arg("decoupled_decay"),
+        py::arg("beta1_weight"), py::arg("beta2"), py::arg("one_minus_beta2"),
+        py::arg("bias_correction2_sqrt"), py::arg("eps"), py::arg("neg_step_size"), py::arg("param_in") = 0,
+        py::arg("exp_avg_in") = 0, py::arg("exp_avg_exponents_in") = 0, py::arg("exp_avg_sq_in") = 0,
+        py::arg("exp_avg_sq_exponents_in") = 0);
+  m.def("compact_traffic", &compact_traffic, release(), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+        py::arg("exp_avg_exponents"), py::arg("exp_avg_sq"), py::arg("exp_avg_sq_exponents"),
+        py::arg("param_out16"), py::arg("n"), py::arg("moment_type"), py::arg("grad_type"),
+        py::arg("out_type"));
   m.def("set_streaming_threshold", &set_streaming_threshold, py::arg("n"));
   m.def("streaming_threshold", [] { return g_stream_elements.load(); });
   m.attr("DEFAULT_STREAMING_THRESHOLD") = kDefaultStreamElements;

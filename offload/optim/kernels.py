@@ -9,13 +9,18 @@ supports; `force_isa` overrides it for tests and benchmarks.
 The arithmetic follows torch.optim.AdamW / Adam (single-tensor implementation) operation
 by operation, with each Python scalar rounded to fp32 as torch rounds it, so results are
 identical to torch's to the last bit.
+
+`adam_step_compact` runs the same step on moments stored in bf16 or int8
+(docs/compact_state.md), bit for bit what `offload.optim.moments.adam_step_torch` computes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from offload.config.state_layout import INT8_BLOCK
 from offload.errors import OffloadError
+from offload.optim.moments import MomentView
 
 try:
     from offload import _adam_ext as _ext
@@ -26,6 +31,7 @@ except ImportError as exc:  # pragma: no cover - depends on the build
 
 __all__ = [
     "adam_step",
+    "adam_step_compact",
     "sq_norm",
     "has_nonfinite",
     "set_num_threads",
@@ -118,32 +124,12 @@ def adam_step(
     for name, t in tensors.items():
         if t.numel() != n:
             raise ValueError(f"{op}: {name} has {t.numel()} elements but param has {n}")
-    if float(step) < 1:
-        raise ValueError(f"{op}: step must be >= 1 (the step number after this update), got {step}")
-    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        if not float(value) >= 0.0:
-            raise ValueError(f"{op}: {name} must be >= 0, got {value}")
-    for name, value in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= float(value) < 1.0:
-            raise ValueError(f"{op}: {name} must be in [0, 1), got {value}")
+    _check_hyper(op, step, lr, beta1, beta2, eps, weight_decay)
     if param_out16 is not None and param_out16.data_ptr() in (param.data_ptr(), grad.data_ptr()):
         raise ValueError(f"{op}: param_out16 must not alias param or grad")
     _check_out_overlaps(op, tensors, outs)
     if n == 0:
         return
-
-    lr = float(lr)
-    weight_decay = float(weight_decay)
-    # Same Python-level scalar expressions as torch/optim/adam.py::_single_tensor_adam.
-    if bias_correction:
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-    else:
-        bias_correction1 = bias_correction2 = 1.0
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2**0.5
-    decoupled = bool(adamw_mode) and weight_decay != 0
-    l2 = (not adamw_mode) and weight_decay != 0
     # The extension's first three pointers are the destinations; the sources come last
     # (0: in place).
     destinations = (param, exp_avg, exp_avg_sq) if state_out is None else tuple(state_out)
@@ -156,6 +142,40 @@ def adam_step(
         n,
         _TYPE_CODES[grad.dtype],
         _ext.NONE if param_out16 is None else _TYPE_CODES[param_out16.dtype],
+        *_step_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale),
+        0 if state_out is None else param.data_ptr(),
+        0 if state_out is None else exp_avg.data_ptr(),
+        0 if state_out is None else exp_avg_sq.data_ptr(),
+    )
+
+
+def _check_hyper(op: str, step, lr, beta1, beta2, eps, weight_decay) -> None:
+    if float(step) < 1:
+        raise ValueError(f"{op}: step must be >= 1 (the step number after this update), got {step}")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not float(value) >= 0.0:
+            raise ValueError(f"{op}: {name} must be >= 0, got {value}")
+    for name, value in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= float(value) < 1.0:
+            raise ValueError(f"{op}: {name} must be in [0, 1), got {value}")
+
+
+def _step_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale) -> tuple:
+    """The extension's scalar arguments (grad_scale .. neg_step_size), in float64: it rounds
+    each to fp32 once."""
+    lr = float(lr)
+    weight_decay = float(weight_decay)
+    # Same Python-level scalar expressions as torch/optim/adam.py::_single_tensor_adam.
+    if bias_correction:
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+    else:
+        bias_correction1 = bias_correction2 = 1.0
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    decoupled = bool(adamw_mode) and weight_decay != 0
+    l2 = (not adamw_mode) and weight_decay != 0
+    return (
         float(grad_scale),
         weight_decay,
         l2,
@@ -167,9 +187,185 @@ def adam_step(
         bias_correction2_sqrt,
         float(eps),
         -step_size,
+    )
+
+
+_MOMENT_DTYPES = {"bf16": torch.bfloat16, "int8": torch.uint8}
+
+
+def _moment_tensors(op: str, name: str, view, precision: str, n: int) -> dict[str, torch.Tensor]:
+    """The tensors of one compact moment view, checked: {name.values, name.block_exponents}."""
+    if not isinstance(view, MomentView):
+        raise TypeError(
+            f"{op}: {name} must be an offload.optim.moments.MomentView (moments.moment_view builds one), got {type(view).__name__}"
+        )
+    tensors = {f"{name}.values": view.values}
+    _check_cpu_contiguous(op, f"{name}.values", view.values)
+    _check_dtype(op, f"{name}.values", view.values, (_MOMENT_DTYPES[precision],))
+    if view.values.numel() != n:
+        raise ValueError(f"{op}: {name}.values has {view.values.numel()} elements but param has {n}")
+    if precision == "int8":
+        blocks = -(-n // INT8_BLOCK)
+        exponents = view.block_exponents
+        if exponents is None:
+            raise ValueError(f"{op}: {name}.block_exponents is None; an int8 moment needs its {blocks} block exponents")
+        _check_cpu_contiguous(op, f"{name}.block_exponents", exponents)
+        _check_dtype(op, f"{name}.block_exponents", exponents, (torch.uint8,))
+        if exponents.numel() != blocks:
+            raise ValueError(
+                f"{op}: {name}.block_exponents has {exponents.numel()} elements; {n} int8 elements take ceil({n}/32) = {blocks}"
+            )
+        tensors[f"{name}.block_exponents"] = exponents
+    elif view.block_exponents is not None:
+        raise ValueError(f"{op}: {name}.block_exponents must be None for a {precision} moment")
+    return tensors
+
+
+def adam_step_compact(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: MomentView,
+    exp_avg_sq: MomentView,
+    *,
+    precision: str,
+    position: int,
+    rounding_key: int,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    param_out16: torch.Tensor | None = None,
+    state_out: tuple[torch.Tensor, MomentView, MomentView] | None = None,
+) -> None:
+    """One Adam / AdamW step on moments stored in `precision` ("fp32", "bf16", "int8";
+    docs/compact_state.md), in place unless state_out is given; bit for bit
+    offload.optim.moments.adam_step_torch (same signature), for any thread count and ISA.
+
+    param: fp32; grad: fp32, bf16 or fp16; exp_avg, exp_avg_sq: MomentViews
+    (moments.moment_view) of n elements (bf16: values bfloat16; int8: values uint8 codes and
+    ceil(n/32) uint8 block_exponents; fp32: values float32, run by adam_step); all CPU,
+    contiguous. The elements are [position, position + n) of the unit's shard: `position`
+    picks their random bits (for int8 it is a multiple of 32: the call's blocks are its
+    elements 32 b .. 32 b + 31). `rounding_key` is moments.rounding_key(unit, rank, step);
+    `step` the step number after this update. param_out16 (bf16 or fp16) receives the 16-bit
+    copy of the new weights. state_out = (param_out, exp_avg_out, exp_avg_sq_out) writes the
+    new state there, the inputs only read; each out tensor is its own input (same data_ptr)
+    or overlaps no tensor of the step.
+    """
+    op = "adam_step_compact"
+    if precision not in ("fp32", "bf16", "int8"):
+        raise ValueError(f"{op}: precision must be 'fp32', 'bf16' or 'int8', got {precision!r}")
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise ValueError(f"{op}: position must be an int >= 0 (the first element's offset in the unit's shard), got {position!r}")
+    if isinstance(rounding_key, bool) or not isinstance(rounding_key, int) or not 0 <= rounding_key < 2**32:
+        raise ValueError(f"{op}: rounding_key must be an int in [0, 2^32) (moments.rounding_key), got {rounding_key!r}")
+    if precision == "int8" and position % INT8_BLOCK:
+        raise ValueError(f"{op}: position {position} is not a multiple of {INT8_BLOCK}; an int8 range must start on a block")
+    if precision == "fp32":
+        for name, view in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if not isinstance(view, MomentView) or view.block_exponents is not None:
+                raise TypeError(f"{op}: {name} of an fp32 step must be a MomentView(values, None)")
+        outs32 = None
+        if state_out is not None:
+            if (
+                not isinstance(state_out, (tuple, list))
+                or len(state_out) != 3
+                or not all(isinstance(v, MomentView) for v in state_out[1:])
+            ):
+                raise TypeError(f"{op}: state_out must be (param_out, MomentView, MomentView)")
+            outs32 = (state_out[0], state_out[1].values, state_out[2].values)
+        adam_step(
+            param,
+            grad,
+            exp_avg.values,
+            exp_avg_sq.values,
+            step=step,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+            bias_correction=bias_correction,
+            grad_scale=grad_scale,
+            param_out16=param_out16,
+            state_out=outs32,
+        )
+        return
+    _check_cpu_contiguous(op, "param", param)
+    _check_cpu_contiguous(op, "grad", grad)
+    _check_dtype(op, "param", param, (torch.float32,))
+    _check_dtype(op, "grad", grad, (torch.float32, torch.bfloat16, torch.float16))
+    n = param.numel()
+    if grad.numel() != n:
+        raise ValueError(f"{op}: grad has {grad.numel()} elements but param has {n}")
+    tensors: dict[str, torch.Tensor] = {"param": param, "grad": grad}
+    tensors.update(_moment_tensors(op, "exp_avg", exp_avg, precision, n))
+    tensors.update(_moment_tensors(op, "exp_avg_sq", exp_avg_sq, precision, n))
+    if param_out16 is not None:
+        _check_cpu_contiguous(op, "param_out16", param_out16)
+        _check_dtype(op, "param_out16", param_out16, (torch.bfloat16, torch.float16))
+        if param_out16.numel() != n:
+            raise ValueError(f"{op}: param_out16 has {param_out16.numel()} elements but param has {n}")
+        tensors["param_out16"] = param_out16
+    outs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    destinations: tuple[torch.Tensor, MomentView, MomentView] = (param, exp_avg, exp_avg_sq)
+    if state_out is not None:
+        if not isinstance(state_out, (tuple, list)) or len(state_out) != 3:
+            raise TypeError(
+                f"{op}: state_out must be a tuple (param_out, exp_avg_out, exp_avg_sq_out) of a tensor and 2 MomentViews, "
+                f"got {type(state_out).__name__}"
+            )
+        param_out, m_out, v_out = state_out
+        _check_cpu_contiguous(op, "state_out[0] (param_out)", param_out)
+        _check_dtype(op, "state_out[0] (param_out)", param_out, (torch.float32,))
+        if param_out.numel() != n:
+            raise ValueError(f"{op}: state_out[0] (param_out) has {param_out.numel()} elements but param has {n}")
+        tensors["state_out[0] (param_out)"] = param_out
+        outs["state_out[0] (param_out)"] = (param_out, param)
+        for k, (name, out_view, source) in enumerate((("exp_avg_out", m_out, exp_avg), ("exp_avg_sq_out", v_out, exp_avg_sq)), 1):
+            out_tensors = _moment_tensors(op, f"state_out[{k}] ({name})", out_view, precision, n)
+            tensors.update(out_tensors)
+            for (out_name, out), own in zip(out_tensors.items(), (source.values, source.block_exponents)):
+                assert own is not None
+                outs[out_name] = (out, own)
+        destinations = (param_out, m_out, v_out)
+    _check_hyper(op, step, lr, beta1, beta2, eps, weight_decay)
+    # (the extension checks again, all of them: the gradient and each source against every
+    # destination)
+    _check_out_overlaps(op, tensors, outs)
+    if n == 0:
+        return
+
+    def pointer(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    out_p, out_m, out_v = destinations
+    _ext.adam_step_compact(
+        out_p.data_ptr(),
+        grad.data_ptr(),
+        out_m.values.data_ptr(),
+        pointer(out_m.block_exponents),
+        out_v.values.data_ptr(),
+        pointer(out_v.block_exponents),
+        pointer(param_out16),
+        n,
+        _ext.MOMENT_INT8 if precision == "int8" else _ext.MOMENT_BF16,
+        _TYPE_CODES[grad.dtype],
+        _ext.NONE if param_out16 is None else _TYPE_CODES[param_out16.dtype],
+        rounding_key,
+        position,
+        *_step_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale),
         0 if state_out is None else param.data_ptr(),
-        0 if state_out is None else exp_avg.data_ptr(),
-        0 if state_out is None else exp_avg_sq.data_ptr(),
+        0 if state_out is None else exp_avg.values.data_ptr(),
+        0 if state_out is None else pointer(exp_avg.block_exponents),
+        0 if state_out is None else exp_avg_sq.values.data_ptr(),
+        0 if state_out is None else pointer(exp_avg_sq.block_exponents),
     )
 
 
