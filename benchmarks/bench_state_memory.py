@@ -253,7 +253,8 @@ def main(argv=None) -> dict:
         for precision, row in results["nvme"].items():
             total = row["read"] + row["written"]
             row["total"] = total
-            layout = 2 * expected_bytes(precision).stepped_bytes(1)  # master and moments, read and written
+            # master and moments, read and written (int8 exponent bytes amortised over the model)
+            layout = 2 * expected_bytes(precision).stepped_bytes(row["params"]) / row["params"]
             target = NVME_TARGETS.get(precision)
             print(
                 f"{precision:<7}{row['read']:>8.3f}{row['written']:>9.3f}{total:>8.3f}{layout:>8.3f}"
