@@ -30,9 +30,9 @@ bitsandbytes a bf16 copy of the model computing while the optimizer updates fp32
 Noise: `--noise-seeds K` trains the reference K more times; the spread (max - min) of the final
 losses across those runs and the main one is the noise band a difference between optimizers is
 judged against. `--noise rounding` (the default): the same batches in the same order, from the
-initial weights each moved by one ulp in a random direction (seed k): how far rounding-level
-differences, which every optimizer change exceeds, carry a run by its end, the floor under a
-paired comparison. `--noise order`: other data-order seeds (same init; `--noise-steps` shortens
+initial weights each moved by one ulp in a random direction (seed k), and the engine's fp32
+state run (the same arithmetic to rounding): how far rounding-level differences, which every
+optimizer change exceeds, carry a run by its end, the floor under a paired comparison. `--noise order`: other data-order seeds (same init; `--noise-steps` shortens
 them): the run-to-run spread a user sees, much wider (at 300 steps, 5% in validation loss, more
 than every target).
 
@@ -568,9 +568,14 @@ def run(args: argparse.Namespace) -> dict:
             )
             noise.append(curve)
     band = noise if noise_steps != args.steps else [curves[0], *noise]
+    if args.noise == "rounding":
+        # the engine's fp32 state is the reference's arithmetic to fp32 rounding: one more run of the band
+        band += [c for c in curves if c.name == "offload fp32"]
     summary = summarize(curves, band if len(band) > 1 else [])
     summary["noise_kind"] = (
-        f"data-order seeds at {noise_steps} steps" if args.noise == "order" else "inits moved by one ulp, same data and order"
+        f"data-order seeds at {noise_steps} steps"
+        if args.noise == "order"
+        else "inits moved by one ulp and offload fp32, same data and order"
     )
     print()
     print_summary(summary)

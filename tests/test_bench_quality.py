@@ -44,9 +44,9 @@ def test_smallest_setting_reports_every_run(bench, tmp_path, capsys):
     assert summary["runs"][bench.REFERENCE]["train_vs_reference_pct"] == 0.0
     # fp32 state is torch's AdamW to fp32 rounding: the curves coincide step by step
     assert summary["offload_fp32_max_step_difference"] < 1e-4
-    # the noise band: the reference and a run of it from an init moved by one ulp
+    # the noise band: the reference, a run of it from an init moved by one ulp, and offload fp32
     assert set(summary["noise"]) == {"train", "validation"}
-    assert len(summary["noise"]["train"]["values"]) == 2 and summary["noise"]["train"]["spread_pct"] >= 0
+    assert len(summary["noise"]["train"]["values"]) == 3 and summary["noise"]["train"]["spread_pct"] >= 0
     if {"offload int8", "bnb AdamW8bit"} <= expected:
         assert "offload int8 within noise of bnb AdamW8bit" in summary["targets"]
         assert set(summary["int8_vs_bnb_beyond_noise"].values()) <= {"lower", "within", "higher"}
