@@ -13,7 +13,7 @@ import pytest
 import torch
 from distributed_worker import launch, rank_swap_dirs, train_cases
 from distributed_worker import make_config as make_dist_config
-from reference import TinyNet, batches, mse, reference_run
+from reference import TinyNet, batches, engine_run, mse, reference_run
 
 import offload
 from offload.config.state_layout import StateBytes, StatePrecision
@@ -40,20 +40,10 @@ def make_config(swap_dir, precision: str, *, optimizer: str = "cpu", param: str 
     return config
 
 
-def train(engine, data) -> list[float]:
-    losses = []
-    for x, y in data:
-        loss = mse(engine, x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 def run(model, config, data):
     engine = offload.initialize(copy.deepcopy(model), config)
     try:
-        losses = train(engine, data)
+        losses = engine_run(engine, data)
         return losses, engine.consolidated_state_dict(), engine.memory_report()
     finally:
         engine.close()
@@ -159,9 +149,9 @@ def test_resume_is_bitwise(swap_dir, tmp_path, precision, optimizer):
     config = make_config(swap_dir, precision, optimizer=optimizer, offload__sub_group_size=1024)
     engine = offload.initialize(copy.deepcopy(model), config)
     try:
-        train(engine, data[:4])
+        engine_run(engine, data[:4])
         engine.save_checkpoint(tmp_path / "ckpt")
-        expected = train(engine, data[4:])
+        expected = engine_run(engine, data[4:])
         expected_weights = engine.consolidated_state_dict()
         # (state_dict() refuses NVMe-resident state: there the next steps' bits say the moments matched)
         expected_state = engine.optimizer.state_dict()["state"] if optimizer != "nvme" else {}
@@ -170,7 +160,7 @@ def test_resume_is_bitwise(swap_dir, tmp_path, precision, optimizer):
     engine = offload.initialize(copy.deepcopy(model), config)
     try:
         engine.load_checkpoint(tmp_path / "ckpt")
-        assert train(engine, data[4:]) == expected
+        assert engine_run(engine, data[4:]) == expected
         assert_same(engine.consolidated_state_dict(), expected_weights)
         state = engine.optimizer.state_dict()["state"] if optimizer != "nvme" else {}
         for index, entry in expected_state.items():
@@ -186,7 +176,7 @@ def test_loading_into_another_precision_converts_and_says_so(swap_dir, tmp_path,
     data = batches(3)
     saved = offload.initialize(copy.deepcopy(model), make_config(swap_dir, "int8"))
     try:
-        train(saved, data)
+        engine_run(saved, data)
         saved.save_checkpoint(tmp_path / "int8")
         int8_state = saved.optimizer.state_dict()["state"]
     finally:
@@ -222,10 +212,10 @@ def test_state_dict_round_trip_goes_on_bitwise(swap_dir, precision):
     config = make_config(swap_dir, precision)
     engine = offload.initialize(copy.deepcopy(model), config)
     try:
-        train(engine, data[:3])
+        engine_run(engine, data[:3])
         state = copy.deepcopy(engine.optimizer.state_dict())
         weights = engine.consolidated_state_dict()
-        expected = train(engine, data[3:])
+        expected = engine_run(engine, data[3:])
     finally:
         engine.close()
     twin_model = copy.deepcopy(model)
@@ -233,7 +223,7 @@ def test_state_dict_round_trip_goes_on_bitwise(swap_dir, precision):
     engine = offload.initialize(twin_model, config)
     try:
         engine.optimizer.load_state_dict(state)
-        assert train(engine, data[3:]) == expected
+        assert engine_run(engine, data[3:]) == expected
     finally:
         engine.close()
 
@@ -257,14 +247,14 @@ def test_fp16_overflow_skips_with_compact_state(swap_dir):
     data = batches(4)
     engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, "int8", compute="fp16"))
     try:
-        train(engine, data[:2])
+        engine_run(engine, data[:2])
         before = engine.consolidated_state_dict()
         x, y = data[2]
         loss = mse(engine, x, y)
         engine.backward(loss * float("inf"))
         assert engine.step() is False
         assert_same(engine.consolidated_state_dict(), before)
-        train(engine, data[3:])
+        engine_run(engine, data[3:])
     finally:
         engine.close()
 
