@@ -388,8 +388,11 @@ def state(precision, n, seed):
     gen = torch.Generator().manual_seed(seed)
     p = torch.randn(n, generator=gen)
     m, v = views(precision, n)
-    M.encode(precision, "exp_avg", torch.randn(n, generator=gen) * 1e-3, m, position=0, key=seed)
-    M.encode(precision, "exp_avg_sq", torch.rand(n, generator=gen) * 1e-6, v, position=0, key=seed)
+    # magnitudes spread over 2^20 (2^30 for v) within a block: every int8 code range is used
+    spread_m = torch.exp2(-20 * torch.rand(n, generator=gen))
+    spread_v = torch.exp2(-30 * torch.rand(n, generator=gen))
+    M.encode(precision, "exp_avg", torch.randn(n, generator=gen) * 1e-3 * spread_m, m, position=0, key=seed)
+    M.encode(precision, "exp_avg_sq", torch.rand(n, generator=gen) * 1e-6 * spread_v, v, position=0, key=seed)
     return p, m, v, gen
 
 
@@ -534,6 +537,26 @@ def test_extreme_magnitudes(isa):
         kernels.adam_step_compact(p, g, m, v, **hp)
         M.adam_step_torch(ref[0], g, ref[1], ref[2], **hp)
         assert_state_same((p, m, v), ref, precision)
+
+
+def test_flush_denormal_does_not_change_the_step(isa):
+    # torch.set_flush_denormal(True) sets flush-to-zero and denormals-are-zero on the calling
+    # thread, which runs (part of) the kernel: the kernel still computes with IEEE subnormals
+    n = 1000
+    for precision in ("bf16", "int8"):
+        p, m, v, gen = state(precision, n, seed=17)
+        ref = (p.clone(), copy_view(m), copy_view(v))
+        g = torch.randn(n, generator=gen) * 1e-30
+        hp = dict(precision=precision, position=0, rounding_key=4, step=3, **HYPER)
+        M.adam_step_torch(ref[0], g, ref[1], ref[2], **hp)
+        assert torch.set_flush_denormal(True)
+        try:
+            kernels.adam_step_compact(p, g, m, v, **hp)
+        finally:
+            torch.set_flush_denormal(False)
+        assert_state_same((p, m, v), ref, precision)
+        if precision == "int8":  # the test has subnormal codes to decode
+            assert ((m.values & 127) < 8).sum() > 10 and (v.values < 16).sum() > 10
 
 
 def test_fp32_precision_runs_the_fp32_kernel():

@@ -10,6 +10,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#if defined(__SSE2__)
+#include <xmmintrin.h>
+#endif
 
 namespace offload_adam {
 
@@ -185,6 +188,30 @@ static inline uint32_t fmix32(uint32_t h) {
 }
 
 constexpr uint32_t kTwoPowM14Bits = 0x38800000u;  // 2^-14: where the int8 codes' subnormal range ends
+constexpr uint32_t kTwoPow112Bits = (127u + 112u) << 23;
+constexpr uint32_t kTwoPowM112Bits = (127u - 112u) << 23;
+
+// The compact kernels run with IEEE arithmetic whatever the calling thread set: round to
+// nearest, no flush-to-zero, no denormals-are-zero (torch.set_flush_denormal(True) sets both;
+// the vector int8 codes go through fp32 subnormals, and the result must equal torch's).
+// ieee_mode_enter returns the control word for ieee_mode_leave to restore.
+static inline unsigned ieee_mode_enter() {
+#if defined(__SSE2__)
+  const unsigned saved = _mm_getcsr();
+  _mm_setcsr(saved & ~0xE040u);  // FTZ (bit 15), rounding control (13-14), DAZ (6)
+  return saved;
+#else
+  return 0;
+#endif
+}
+
+static inline void ieee_mode_leave(unsigned saved) {
+#if defined(__SSE2__)
+  _mm_setcsr(saved);
+#else
+  (void)saved;
+#endif
+}
 
 // The int8 block exponent byte from the bits of the block's largest magnitude.
 static inline uint32_t block_exponent(uint32_t largest) {
