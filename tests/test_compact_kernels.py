@@ -518,17 +518,20 @@ def test_nonfinite_gradients_poison_only_their_block(isa):
 
 def test_extreme_magnitudes(isa):
     # block 0: exp_avg near the fp32 maximum (exponent byte 253, y >= 1: codes saturate);
-    # block 1: subnormal exp_avg and exp_avg_sq; block 2: v of 1e-44 (roots below 2^-72)
-    n = 96
-    m_values = torch.cat([torch.full((32,), 3.0e38), torch.full((32,), 1e-40), torch.full((32,), 1e-30)])
-    v_values = torch.cat([torch.full((32,), 1.0), torch.full((32,), 1e-42), torch.full((32,), 1e-44)])
+    # block 1: subnormal exp_avg and exp_avg_sq; block 2: v of 1e-44 (roots below 2^-72);
+    # block 3: exponent bytes 194 and 177 (the vector kernels' unfolded scale factors)
+    n = 128
+    m_values = torch.cat([torch.full((32,), 3.0e38), torch.full((32,), 1e-40), torch.full((32,), 1e-30), torch.full((32,), 1e20)])
+    v_values = torch.cat([torch.full((32,), 1.0), torch.full((32,), 1e-42), torch.full((32,), 1e-44), torch.full((32,), 1e30)])
+    m_values = m_values * torch.linspace(0.01, 1, 32).repeat(4)
     m_values[::3] *= -1
     for precision in ("bf16", "int8"):
         m, v = views(precision, n)
         M.encode(precision, "exp_avg", m_values, m, position=0, key=1)
         M.encode(precision, "exp_avg_sq", v_values, v, position=0, key=1)
         if precision == "int8":
-            assert m.block_exponents[0].item() == 253
+            assert m.block_exponents.tolist()[:3] == [253, 1, 28]
+            assert m.block_exponents[3].item() == 194 and v.block_exponents[3].item() == 177
         p = torch.randn(n, generator=torch.Generator().manual_seed(16))
         ref = (p.clone(), copy_view(m), copy_view(v))
         g = torch.zeros(n)

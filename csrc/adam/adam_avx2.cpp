@@ -184,28 +184,22 @@ inline __m256i load_signed_codes(const uint8_t* src) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
 }
 
-// value(c) of code magnitudes c, as the fp32 number with bits c << Shift times 2^112: from the
-// first normal code on those bits are value(c)'s mantissa with an exponent 112 lower; below it
-// they are the fp32 subnormal c * 2^(Shift - 149) = value(c) * 2^-112. Exact, and equal to the
-// doc's float((c + 896) << 20) and float((c + 904) << 20) - 2^-14 (likewise for E4M4).
-template <int Shift>
-inline __m256 code_values(__m256i c) {
-  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(c, Shift)),
-                       _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPow112Bits))));
-}
-
-// `code` sign-extended (load_signed_codes): shifted left by 20, its bit 31 is the code's sign
-// and bits 20..26 its magnitude; the multiplications keep the sign.
-inline __m256 decode_e4m3_vector(__m256i code, __m256 scale) {
+// value(c) of code magnitudes c is the fp32 number with bits c << 20 (E4M4: << 19) times
+// 2^112: from the first normal code on those bits are value(c)'s mantissa with an exponent 112
+// lower; below it they are the fp32 subnormal c * 2^(20 - 149) = value(c) * 2^-112. Exact, and
+// equal to the doc's float((c + 896) << 20) and float((c + 904) << 20) - 2^-14 (likewise E4M4).
+// The decode multiplies by 2^112 and by the block's scale: `factor` is 2^112 * scale when that
+// is an fp32 number (folded: exponents up to 142, the usual case, one multiplication, the same
+// exact product rounded once), else 2^112 and the scale follows.
+inline __m256 decode_e4m3_vector(__m256i code, __m256 factor, __m256 scale, bool folded) {
   const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(code, 20), _mm256_set1_epi32(int(0x87F00000u)));
-  const __m256 value =
-      _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPow112Bits))));
-  return _mm256_mul_ps(value, scale);
+  const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(bits), factor);
+  return folded ? value : _mm256_mul_ps(value, scale);
 }
 
-inline __m256 decode_e4m4_vector(__m256i code, __m256 scale) {
-  const __m256 value = code_values<19>(code);
-  return _mm256_mul_ps(value, scale);
+inline __m256 decode_e4m4_vector(__m256i code, __m256 factor, __m256 scale, bool folded) {
+  const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(code, 19)), factor);
+  return folded ? value : _mm256_mul_ps(value, scale);
 }
 
 // Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept bits,
@@ -213,18 +207,22 @@ inline __m256 decode_e4m4_vector(__m256i code, __m256 scale) {
 // y = 2^-14 on, bits(z) = bits(y) - (896 << 20) exactly (the doc's normal-range base); below,
 // z is an fp32 subnormal whose bits are y rounded to multiples of 2^-37, as the doc's
 // bits(y + 2^-14) - (904 << 20) are (same grid, same round to nearest even).
+// `inverse` is 2^(127 - e) * 2^-112 when that is a normal fp32 number (folded: exponents up to
+// 141, one multiplication; the product is the same: y is exact wherever it is at least 2^-126,
+// and below that z rounds to 0 either way), else 2^(127 - e) and the 2^-112 follows.
 template <int Shift>
-inline __m256i encode_magnitude_vector(__m256 magnitude, __m256 inverse, __m256i r) {
-  const __m256 y = _mm256_mul_ps(magnitude, inverse);
-  const __m256 z = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM112Bits))));
+inline __m256i encode_magnitude_vector(__m256 magnitude, __m256 inverse, __m256i r, bool folded) {
+  __m256 z = _mm256_mul_ps(magnitude, inverse);
+  if (!folded) z = _mm256_mul_ps(z, _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM112Bits))));
   return _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(z), r), Shift);
 }
 
 // E4M3 magnitude codes (the sign comes separately: e4m3_signs). Up to 120 (y <= 1) unless the
 // block's exponent is 253, where y reaches 4 and codes are limited to 127 (limit_codes).
-inline __m256i encode_e4m3_vector(__m256 x, __m256 inverse, __m256i word) {
+inline __m256i encode_e4m3_vector(__m256 x, __m256 inverse, __m256i word, bool folded) {
   const __m256 magnitude = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-  return encode_magnitude_vector<20>(magnitude, inverse, _mm256_and_si256(word, _mm256_set1_epi32(0xFFFFF)));
+  return encode_magnitude_vector<20>(magnitude, inverse, _mm256_and_si256(word, _mm256_set1_epi32(0xFFFFF)),
+                                     folded);
 }
 
 inline __m256i e4m3_signs(__m256 x) {
@@ -233,8 +231,8 @@ inline __m256i e4m3_signs(__m256 x) {
 
 // E4M4 codes of a root (>= +0: sqrt of a v that is never -0; NaN only in a non-finite block,
 // whose codes are replaced by 0). Up to 240 unless the exponent is 253 (limited to 255).
-inline __m256i encode_e4m4_vector(__m256 root, __m256 inverse, __m256i word) {
-  return encode_magnitude_vector<19>(root, inverse, _mm256_srli_epi32(word, 13));
+inline __m256i encode_e4m4_vector(__m256 root, __m256 inverse, __m256i word, bool folded) {
+  return encode_magnitude_vector<19>(root, inverse, _mm256_srli_epi32(word, 13), folded);
 }
 
 // 32 codes in 32-bit lanes (4 vectors, each < 256) packed to 32 bytes in element order.
@@ -381,15 +379,18 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
     v_exponent_in[blk] = v_exponents_in[blk];
   }
   for (size_t blk = 0; blk < blocks; ++blk) {
-    const __m256 m_scale = _mm256_set1_ps(exponent_scale(m_exponent_in[blk]));
-    const __m256 v_scale = _mm256_set1_ps(exponent_scale(v_exponent_in[blk]));
+    const DecodeFactors m_factors = decode_factors(m_exponent_in[blk]);
+    const DecodeFactors v_factors = decode_factors(v_exponent_in[blk]);
+    const __m256 m_factor = _mm256_set1_ps(m_factors.factor), m_scale = _mm256_set1_ps(m_factors.scale);
+    const __m256 v_factor = _mm256_set1_ps(v_factors.factor), v_scale = _mm256_set1_ps(v_factors.scale);
     __m256i m_max = _mm256_setzero_si256(), root_max = _mm256_setzero_si256();
     for (size_t k = 0; k < 4; ++k) {
       const size_t e = kInt8Block * blk + 8 * k;  // element within the group
       __m256 g = load_grad<GradType>(b.grad, i + e);
       __m256 p = _mm256_loadu_ps(b.param_in + i + e);
-      __m256 m = decode_e4m3_vector(load_signed_codes(m_in + e), m_scale);
-      const __m256 stored_root = decode_e4m4_vector(load_codes(v_in + e), v_scale);
+      __m256 m = decode_e4m3_vector(load_signed_codes(m_in + e), m_factor, m_scale, m_factors.folded);
+      const __m256 stored_root =
+          decode_e4m4_vector(load_codes(v_in + e), v_factor, v_scale, v_factors.folded);
       __m256 v = _mm256_mul_ps(stored_root, stored_root);
       const __m256 root = adamw_math(c.step, g, p, m, v, lerp_small, lerp_coeff);
       _mm256_storeu_ps(b.param + i + e, p);
@@ -397,7 +398,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
       _mm256_store_ps(ms + e, m);
       _mm256_store_ps(roots + e, root);
       m_max = _mm256_max_epu32(m_max, _mm256_and_si256(_mm256_castps_si256(m), magnitude));
-      root_max = _mm256_max_epu32(root_max, _mm256_and_si256(_mm256_castps_si256(root), magnitude));
+      root_max = _mm256_max_epu32(root_max, _mm256_castps_si256(root));  // a root is never negative
     }
     m_largest[blk] = horizontal_max(m_max);
     root_largest[blk] = horizontal_max(root_max);
@@ -405,17 +406,18 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
   for (size_t blk = 0; blk < blocks; ++blk) {
     const uint32_t m_e = block_exponent(m_largest[blk]);
     const uint32_t v_e = block_exponent(root_largest[blk]);
-    const __m256 m_inverse = _mm256_set1_ps(exponent_inverse(m_e));
-    const __m256 v_inverse = _mm256_set1_ps(exponent_inverse(v_e));
+    const EncodeFactor m_factor = encode_factor(m_e), v_factor = encode_factor(v_e);
+    const __m256 m_inverse = _mm256_set1_ps(m_factor.inverse);
+    const __m256 v_inverse = _mm256_set1_ps(v_factor.inverse);
     __m256i m_codes[4], v_codes[4];
     for (size_t k = 0; k < 4; ++k) {
       const size_t e = kInt8Block * blk + 8 * k;
       const __m256i word = random_words(c.key, first + uint32_t(e));
       const __m256 m = _mm256_load_ps(ms + e);
-      m_codes[k] = encode_e4m3_vector(m, m_inverse, word);
+      m_codes[k] = encode_e4m3_vector(m, m_inverse, word, m_factor.folded);
       if (m_e == 253) m_codes[k] = _mm256_min_epi32(m_codes[k], _mm256_set1_epi32(127));
       m_codes[k] = _mm256_or_si256(m_codes[k], e4m3_signs(m));
-      v_codes[k] = encode_e4m4_vector(_mm256_load_ps(roots + e), v_inverse, word);
+      v_codes[k] = encode_e4m4_vector(_mm256_load_ps(roots + e), v_inverse, word, v_factor.folded);
       if (v_e == 253) v_codes[k] = _mm256_min_epi32(v_codes[k], _mm256_set1_epi32(255));
     }
     if (m_e == 255)

@@ -163,43 +163,37 @@ inline __m512i load_signed_codes(const uint8_t* src, __mmask16 mask) {
   return _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, src));
 }
 
-// value(c) of code magnitudes c, as the fp32 number with bits c << Shift times 2^112 (exact;
-// see adam_avx2.cpp).
-template <int Shift>
-inline __m512 code_values(__m512i c) {
-  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(c, Shift)),
-                       _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPow112Bits))));
-}
-
-// `code` sign-extended (load_signed_codes): shifted left by 20, its bit 31 is the code's sign
-// and bits 20..26 its magnitude; the multiplications keep the sign.
-inline __m512 decode_e4m3_vector(__m512i code, __m512 scale) {
+// value(c) of code magnitudes c is the fp32 number with bits c << 20 (E4M4: << 19) times
+// 2^112 (exact; see adam_avx2.cpp).
+// The decode multiplies by 2^112 and by the block's scale, folded into one `factor` where that
+// is an fp32 number (see adam_avx2.cpp).
+inline __m512 decode_e4m3_vector(__m512i code, __m512 factor, __m512 scale, bool folded) {
   const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(code, 20), _mm512_set1_epi32(int(0x87F00000u)));
-  const __m512 value =
-      _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPow112Bits))));
-  return _mm512_mul_ps(value, scale);
+  const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(bits), factor);
+  return folded ? value : _mm512_mul_ps(value, scale);
 }
 
-inline __m512 decode_e4m4_vector(__m512i code, __m512 scale) {
-  const __m512 value = code_values<19>(code);
-  return _mm512_mul_ps(value, scale);
+inline __m512 decode_e4m4_vector(__m512i code, __m512 factor, __m512 scale, bool folded) {
+  const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(code, 19)), factor);
+  return folded ? value : _mm512_mul_ps(value, scale);
 }
 
 // Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept bits,
 // not yet limited to the largest code, through z = y * 2^-112 (see adam_avx2.cpp).
 template <int Shift>
-inline __m512i encode_magnitude_vector(__m512 magnitude, __m512 inverse, __m512i r) {
-  const __m512 y = _mm512_mul_ps(magnitude, inverse);
-  const __m512 z = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPowM112Bits))));
+inline __m512i encode_magnitude_vector(__m512 magnitude, __m512 inverse, __m512i r, bool folded) {
+  __m512 z = _mm512_mul_ps(magnitude, inverse);
+  if (!folded) z = _mm512_mul_ps(z, _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPowM112Bits))));
   return _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(z), r), Shift);
 }
 
 // E4M3 magnitude codes (the sign comes separately: e4m3_signs); limited to 127 only in a block
 // of exponent 253 (see adam_avx2.cpp).
-inline __m512i encode_e4m3_vector(__m512 x, __m512 inverse, __m512i word) {
+inline __m512i encode_e4m3_vector(__m512 x, __m512 inverse, __m512i word, bool folded) {
   const __m512 magnitude =
       _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
-  return encode_magnitude_vector<20>(magnitude, inverse, _mm512_and_si512(word, _mm512_set1_epi32(0xFFFFF)));
+  return encode_magnitude_vector<20>(magnitude, inverse, _mm512_and_si512(word, _mm512_set1_epi32(0xFFFFF)),
+                                     folded);
 }
 
 inline __m512i e4m3_signs(__m512 x) {
@@ -207,8 +201,8 @@ inline __m512i e4m3_signs(__m512 x) {
 }
 
 // E4M4 codes of a root (>= +0; see adam_avx2.cpp).
-inline __m512i encode_e4m4_vector(__m512 root, __m512 inverse, __m512i word) {
-  return encode_magnitude_vector<19>(root, inverse, _mm512_srli_epi32(word, 13));
+inline __m512i encode_e4m4_vector(__m512 root, __m512 inverse, __m512i word, bool folded) {
+  return encode_magnitude_vector<19>(root, inverse, _mm512_srli_epi32(word, 13), folded);
 }
 
 template <int OutType>
@@ -313,16 +307,19 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
     v_exponent_in[blk] = c.exp_avg_sq_exponents_in[block0 + blk];
   }
   for (size_t blk = 0; blk < blocks; ++blk) {
-    const __m512 m_scale = _mm512_set1_ps(exponent_scale(m_exponent_in[blk]));
-    const __m512 v_scale = _mm512_set1_ps(exponent_scale(v_exponent_in[blk]));
+    const DecodeFactors m_factors = decode_factors(m_exponent_in[blk]);
+    const DecodeFactors v_factors = decode_factors(v_exponent_in[blk]);
+    const __m512 m_factor = _mm512_set1_ps(m_factors.factor), m_scale = _mm512_set1_ps(m_factors.scale);
+    const __m512 v_factor = _mm512_set1_ps(v_factors.factor), v_scale = _mm512_set1_ps(v_factors.scale);
     __m512i m_max = _mm512_setzero_si512(), root_max = _mm512_setzero_si512();
     for (size_t k = 0; k < 2; ++k) {
       const size_t e = kInt8Block * blk + 16 * k;  // element within the group
       const __mmask16 mask = lanes(2 * blk + k, count);
       __m512 g = load_grad<GradType>(a.grad, i + e, mask);
       __m512 p = _mm512_maskz_loadu_ps(mask, a.param_in + i + e);
-      __m512 m = decode_e4m3_vector(load_signed_codes(m_in + e, mask), m_scale);
-      const __m512 stored_root = decode_e4m4_vector(load_codes(v_in + e, mask), v_scale);
+      __m512 m = decode_e4m3_vector(load_signed_codes(m_in + e, mask), m_factor, m_scale, m_factors.folded);
+      const __m512 stored_root =
+          decode_e4m4_vector(load_codes(v_in + e, mask), v_factor, v_scale, v_factors.folded);
       __m512 v = _mm512_mul_ps(stored_root, stored_root);
       __m512 root = adamw_math(a, g, p, m, v, lerp_small, lerp_coeff);
       // masked-off lanes: zero (a NaN scale would otherwise reach them)
@@ -333,7 +330,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
       _mm512_store_ps(ms + e, m);
       _mm512_store_ps(roots + e, root);
       m_max = _mm512_max_epu32(m_max, _mm512_and_si512(_mm512_castps_si512(m), magnitude));
-      root_max = _mm512_max_epu32(root_max, _mm512_and_si512(_mm512_castps_si512(root), magnitude));
+      root_max = _mm512_max_epu32(root_max, _mm512_castps_si512(root));  // a root is never negative
     }
     m_largest[blk] = _mm512_reduce_max_epu32(m_max);
     root_largest[blk] = _mm512_reduce_max_epu32(root_max);
@@ -341,17 +338,18 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
   for (size_t blk = 0; blk < blocks; ++blk) {
     const uint32_t m_e = block_exponent(m_largest[blk]);
     const uint32_t v_e = block_exponent(root_largest[blk]);
-    const __m512 m_inverse = _mm512_set1_ps(exponent_inverse(m_e));
-    const __m512 v_inverse = _mm512_set1_ps(exponent_inverse(v_e));
+    const EncodeFactor m_factor = encode_factor(m_e), v_factor = encode_factor(v_e);
+    const __m512 m_inverse = _mm512_set1_ps(m_factor.inverse);
+    const __m512 v_inverse = _mm512_set1_ps(v_factor.inverse);
     for (size_t k = 0; k < 2; ++k) {
       const size_t e = kInt8Block * blk + 16 * k;
       const __mmask16 mask = lanes(2 * blk + k, count);
       const __m512i word = random_words(c.key, uint32_t(c.position + i + e));
       const __m512 m = _mm512_load_ps(ms + e);
-      __m512i m_codes = encode_e4m3_vector(m, m_inverse, word);
+      __m512i m_codes = encode_e4m3_vector(m, m_inverse, word, m_factor.folded);
       if (m_e == 253) m_codes = _mm512_min_epi32(m_codes, _mm512_set1_epi32(127));
       m_codes = _mm512_or_si512(m_codes, e4m3_signs(m));
-      __m512i v_codes = encode_e4m4_vector(_mm512_load_ps(roots + e), v_inverse, word);
+      __m512i v_codes = encode_e4m4_vector(_mm512_load_ps(roots + e), v_inverse, word, v_factor.folded);
       if (v_e == 253) v_codes = _mm512_min_epi32(v_codes, _mm512_set1_epi32(255));
       if (m_e == 255) m_codes = _mm512_setzero_si512();
       if (v_e == 255) v_codes = _mm512_setzero_si512();
