@@ -388,8 +388,11 @@ def state(precision, n, seed):
     gen = torch.Generator().manual_seed(seed)
     p = torch.randn(n, generator=gen)
     m, v = views(precision, n)
-    M.encode(precision, "exp_avg", torch.randn(n, generator=gen) * 1e-3, m, position=0, key=seed)
-    M.encode(precision, "exp_avg_sq", torch.rand(n, generator=gen) * 1e-6, v, position=0, key=seed)
+    # magnitudes spread over 2^20 (2^30 for v) within a block: every int8 code range is used
+    spread_m = torch.exp2(-20 * torch.rand(n, generator=gen))
+    spread_v = torch.exp2(-30 * torch.rand(n, generator=gen))
+    M.encode(precision, "exp_avg", torch.randn(n, generator=gen) * 1e-3 * spread_m, m, position=0, key=seed)
+    M.encode(precision, "exp_avg_sq", torch.rand(n, generator=gen) * 1e-6 * spread_v, v, position=0, key=seed)
     return p, m, v, gen
 
 
@@ -515,17 +518,20 @@ def test_nonfinite_gradients_poison_only_their_block(isa):
 
 def test_extreme_magnitudes(isa):
     # block 0: exp_avg near the fp32 maximum (exponent byte 253, y >= 1: codes saturate);
-    # block 1: subnormal exp_avg and exp_avg_sq; block 2: v of 1e-44 (roots below 2^-72)
-    n = 96
-    m_values = torch.cat([torch.full((32,), 3.0e38), torch.full((32,), 1e-40), torch.full((32,), 1e-30)])
-    v_values = torch.cat([torch.full((32,), 1.0), torch.full((32,), 1e-42), torch.full((32,), 1e-44)])
+    # block 1: subnormal exp_avg and exp_avg_sq; block 2: v of 1e-44 (roots below 2^-72);
+    # block 3: exponent bytes 194 and 177 (the vector kernels' unfolded scale factors)
+    n = 128
+    m_values = torch.cat([torch.full((32,), 3.0e38), torch.full((32,), 1e-40), torch.full((32,), 1e-30), torch.full((32,), 1e20)])
+    v_values = torch.cat([torch.full((32,), 1.0), torch.full((32,), 1e-42), torch.full((32,), 1e-44), torch.full((32,), 1e30)])
+    m_values = m_values * torch.linspace(0.01, 1, 32).repeat(4)
     m_values[::3] *= -1
     for precision in ("bf16", "int8"):
         m, v = views(precision, n)
         M.encode(precision, "exp_avg", m_values, m, position=0, key=1)
         M.encode(precision, "exp_avg_sq", v_values, v, position=0, key=1)
         if precision == "int8":
-            assert m.block_exponents[0].item() == 253
+            assert m.block_exponents.tolist()[:3] == [253, 1, 28]
+            assert m.block_exponents[3].item() == 194 and v.block_exponents[3].item() == 177
         p = torch.randn(n, generator=torch.Generator().manual_seed(16))
         ref = (p.clone(), copy_view(m), copy_view(v))
         g = torch.zeros(n)
@@ -534,6 +540,26 @@ def test_extreme_magnitudes(isa):
         kernels.adam_step_compact(p, g, m, v, **hp)
         M.adam_step_torch(ref[0], g, ref[1], ref[2], **hp)
         assert_state_same((p, m, v), ref, precision)
+
+
+def test_flush_denormal_does_not_change_the_step(isa):
+    # torch.set_flush_denormal(True) sets flush-to-zero and denormals-are-zero on the calling
+    # thread, which runs (part of) the kernel: the kernel still computes with IEEE subnormals
+    n = 1000
+    for precision in ("bf16", "int8"):
+        p, m, v, gen = state(precision, n, seed=17)
+        ref = (p.clone(), copy_view(m), copy_view(v))
+        g = torch.randn(n, generator=gen) * 1e-30
+        hp = dict(precision=precision, position=0, rounding_key=4, step=3, **HYPER)
+        M.adam_step_torch(ref[0], g, ref[1], ref[2], **hp)
+        assert torch.set_flush_denormal(True)
+        try:
+            kernels.adam_step_compact(p, g, m, v, **hp)
+        finally:
+            torch.set_flush_denormal(False)
+        assert_state_same((p, m, v), ref, precision)
+        if precision == "int8":  # the test has subnormal codes to decode
+            assert ((m.values & 127) < 8).sum() > 10 and (v.values < 16).sum() > 10
 
 
 def test_fp32_precision_runs_the_fp32_kernel():

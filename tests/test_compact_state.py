@@ -11,7 +11,9 @@ import logging
 
 import pytest
 import torch
-from reference import TinyNet, batches, mse, reference_run
+from distributed_worker import launch, rank_swap_dirs, train_cases
+from distributed_worker import make_config as make_dist_config
+from reference import TinyNet, batches, engine_run, mse, reference_run
 
 import offload
 from offload.config.state_layout import StateBytes, StatePrecision
@@ -38,20 +40,10 @@ def make_config(swap_dir, precision: str, *, optimizer: str = "cpu", param: str 
     return config
 
 
-def train(engine, data) -> list[float]:
-    losses = []
-    for x, y in data:
-        loss = mse(engine, x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 def run(model, config, data):
     engine = offload.initialize(copy.deepcopy(model), config)
     try:
-        losses = train(engine, data)
+        losses = engine_run(engine, data)
         return losses, engine.consolidated_state_dict(), engine.memory_report()
     finally:
         engine.close()
@@ -146,7 +138,7 @@ def test_nvme_swap_files_hold_the_compact_form(swap_dir):
     assert on_disk["int8"] < on_disk["fp32"] * 0.7, on_disk
 
 
-@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme", "device"])
 @pytest.mark.parametrize("precision", COMPACT)
 def test_resume_is_bitwise(swap_dir, tmp_path, precision, optimizer):
     """Saved mid-run and loaded into a new engine, training goes on bit for bit: the checkpoint
@@ -157,19 +149,20 @@ def test_resume_is_bitwise(swap_dir, tmp_path, precision, optimizer):
     config = make_config(swap_dir, precision, optimizer=optimizer, offload__sub_group_size=1024)
     engine = offload.initialize(copy.deepcopy(model), config)
     try:
-        train(engine, data[:4])
+        engine_run(engine, data[:4])
         engine.save_checkpoint(tmp_path / "ckpt")
-        expected = train(engine, data[4:])
+        expected = engine_run(engine, data[4:])
         expected_weights = engine.consolidated_state_dict()
-        expected_state = engine.optimizer.state_dict()["state"]
+        # (state_dict() refuses NVMe-resident state: there the next steps' bits say the moments matched)
+        expected_state = engine.optimizer.state_dict()["state"] if optimizer != "nvme" else {}
     finally:
         engine.close()
     engine = offload.initialize(copy.deepcopy(model), config)
     try:
         engine.load_checkpoint(tmp_path / "ckpt")
-        assert train(engine, data[4:]) == expected
+        assert engine_run(engine, data[4:]) == expected
         assert_same(engine.consolidated_state_dict(), expected_weights)
-        state = engine.optimizer.state_dict()["state"]
+        state = engine.optimizer.state_dict()["state"] if optimizer != "nvme" else {}
         for index, entry in expected_state.items():
             for kind in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(state[index][kind], entry[kind]), (index, kind)
@@ -183,7 +176,7 @@ def test_loading_into_another_precision_converts_and_says_so(swap_dir, tmp_path,
     data = batches(3)
     saved = offload.initialize(copy.deepcopy(model), make_config(swap_dir, "int8"))
     try:
-        train(saved, data)
+        engine_run(saved, data)
         saved.save_checkpoint(tmp_path / "int8")
         int8_state = saved.optimizer.state_dict()["state"]
     finally:
@@ -219,10 +212,10 @@ def test_state_dict_round_trip_goes_on_bitwise(swap_dir, precision):
     config = make_config(swap_dir, precision)
     engine = offload.initialize(copy.deepcopy(model), config)
     try:
-        train(engine, data[:3])
+        engine_run(engine, data[:3])
         state = copy.deepcopy(engine.optimizer.state_dict())
         weights = engine.consolidated_state_dict()
-        expected = train(engine, data[3:])
+        expected = engine_run(engine, data[3:])
     finally:
         engine.close()
     twin_model = copy.deepcopy(model)
@@ -230,7 +223,7 @@ def test_state_dict_round_trip_goes_on_bitwise(swap_dir, precision):
     engine = offload.initialize(twin_model, config)
     try:
         engine.optimizer.load_state_dict(state)
-        assert train(engine, data[3:]) == expected
+        assert engine_run(engine, data[3:]) == expected
     finally:
         engine.close()
 
@@ -254,14 +247,14 @@ def test_fp16_overflow_skips_with_compact_state(swap_dir):
     data = batches(4)
     engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, "int8", compute="fp16"))
     try:
-        train(engine, data[:2])
+        engine_run(engine, data[:2])
         before = engine.consolidated_state_dict()
         x, y = data[2]
         loss = mse(engine, x, y)
         engine.backward(loss * float("inf"))
         assert engine.step() is False
         assert_same(engine.consolidated_state_dict(), before)
-        train(engine, data[3:])
+        engine_run(engine, data[3:])
     finally:
         engine.close()
 
@@ -290,3 +283,33 @@ def test_a_second_backward_before_step_is_refused_with_16_bit_gradients(swap_dir
         assert engine.step() is True
     finally:
         engine.close()
+
+
+def test_two_ranks_train_int8_state_in_agreement(tmp_path):
+    """Each rank steps its shard's int8 blocks (keyed on its rank): both ranks end with the same
+    gathered weights, the host and NVMe tiers alike, and the loss falls as with fp32 state."""
+    swaps = rank_swap_dirs(tmp_path, 2)
+    cases = [
+        {
+            "name": f"{precision}-{optimizer}",
+            "steps": 6,
+            "config": dist_config(swaps, "none", optimizer, state_precision=precision),
+        }
+        for precision, optimizer in (("int8", "cpu"), ("int8", "nvme"), ("fp32", "cpu"))
+    ]
+    results = launch(train_cases, 2, cases, deadline_s=240.0)
+    assert all(r["ok"] for r in results), results
+    rank0, rank1 = (r["value"] for r in results)
+    for a, b in zip(rank0, rank1):
+        assert a["digest"] == b["digest"], a["name"]
+        assert a["read_differs"] == [] and b["read_differs"] == [], a["name"]
+    by_name = {case["name"]: case for case in rank0}
+    assert by_name["int8-cpu"]["losses"] == by_name["int8-nvme"]["losses"]
+    fp32_final = by_name["fp32-cpu"]["losses"][-1]
+    assert abs(by_name["int8-cpu"]["losses"][-1] - fp32_final) <= LOSS_TOLERANCE["int8"] * fp32_final
+
+
+def dist_config(swaps, param, optimizer, *, state_precision):
+    config = make_dist_config(swaps, param, optimizer)
+    config["optimizer"]["state_precision"] = state_precision
+    return config

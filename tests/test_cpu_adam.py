@@ -284,3 +284,130 @@ def test_the_two_mode_keys_set_apart_are_refused():
     with pytest.raises(ValueError, match="parameter group 0 sets adamw_mode=True but decoupled_weight_decay=False"):
         ours.step()
     assert torch.equal(params[0].detach(), before)
+
+
+# ---- issue 34: compact moments (state_precision) ---------------------------------------------
+from offload.optim import moments  # noqa: E402
+
+
+def wide_grads(sizes, steps, seed):
+    """Gradients whose magnitudes spread over 2^20: every int8 code range gets used."""
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen) * torch.exp2(-20 * torch.rand(s, generator=gen)) for s in sizes] for _ in range(steps)]
+
+
+def run(opt, params, grads):
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_compact_precision_is_the_compact_kernel(precision):
+    # parameter i's moments take position 0 and rounding_key(i, 0, step), i counted over groups
+    sizes = [(33,), (4, 25), (1,)]
+    params = make_params(sizes, seed=5)
+    reference = [p.detach().clone().reshape(-1) for p in params]
+    states = []
+    for p in params:
+        numel, dtype = moments.moment_storage(precision, p.numel())
+        states.append(
+            [moments.moment_view(precision, torch.zeros(numel, dtype=dtype), p.numel(), 0, p.numel()) for _ in range(2)]
+        )
+    opt = CPUAdamW([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}], lr=1e-2, state_precision=precision)
+    grads = wide_grads(sizes, steps=4, seed=6)
+    run(opt, params, grads)
+    for step, step_grads in enumerate(grads, 1):
+        for index, (p, g) in enumerate(zip(reference, step_grads)):
+            kernels.adam_step_compact(
+                p, g.reshape(-1), *states[index], precision=precision, position=0, rounding_key=moments.rounding_key(index, 0, step),
+                step=step, lr=3e-3 if index == 2 else 1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+            )  # fmt: skip
+    for p, ref in zip(params, reference):
+        assert torch.equal(p.detach().reshape(-1), ref)
+        buffer = opt.state[p][f"exp_avg_{precision}"]  # the moments are kept compact
+        assert (buffer.numel(), buffer.dtype) == moments.moment_storage(precision, p.numel())
+    saved = opt.state_dict()
+    assert saved["state_precision"] == precision
+    saved_state = saved["state"]
+    for index, (p, (m, v)) in enumerate(zip(params, states)):
+        assert saved_state[index]["exp_avg"].shape == p.shape and saved_state[index]["exp_avg"].dtype == torch.float32
+        assert torch.equal(saved_state[index]["exp_avg"].reshape(-1), moments.decode(precision, "exp_avg", m))
+        assert torch.equal(saved_state[index]["exp_avg_sq"].reshape(-1), moments.decode(precision, "exp_avg_sq", v))
+        assert f"exp_avg_{precision}" not in saved_state[index]
+        assert f"exp_avg_{precision}" in opt.state[p]  # state_dict() leaves the optimizer's own state alone
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_compact_state_dict_round_trip_continues_bit_for_bit(precision):
+    sizes = [(65_536,), (70,)]
+    start = make_params(sizes, seed=7)
+    first_params = clone_params(start)
+    first = CPUAdamW(first_params, lr=1e-2, state_precision=precision)
+    grads = wide_grads(sizes, steps=8, seed=8)
+    run(first, first_params, grads[:4])
+    saved = copy.deepcopy(first.state_dict())
+    resumed_params = clone_params(first_params)
+    run(first, first_params, grads[4:])
+    second = CPUAdamW(resumed_params, lr=99.0, state_precision=precision)
+    second.load_state_dict(saved)
+    run(second, resumed_params, grads[4:])
+    for a, b in zip(first_params, resumed_params):
+        assert torch.equal(a.detach(), b.detach())
+    for index, (a, b) in enumerate(zip(first_params, resumed_params)):
+        for kind in ("exp_avg", "exp_avg_sq"):
+            key = f"{kind}_{precision}"
+            assert torch.equal(first.state[a][key], second.state[b][key]), (index, kind)
+    if precision == "int8":
+        # the test means something: re-encoding the saved moments with the step's exponent rule
+        # (not the one for reloading) would not have given them back
+        x = saved["state"][0]["exp_avg"].reshape(-1)
+        numel, dtype = moments.moment_storage("int8", x.numel())
+        view = moments.moment_view("int8", torch.zeros(numel, dtype=dtype), x.numel(), 0, x.numel())
+        moments.encode("int8", "exp_avg", x, view, position=0, key=1)
+        assert not torch.equal(moments.decode("int8", "exp_avg", view), x)
+
+
+def test_compact_state_dicts_load_across_precisions_and_into_torch():
+    sizes = [(100,), (4, 25)]
+    params = make_params(sizes, seed=9)
+    grads = wide_grads(sizes, steps=3, seed=10)
+    int8 = CPUAdamW(clone_params(params), lr=1e-2, state_precision="int8")
+    run(int8, int8.param_groups[0]["params"], grads)
+    saved = int8.state_dict()
+    # into torch.optim.AdamW: fp32 moments under torch's keys
+    theirs = torch.optim.AdamW(clone_params(params), lr=1.0)
+    theirs.load_state_dict(copy.deepcopy(saved))
+    for index, p in enumerate(theirs.param_groups[0]["params"]):
+        assert torch.equal(theirs.state[p]["exp_avg"], saved["state"][index]["exp_avg"])
+    # into bf16: int8's exp_avg has at most 4 significant bits, bf16 holds it exactly; its
+    # exp_avg_sq (a root squared: up to 10 bits) is rounded
+    bf16 = CPUAdamW(clone_params(params), state_precision="bf16")
+    bf16.load_state_dict(copy.deepcopy(saved))
+    again = bf16.state_dict()
+    for index in saved["state"]:
+        assert torch.equal(again["state"][index]["exp_avg"], saved["state"][index]["exp_avg"])
+        v, v_saved = again["state"][index]["exp_avg_sq"], saved["state"][index]["exp_avg_sq"]
+        assert ((v - v_saved).abs() <= v_saved * 2.0**-7).all() and not torch.equal(v, v_saved)
+    assert again["state_precision"] == "bf16"
+    # and an fp32 torch state dict into int8: encoded (rounded), then it trains on
+    fp32_saved = theirs.state_dict()
+    back = CPUAdamW(clone_params(params), state_precision="int8")
+    back.load_state_dict(fp32_saved)
+    run(back, back.param_groups[0]["params"], grads)
+    with pytest.raises(ValueError, match="state_precision must be one of"):
+        CPUAdamW(clone_params(params), state_precision="fp16")
+
+
+def test_default_precision_is_fp32_bit_for_bit():
+    sizes = [(37,), (3, 5)]
+    params = make_params(sizes, seed=11)
+    a, b = clone_params(params), clone_params(params)
+    grads = wide_grads(sizes, steps=3, seed=12)
+    run(CPUAdamW(a, lr=1e-2), a, grads)
+    explicit = CPUAdamW(b, lr=1e-2, state_precision="fp32")
+    run(explicit, b, grads)
+    for x, y in zip(a, b):
+        assert torch.equal(x.detach(), y.detach())
+    assert "state_precision" not in explicit.state_dict() and "exp_avg" in explicit.state[b[0]]

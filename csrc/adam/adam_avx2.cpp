@@ -174,71 +174,65 @@ inline __m128i encode_bf16_vector(__m256 x, __m256i r) {
   return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-// 8 codes (bytes) widened to 32-bit lanes.
+// 8 codes (bytes) widened to 32-bit lanes: zero-extended (E4M4), sign-extended (E4M3: the
+// sign bit, bit 7, then fills bits 7..31).
 inline __m256i load_codes(const uint8_t* src) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
 }
 
-// value(c) of the codes' magnitudes c: float((c + normal_base) << shift) from the first normal
-// code on, float((c + sub_base) << shift) - 2^-14 below it (exact).
-template <int Shift, int SubBase, int NormalBase>
-inline __m256 code_values(__m256i c) {
-  const __m256i normal = _mm256_cmpgt_epi32(c, _mm256_set1_epi32((1 << (23 - Shift)) - 1));
-  const __m256i base = _mm256_blendv_epi8(_mm256_set1_epi32(SubBase), _mm256_set1_epi32(NormalBase), normal);
-  const __m256 value = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, base), Shift));
-  const __m256 shifted = _mm256_sub_ps(value, _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM14Bits))));
-  return _mm256_blendv_ps(shifted, value, _mm256_castsi256_ps(normal));
+inline __m256i load_signed_codes(const uint8_t* src) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
 }
 
-inline __m256 decode_e4m3_vector(__m256i code, __m256 scale) {
-  const __m256 value = code_values<20, 904, 896>(_mm256_and_si256(code, _mm256_set1_epi32(127)));
-  const __m256 x = _mm256_mul_ps(value, scale);
-  return _mm256_xor_ps(x, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(code, 7), 31)));
+// value(c) of code magnitudes c is the fp32 number with bits c << 20 (E4M4: << 19) times
+// 2^112: from the first normal code on those bits are value(c)'s mantissa with an exponent 112
+// lower; below it they are the fp32 subnormal c * 2^(20 - 149) = value(c) * 2^-112. Exact, and
+// equal to the doc's float((c + 896) << 20) and float((c + 904) << 20) - 2^-14 (likewise E4M4).
+// The decode multiplies by 2^112 and by the block's scale: `factor` is 2^112 * scale when that
+// is an fp32 number (folded: exponents up to 142, the usual case, one multiplication, the same
+// exact product rounded once), else 2^112 and the scale follows.
+inline __m256 decode_e4m3_vector(__m256i code, __m256 factor, __m256 scale, bool folded) {
+  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(code, 20), _mm256_set1_epi32(int(0x87F00000u)));
+  const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(bits), factor);
+  return folded ? value : _mm256_mul_ps(value, scale);
 }
 
-inline __m256 decode_e4m4_vector(__m256i code, __m256 scale) {
-  const __m256 value = code_values<19, 1808, 1792>(code);
-  return _mm256_mul_ps(value, scale);
+inline __m256 decode_e4m4_vector(__m256i code, __m256 factor, __m256 scale, bool folded) {
+  const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(code, 19)), factor);
+  return folded ? value : _mm256_mul_ps(value, scale);
 }
 
-// Codes of y = |x| * inverse rounded with r below the kept bits (docs/compact_state.md).
-template <int Shift, int SubBase, int NormalBase, int Top>
-inline __m256i encode_magnitude_vector(__m256 x, __m256 inverse, __m256i r) {
-  const __m256 two_pow_m14 = _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM14Bits)));
-  const __m256 y =
-      _mm256_mul_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))), inverse);
-  const __m256 small = _mm256_cmp_ps(y, two_pow_m14, _CMP_LT_OQ);
-  const __m256i sub = _mm256_sub_epi32(
-      _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(_mm256_add_ps(y, two_pow_m14)), r), Shift),
-      _mm256_set1_epi32(SubBase));
-  const __m256i normal = _mm256_sub_epi32(
-      _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(y), r), Shift), _mm256_set1_epi32(NormalBase));
-  const __m256i c = _mm256_blendv_epi8(normal, sub, _mm256_castps_si256(small));
-  return _mm256_min_epi32(c, _mm256_set1_epi32(Top));  // codes are >= 0
+// Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept bits,
+// not yet limited to the largest code. z = y * 2^-112 is the doc's rounding point: from
+// y = 2^-14 on, bits(z) = bits(y) - (896 << 20) exactly (the doc's normal-range base); below,
+// z is an fp32 subnormal whose bits are y rounded to multiples of 2^-37, as the doc's
+// bits(y + 2^-14) - (904 << 20) are (same grid, same round to nearest even).
+// `inverse` is 2^(127 - e) * 2^-112 when that is a normal fp32 number (folded: exponents up to
+// 141, one multiplication; the product is the same: y is exact wherever it is at least 2^-126,
+// and below that z rounds to 0 either way), else 2^(127 - e) and the 2^-112 follows.
+template <int Shift>
+inline __m256i encode_magnitude_vector(__m256 magnitude, __m256 inverse, __m256i r, bool folded) {
+  __m256 z = _mm256_mul_ps(magnitude, inverse);
+  if (!folded) z = _mm256_mul_ps(z, _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM112Bits))));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(z), r), Shift);
 }
 
-inline __m256i encode_e4m3_vector(__m256 x, __m256 inverse, __m256i word) {
-  const __m256i c = encode_magnitude_vector<20, 904, 896, 127>(
-      x, inverse, _mm256_and_si256(word, _mm256_set1_epi32(0xFFFFF)));
-  return _mm256_or_si256(c, _mm256_slli_epi32(_mm256_srli_epi32(_mm256_castps_si256(x), 31), 7));
+// E4M3 magnitude codes (the sign comes separately: e4m3_signs). Up to 120 (y <= 1) unless the
+// block's exponent is 253, where y reaches 4 and codes are limited to 127 (limit_codes).
+inline __m256i encode_e4m3_vector(__m256 x, __m256 inverse, __m256i word, bool folded) {
+  const __m256 magnitude = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  return encode_magnitude_vector<20>(magnitude, inverse, _mm256_and_si256(word, _mm256_set1_epi32(0xFFFFF)),
+                                     folded);
 }
 
-inline __m256i encode_e4m4_vector(__m256 root, __m256 inverse, __m256i word) {
-  return encode_magnitude_vector<19, 1808, 1792, 255>(root, inverse, _mm256_srli_epi32(word, 13));
+inline __m256i e4m3_signs(__m256 x) {
+  return _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 24), _mm256_set1_epi32(0x80));
 }
 
-// Largest of |x| over 4 vectors, as bits.
-inline uint32_t largest_magnitude(const __m256 (&x)[4]) {
-  const __m256i mask = _mm256_set1_epi32(0x7fffffff);
-  __m256i a = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(x[0]), mask),
-                               _mm256_and_si256(_mm256_castps_si256(x[1]), mask));
-  __m256i b = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(x[2]), mask),
-                               _mm256_and_si256(_mm256_castps_si256(x[3]), mask));
-  a = _mm256_max_epu32(a, b);
-  __m128i h = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
-  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
-  return uint32_t(_mm_cvtsi128_si32(h));
+// E4M4 codes of a root (>= +0: sqrt of a v that is never -0; NaN only in a non-finite block,
+// whose codes are replaced by 0). Up to 240 unless the exponent is 253 (limited to 255).
+inline __m256i encode_e4m4_vector(__m256 root, __m256 inverse, __m256i word, bool folded) {
+  return encode_magnitude_vector<19>(root, inverse, _mm256_srli_epi32(word, 13), folded);
 }
 
 // 32 codes in 32-bit lanes (4 vectors, each < 256) packed to 32 bytes in element order.
@@ -330,68 +324,113 @@ void bf16_range(const CompactArgs& args, size_t begin, size_t end) {
   if (i < end) bf16_partial<GradType, OutType, Traffic>(c, i, end - i, lerp_small, lerp_coeff);
 }
 
-// One block of 32 elements with int8 moments at offset i of the buffers (4 vectors): decode,
-// step, the block's largest magnitudes, encode. The exponents are passed by value (read
-// before anything is written) and returned through m_exponent / v_exponent.
+// Largest of the lanes of a vector of magnitudes' bits.
+inline uint32_t horizontal_max(__m256i a) {
+  __m128i h = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
+  return uint32_t(_mm_cvtsi128_si32(h));
+}
+
+// Blocks processed together by int8_group.
+constexpr size_t kGroupBlocks = 8;
+
+// `blocks` (<= kGroupBlocks) blocks of 32 elements with int8 moments at offset i of the
+// buffers (`first` the position of element i; the exponents of the first block at the given
+// pointers), in two passes: decode and step every vector (the new weights stored, m' and
+// sqrt(v') kept in stack arrays with each block's largest magnitudes), then encode block by
+// block. The encoding does not wait on the long square-root and division chains of its own
+// block (a one-pass block would), and every code and exponent of the group is read before
+// any is written (in place).
 template <int GradType, int OutType, bool Traffic>
-inline void int8_block(const CompactArgs& c, const CompactBuffers& b, size_t i, uint32_t first,
-                       uint32_t m_exponent_in, uint32_t v_exponent_in, uint8_t* m_exponent,
-                       uint8_t* v_exponent, bool lerp_small, __m256 lerp_coeff) {
+__attribute__((always_inline)) inline void int8_group(const CompactArgs& c, const CompactBuffers& b, size_t i,
+                                                      uint32_t first, const uint8_t* m_exponents_in,
+                                                      const uint8_t* v_exponents_in, uint8_t* m_exponents,
+                                                      uint8_t* v_exponents, size_t blocks, bool lerp_small,
+                                                      __m256 lerp_coeff) {
   const uint8_t* m_in = static_cast<const uint8_t*>(b.m_in) + i;
   const uint8_t* v_in = static_cast<const uint8_t*>(b.v_in) + i;
   uint8_t* m_out = static_cast<uint8_t*>(b.m_out) + i;
   uint8_t* v_out = static_cast<uint8_t*>(b.v_out) + i;
   if (Traffic) {
-    for (int k = 0; k < 4; ++k) {
+    for (size_t k = 0; k < 4 * blocks; ++k) {
       const __m256 p =
           _mm256_add_ps(_mm256_loadu_ps(b.param_in + i + 8 * k), load_grad<GradType>(b.grad, i + 8 * k));
       _mm256_storeu_ps(b.param + i + 8 * k, p);
       store_out16<OutType>(b.out16 + i + 8 * k, p);
     }
     const __m256i one = _mm256_set1_epi8(1);
-    const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m_in));
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_in));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(m_out), _mm256_add_epi8(m, one));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(v_out), _mm256_add_epi8(v, one));
-    *m_exponent = uint8_t(m_exponent_in + 1);
-    *v_exponent = uint8_t(v_exponent_in + 1);
+    for (size_t blk = 0; blk < blocks; ++blk) {
+      const __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m_in + 32 * blk));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v_in + 32 * blk));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(m_out + 32 * blk), _mm256_add_epi8(m, one));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v_out + 32 * blk), _mm256_add_epi8(v, one));
+      m_exponents[blk] = uint8_t(m_exponents_in[blk] + 1);
+      v_exponents[blk] = uint8_t(v_exponents_in[blk] + 1);
+    }
     return;
   }
-  const __m256 m_scale = _mm256_set1_ps(exponent_scale(m_exponent_in));
-  const __m256 v_scale = _mm256_set1_ps(exponent_scale(v_exponent_in));
-  __m256 ms[4], roots[4];
-  for (int k = 0; k < 4; ++k) {
-    const size_t j = i + 8 * k;
-    __m256 g = load_grad<GradType>(b.grad, j);
-    __m256 p = _mm256_loadu_ps(b.param_in + j);
-    __m256 m = decode_e4m3_vector(load_codes(m_in + 8 * k), m_scale);
-    const __m256 stored_root = decode_e4m4_vector(load_codes(v_in + 8 * k), v_scale);
-    __m256 v = _mm256_mul_ps(stored_root, stored_root);
-    roots[k] = adamw_math(c.step, g, p, m, v, lerp_small, lerp_coeff);
-    ms[k] = m;
-    _mm256_storeu_ps(b.param + j, p);
-    store_out16<OutType>(b.out16 + j, p);
+  alignas(32) float ms[kGroupBlocks * kInt8Block], roots[kGroupBlocks * kInt8Block];
+  uint32_t m_largest[kGroupBlocks], root_largest[kGroupBlocks];
+  uint8_t m_exponent_in[kGroupBlocks], v_exponent_in[kGroupBlocks];
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    m_exponent_in[blk] = m_exponents_in[blk];
+    v_exponent_in[blk] = v_exponents_in[blk];
   }
-  const uint32_t m_e = block_exponent(largest_magnitude(ms));
-  const uint32_t v_e = block_exponent(largest_magnitude(roots));
-  const __m256 m_inverse = _mm256_set1_ps(exponent_inverse(m_e));
-  const __m256 v_inverse = _mm256_set1_ps(exponent_inverse(v_e));
-  __m256i m_codes[4], v_codes[4];
-  for (int k = 0; k < 4; ++k) {
-    const __m256i word = random_words(c.key, first + 8 * k);
-    m_codes[k] = encode_e4m3_vector(ms[k], m_inverse, word);
-    v_codes[k] = encode_e4m4_vector(roots[k], v_inverse, word);
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    const DecodeFactors m_factors = decode_factors(m_exponent_in[blk]);
+    const DecodeFactors v_factors = decode_factors(v_exponent_in[blk]);
+    const __m256 m_factor = _mm256_set1_ps(m_factors.factor), m_scale = _mm256_set1_ps(m_factors.scale);
+    const __m256 v_factor = _mm256_set1_ps(v_factors.factor), v_scale = _mm256_set1_ps(v_factors.scale);
+    __m256i m_max = _mm256_setzero_si256(), root_max = _mm256_setzero_si256();
+    for (size_t k = 0; k < 4; ++k) {
+      const size_t e = kInt8Block * blk + 8 * k;  // element within the group
+      __m256 g = load_grad<GradType>(b.grad, i + e);
+      __m256 p = _mm256_loadu_ps(b.param_in + i + e);
+      __m256 m = decode_e4m3_vector(load_signed_codes(m_in + e), m_factor, m_scale, m_factors.folded);
+      const __m256 stored_root =
+          decode_e4m4_vector(load_codes(v_in + e), v_factor, v_scale, v_factors.folded);
+      __m256 v = _mm256_mul_ps(stored_root, stored_root);
+      const __m256 root = adamw_math(c.step, g, p, m, v, lerp_small, lerp_coeff);
+      _mm256_storeu_ps(b.param + i + e, p);
+      store_out16<OutType>(b.out16 + i + e, p);
+      _mm256_store_ps(ms + e, m);
+      _mm256_store_ps(roots + e, root);
+      m_max = _mm256_max_epu32(m_max, _mm256_and_si256(_mm256_castps_si256(m), magnitude));
+      root_max = _mm256_max_epu32(root_max, _mm256_castps_si256(root));  // a root is never negative
+    }
+    m_largest[blk] = horizontal_max(m_max);
+    root_largest[blk] = horizontal_max(root_max);
   }
-  if (m_e == 255)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(m_out), _mm256_setzero_si256());
-  else
-    store_codes(m_out, m_codes);
-  if (v_e == 255)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(v_out), _mm256_setzero_si256());
-  else
-    store_codes(v_out, v_codes);
-  *m_exponent = uint8_t(m_e);
-  *v_exponent = uint8_t(v_e);
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    const uint32_t m_e = block_exponent(m_largest[blk]);
+    const uint32_t v_e = block_exponent(root_largest[blk]);
+    const EncodeFactor m_factor = encode_factor(m_e), v_factor = encode_factor(v_e);
+    const __m256 m_inverse = _mm256_set1_ps(m_factor.inverse);
+    const __m256 v_inverse = _mm256_set1_ps(v_factor.inverse);
+    __m256i m_codes[4], v_codes[4];
+    for (size_t k = 0; k < 4; ++k) {
+      const size_t e = kInt8Block * blk + 8 * k;
+      const __m256i word = random_words(c.key, first + uint32_t(e));
+      const __m256 m = _mm256_load_ps(ms + e);
+      m_codes[k] = encode_e4m3_vector(m, m_inverse, word, m_factor.folded);
+      if (m_e == 253) m_codes[k] = _mm256_min_epi32(m_codes[k], _mm256_set1_epi32(127));
+      m_codes[k] = _mm256_or_si256(m_codes[k], e4m3_signs(m));
+      v_codes[k] = encode_e4m4_vector(_mm256_load_ps(roots + e), v_inverse, word, v_factor.folded);
+      if (v_e == 253) v_codes[k] = _mm256_min_epi32(v_codes[k], _mm256_set1_epi32(255));
+    }
+    if (m_e == 255)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(m_out + kInt8Block * blk), _mm256_setzero_si256());
+    else
+      store_codes(m_out + kInt8Block * blk, m_codes);
+    if (v_e == 255)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v_out + kInt8Block * blk), _mm256_setzero_si256());
+    else
+      store_codes(v_out + kInt8Block * blk, v_codes);
+    m_exponents[blk] = uint8_t(m_e);
+    v_exponents[blk] = uint8_t(v_e);
+  }
 }
 
 // The call's last block when it has fewer than 32 elements: zero-padded stack copies (zeros
@@ -410,9 +449,10 @@ inline void int8_partial(const CompactArgs& c, size_t i, size_t rest, bool lerp_
   std::memcpy(m, static_cast<const uint8_t*>(c.exp_avg_in) + i, rest);
   std::memcpy(v, static_cast<const uint8_t*>(c.exp_avg_sq_in) + i, rest);
   const CompactBuffers stack{param, grad, m, v, param, m, v, out};
-  int8_block<GradType, OutType, Traffic>(c, stack, 0, uint32_t(c.position + i), c.exp_avg_exponents_in[block],
-                                         c.exp_avg_sq_exponents_in[block], c.exp_avg_exponents + block,
-                                         c.exp_avg_sq_exponents + block, lerp_small, lerp_coeff);
+  int8_group<GradType, OutType, Traffic>(c, stack, 0, uint32_t(c.position + i),
+                                         c.exp_avg_exponents_in + block, c.exp_avg_sq_exponents_in + block,
+                                         c.exp_avg_exponents + block, c.exp_avg_sq_exponents + block, 1,
+                                         lerp_small, lerp_coeff);
   std::memcpy(a.param + i, param, rest * 4);
   std::memcpy(static_cast<uint8_t*>(c.exp_avg) + i, m, rest);
   std::memcpy(static_cast<uint8_t*>(c.exp_avg_sq) + i, v, rest);
@@ -428,22 +468,26 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
       c.step.param_in, c.step.grad, c.exp_avg_in, c.exp_avg_sq_in,
       c.step.param,    c.exp_avg,   c.exp_avg_sq, static_cast<uint16_t*>(c.step.param_out16)};
   size_t i = begin;
-  for (; i + kInt8Block <= end; i += kInt8Block) {
+  while (i + kInt8Block <= end) {
     const size_t block = i / kInt8Block;
-    int8_block<GradType, OutType, Traffic>(c, arrays, i, uint32_t(c.position + i),
-                                           c.exp_avg_exponents_in[block], c.exp_avg_sq_exponents_in[block],
+    const size_t blocks = min_size(kGroupBlocks, (end - i) / kInt8Block);
+    int8_group<GradType, OutType, Traffic>(c, arrays, i, uint32_t(c.position + i),
+                                           c.exp_avg_exponents_in + block, c.exp_avg_sq_exponents_in + block,
                                            c.exp_avg_exponents + block, c.exp_avg_sq_exponents + block,
-                                           lerp_small, lerp_coeff);
+                                           blocks, lerp_small, lerp_coeff);
+    i += blocks * kInt8Block;
   }
   if (i < end) int8_partial<GradType, OutType, Traffic>(c, i, end - i, lerp_small, lerp_coeff);
 }
 
 template <int Moment, int GradType, int OutType, bool Traffic>
 void compact_range(const CompactArgs& c, size_t begin, size_t end) {
+  const unsigned mode = ieee_mode_enter();
   if constexpr (Moment == kMomentInt8)
     int8_range<GradType, OutType, Traffic>(c, begin, end);
   else
     bf16_range<GradType, OutType, Traffic>(c, begin, end);
+  ieee_mode_leave(mode);
 }
 
 #include "adam/isa_dispatch.inc"

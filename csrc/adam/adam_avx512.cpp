@@ -153,67 +153,56 @@ inline __m256i encode_bf16_vector(__m512 x, __m512i r) {
   return _mm512_cvtepi32_epi16(h);
 }
 
-// 16 codes (bytes) widened to 32-bit lanes, masked-off lanes zero.
+// 16 codes (bytes) widened to 32-bit lanes, masked-off lanes zero: zero-extended (E4M4),
+// sign-extended (E4M3: the sign bit, bit 7, then fills bits 7..31).
 inline __m512i load_codes(const uint8_t* src, __mmask16 mask) {
   return _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, src));
 }
 
-// value(c) of the codes' magnitudes c: float((c + normal_base) << shift) from the first normal
-// code on, float((c + sub_base) << shift) - 2^-14 below it (exact).
-template <int Shift, int SubBase, int NormalBase>
-inline __m512 code_values(__m512i c) {
-  const __mmask16 normal = _mm512_cmpgt_epi32_mask(c, _mm512_set1_epi32((1 << (23 - Shift)) - 1));
-  const __m512i base =
-      _mm512_mask_mov_epi32(_mm512_set1_epi32(SubBase), normal, _mm512_set1_epi32(NormalBase));
-  const __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(c, base), Shift));
-  const __m512 shifted = _mm512_sub_ps(value, _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPowM14Bits))));
-  return _mm512_mask_mov_ps(shifted, normal, value);
+inline __m512i load_signed_codes(const uint8_t* src, __mmask16 mask) {
+  return _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, src));
 }
 
-inline __m512 decode_e4m3_vector(__m512i code, __m512 scale) {
-  const __m512 value = code_values<20, 904, 896>(_mm512_and_si512(code, _mm512_set1_epi32(127)));
-  const __m512 x = _mm512_mul_ps(value, scale);
-  return _mm512_castsi512_ps(
-      _mm512_xor_si512(_mm512_castps_si512(x), _mm512_slli_epi32(_mm512_srli_epi32(code, 7), 31)));
+// value(c) of code magnitudes c is the fp32 number with bits c << 20 (E4M4: << 19) times
+// 2^112 (exact; see adam_avx2.cpp).
+// The decode multiplies by 2^112 and by the block's scale, folded into one `factor` where that
+// is an fp32 number (see adam_avx2.cpp).
+inline __m512 decode_e4m3_vector(__m512i code, __m512 factor, __m512 scale, bool folded) {
+  const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(code, 20), _mm512_set1_epi32(int(0x87F00000u)));
+  const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(bits), factor);
+  return folded ? value : _mm512_mul_ps(value, scale);
 }
 
-inline __m512 decode_e4m4_vector(__m512i code, __m512 scale) {
-  const __m512 value = code_values<19, 1808, 1792>(code);
-  return _mm512_mul_ps(value, scale);
+inline __m512 decode_e4m4_vector(__m512i code, __m512 factor, __m512 scale, bool folded) {
+  const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(code, 19)), factor);
+  return folded ? value : _mm512_mul_ps(value, scale);
 }
 
-// Codes of y = |x| * inverse rounded with r below the kept bits (docs/compact_state.md).
-template <int Shift, int SubBase, int NormalBase, int Top>
-inline __m512i encode_magnitude_vector(__m512 x, __m512 inverse, __m512i r) {
-  const __m512 two_pow_m14 = _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPowM14Bits)));
-  const __m512 y = _mm512_mul_ps(
-      _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff))), inverse);
-  const __mmask16 small = _mm512_cmp_ps_mask(y, two_pow_m14, _CMP_LT_OQ);
-  const __m512i sub = _mm512_sub_epi32(
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(_mm512_add_ps(y, two_pow_m14)), r), Shift),
-      _mm512_set1_epi32(SubBase));
-  const __m512i normal = _mm512_sub_epi32(
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(y), r), Shift), _mm512_set1_epi32(NormalBase));
-  const __m512i c = _mm512_mask_mov_epi32(normal, small, sub);
-  return _mm512_min_epi32(c, _mm512_set1_epi32(Top));  // codes are >= 0
+// Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept bits,
+// not yet limited to the largest code, through z = y * 2^-112 (see adam_avx2.cpp).
+template <int Shift>
+inline __m512i encode_magnitude_vector(__m512 magnitude, __m512 inverse, __m512i r, bool folded) {
+  __m512 z = _mm512_mul_ps(magnitude, inverse);
+  if (!folded) z = _mm512_mul_ps(z, _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPowM112Bits))));
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(z), r), Shift);
 }
 
-inline __m512i encode_e4m3_vector(__m512 x, __m512 inverse, __m512i word) {
-  const __m512i c = encode_magnitude_vector<20, 904, 896, 127>(
-      x, inverse, _mm512_and_si512(word, _mm512_set1_epi32(0xFFFFF)));
-  return _mm512_or_si512(c, _mm512_slli_epi32(_mm512_srli_epi32(_mm512_castps_si512(x), 31), 7));
+// E4M3 magnitude codes (the sign comes separately: e4m3_signs); limited to 127 only in a block
+// of exponent 253 (see adam_avx2.cpp).
+inline __m512i encode_e4m3_vector(__m512 x, __m512 inverse, __m512i word, bool folded) {
+  const __m512 magnitude =
+      _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
+  return encode_magnitude_vector<20>(magnitude, inverse, _mm512_and_si512(word, _mm512_set1_epi32(0xFFFFF)),
+                                     folded);
 }
 
-inline __m512i encode_e4m4_vector(__m512 root, __m512 inverse, __m512i word) {
-  return encode_magnitude_vector<19, 1808, 1792, 255>(root, inverse, _mm512_srli_epi32(word, 13));
+inline __m512i e4m3_signs(__m512 x) {
+  return _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 24), _mm512_set1_epi32(0x80));
 }
 
-// Largest of |x| over 2 vectors, as bits.
-inline uint32_t largest_magnitude(const __m512 (&x)[2]) {
-  const __m512i mask = _mm512_set1_epi32(0x7fffffff);
-  const __m512i a = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(x[0]), mask),
-                                     _mm512_and_si512(_mm512_castps_si512(x[1]), mask));
-  return _mm512_reduce_max_epu32(a);
+// E4M4 codes of a root (>= +0; see adam_avx2.cpp).
+inline __m512i encode_e4m4_vector(__m512 root, __m512 inverse, __m512i word, bool folded) {
+  return encode_magnitude_vector<19>(root, inverse, _mm512_srli_epi32(word, 13), folded);
 }
 
 template <int OutType>
@@ -264,71 +253,112 @@ void bf16_range(const CompactArgs& args, size_t begin, size_t end) {
     bf16_vector<GradType, OutType, Traffic>(c, i, __mmask16((1u << (end - i)) - 1u), lerp_small, lerp_coeff);
 }
 
-// One block of int8 moments at element i (count <= 32 elements: 2 vectors, masked): decode,
-// step, the block's largest magnitudes, encode.
+// Blocks processed together by int8_group.
+constexpr size_t kGroupBlocks = 8;
+
+// The lanes of vector k (16 elements) of a range of `count` elements.
+inline __mmask16 lanes(size_t k, size_t count) {
+  const size_t first = 16 * k;
+  if (count >= first + 16) return 0xffff;
+  return count <= first ? __mmask16(0) : __mmask16((1u << (count - first)) - 1u);
+}
+
+// `count` elements (ceil(count / 32) <= kGroupBlocks blocks; only the last may be partial,
+// masked) with int8 moments from element i, in two passes as in adam_avx2.cpp's int8_group:
+// decode and step every vector, then encode block by block. Masked-off lanes load zeros,
+// which step to zero moments, so they leave a block's largest magnitudes alone.
 template <int GradType, int OutType, bool Traffic>
-inline void int8_block(const CompactArgs& c, size_t i, size_t count, bool lerp_small, __m512 lerp_coeff) {
+__attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size_t i, size_t count,
+                                                      bool lerp_small, __m512 lerp_coeff) {
   const AdamArgs& a = c.step;
-  const size_t block = i / kInt8Block;
+  const size_t block0 = i / kInt8Block;
+  const size_t blocks = (count + kInt8Block - 1) / kInt8Block;
   const uint8_t* m_in = static_cast<const uint8_t*>(c.exp_avg_in) + i;
   const uint8_t* v_in = static_cast<const uint8_t*>(c.exp_avg_sq_in) + i;
   uint8_t* m_out = static_cast<uint8_t*>(c.exp_avg) + i;
   uint8_t* v_out = static_cast<uint8_t*>(c.exp_avg_sq) + i;
   uint16_t* out16 = static_cast<uint16_t*>(a.param_out16) + i;
-  const __mmask16 masks[2] = {__mmask16(count >= 16 ? 0xffffu : (1u << count) - 1u),
-                              __mmask16(count >= 32   ? 0xffffu
-                                        : count <= 16 ? 0u
-                                                      : (1u << (count - 16)) - 1u)};
-  const uint32_t m_exponent_in = c.exp_avg_exponents_in[block];
-  const uint32_t v_exponent_in = c.exp_avg_sq_exponents_in[block];
   if (Traffic) {
     const __m128i one = _mm_set1_epi8(1);
-    for (int k = 0; k < 2; ++k) {
+    for (size_t k = 0; k < 2 * blocks; ++k) {
+      const __mmask16 mask = lanes(k, count);
       const size_t j = i + 16 * k;
-      const __m512 p = _mm512_add_ps(_mm512_maskz_loadu_ps(masks[k], a.param_in + j),
-                                     load_grad<GradType>(a.grad, j, masks[k]));
-      _mm512_mask_storeu_ps(a.param + j, masks[k], p);
-      store_out16<OutType>(out16 + 16 * k, p, masks[k]);
-      _mm_mask_storeu_epi8(m_out + 16 * k, masks[k],
-                           _mm_add_epi8(_mm_maskz_loadu_epi8(masks[k], m_in + 16 * k), one));
-      _mm_mask_storeu_epi8(v_out + 16 * k, masks[k],
-                           _mm_add_epi8(_mm_maskz_loadu_epi8(masks[k], v_in + 16 * k), one));
+      const __m512 p =
+          _mm512_add_ps(_mm512_maskz_loadu_ps(mask, a.param_in + j), load_grad<GradType>(a.grad, j, mask));
+      _mm512_mask_storeu_ps(a.param + j, mask, p);
+      store_out16<OutType>(out16 + 16 * k, p, mask);
+      _mm_mask_storeu_epi8(m_out + 16 * k, mask,
+                           _mm_add_epi8(_mm_maskz_loadu_epi8(mask, m_in + 16 * k), one));
+      _mm_mask_storeu_epi8(v_out + 16 * k, mask,
+                           _mm_add_epi8(_mm_maskz_loadu_epi8(mask, v_in + 16 * k), one));
     }
-    c.exp_avg_exponents[block] = uint8_t(m_exponent_in + 1);
-    c.exp_avg_sq_exponents[block] = uint8_t(v_exponent_in + 1);
+    for (size_t blk = block0; blk < block0 + blocks; ++blk) {
+      c.exp_avg_exponents[blk] = uint8_t(c.exp_avg_exponents_in[blk] + 1);
+      c.exp_avg_sq_exponents[blk] = uint8_t(c.exp_avg_sq_exponents_in[blk] + 1);
+    }
     return;
   }
-  const __m512 m_scale = _mm512_set1_ps(exponent_scale(m_exponent_in));
-  const __m512 v_scale = _mm512_set1_ps(exponent_scale(v_exponent_in));
-  __m512 ms[2], roots[2];
-  for (int k = 0; k < 2; ++k) {
-    const size_t j = i + 16 * k;
-    __m512 g = load_grad<GradType>(a.grad, j, masks[k]);
-    __m512 p = _mm512_maskz_loadu_ps(masks[k], a.param_in + j);
-    __m512 m = decode_e4m3_vector(load_codes(m_in + 16 * k, masks[k]), m_scale);
-    const __m512 stored_root = decode_e4m4_vector(load_codes(v_in + 16 * k, masks[k]), v_scale);
-    __m512 v = _mm512_mul_ps(stored_root, stored_root);
-    roots[k] = adamw_math(a, g, p, m, v, lerp_small, lerp_coeff);
-    // masked-off lanes: zero (a NaN scale would otherwise reach them)
-    ms[k] = _mm512_maskz_mov_ps(masks[k], m);
-    roots[k] = _mm512_maskz_mov_ps(masks[k], roots[k]);
-    _mm512_mask_storeu_ps(a.param + j, masks[k], p);
-    store_out16<OutType>(out16 + 16 * k, p, masks[k]);
+  alignas(64) float ms[kGroupBlocks * kInt8Block], roots[kGroupBlocks * kInt8Block];
+  uint32_t m_largest[kGroupBlocks], root_largest[kGroupBlocks];
+  uint8_t m_exponent_in[kGroupBlocks], v_exponent_in[kGroupBlocks];
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    m_exponent_in[blk] = c.exp_avg_exponents_in[block0 + blk];
+    v_exponent_in[blk] = c.exp_avg_sq_exponents_in[block0 + blk];
   }
-  const uint32_t m_e = block_exponent(largest_magnitude(ms));
-  const uint32_t v_e = block_exponent(largest_magnitude(roots));
-  const __m512 m_inverse = _mm512_set1_ps(exponent_inverse(m_e));
-  const __m512 v_inverse = _mm512_set1_ps(exponent_inverse(v_e));
-  for (int k = 0; k < 2; ++k) {
-    const __m512i word = random_words(c.key, uint32_t(c.position + i + 16 * k));
-    const __m512i m_codes = m_e == 255 ? _mm512_setzero_si512() : encode_e4m3_vector(ms[k], m_inverse, word);
-    const __m512i v_codes =
-        v_e == 255 ? _mm512_setzero_si512() : encode_e4m4_vector(roots[k], v_inverse, word);
-    _mm_mask_storeu_epi8(m_out + 16 * k, masks[k], _mm512_cvtepi32_epi8(m_codes));
-    _mm_mask_storeu_epi8(v_out + 16 * k, masks[k], _mm512_cvtepi32_epi8(v_codes));
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    const DecodeFactors m_factors = decode_factors(m_exponent_in[blk]);
+    const DecodeFactors v_factors = decode_factors(v_exponent_in[blk]);
+    const __m512 m_factor = _mm512_set1_ps(m_factors.factor), m_scale = _mm512_set1_ps(m_factors.scale);
+    const __m512 v_factor = _mm512_set1_ps(v_factors.factor), v_scale = _mm512_set1_ps(v_factors.scale);
+    __m512i m_max = _mm512_setzero_si512(), root_max = _mm512_setzero_si512();
+    for (size_t k = 0; k < 2; ++k) {
+      const size_t e = kInt8Block * blk + 16 * k;  // element within the group
+      const __mmask16 mask = lanes(2 * blk + k, count);
+      __m512 g = load_grad<GradType>(a.grad, i + e, mask);
+      __m512 p = _mm512_maskz_loadu_ps(mask, a.param_in + i + e);
+      __m512 m = decode_e4m3_vector(load_signed_codes(m_in + e, mask), m_factor, m_scale, m_factors.folded);
+      const __m512 stored_root =
+          decode_e4m4_vector(load_codes(v_in + e, mask), v_factor, v_scale, v_factors.folded);
+      __m512 v = _mm512_mul_ps(stored_root, stored_root);
+      __m512 root = adamw_math(a, g, p, m, v, lerp_small, lerp_coeff);
+      // masked-off lanes: zero (a NaN scale would otherwise reach them)
+      m = _mm512_maskz_mov_ps(mask, m);
+      root = _mm512_maskz_mov_ps(mask, root);
+      _mm512_mask_storeu_ps(a.param + i + e, mask, p);
+      store_out16<OutType>(out16 + e, p, mask);
+      _mm512_store_ps(ms + e, m);
+      _mm512_store_ps(roots + e, root);
+      m_max = _mm512_max_epu32(m_max, _mm512_and_si512(_mm512_castps_si512(m), magnitude));
+      root_max = _mm512_max_epu32(root_max, _mm512_castps_si512(root));  // a root is never negative
+    }
+    m_largest[blk] = _mm512_reduce_max_epu32(m_max);
+    root_largest[blk] = _mm512_reduce_max_epu32(root_max);
   }
-  c.exp_avg_exponents[block] = uint8_t(m_e);
-  c.exp_avg_sq_exponents[block] = uint8_t(v_e);
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    const uint32_t m_e = block_exponent(m_largest[blk]);
+    const uint32_t v_e = block_exponent(root_largest[blk]);
+    const EncodeFactor m_factor = encode_factor(m_e), v_factor = encode_factor(v_e);
+    const __m512 m_inverse = _mm512_set1_ps(m_factor.inverse);
+    const __m512 v_inverse = _mm512_set1_ps(v_factor.inverse);
+    for (size_t k = 0; k < 2; ++k) {
+      const size_t e = kInt8Block * blk + 16 * k;
+      const __mmask16 mask = lanes(2 * blk + k, count);
+      const __m512i word = random_words(c.key, uint32_t(c.position + i + e));
+      const __m512 m = _mm512_load_ps(ms + e);
+      __m512i m_codes = encode_e4m3_vector(m, m_inverse, word, m_factor.folded);
+      if (m_e == 253) m_codes = _mm512_min_epi32(m_codes, _mm512_set1_epi32(127));
+      m_codes = _mm512_or_si512(m_codes, e4m3_signs(m));
+      __m512i v_codes = encode_e4m4_vector(_mm512_load_ps(roots + e), v_inverse, word, v_factor.folded);
+      if (v_e == 253) v_codes = _mm512_min_epi32(v_codes, _mm512_set1_epi32(255));
+      if (m_e == 255) m_codes = _mm512_setzero_si512();
+      if (v_e == 255) v_codes = _mm512_setzero_si512();
+      _mm_mask_storeu_epi8(m_out + e, mask, _mm512_cvtepi32_epi8(m_codes));
+      _mm_mask_storeu_epi8(v_out + e, mask, _mm512_cvtepi32_epi8(v_codes));
+    }
+    c.exp_avg_exponents[block0 + blk] = uint8_t(m_e);
+    c.exp_avg_sq_exponents[block0 + blk] = uint8_t(v_e);
+  }
 }
 
 template <int GradType, int OutType, bool Traffic>
@@ -336,16 +366,19 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
   const CompactArgs c = args;  // a local copy (see adam_range)
   const bool lerp_small = __builtin_fabsf(c.step.beta1_weight) < 0.5f;
   const __m512 lerp_coeff = _mm512_set1_ps(lerp_small ? c.step.beta1_weight : c.step.beta1_weight - 1.0f);
-  for (size_t i = begin; i < end; i += kInt8Block)
-    int8_block<GradType, OutType, Traffic>(c, i, min_size(kInt8Block, end - i), lerp_small, lerp_coeff);
+  for (size_t i = begin; i < end; i += kGroupBlocks * kInt8Block)
+    int8_group<GradType, OutType, Traffic>(c, i, min_size(kGroupBlocks * kInt8Block, end - i), lerp_small,
+                                           lerp_coeff);
 }
 
 template <int Moment, int GradType, int OutType, bool Traffic>
 void compact_range(const CompactArgs& c, size_t begin, size_t end) {
+  const unsigned mode = ieee_mode_enter();
   if constexpr (Moment == kMomentInt8)
     int8_range<GradType, OutType, Traffic>(c, begin, end);
   else
     bf16_range<GradType, OutType, Traffic>(c, begin, end);
+  ieee_mode_leave(mode);
 }
 
 #include "adam/isa_dispatch.inc"

@@ -10,6 +10,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#if defined(__SSE2__)
+#include <xmmintrin.h>
+#endif
 
 namespace offload_adam {
 
@@ -185,6 +188,30 @@ static inline uint32_t fmix32(uint32_t h) {
 }
 
 constexpr uint32_t kTwoPowM14Bits = 0x38800000u;  // 2^-14: where the int8 codes' subnormal range ends
+constexpr uint32_t kTwoPow112Bits = (127u + 112u) << 23;
+constexpr uint32_t kTwoPowM112Bits = (127u - 112u) << 23;
+
+// The compact kernels run with IEEE arithmetic whatever the calling thread set: round to
+// nearest, no flush-to-zero, no denormals-are-zero (torch.set_flush_denormal(True) sets both;
+// the vector int8 codes go through fp32 subnormals, and the result must equal torch's).
+// ieee_mode_enter returns the control word for ieee_mode_leave to restore.
+static inline unsigned ieee_mode_enter() {
+#if defined(__SSE2__)
+  const unsigned saved = _mm_getcsr();
+  _mm_setcsr(saved & ~0xE040u);  // FTZ (bit 15), rounding control (13-14), DAZ (6)
+  return saved;
+#else
+  return 0;
+#endif
+}
+
+static inline void ieee_mode_leave(unsigned saved) {
+#if defined(__SSE2__)
+  _mm_setcsr(saved);
+#else
+  (void)saved;
+#endif
+}
 
 // The int8 block exponent byte from the bits of the block's largest magnitude.
 static inline uint32_t block_exponent(uint32_t largest) {
@@ -201,6 +228,35 @@ static inline float exponent_scale(uint32_t e) {
 
 // 2^(127 - e) (0 for e = 255, whose codes are 0 anyway).
 static inline float exponent_inverse(uint32_t e) { return bits_float((e >= 254 ? 0u : 254u - e) << 23); }
+
+// The vector kernels decode a block's codes as float(code bits) * 2^112 * scale (an fp32
+// subnormal below the normal codes): `factor` folds the two when 2^112 * scale is an fp32
+// number (exponent bytes up to 142, and 255: NaN), else it is 2^112 and `scale` follows.
+// (Plain aggregates built by static functions: no inline function with external linkage, see
+// the note at the top.)
+struct DecodeFactors {
+  float factor;
+  float scale;
+  bool folded;
+};
+
+static inline DecodeFactors decode_factors(uint32_t e) {
+  const bool folded = e <= 142 || e == 255;
+  const float scale = exponent_scale(e);
+  return {folded ? scale * bits_float(kTwoPow112Bits) : bits_float(kTwoPow112Bits), scale, folded};
+}
+
+// ... and encode as bits(|x| * 2^(127 - e) * 2^-112): `inverse` folds the two when 2^(15 - e)
+// is a normal fp32 number (exponent bytes up to 141), else it is 2^(127 - e).
+struct EncodeFactor {
+  float inverse;
+  bool folded;
+};
+
+static inline EncodeFactor encode_factor(uint32_t e) {
+  const bool folded = e <= 141;
+  return {folded ? exponent_inverse(e) * bits_float(kTwoPowM112Bits) : exponent_inverse(e), folded};
+}
 
 // exp_avg code: bit 7 the sign, bits 0..6 an E4M3 magnitude (value(120) = 1).
 static inline float decode_e4m3(uint32_t code, float scale) {

@@ -172,10 +172,12 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
 
 template <int Moment, int GradType, int OutType, bool Traffic>
 void compact_range(const CompactArgs& c, size_t begin, size_t end) {
+  const unsigned mode = ieee_mode_enter();
   if constexpr (Moment == kMomentInt8)
     int8_range<GradType, OutType, Traffic>(c, begin, end);
   else
     bf16_range<GradType, OutType, Traffic>(c, begin, end);
+  ieee_mode_leave(mode);
 }
 
 #include "adam/isa_dispatch.inc"

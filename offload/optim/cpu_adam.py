@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 from offload.errors import OffloadError
-from offload.optim import kernels
+from offload.optim import kernels, moments
+
+_STATE_PRECISIONS = ("fp32", "bf16", "int8")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 __all__ = ["CPUAdamW"]
 
@@ -42,6 +45,17 @@ class CPUAdamW(torch.optim.Optimizer):
     Parameters must be fp32, dense, contiguous and on the CPU. ``amsgrad`` and ``maximize``
     are not supported and raise.
 
+    ``state_precision`` stores the Adam moments as ``"fp32"`` (the default: torch's state, bit
+    for bit), ``"bf16"`` or ``"int8"`` (docs/compact_state.md: stochastic rounding, int8 in
+    blocks of 32 elements with a shared exponent; 2 or about 1 byte per moment per element
+    instead of 4). Compact moments are kept in the state as ``exp_avg_<precision>`` and
+    ``exp_avg_sq_<precision>`` buffers (``moments.moment_storage``); ``state_dict()`` holds
+    them decoded, as fp32 ``exp_avg`` / ``exp_avg_sq`` like torch's (so torch.optim.AdamW
+    loads it), plus a top-level ``state_precision``; ``load_state_dict`` re-encodes fp32
+    moments (from any optimizer) into this optimizer's precision. A state dict of a compact
+    CPUAdamW re-encodes to exactly the moments it was saved from: training resumes bit for bit.
+    Each parameter's rounding uses its index in the optimizer (groups in order) and its step.
+
     ``lr`` and ``betas`` may be scalar tensors, as with torch: they are kept as given and read at
     every step, so a loop or scheduler that updates the tensor in place takes effect. Each
     group's mode is torch's ``decoupled_weight_decay`` key and this class's ``adamw_mode``, kept
@@ -63,7 +77,13 @@ class CPUAdamW(torch.optim.Optimizer):
         amsgrad: bool = False,
         maximize: bool = False,
         decoupled_weight_decay: bool | None = None,
+        state_precision: str = "fp32",
     ):
+        if state_precision not in _STATE_PRECISIONS:
+            raise ValueError(f"CPUAdamW: state_precision must be one of {_STATE_PRECISIONS}, got {state_precision!r}")
+        # how the moments are stored: this optimizer's choice, not a group's (a loaded state
+        # dict is re-encoded into it)
+        self.state_precision = state_precision
         # tensors are kept (read at every step), their values checked now
         if not _as_float("lr", lr) >= 0.0:
             raise ValueError(f"CPUAdamW: invalid lr {_as_float('lr', lr)} (must be >= 0)")
@@ -137,8 +157,15 @@ class CPUAdamW(torch.optim.Optimizer):
         for p in self.param_groups[-1]["params"]:
             self._check_param(p)
 
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["state_precision"] = self.state_precision
+        return state
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        if not hasattr(self, "state_precision"):
+            self.state_precision = "fp32"
         for group in self.param_groups:
             # A state dict saved by torch.optim.AdamW has no adamw_mode: AdamW saves
             # decoupled_weight_decay=True (torch.optim.Adam saves False).
@@ -157,21 +184,98 @@ class CPUAdamW(torch.optim.Optimizer):
                 if p_state and not torch.is_tensor(p_state.get("step")):
                     p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32)
 
+    def _parameters(self) -> list[torch.Tensor]:
+        """Every parameter, groups in order: a parameter's position is its index in the state dict."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _compact_state(self, p: torch.Tensor, index: int, state: dict) -> list[moments.MomentView]:
+        """The compact moments of parameter `p` (index `index`), created as zeros or encoded from
+        fp32 moments (a loaded state dict) the first time."""
+        precision = self.state_precision
+        n = p.numel()
+        numel, dtype = moments.moment_storage(precision, n)
+        views = []
+        for kind in _MOMENTS:
+            key = f"{kind}_{precision}"
+            if key not in state:
+                buffer = torch.zeros(numel, dtype=dtype)
+                if kind in state:
+                    values = state.pop(kind)
+                    if values.numel() != n:
+                        raise ValueError(f"CPUAdamW: {kind} has {values.numel()} elements but its parameter has {n}")
+                    step = int(float(state["step"])) if "step" in state else 0
+                    moments.encode(
+                        precision,
+                        kind,
+                        values.detach().reshape(-1).float().contiguous(),
+                        moments.moment_view(precision, buffer, n, 0, n),
+                        position=0,
+                        key=moments.rounding_key(index, 0, step),
+                        reload=True,
+                    )
+                state[key] = buffer
+            buffer = state[key]
+            if buffer.dtype != dtype or buffer.numel() != numel:
+                raise ValueError(
+                    f"CPUAdamW: {key} must hold {numel} {str(dtype).replace('torch.', '')} for a parameter of {n} elements, "
+                    f"got {buffer.numel()} {str(buffer.dtype).replace('torch.', '')}"
+                )
+            views.append(moments.moment_view(precision, buffer, n, 0, n))
+        return views
+
+    def state_dict(self) -> dict:
+        """torch's state dict; compact moments decoded to fp32 ``exp_avg`` / ``exp_avg_sq`` (the
+        optimizer's own state is left as it is), with the precision as ``state_precision``."""
+        saved = super().state_dict()
+        if self.state_precision == "fp32":
+            return saved
+        precision = self.state_precision
+        parameters = self._parameters()
+        packed = {}
+        for index, param_state in saved["state"].items():
+            param_state = dict(param_state)  # torch's packed state shares these dicts with self.state
+            p = parameters[index]
+            for kind in _MOMENTS:
+                key = f"{kind}_{precision}"
+                if key in param_state:
+                    view = moments.moment_view(precision, param_state.pop(key), p.numel(), 0, p.numel())
+                    param_state[kind] = moments.decode(precision, kind, view).reshape(p.shape)
+            packed[index] = param_state
+        saved["state"] = packed
+        saved["state_precision"] = precision
+        return saved
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load_state_dict; fp32 moments are then re-encoded into this optimizer's
+        precision (exactly the saved moments when the state dict came from a compact CPUAdamW)."""
+        state_dict = dict(state_dict)
+        state_dict.pop("state_precision", None)
+        super().load_state_dict(state_dict)
+        if self.state_precision != "fp32":
+            for index, p in enumerate(self._parameters()):
+                if self.state.get(p):
+                    self._compact_state(p, index, self.state[p])
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
+        compact = self.state_precision != "fp32"
+        index = -1  # the parameter's index in the optimizer (groups in order)
+        for group_index, group in enumerate(self.param_groups):
             self._check_unsupported(group.get("amsgrad", False), group.get("maximize", False))
             # set apart after construction (group["decoupled_weight_decay"] = False): which one
             # was meant is unknown, so neither is guessed
-            adamw_mode = _mode(f"parameter group {index}", group["adamw_mode"], group["decoupled_weight_decay"], default=True)
+            adamw_mode = _mode(
+                f"parameter group {group_index}", group["adamw_mode"], group["decoupled_weight_decay"], default=True
+            )
             # read now: a tensor lr or betas updated in place since the last step takes effect
             beta1, beta2 = (_as_float("betas", b) for b in group["betas"])
             lr = _as_float("lr", group["lr"])
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 grad = p.grad
@@ -183,6 +287,30 @@ class CPUAdamW(torch.optim.Optimizer):
                 if not grad.is_contiguous():
                     grad = grad.contiguous()
                 state = self.state[p]
+                if compact:
+                    if len(state) == 0:
+                        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    exp_avg, exp_avg_sq = self._compact_state(p, index, state)
+                    step_t = state["step"]
+                    step_t += 1
+                    kernels.adam_step_compact(
+                        p.view(-1),
+                        grad.view(-1),
+                        exp_avg,
+                        exp_avg_sq,
+                        precision=self.state_precision,
+                        position=0,
+                        rounding_key=moments.rounding_key(index, 0, int(step_t.item())),
+                        step=step_t.item(),
+                        lr=lr,
+                        beta1=beta1,
+                        beta2=beta2,
+                        eps=group["eps"],
+                        weight_decay=group["weight_decay"],
+                        adamw_mode=adamw_mode,
+                        bias_correction=group.get("bias_correction", True),
+                    )
+                    continue
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
