@@ -264,7 +264,8 @@ def test_stochastic_rounding_is_unbiased(precision, kind):
     gen = torch.Generator().manual_seed(2)
     target = torch.rand(32, generator=gen) * 0.9 + 0.05
     target[0] = 1.0  # the block's largest: int8 scale 2 (e = A + 1)
-    target[1] = 3e-6  # int8's subnormal range
+    # int8's subnormal range (a root's above its smallest code: below, it is floored, not rounded)
+    target[1] = 3e-6 if kind == "exp_avg" else 3e-5
     if kind == "exp_avg":
         target[2:8] = -target[2:8]
     copies = 4096
@@ -603,3 +604,17 @@ def test_errors_name_the_argument():
     # in place, the gradient overlapping a destination (checked by the extension)
     with pytest.raises(ValueError, match="grad overlaps param"):
         kernels.adam_step_compact(p, p, m, v, position=0, **hp)
+
+
+def test_a_nonzero_root_never_rounds_to_zero():
+    """Roots below the smallest E4M4 code (2^-18 of the block's scale) take code 1, whatever the
+    random bits: a zero second moment under a nonzero first one would step by m / eps. Zero stays zero."""
+    target = torch.zeros(32)
+    target[0] = 1.0
+    target[1] = 1e-9
+    target[2] = 0.0
+    copies = 256
+    back = roundtrip("int8", "exp_avg_sq", target.repeat(copies), position=0, key=M.rounding_key(1, 0, 1), root=True)
+    back = back.view(copies, 32).double().sqrt()
+    assert (back[:, 1] == 2.0**-18 * 2).all()  # code 1 at the block's scale 2
+    assert (back[:, 2] == 0).all()

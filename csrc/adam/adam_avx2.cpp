@@ -231,8 +231,10 @@ inline __m256i e4m3_signs(__m256 x) {
 
 // E4M4 codes of a root (>= +0: sqrt of a v that is never -0; NaN only in a non-finite block,
 // whose codes are replaced by 0). Up to 240 unless the exponent is 253 (limited to 255).
+// A root above zero takes at least code 1 (its bits, a positive int, limited to 1, as a floor).
 inline __m256i encode_e4m4_vector(__m256 root, __m256 inverse, __m256i word, bool folded) {
-  return encode_magnitude_vector<19>(root, inverse, _mm256_srli_epi32(word, 13), folded);
+  const __m256i codes = encode_magnitude_vector<19>(root, inverse, _mm256_srli_epi32(word, 13), folded);
+  return _mm256_max_epi32(codes, _mm256_min_epi32(_mm256_castps_si256(root), _mm256_set1_epi32(1)));
 }
 
 // 32 codes in 32-bit lanes (4 vectors, each < 256) packed to 32 bytes in element order.

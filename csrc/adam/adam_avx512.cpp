@@ -201,8 +201,10 @@ inline __m512i e4m3_signs(__m512 x) {
 }
 
 // E4M4 codes of a root (>= +0; see adam_avx2.cpp).
+// A root above zero takes at least code 1 (see adam_avx2.cpp).
 inline __m512i encode_e4m4_vector(__m512 root, __m512 inverse, __m512i word, bool folded) {
-  return encode_magnitude_vector<19>(root, inverse, _mm512_srli_epi32(word, 13), folded);
+  const __m512i codes = encode_magnitude_vector<19>(root, inverse, _mm512_srli_epi32(word, 13), folded);
+  return _mm512_max_epi32(codes, _mm512_min_epi32(_mm512_castps_si512(root), _mm512_set1_epi32(1)));
 }
 
 template <int OutType>

@@ -288,8 +288,11 @@ static inline uint32_t encode_e4m3(float x, float inverse, uint32_t word) {
   return encode_magnitude(x, inverse, word & 0xFFFFFu, 20, 904, 896, 127) | ((float_bits(x) >> 31) << 7);
 }
 
+// A root above zero never rounds to code 0 (docs/compact_state.md: a zero second moment under a
+// nonzero first one would step by m / eps).
 static inline uint32_t encode_e4m4(float root, float inverse, uint32_t word) {
-  return encode_magnitude(root, inverse, word >> 13, 19, 1808, 1792, 255);
+  const uint32_t code = encode_magnitude(root, inverse, word >> 13, 19, 1808, 1792, 255);
+  return code == 0 && float_bits(root) != 0 ? 1 : code;
 }
 
 // bf16 with stochastic rounding: r added below the kept 16 bits; NaN -> 0x7fc0.

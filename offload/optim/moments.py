@@ -240,6 +240,10 @@ def _encode_int8(x: torch.Tensor, r: torch.Tensor, fmt: tuple[int, int, int, int
     c = torch.clamp(c, max=top)
     if signed:
         c = c | ((u >> 31) << 7)
+    else:
+        # a root above zero never rounds to code 0: a zero second moment under a nonzero first
+        # one would step by m / eps (docs/compact_state.md)
+        c = torch.maximum(c, (u > 0).to(c.dtype))
     c = torch.where((e == 255).repeat_interleave(INT8_BLOCK)[:n], 0, c)
     return c.to(torch.uint8), e.to(torch.uint8)
 
