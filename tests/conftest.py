@@ -4,13 +4,22 @@ import subprocess
 import sys
 import time
 
-import pytest
-import torch
+# Before torch is imported (libgomp reads it once, at load), and inherited by every subprocess a
+# test starts: torch's idle OpenMP workers sleep instead of spinning. With the default (ACTIVE)
+# each spins for a while after every parallel op, on the two cores the engine's own threads
+# (Adam pool, I/O, prefetch, the checked device's streams) and the other test processes need:
+# nine test_stale_weights tests took 107 s with spinning workers and 31 s without, on a busy machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Two CPU cores on the dev and CI machines: keep torch from oversubscribing them.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two CPU cores on the dev and CI machines: keep torch from oversubscribing them. Under
+# pytest-xdist (`make test` runs two workers) each worker gets its share of the cores.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 # On CUDA the engine's fp32 results are compared with fp32 references computed on the CPU:
 # TF32 (10-bit mantissa in matmuls and convolutions) would make those differ by ~1e-3, not by

@@ -1,9 +1,17 @@
 """Worker processes for tests/test_distributed.py and benchmarks/bench_sharding.py.
 
-`launch(fn, world_size, ...)` starts `world_size` spawned processes on the CPU (gloo), each
-with torchrun's environment (MASTER_ADDR/PORT on a free port, RANK, WORLD_SIZE, LOCAL_RANK),
-runs `fn(rank, world_size, *args)` in each and returns what each rank returned (or the text
-of what it raised, or its exit code), within a deadline: a hang fails the test, never blocks it.
+`launch(fn, world_size, ...)` starts `world_size` processes on the CPU (gloo), each with
+torchrun's environment (MASTER_ADDR/PORT on a free port, RANK, WORLD_SIZE, LOCAL_RANK) and the
+caller's environment variables, runs `fn(rank, world_size, *args)` in each and returns what each
+rank returned (or the text of what it raised, or its exit code), within a deadline: a hang fails
+the test, never blocks it.
+
+The ranks are forked from a server process (multiprocessing's "forkserver" start method) that
+imported torch and offload once, when this process first launched ranks: a spawned rank imports
+them afresh, 2-4 s of CPU per rank and per launch on a 2-core machine, which made the launches
+a large part of the suite's time. The server is a fresh interpreter that runs nothing but those
+imports, so every rank still starts clean: no engine, no process group, no CUDA context, no
+thread of the test process.
 
 The ranks' engines compute on the CPU (`RANK_DEVICE`) on every machine, a GPU one included:
 the group is gloo, several ranks may share one GPU (NCCL refuses two ranks on one device), and
@@ -30,6 +38,9 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 # passed as offload.initialize(..., device=RANK_DEVICE) by every function run under launch()
 RANK_DEVICE = os.environ.get("OFFLOAD_DEVICE") or "cpu"
+# What the fork server imports before it forks any rank (a module it cannot import is left to
+# the ranks, as multiprocessing does): the expensive imports every rank makes.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "offload", "pytest", "reference", "distributed_worker"]
 
 
 def free_port() -> int:
@@ -38,9 +49,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, fn, world_size: int, port: int, result_dir: str, timeout_s: float, threads: int, args: tuple) -> None:
+def _entry(
+    rank: int, fn, world_size: int, port: int, result_dir: str, timeout_s: float, threads: int, environ: dict, args: tuple
+) -> None:
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
+    # the launching process's environment as it is now (the fork server has the one it started with)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
@@ -62,12 +78,13 @@ def launch(fn, world_size: int, *args, timeout_s: float = 30.0, deadline_s: floa
     result_dir = tempfile.mkdtemp(prefix="offload-dist-")
     port = free_port()
     started = time.monotonic()
+    mp.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts, at the first launch
     context = mp.start_processes(
         _entry,
-        args=(fn, world_size, port, result_dir, timeout_s, threads, args),
+        args=(fn, world_size, port, result_dir, timeout_s, threads, dict(os.environ), args),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     try:
         for process in context.processes:

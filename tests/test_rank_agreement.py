@@ -44,8 +44,14 @@ def test_ranks_skipping_different_offloaded_units_fail_at_once(tmp_path, param):
         assert result["seconds"] < 50, "the mismatch waited for the group timeout"
 
 
-def _one_rank_stops_answering(rank: int, world_size: int, config: dict) -> dict:
-    """Rank 1 stops after its forward (a hang elsewhere); rank 0 goes on to backward."""
+# Rank 1 of the test below stays silent until rank 0 has its error, and at most this long.
+SILENT_S = 15
+
+
+def _one_rank_stops_answering(rank: int, world_size: int, config: dict, release_path: str) -> dict:
+    """Rank 1 stops after its forward (a hang elsewhere) until rank 0 has given up, or SILENT_S;
+    rank 0 goes on to backward."""
+    import os
     import time
 
     import torch
@@ -60,24 +66,34 @@ def _one_rank_stops_answering(rank: int, world_size: int, config: dict) -> dict:
     loss = mse(engine, x, y)
     started = time.perf_counter()
     if rank == 1:
-        time.sleep(15)
+        while not os.path.exists(release_path) and time.perf_counter() - started < SILENT_S:
+            time.sleep(0.05)
         return {"seconds": time.perf_counter() - started}
     try:
         engine.backward(loss)
     except Exception as error:  # noqa: BLE001 (reported to the test)
         return {"error": f"{type(error).__name__}: {error}", "seconds": time.perf_counter() - started}
+    finally:
+        open(release_path, "w").close()
     return {"error": None, "seconds": time.perf_counter() - started}
 
 
 def test_a_rank_that_stops_answering_fails_the_others_within_the_configured_timeout(tmp_path):
+    """Rank 0 gives up after the config's 3 s (plus the few seconds it waits for the others'
+    notes), long before rank 1 speaks again: with the group's 600 s timeout instead, rank 0 would
+    wait until rank 1 ends its silence after SILENT_S and exits."""
     swaps = rank_swap_dirs(tmp_path, WORLD)
     config = make_config(swaps, "cpu", "cpu", "forward", collective_timeout=3)
-    results = launch(_one_rank_stops_answering, WORLD, config, timeout_s=600, deadline_s=150)
+    release = str(tmp_path / "release")
+    results = launch(_one_rank_stops_answering, WORLD, config, release, timeout_s=600, deadline_s=150)
     assert results[0]["ok"], results[0]
     waited = results[0]["value"]
     assert waited["error"] and waited["error"].startswith("CollectiveError"), waited
     assert "rank 1" in waited["error"], waited
-    assert waited["seconds"] < 14, f"waited {waited['seconds']:.1f} s: the process group's 600 s timeout, not the config's 3 s"
+    assert waited["seconds"] < SILENT_S - 1, (
+        f"waited {waited['seconds']:.1f} s: the process group's 600 s timeout, not the config's 3 s"
+    )
+    assert results[1]["ok"] and results[1]["value"]["seconds"] < SILENT_S - 1, results[1]  # released by rank 0
 
 
 # ---- the order itself (plain logic) --------------------------------------------------------
