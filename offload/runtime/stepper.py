@@ -227,7 +227,7 @@ class UnitStepper:
                 source = codec.moment_view(piece.views[kind], numel, start - piece.start, end - piece.start)
                 target = codec.moment_view(spare[kind], unit.optimizer_numel, start, end)
                 target.values.copy_(source.values)
-                if target.block_exponents is not None:
+                if target.block_exponents is not None and source.block_exponents is not None:
                     target.block_exponents.copy_(source.block_exponents)
 
     def _step_on_host(

@@ -55,6 +55,11 @@ class StateCodec:
     def storage_numel(self, kind: str, numel: int) -> int:
         return self.storage(kind, numel)[0]
 
+    def moment_view(self, buffer: torch.Tensor, piece_numel: int, start: int, end: int) -> moments.MomentView:
+        """The stored form of elements [start, end) of a piece of `piece_numel` elements held in
+        `buffer` (a moment's buffer of that piece)."""
+        return moments.moment_view(self.precision.value, buffer, piece_numel, start, end)
+
     def fp32_pieces(self, pieces: Iterator[StatePiece], *, decode: bool, encode: bool) -> Iterator[StatePiece]:
         """`pieces` as fp32 values: here the pieces themselves."""
         yield from pieces
@@ -106,11 +111,6 @@ class CompactCodec(StateCodec):
                             key=key,
                             reload=True,
                         )
-
-    def moment_view(self, buffer: torch.Tensor, piece_numel: int, start: int, end: int) -> moments.MomentView:
-        """The stored form of elements [start, end) of a piece of `piece_numel` elements held in
-        `buffer` (a moment's buffer of that piece)."""
-        return moments.moment_view(self.precision.value, buffer, piece_numel, start, end)
 
 
 def make_codec(state: StateBytes, compute_dtype: torch.dtype, rank: int) -> StateCodec:
