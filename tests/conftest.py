@@ -63,8 +63,22 @@ def pytest_xdist_make_scheduler(config, log):
     return ModuleFixtureScheduling(config, log)
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "host_only: reads or writes files in a process of its own and builds no engine: left out of the "
+        "checked-device pass (OFFLOAD_DEVICE=checked), where it would run again unchanged",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` are skipped, with the reason, where no CUDA device is present."""
+    """Tests marked `cuda` are skipped, with the reason, where no CUDA device is present. On the
+    checked stand-in device, tests marked `host_only` are deselected."""
+    if (os.environ.get("OFFLOAD_DEVICE") or "").split(":")[0] == "checked":
+        deselected = [item for item in items if item.get_closest_marker("host_only") is not None]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if item.get_closest_marker("host_only") is None]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
