@@ -1,5 +1,7 @@
 import errno
+import functools
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,8 +30,55 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 
+MODULE_FIXTURE = re.compile(r"""scope\s*=\s*["']module["']""")
+
+
+@functools.cache
+def has_module_fixture(path: str) -> bool:
+    """Whether the test module at `path` defines a module-scoped fixture (a two-rank launch, a
+    trained model, a saved checkpoint: what the module computes once for all its tests)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return MODULE_FIXTURE.search(handle.read()) is not None
+    except OSError:
+        return True  # unknown: kept together, as pytest-xdist's loadfile would
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown where it is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N` (xdist's default `--dist load`) sends each test to whichever worker is free,
+    except that the tests of a module with a module-scoped fixture go to one worker together, so
+    that the fixture is computed once rather than once per worker. The largest groups go first."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if has_module_fixture(str(root / path)) else nodeid
+
+    return ModuleFixtureScheduling(config, log)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "host_only: reads or writes files in a process of its own and builds no engine: left out of the "
+        "checked-device pass (OFFLOAD_DEVICE=checked), where it would run again unchanged",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` are skipped, with the reason, where no CUDA device is present."""
+    """Tests marked `cuda` are skipped, with the reason, where no CUDA device is present. On the
+    checked stand-in device, tests marked `host_only` are deselected."""
+    if (os.environ.get("OFFLOAD_DEVICE") or "").split(":")[0] == "checked":
+        deselected = [item for item in items if item.get_closest_marker("host_only") is not None]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if item.get_closest_marker("host_only") is None]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")

@@ -102,6 +102,7 @@ except CheckpointError as e:
 
 
 # ---- 3. crafted checkpoints ---------------------------------------------------------------------
+@pytest.mark.host_only
 @pytest.mark.parametrize(
     "name", ["../../../etc/hostname", "/etc/hostname", "rank0.json/../../x", "index.json", "notes.txt", "rank0.safetensors"]
 )
@@ -116,6 +117,7 @@ def test_index_naming_a_file_the_format_never_writes_is_refused(crafted, name):
     assert "is malformed" in result.stdout and repr(name) in result.stdout, result.stdout
 
 
+@pytest.mark.host_only
 @pytest.mark.parametrize("target", ["/dev/zero", "/etc/hostname", "other-file"])
 def test_symlinked_files_are_not_followed(crafted, target):
     if target == "other-file":
@@ -128,6 +130,7 @@ def test_symlinked_files_are_not_followed(crafted, target):
     assert str(crafted / "client_state.pt") in result.stdout
 
 
+@pytest.mark.host_only
 def test_a_device_or_fifo_in_place_of_a_file_is_refused(crafted):
     os.unlink(crafted / "client_state.pt")
     os.mkfifo(crafted / "client_state.pt")  # an open of a FIFO would block forever
@@ -140,6 +143,7 @@ def test_a_device_or_fifo_in_place_of_a_file_is_refused(crafted):
         assert "not a regular file" in result.stdout, result.stdout + result.stderr[-2000:]
 
 
+@pytest.mark.host_only
 def test_a_file_larger_than_declared_is_not_read(crafted):
     # a sparse 1 TiB file: reading it whole (as before) exhausts memory; its size is enough to refuse it
     with open(crafted / "client_state.pt", "r+b") as f:
@@ -230,6 +234,7 @@ def test_torch_floor_excludes_the_weights_only_hole():
     assert '"torch>=2.6"' in text
 
 
+@pytest.mark.host_only
 def test_the_original_still_loads(saved):
     result = child(READ_CHECKPOINT, saved)
     assert "LOADED" in result.stdout, result.stdout + result.stderr[-2000:]
