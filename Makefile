@@ -43,16 +43,23 @@ CHECKED_TESTS := $(addprefix tests/,test_engine.py test_stale_weights.py test_sp
 	test_hf_models.py test_param_access.py test_hardening_checkpoint.py test_rank_agreement.py)
 CHECKED_ENV := OFFLOAD_DEVICE=checked OFFLOAD_CHECKED_H2D_GBPS=0.1 OFFLOAD_CHECKED_D2H_GBPS=0.1
 
+# Two pytest-xdist workers, one per core of the dev and CI machines: the tests are independent
+# (each its own tmp_path and swap directories, two-rank launches on free ports) and the tests of
+# a module with a module-scoped fixture stay on one worker (tests/conftest.py).
+PYTEST_WORKERS ?= 2
+
 test: lint
-	$(PY) -m pytest -q tests
-	$(CHECKED_ENV) $(PY) -m pytest -q -p no:cacheprovider $(CHECKED_TESTS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
+	$(CHECKED_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) $(CHECKED_TESTS)
 
 # No venv and no torch install: the C++ extension is built against the interpreter's own
-# packages (pybind11, setuptools), and the tests run on the device the engine picks (CUDA there).
+# packages (pybind11, setuptools), and the tests run on the device the engine picks (CUDA there),
+# on PYTEST_WORKERS workers where pytest-xdist is installed, else in one process.
+XDIST_HERE = $(shell $(PYTHON) -c "import xdist" >/dev/null 2>&1 && echo "-n $(PYTEST_WORKERS)")
 test-here:
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
-	$(PYTHON) -m pytest -q tests
-	$(CHECKED_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider $(CHECKED_TESTS)
+	$(PYTHON) -m pytest -q $(XDIST_HERE) tests
+	$(CHECKED_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST_HERE) $(CHECKED_TESTS)
 
 clean:
 	rm -rf build $(VENV) offload/*.so *.egg-info
