@@ -4,29 +4,18 @@ the predicted times are not checked, only that the lines and the graph are well 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
-import sys
 
 import pytest
+from bench_script import loaded
 
 from offload.plan.pipeline_model import MACHINES, replay
-
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_pipeline.py")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    yield from loaded("bench_pipeline")
 
 
 LINE = re.compile(

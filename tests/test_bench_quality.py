@@ -5,28 +5,18 @@ engine's fp32 state trains exactly like torch.optim.AdamW (the benchmark's sanit
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
-import os
-import sys
 
 import pytest
 import torch
+from bench_script import loaded
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_quality.py")
 STEPS = 6
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    yield from loaded("bench_quality")
 
 
 def test_smallest_setting_reports_every_run(bench, tmp_path, capsys):
