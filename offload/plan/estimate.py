@@ -7,8 +7,9 @@ records), so an estimate can be checked against a real run:
   unit (held for the whole forward and backward) plus `prefetch.depth + 1` of the largest other
   units (the one running and those fetched ahead), plus, with several ranks, the shard buffers
   that fetches fill before the all-gather. On top of that, the 16-bit gradient of the unit whose
-  backward just finished, on its way to the host (`GRADS_IN_FLIGHT` of the largest unit): with
-  the weights offloaded that makes `prefetch.depth + 2` units beside the root.
+  backward just finished and of the one before it, on their way to the host (`GRADS_IN_FLIGHT`
+  of the largest unit: the engine makes backward wait rather than hold more, so this is the
+  most the device holds however far the transfers lag behind; an idle host keeps one).
 - host: `offload.plan.budgets.host_budget_bytes` (fp32 master, Adam moments and gradient of
   each element of this rank's shard when the optimizer lives on `cpu`; streaming slots when it
   lives on `nvme`: slots of one piece per state kind, as many and as large as `plan.shape_slots`
@@ -45,6 +46,7 @@ from offload.plan.budgets import host_budget_bytes, host_bytes_beside_optimizer_
 from offload.plan.machine import DEVICE_KINDS, Machine
 from offload.plan.model_shapes import ModelShape
 from offload.plan.optimizer_plan import (
+    GRADS_IN_FLIGHT,
     PAGE,
     Capacity,
     DiskTraffic,
@@ -83,11 +85,6 @@ PLACEMENTS = (
     ("nvme", "nvme"),
 )
 FIXED_PLACEMENTS = tuple(placement for placement in PLACEMENTS if placement[1] != "auto")
-# 16-bit gradient buffers the engine holds on the device at once while the transfer worker moves
-# them to the host: the unit whose backward just finished. (Measured on the CPU stand-in with the
-# optimizer on cpu; with the optimizer on nvme each transfer writes a swap file and the backlog
-# can grow by a few units, which the engine does not bound today.)
-GRADS_IN_FLIGHT = 1
 # Fraction of the accelerator's memory the estimate lets the engine and activations use (the rest
 # is the CUDA context, the caching allocator's fragmentation and the framework's workspaces).
 DEVICE_HEADROOM = 0.90
@@ -204,10 +201,11 @@ def estimate_tiers(
         largest_other = others[0] if others else 0
         largest_other_grad = max(grad_of[1:], default=0)
         # two moments compete for the peak: backward through the blocks (root held, the running
-        # block and `depth` fetched ahead, the previous block's gradient in flight), and the end
-        # of backward (root and the first block, the root's gradient in flight)
+        # block and `depth` fetched ahead, the gradients of the blocks before it in flight), and
+        # the end of backward (root and the first block, the root's gradient and the first
+        # block's in flight)
         blocks = (root + sum(others[: prefetch_depth + 1]), GRADS_IN_FLIGHT * largest_other_grad)
-        end = (root + largest_other, grad_of[0])
+        end = (root + largest_other, grad_of[0] + (GRADS_IN_FLIGHT - 1) * largest_other_grad)
         params_resident, grads = max(blocks, end, key=sum)
         result.device["param"] = cb * params_resident
         result.device["grad"] = cb * grads

@@ -35,7 +35,8 @@ PAGE = 4096
 # Of the accelerator's memory, what `auto` leaves for activations and the allocator's cache when
 # no `max_device_memory` says otherwise.
 DEVICE_ACTIVATION_SHARE = 0.25
-# Units whose gradients may wait on the device at once (gradients.MAX_GRADS_IN_FLIGHT).
+# Units whose gradients may wait on the device at once: the gradient hand-off
+# (runtime.gradients) makes backward wait for the oldest beyond this, the estimate counts it.
 GRADS_IN_FLIGHT = 2
 # Of the RAM available at start, what the engine leaves to everything else when no
 # `offload.max_host_memory` caps it (`host_cap_bytes`).

@@ -28,13 +28,12 @@ from torch.profiler import record_function
 from offload.config.placement import OptimizerTier
 from offload.errors import OffloadError
 from offload.model.unit_state import UnitState
+from offload.plan.optimizer_plan import GRADS_IN_FLIGHT as MAX_GRADS_IN_FLIGHT
 from offload.platform.collectives import Collectives
 from offload.platform.device import Device
 from offload.storage.memory import TierLedger
 from offload.storage.tiers import TierStore
 
-# Units whose gradients may sit on the device waiting for the transfer worker at once.
-MAX_GRADS_IN_FLIGHT = 2
 
 
 class GradientOffload:
