@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 # Before torch is imported (libgomp reads it once, at load), and inherited by every subprocess a
@@ -138,3 +139,23 @@ def slow_adam(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(stepper.kernels, "adam_step", slow)
+
+
+@pytest.fixture
+def gated_adam(monkeypatch):
+    """Each Adam call waits for the gate (`gate.set()`), then takes 50 ms longer: what the main
+    thread does before it opens the gate cannot have waited for a step, however loaded the host.
+    A call still waiting after a minute goes on (the test then fails on what it measured)."""
+    from offload.runtime import stepper
+
+    real = stepper.kernels.adam_step
+    gate = threading.Event()
+
+    def gated(*args, **kwargs):
+        gate.wait(timeout=60)
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stepper.kernels, "adam_step", gated)
+    yield gate
+    gate.set()

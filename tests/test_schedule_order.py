@@ -76,29 +76,32 @@ def test_overlap_forward_steps_each_unit_before_its_next_use(swap_dir):
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_overlap_forward_hides_the_step_behind_the_next_forward(swap_dir, slow_adam, depth):
-    """With a slow CPU step, step() returns before the units have stepped, and the next
-    forward starts computing while the later units are still stepping: the root (stepped
-    first) runs its forward before the blocks' steps are done, whatever the prefetch depth
-    (the root's own fetch is queued before the prefetches of the blocks, which wait for their
-    steps on the one transfer worker)."""
+def test_overlap_forward_hides_the_step_behind_the_next_forward(swap_dir, gated_adam, depth):
+    """step() returns before any unit has stepped (every Adam call waits for a gate the test
+    opens only after step() returned), and the next forward starts computing while the later
+    units are still stepping: the root (stepped first) runs its forward before the blocks'
+    steps are done, whatever the prefetch depth (the root's own fetch is queued before the
+    prefetches of the blocks, which wait for their steps on the one transfer worker)."""
     engine = traced_engine(swap_dir, "forward", depth=depth)
     try:
         data = batches(2)
+        gated_adam.set()
         one_step(engine, data[0])
         x, y = data[1]
         engine.backward(mse(engine, x, y))  # waits for the first step
+        gated_adam.clear()
         engine.schedule.context.events.take()
         started = time.perf_counter()
         engine.step()
         step_call = time.perf_counter() - started
         engine.schedule.context.events.record("step_returned", -1)
+        # had step() waited for a unit's step, it would have waited for the gate's minute
+        assert step_call < 30, f"step() took {step_call:.1f} s: it waited for the CPU step"
+        gated_adam.set()
         mse(engine, x, y)
         events = engine.schedule.context.events.take()
         assert events.index(("step_returned", -1)) < events.index(("step_done", 0)), events
         assert events.index(("pre_forward", 0)) < events.index(("step_done", 1)), events
-        # every unit's Adam sleeps 50 ms; step() itself waited for none of them
-        assert step_call < 0.05, f"step() took {step_call:.3f} s: it waited for the CPU step"
     finally:
         engine.close()
 
