@@ -13,9 +13,9 @@ import offload
 from offload.cli import main as cli_main
 from offload.errors import ConfigError
 from offload.plan import estimate as est
-from offload.plan.optimizer_plan import GRADS_IN_FLIGHT
 from offload.plan.machine import Machine
 from offload.plan.model_shapes import shape_from_hf_config, shape_from_module, shape_from_param_count
+from offload.plan.optimizer_plan import GRADS_IN_FLIGHT
 
 transformers = pytest.importorskip("transformers")
 

@@ -35,7 +35,6 @@ from offload.storage.memory import TierLedger
 from offload.storage.tiers import TierStore
 
 
-
 class GradientOffload:
     def __init__(
         self,
