@@ -174,7 +174,7 @@ inline __m128i encode_bf16_vector(__m256 x, __m256i r) {
   return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-// 8 codes (bytes) widened to 32-bit lanes: zero-extended (E4M4), sign-extended (E4M3: the
+// 8 codes (bytes) widened to 32-bit lanes: zero-extended (E4M4), sign-extended (E3M4: the
 // sign bit, bit 7, then fills bits 7..31).
 inline __m256i load_codes(const uint8_t* src) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
@@ -184,15 +184,16 @@ inline __m256i load_signed_codes(const uint8_t* src) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
 }
 
-// value(c) of code magnitudes c is the fp32 number with bits c << 20 (E4M4: << 19) times
-// 2^112: from the first normal code on those bits are value(c)'s mantissa with an exponent 112
-// lower; below it they are the fp32 subnormal c * 2^(20 - 149) = value(c) * 2^-112. Exact, and
-// equal to the doc's float((c + 896) << 20) and float((c + 904) << 20) - 2^-14 (likewise E4M4).
-// The decode multiplies by 2^112 and by the block's scale: `factor` is 2^112 * scale when that
-// is an fp32 number (folded: exponents up to 142, the usual case, one multiplication, the same
-// exact product rounded once), else 2^112 and the scale follows.
-inline __m256 decode_e4m3_vector(__m256i code, __m256 factor, __m256 scale, bool folded) {
-  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(code, 20), _mm256_set1_epi32(int(0x87F00000u)));
+// value(c) of code magnitudes c is the fp32 number with bits c << 19 times 2^Rebase (E3M4:
+// 2^120, E4M4: 2^112): from the first normal code on those bits are value(c)'s mantissa with
+// an exponent Rebase lower; below it they are the fp32 subnormal c * 2^(19 - 149) =
+// value(c) * 2^-Rebase. Exact, and equal to the doc's float((c + 1920) << 19) and
+// float((c + 1936) << 19) - 2^-6 (E3M4; likewise E4M4). The decode multiplies by 2^Rebase and
+// by the block's scale: `factor` is 2^Rebase * scale when that is an fp32 number (folded: the
+// usual case, one multiplication, the same exact product rounded once), else 2^Rebase and the
+// scale follows (decode_factors).
+inline __m256 decode_e3m4_vector(__m256i code, __m256 factor, __m256 scale, bool folded) {
+  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(code, 19), _mm256_set1_epi32(int(0x83F80000u)));
   const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(bits), factor);
   return folded ? value : _mm256_mul_ps(value, scale);
 }
@@ -203,29 +204,30 @@ inline __m256 decode_e4m4_vector(__m256i code, __m256 factor, __m256 scale, bool
 }
 
 // Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept bits,
-// not yet limited to the largest code. z = y * 2^-112 is the doc's rounding point: from
-// y = 2^-14 on, bits(z) = bits(y) - (896 << 20) exactly (the doc's normal-range base); below,
-// z is an fp32 subnormal whose bits are y rounded to multiples of 2^-37, as the doc's
-// bits(y + 2^-14) - (904 << 20) are (same grid, same round to nearest even).
-// `inverse` is 2^(127 - e) * 2^-112 when that is a normal fp32 number (folded: exponents up to
-// 141, one multiplication; the product is the same: y is exact wherever it is at least 2^-126,
-// and below that z rounds to 0 either way), else 2^(127 - e) and the 2^-112 follows.
-template <int Shift>
+// not yet limited to the largest code. z = y * 2^-Rebase is the doc's rounding point: from the
+// format's subnormal end (2^-6 / 2^-14) on, bits(z) = bits(y) - (normal base << 19) exactly;
+// below, z is an fp32 subnormal whose bits are y rounded to the format's subnormal spacing, as
+// the doc's bits(y + end) - (subnormal base << 19) are (same grid, same round to nearest even).
+// `inverse` is 2^(127 - e) * 2^-Rebase when that is a normal fp32 number (folded: see
+// encode_factor; one multiplication; the product is the same: y is exact wherever it is at
+// least 2^-126, and below that z rounds to 0 either way), else 2^(127 - e) and 2^-Rebase
+// follows.
+template <uint32_t Rebase>
 inline __m256i encode_magnitude_vector(__m256 magnitude, __m256 inverse, __m256i r, bool folded) {
   __m256 z = _mm256_mul_ps(magnitude, inverse);
-  if (!folded) z = _mm256_mul_ps(z, _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM112Bits))));
-  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(z), r), Shift);
+  if (!folded) z = _mm256_mul_ps(z, _mm256_set1_ps(two_pow_minus_rebase(Rebase)));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(z), r), 19);
 }
 
-// E4M3 magnitude codes (the sign comes separately: e4m3_signs). Up to 120 (y <= 1) unless the
+// E3M4 magnitude codes (the sign comes separately: e3m4_signs). Up to 112 (y <= 1) unless the
 // block's exponent is 253, where y reaches 4 and codes are limited to 127 (limit_codes).
-inline __m256i encode_e4m3_vector(__m256 x, __m256 inverse, __m256i word, bool folded) {
+inline __m256i encode_e3m4_vector(__m256 x, __m256 inverse, __m256i word, bool folded) {
   const __m256 magnitude = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-  return encode_magnitude_vector<20>(magnitude, inverse, _mm256_and_si256(word, _mm256_set1_epi32(0xFFFFF)),
-                                     folded);
+  return encode_magnitude_vector<kE3M4Rebase>(magnitude, inverse,
+                                              _mm256_and_si256(word, _mm256_set1_epi32(0x7FFFF)), folded);
 }
 
-inline __m256i e4m3_signs(__m256 x) {
+inline __m256i e3m4_signs(__m256 x) {
   return _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 24), _mm256_set1_epi32(0x80));
 }
 
@@ -233,7 +235,8 @@ inline __m256i e4m3_signs(__m256 x) {
 // whose codes are replaced by 0). Up to 240 unless the exponent is 253 (limited to 255).
 // A root above zero takes at least code 1 (its bits, a positive int, limited to 1, as a floor).
 inline __m256i encode_e4m4_vector(__m256 root, __m256 inverse, __m256i word, bool folded) {
-  const __m256i codes = encode_magnitude_vector<19>(root, inverse, _mm256_srli_epi32(word, 13), folded);
+  const __m256i codes =
+      encode_magnitude_vector<kE4M4Rebase>(root, inverse, _mm256_srli_epi32(word, 13), folded);
   return _mm256_max_epi32(codes, _mm256_min_epi32(_mm256_castps_si256(root), _mm256_set1_epi32(1)));
 }
 
@@ -381,8 +384,8 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
     v_exponent_in[blk] = v_exponents_in[blk];
   }
   for (size_t blk = 0; blk < blocks; ++blk) {
-    const DecodeFactors m_factors = decode_factors(m_exponent_in[blk]);
-    const DecodeFactors v_factors = decode_factors(v_exponent_in[blk]);
+    const DecodeFactors m_factors = decode_factors(m_exponent_in[blk], kE3M4Rebase);
+    const DecodeFactors v_factors = decode_factors(v_exponent_in[blk], kE4M4Rebase);
     const __m256 m_factor = _mm256_set1_ps(m_factors.factor), m_scale = _mm256_set1_ps(m_factors.scale);
     const __m256 v_factor = _mm256_set1_ps(v_factors.factor), v_scale = _mm256_set1_ps(v_factors.scale);
     __m256i m_max = _mm256_setzero_si256(), root_max = _mm256_setzero_si256();
@@ -390,7 +393,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
       const size_t e = kInt8Block * blk + 8 * k;  // element within the group
       __m256 g = load_grad<GradType>(b.grad, i + e);
       __m256 p = _mm256_loadu_ps(b.param_in + i + e);
-      __m256 m = decode_e4m3_vector(load_signed_codes(m_in + e), m_factor, m_scale, m_factors.folded);
+      __m256 m = decode_e3m4_vector(load_signed_codes(m_in + e), m_factor, m_scale, m_factors.folded);
       const __m256 stored_root =
           decode_e4m4_vector(load_codes(v_in + e), v_factor, v_scale, v_factors.folded);
       __m256 v = _mm256_mul_ps(stored_root, stored_root);
@@ -408,7 +411,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
   for (size_t blk = 0; blk < blocks; ++blk) {
     const uint32_t m_e = block_exponent(m_largest[blk]);
     const uint32_t v_e = block_exponent(root_largest[blk]);
-    const EncodeFactor m_factor = encode_factor(m_e), v_factor = encode_factor(v_e);
+    const EncodeFactor m_factor = encode_factor(m_e, kE3M4Rebase), v_factor = encode_factor(v_e, kE4M4Rebase);
     const __m256 m_inverse = _mm256_set1_ps(m_factor.inverse);
     const __m256 v_inverse = _mm256_set1_ps(v_factor.inverse);
     __m256i m_codes[4], v_codes[4];
@@ -416,9 +419,9 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
       const size_t e = kInt8Block * blk + 8 * k;
       const __m256i word = random_words(c.key, first + uint32_t(e));
       const __m256 m = _mm256_load_ps(ms + e);
-      m_codes[k] = encode_e4m3_vector(m, m_inverse, word, m_factor.folded);
+      m_codes[k] = encode_e3m4_vector(m, m_inverse, word, m_factor.folded);
       if (m_e == 253) m_codes[k] = _mm256_min_epi32(m_codes[k], _mm256_set1_epi32(127));
-      m_codes[k] = _mm256_or_si256(m_codes[k], e4m3_signs(m));
+      m_codes[k] = _mm256_or_si256(m_codes[k], e3m4_signs(m));
       v_codes[k] = encode_e4m4_vector(_mm256_load_ps(roots + e), v_inverse, word, v_factor.folded);
       if (v_e == 253) v_codes[k] = _mm256_min_epi32(v_codes[k], _mm256_set1_epi32(255));
     }

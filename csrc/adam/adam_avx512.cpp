@@ -154,7 +154,7 @@ inline __m256i encode_bf16_vector(__m512 x, __m512i r) {
 }
 
 // 16 codes (bytes) widened to 32-bit lanes, masked-off lanes zero: zero-extended (E4M4),
-// sign-extended (E4M3: the sign bit, bit 7, then fills bits 7..31).
+// sign-extended (E3M4: the sign bit, bit 7, then fills bits 7..31).
 inline __m512i load_codes(const uint8_t* src, __mmask16 mask) {
   return _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, src));
 }
@@ -163,12 +163,11 @@ inline __m512i load_signed_codes(const uint8_t* src, __mmask16 mask) {
   return _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, src));
 }
 
-// value(c) of code magnitudes c is the fp32 number with bits c << 20 (E4M4: << 19) times
-// 2^112 (exact; see adam_avx2.cpp).
-// The decode multiplies by 2^112 and by the block's scale, folded into one `factor` where that
-// is an fp32 number (see adam_avx2.cpp).
-inline __m512 decode_e4m3_vector(__m512i code, __m512 factor, __m512 scale, bool folded) {
-  const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(code, 20), _mm512_set1_epi32(int(0x87F00000u)));
+// value(c) of code magnitudes c is the fp32 number with bits c << 19 times 2^Rebase (exact;
+// see adam_avx2.cpp). The decode multiplies by 2^Rebase and by the block's scale, folded into
+// one `factor` where that is an fp32 number (see adam_avx2.cpp).
+inline __m512 decode_e3m4_vector(__m512i code, __m512 factor, __m512 scale, bool folded) {
+  const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(code, 19), _mm512_set1_epi32(int(0x83F80000u)));
   const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(bits), factor);
   return folded ? value : _mm512_mul_ps(value, scale);
 }
@@ -179,31 +178,32 @@ inline __m512 decode_e4m4_vector(__m512i code, __m512 factor, __m512 scale, bool
 }
 
 // Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept bits,
-// not yet limited to the largest code, through z = y * 2^-112 (see adam_avx2.cpp).
-template <int Shift>
+// not yet limited to the largest code, through z = y * 2^-Rebase (see adam_avx2.cpp).
+template <uint32_t Rebase>
 inline __m512i encode_magnitude_vector(__m512 magnitude, __m512 inverse, __m512i r, bool folded) {
   __m512 z = _mm512_mul_ps(magnitude, inverse);
-  if (!folded) z = _mm512_mul_ps(z, _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPowM112Bits))));
-  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(z), r), Shift);
+  if (!folded) z = _mm512_mul_ps(z, _mm512_set1_ps(two_pow_minus_rebase(Rebase)));
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(z), r), 19);
 }
 
-// E4M3 magnitude codes (the sign comes separately: e4m3_signs); limited to 127 only in a block
+// E3M4 magnitude codes (the sign comes separately: e3m4_signs); limited to 127 only in a block
 // of exponent 253 (see adam_avx2.cpp).
-inline __m512i encode_e4m3_vector(__m512 x, __m512 inverse, __m512i word, bool folded) {
+inline __m512i encode_e3m4_vector(__m512 x, __m512 inverse, __m512i word, bool folded) {
   const __m512 magnitude =
       _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
-  return encode_magnitude_vector<20>(magnitude, inverse, _mm512_and_si512(word, _mm512_set1_epi32(0xFFFFF)),
-                                     folded);
+  return encode_magnitude_vector<kE3M4Rebase>(magnitude, inverse,
+                                              _mm512_and_si512(word, _mm512_set1_epi32(0x7FFFF)), folded);
 }
 
-inline __m512i e4m3_signs(__m512 x) {
+inline __m512i e3m4_signs(__m512 x) {
   return _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 24), _mm512_set1_epi32(0x80));
 }
 
 // E4M4 codes of a root (>= +0; see adam_avx2.cpp).
 // A root above zero takes at least code 1 (see adam_avx2.cpp).
 inline __m512i encode_e4m4_vector(__m512 root, __m512 inverse, __m512i word, bool folded) {
-  const __m512i codes = encode_magnitude_vector<19>(root, inverse, _mm512_srli_epi32(word, 13), folded);
+  const __m512i codes =
+      encode_magnitude_vector<kE4M4Rebase>(root, inverse, _mm512_srli_epi32(word, 13), folded);
   return _mm512_max_epi32(codes, _mm512_min_epi32(_mm512_castps_si512(root), _mm512_set1_epi32(1)));
 }
 
@@ -309,8 +309,8 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
     v_exponent_in[blk] = c.exp_avg_sq_exponents_in[block0 + blk];
   }
   for (size_t blk = 0; blk < blocks; ++blk) {
-    const DecodeFactors m_factors = decode_factors(m_exponent_in[blk]);
-    const DecodeFactors v_factors = decode_factors(v_exponent_in[blk]);
+    const DecodeFactors m_factors = decode_factors(m_exponent_in[blk], kE3M4Rebase);
+    const DecodeFactors v_factors = decode_factors(v_exponent_in[blk], kE4M4Rebase);
     const __m512 m_factor = _mm512_set1_ps(m_factors.factor), m_scale = _mm512_set1_ps(m_factors.scale);
     const __m512 v_factor = _mm512_set1_ps(v_factors.factor), v_scale = _mm512_set1_ps(v_factors.scale);
     __m512i m_max = _mm512_setzero_si512(), root_max = _mm512_setzero_si512();
@@ -319,7 +319,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
       const __mmask16 mask = lanes(2 * blk + k, count);
       __m512 g = load_grad<GradType>(a.grad, i + e, mask);
       __m512 p = _mm512_maskz_loadu_ps(mask, a.param_in + i + e);
-      __m512 m = decode_e4m3_vector(load_signed_codes(m_in + e, mask), m_factor, m_scale, m_factors.folded);
+      __m512 m = decode_e3m4_vector(load_signed_codes(m_in + e, mask), m_factor, m_scale, m_factors.folded);
       const __m512 stored_root =
           decode_e4m4_vector(load_codes(v_in + e, mask), v_factor, v_scale, v_factors.folded);
       __m512 v = _mm512_mul_ps(stored_root, stored_root);
@@ -340,7 +340,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
   for (size_t blk = 0; blk < blocks; ++blk) {
     const uint32_t m_e = block_exponent(m_largest[blk]);
     const uint32_t v_e = block_exponent(root_largest[blk]);
-    const EncodeFactor m_factor = encode_factor(m_e), v_factor = encode_factor(v_e);
+    const EncodeFactor m_factor = encode_factor(m_e, kE3M4Rebase), v_factor = encode_factor(v_e, kE4M4Rebase);
     const __m512 m_inverse = _mm512_set1_ps(m_factor.inverse);
     const __m512 v_inverse = _mm512_set1_ps(v_factor.inverse);
     for (size_t k = 0; k < 2; ++k) {
@@ -348,9 +348,9 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
       const __mmask16 mask = lanes(2 * blk + k, count);
       const __m512i word = random_words(c.key, uint32_t(c.position + i + e));
       const __m512 m = _mm512_load_ps(ms + e);
-      __m512i m_codes = encode_e4m3_vector(m, m_inverse, word, m_factor.folded);
+      __m512i m_codes = encode_e3m4_vector(m, m_inverse, word, m_factor.folded);
       if (m_e == 253) m_codes = _mm512_min_epi32(m_codes, _mm512_set1_epi32(127));
-      m_codes = _mm512_or_si512(m_codes, e4m3_signs(m));
+      m_codes = _mm512_or_si512(m_codes, e3m4_signs(m));
       __m512i v_codes = encode_e4m4_vector(_mm512_load_ps(roots + e), v_inverse, word, v_factor.folded);
       if (v_e == 253) v_codes = _mm512_min_epi32(v_codes, _mm512_set1_epi32(255));
       if (m_e == 255) m_codes = _mm512_setzero_si512();

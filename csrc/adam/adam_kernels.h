@@ -187,9 +187,16 @@ static inline uint32_t fmix32(uint32_t h) {
   return h;
 }
 
-constexpr uint32_t kTwoPowM14Bits = 0x38800000u;  // 2^-14: where the int8 codes' subnormal range ends
-constexpr uint32_t kTwoPow112Bits = (127u + 112u) << 23;
-constexpr uint32_t kTwoPowM112Bits = (127u - 112u) << 23;
+// The two int8 code formats (docs/compact_state.md) differ in their exponent bias: exp_avg's
+// E3M4 has 7 (normal codes from 2^-6, subnormal below), the root's E4M4 15 (from 2^-14). The
+// vector kernels go through fp32 numbers `Rebase` = 127 - bias binades lower, whose subnormal
+// range then falls on the format's.
+constexpr uint32_t kE3M4Rebase = 120;
+constexpr uint32_t kE4M4Rebase = 112;
+constexpr uint32_t kTwoPowM6Bits = (127u - 6u) << 23;    // 2^-6: where E3M4's subnormal range ends
+constexpr uint32_t kTwoPowM14Bits = (127u - 14u) << 23;  // 2^-14: where E4M4's subnormal range ends
+static inline float two_pow_rebase(uint32_t rebase) { return bits_float((127u + rebase) << 23); }
+static inline float two_pow_minus_rebase(uint32_t rebase) { return bits_float((127u - rebase) << 23); }
 
 // The compact kernels run with IEEE arithmetic whatever the calling thread set: round to
 // nearest, no flush-to-zero, no denormals-are-zero (torch.set_flush_denormal(True) sets both;
@@ -229,40 +236,42 @@ static inline float exponent_scale(uint32_t e) {
 // 2^(127 - e) (0 for e = 255, whose codes are 0 anyway).
 static inline float exponent_inverse(uint32_t e) { return bits_float((e >= 254 ? 0u : 254u - e) << 23); }
 
-// The vector kernels decode a block's codes as float(code bits) * 2^112 * scale (an fp32
-// subnormal below the normal codes): `factor` folds the two when 2^112 * scale is an fp32
-// number (exponent bytes up to 142, and 255: NaN), else it is 2^112 and `scale` follows.
-// (Plain aggregates built by static functions: no inline function with external linkage, see
-// the note at the top.)
+// The vector kernels decode a block's codes as float(code bits) * 2^Rebase * scale (an fp32
+// subnormal below the normal codes): `factor` folds the two when 2^Rebase * scale is an fp32
+// number (exponent bytes up to 254 - Rebase, and 255: NaN), else it is 2^Rebase and `scale`
+// follows. (Plain aggregates built by static functions: no inline function with external
+// linkage, see the note at the top.)
 struct DecodeFactors {
   float factor;
   float scale;
   bool folded;
 };
 
-static inline DecodeFactors decode_factors(uint32_t e) {
-  const bool folded = e <= 142 || e == 255;
+static inline DecodeFactors decode_factors(uint32_t e, uint32_t rebase) {
+  const bool folded = e <= 254 - rebase || e == 255;
   const float scale = exponent_scale(e);
-  return {folded ? scale * bits_float(kTwoPow112Bits) : bits_float(kTwoPow112Bits), scale, folded};
+  const float up = two_pow_rebase(rebase);
+  return {folded ? scale * up : up, scale, folded};
 }
 
-// ... and encode as bits(|x| * 2^(127 - e) * 2^-112): `inverse` folds the two when 2^(15 - e)
-// is a normal fp32 number (exponent bytes up to 141), else it is 2^(127 - e).
+// ... and encode as bits(|x| * 2^(127 - e) * 2^-Rebase): `inverse` folds the two when
+// 2^(127 - Rebase - e) is a normal fp32 number (exponent bytes up to 253 - Rebase), else it is
+// 2^(127 - e).
 struct EncodeFactor {
   float inverse;
   bool folded;
 };
 
-static inline EncodeFactor encode_factor(uint32_t e) {
-  const bool folded = e <= 141;
-  return {folded ? exponent_inverse(e) * bits_float(kTwoPowM112Bits) : exponent_inverse(e), folded};
+static inline EncodeFactor encode_factor(uint32_t e, uint32_t rebase) {
+  const bool folded = e <= 253 - rebase;
+  return {folded ? exponent_inverse(e) * two_pow_minus_rebase(rebase) : exponent_inverse(e), folded};
 }
 
-// exp_avg code: bit 7 the sign, bits 0..6 an E4M3 magnitude (value(120) = 1).
-static inline float decode_e4m3(uint32_t code, float scale) {
+// exp_avg code: bit 7 the sign, bits 0..6 an E3M4 magnitude (value(112) = 1).
+static inline float decode_e3m4(uint32_t code, float scale) {
   const uint32_t c = code & 127u;
   const float value =
-      c >= 8 ? bits_float((c + 896u) << 20) : bits_float((c + 904u) << 20) - bits_float(kTwoPowM14Bits);
+      c >= 16 ? bits_float((c + 1920u) << 19) : bits_float((c + 1936u) << 19) - bits_float(kTwoPowM6Bits);
   return bits_float(float_bits(value * scale) ^ ((code >> 7) << 31));
 }
 
@@ -273,25 +282,27 @@ static inline float decode_e4m4(uint32_t c, float scale) {
   return value * scale;
 }
 
-// The stochastic rounding of y = |x| * inverse to a code of `shift` dropped bits (E4M3: 20,
-// bases 904 / 896, largest 127; E4M4: 19, 1808 / 1792, 255); r below the kept bits.
-static inline uint32_t encode_magnitude(float x, float inverse, uint32_t r, uint32_t shift, uint32_t sub_base,
-                                        uint32_t normal_base, uint32_t top) {
+// The stochastic rounding of y = |x| * inverse to a code of 19 dropped bits (E3M4: bases
+// 1936 / 1920, largest 127, subnormal below 2^-6; E4M4: 1808 / 1792, 255, below 2^-14); r
+// below the kept bits.
+static inline uint32_t encode_magnitude(float x, float inverse, uint32_t r, uint32_t subnormal_end_bits,
+                                        uint32_t sub_base, uint32_t normal_base, uint32_t top) {
   const float y = bits_float(float_bits(x) & 0x7fffffffu) * inverse;
-  const uint32_t c = y < bits_float(kTwoPowM14Bits)
-                         ? ((float_bits(y + bits_float(kTwoPowM14Bits)) + r) >> shift) - sub_base
-                         : ((float_bits(y) + r) >> shift) - normal_base;
+  const float subnormal_end = bits_float(subnormal_end_bits);
+  const uint32_t c = y < subnormal_end ? ((float_bits(y + subnormal_end) + r) >> 19) - sub_base
+                                       : ((float_bits(y) + r) >> 19) - normal_base;
   return c < top ? c : top;
 }
 
-static inline uint32_t encode_e4m3(float x, float inverse, uint32_t word) {
-  return encode_magnitude(x, inverse, word & 0xFFFFFu, 20, 904, 896, 127) | ((float_bits(x) >> 31) << 7);
+static inline uint32_t encode_e3m4(float x, float inverse, uint32_t word) {
+  return encode_magnitude(x, inverse, word & 0x7FFFFu, kTwoPowM6Bits, 1936, 1920, 127) |
+         ((float_bits(x) >> 31) << 7);
 }
 
 // A root above zero never rounds to code 0 (docs/compact_state.md: a zero second moment under a
 // nonzero first one would step by m / eps).
 static inline uint32_t encode_e4m4(float root, float inverse, uint32_t word) {
-  const uint32_t code = encode_magnitude(root, inverse, word >> 13, 19, 1808, 1792, 255);
+  const uint32_t code = encode_magnitude(root, inverse, word >> 13, kTwoPowM14Bits, 1808, 1792, 255);
   return code == 0 && float_bits(root) != 0 ? 1 : code;
 }
 

@@ -142,7 +142,7 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
       const size_t i = start + j;
       float g = load_grad<GradType>(a.grad, i);
       float p = a.param_in[i];
-      float m = decode_e4m3(m_in[i], m_scale);
+      float m = decode_e3m4(m_in[i], m_scale);
       const float stored_root = decode_e4m4(v_in[i], v_scale);
       float v = stored_root * stored_root;
       const float root = adamw_element(a, g, p, m, v, lerp_small, lerp_coeff);
@@ -162,7 +162,7 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
     for (size_t j = 0; j < count; ++j) {
       const size_t i = start + j;
       const uint32_t word = fmix32(c.key ^ uint32_t(c.position + i));
-      m_out[i] = m_exponent == 255 ? 0 : uint8_t(encode_e4m3(ms[j], m_inverse, word));
+      m_out[i] = m_exponent == 255 ? 0 : uint8_t(encode_e3m4(ms[j], m_inverse, word));
       v_out[i] = v_exponent == 255 ? 0 : uint8_t(encode_e4m4(roots[j], v_inverse, word));
     }
     c.exp_avg_exponents[block] = uint8_t(m_exponent);

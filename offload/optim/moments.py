@@ -39,7 +39,6 @@ __all__ = [
 
 ROUNDING_SEED = 0x0FF1CAD5
 _MASK32 = 0xFFFFFFFF
-_TWO_POW_M14 = 2.0**-14  # where the int8 formats' subnormal range ends (code 8 / 16)
 _KINDS = ("exp_avg", "exp_avg_sq")
 
 
@@ -207,9 +206,24 @@ def _encode_bf16(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 # ---- int8 -----------------------------------------------------------------------------------
 
-# (shift, subnormal base, normal base, largest code) of the two code formats
-_E4M3 = (20, 904, 896, 127)  # exp_avg: sign bit + 7-bit magnitude
-_E4M4 = (19, 1808, 1792, 255)  # exp_avg_sq's root: 8-bit magnitude
+
+class _CodeFormat(NamedTuple):
+    """An int8 magnitude code (docs/compact_state.md): `shift` dropped bits of fp32, the bases
+    of the subnormal and normal ranges, the largest code, and where the subnormal range ends."""
+
+    shift: int
+    subnormal_base: int
+    normal_base: int
+    top: int
+    subnormal_end: float
+
+    @property
+    def first_normal(self) -> int:
+        return 1 << (23 - self.shift)  # 16: the 4 mantissa bits of both formats
+
+
+_E3M4 = _CodeFormat(19, 1936, 1920, 127, 2.0**-6)  # exp_avg: sign bit + 7-bit magnitude
+_E4M4 = _CodeFormat(19, 1808, 1792, 255, 2.0**-14)  # exp_avg_sq's root: 8-bit magnitude
 
 
 def _block_exponents(magnitude_bits: torch.Tensor, reload: bool) -> torch.Tensor:
@@ -224,9 +238,9 @@ def _block_exponents(magnitude_bits: torch.Tensor, reload: bool) -> torch.Tensor
     return torch.where(largest >= 0x7F800000, 255, e)
 
 
-def _encode_int8(x: torch.Tensor, r: torch.Tensor, fmt: tuple[int, int, int, int], signed: bool, reload: bool):
+def _encode_int8(x: torch.Tensor, r: torch.Tensor, fmt: _CodeFormat, signed: bool, reload: bool):
     """(codes uint8 n, exponents uint8 ceil(n/32)) of fp32 x, with the random words r (int64)."""
-    shift, sub_base, normal_base, top = fmt
+    shift, sub_base, normal_base, top, subnormal_end = fmt
     n = x.numel()
     blocks = -(-n // INT8_BLOCK)
     u = _bits(x)
@@ -235,8 +249,8 @@ def _encode_int8(x: torch.Tensor, r: torch.Tensor, fmt: tuple[int, int, int, int
     e = _block_exponents(padded, reload)
     inverse = _float(torch.clamp(254 - e, min=0) << 23)
     y = x.abs() * inverse.repeat_interleave(INT8_BLOCK)[:n]
-    small = _bits(y + _TWO_POW_M14)
-    c = torch.where(y < _TWO_POW_M14, ((small + r) >> shift) - sub_base, ((_bits(y) + r) >> shift) - normal_base)
+    small = _bits(y + subnormal_end)
+    c = torch.where(y < subnormal_end, ((small + r) >> shift) - sub_base, ((_bits(y) + r) >> shift) - normal_base)
     c = torch.clamp(c, max=top)
     if signed:
         c = c | ((u >> 31) << 7)
@@ -248,17 +262,17 @@ def _encode_int8(x: torch.Tensor, r: torch.Tensor, fmt: tuple[int, int, int, int
     return c.to(torch.uint8), e.to(torch.uint8)
 
 
-def _decode_int8(codes: torch.Tensor, exponents: torch.Tensor, fmt: tuple[int, int, int, int], signed: bool):
-    shift, sub_base, normal_base, _ = fmt
+def _decode_int8(codes: torch.Tensor, exponents: torch.Tensor, fmt: _CodeFormat, signed: bool):
+    shift, sub_base, normal_base, _, subnormal_end = fmt
     n = codes.numel()
     c = codes.to(torch.int64)
     sign = None
     if signed:
         sign = c >> 7
         c = c & 127
-    normal = c >= (1 << (23 - shift))  # 8 (E4M3) or 16 (E4M4): the first code of the normal range
+    normal = c >= fmt.first_normal
     value = _float(torch.where(normal, c + normal_base, c + sub_base) << shift)
-    value = torch.where(normal, value, value - _TWO_POW_M14)
+    value = torch.where(normal, value, value - subnormal_end)
     e = exponents.to(torch.int64)
     scale = torch.where(e == 255, math.nan, _float(e << 23))
     x = value * scale.repeat_interleave(INT8_BLOCK)[:n]
@@ -306,7 +320,7 @@ def decode(precision: str, kind: str, view: MomentView, out: torch.Tensor | None
         exponents = view.block_exponents
         assert exponents is not None  # checked above
         if kind == "exp_avg":
-            x = _decode_int8(view.values.reshape(-1), exponents, _E4M3, signed=True)
+            x = _decode_int8(view.values.reshape(-1), exponents, _E3M4, signed=True)
         else:
             root = _decode_int8(view.values.reshape(-1), exponents, _E4M4, signed=False)
             x = root * root
@@ -337,7 +351,7 @@ def encode(
 
     `reload=True` is for values read back from a checkpoint (fp32 values an encode decoded
     before): a block whose largest magnitude is exactly a power of two 2^k takes the exponent
-    with k's binade at y = 1 (code 120 / 240) instead of the next one. Those values then
+    with k's binade at y = 1 (code 112 / 240) instead of the next one. Those values then
     re-encode to themselves, which the step's rule does not guarantee: a block maximum rounded
     up to 1.0 * scale would move the block to the next exponent and lose the last bit of its
     smallest codes. Values that decode exactly are not rounded (their random bits add below
@@ -365,7 +379,7 @@ def encode(
         return
     assert view.block_exponents is not None
     if kind == "exp_avg":
-        codes, exponents = _encode_int8(x, bits & 0xFFFFF, _E4M3, signed=True, reload=reload)
+        codes, exponents = _encode_int8(x, bits & 0x7FFFF, _E3M4, signed=True, reload=reload)
     else:
         codes, exponents = _encode_int8(x if root else _sqrt(x), bits >> 13, _E4M4, signed=False, reload=reload)
     view.values.copy_(codes.reshape(view.values.shape))
