@@ -73,3 +73,23 @@ def test_the_noise_runs_init_differs_by_one_ulp_everywhere(bench):
     for (name, a), b in zip(model.named_parameters(), moved.parameters()):
         distance = (b.detach().view(torch.int32).long() - a.detach().view(torch.int32).long()).abs()
         assert distance.max() == 1 and distance.min() == 1, name  # (no weight is 0 at this init, where 1 ulp is a sign flip)
+
+
+def test_rounding_seeds_give_the_spread_over_rounding_streams(bench, tmp_path, capsys):
+    """--rounding-seeds K: each compact run again with optimizer.rounding_seed 1..K, and the
+    spread of its final losses against the reference over the K + 1 streams."""
+    if "int8" not in bench.engine_state_precisions():
+        pytest.skip("the engine has no compact state")
+    argv = ["--small", "--steps", str(STEPS), "--eval-every", "3", "--eval-batches", "2", "--noise-seeds", "0"]
+    summary = bench.main([*argv, "--runs", "offload int8", "--rounding-seeds", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    spread = summary["rounding_streams"]["offload int8"]
+    assert spread["runs"] == 3 and set(summary["rounding_streams"]) == {"offload int8"}
+    for what in ("train", "validation"):
+        values = spread[what]["values"]
+        assert len(set(values)) == 3, (what, values)  # three streams, three trajectories
+        assert spread[what]["min"] == min(values) and spread[what]["max"] == max(values)
+    assert "offload int8 over 3 rounding streams" in out
+    with open(summary["csv"], newline="") as handle:
+        names = {row["run"] for row in csv.DictReader(handle)}
+    assert {"offload int8 r1", "offload int8 r2"} <= names

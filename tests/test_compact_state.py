@@ -313,3 +313,44 @@ def dist_config(swaps, param, optimizer, *, state_precision):
     config = make_dist_config(swaps, param, optimizer)
     config["optimizer"]["state_precision"] = state_precision
     return config
+
+
+def test_the_rounding_seed_picks_the_stream_on_every_tier(swap_dir):
+    """optimizer.rounding_seed: another seed, another (equally unbiased) rounding, so other
+    weights; the same seed, the same bits on every tier (the host's C++ kernel, the device's
+    torch twin, NVMe pieces)."""
+    torch.manual_seed(0)
+    model = TinyNet(depth=2)
+    data = batches(4)
+    by_seed = {}
+    for seed, tier in ((0, "cpu"), (5, "cpu"), (5, "device"), (5, "nvme")):
+        config = make_config(swap_dir, "int8", optimizer=tier, offload__sub_group_size=1024, optimizer__rounding_seed=seed)
+        by_seed[seed, tier] = run(model, config, data)[1]
+    for tier in ("device", "nvme"):
+        assert_same(by_seed[5, tier], by_seed[5, "cpu"])
+    assert any(not torch.equal(by_seed[0, "cpu"][name], by_seed[5, "cpu"][name]) for name in by_seed[0, "cpu"])
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 1.5, True, "7"])
+def test_a_bad_rounding_seed_is_refused_by_name(swap_dir, seed):
+    config = make_config(swap_dir, "int8", optimizer__rounding_seed=seed)
+    with pytest.raises(offload.ConfigError, match="optimizer.rounding_seed"):
+        offload.initialize(TinyNet(depth=1), config)
+
+
+def test_cpu_adamw_rounding_seed_is_its_stream():
+    from offload.optim.cpu_adam import CPUAdamW
+
+    def trained(seed):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(256))
+        optimizer = CPUAdamW([p], lr=1e-2, state_precision="int8", rounding_seed=seed)
+        for step in range(3):
+            p.grad = torch.randn(256, generator=torch.Generator().manual_seed(step))
+            optimizer.step()
+        return p.detach().clone()
+
+    assert torch.equal(trained(9), trained(9))
+    assert not torch.equal(trained(0), trained(9))
+    with pytest.raises(ValueError, match="rounding_seed"):
+        CPUAdamW([torch.nn.Parameter(torch.zeros(4))], rounding_seed=-1)

@@ -113,6 +113,8 @@ class OptimizerConfig(ReadOnlyOnceFrozen):
     """How the Adam moments (`exp_avg`, `exp_avg_sq`) are stored: `fp32` (4 bytes each; torch.optim.AdamW bit for bit), `bf16` (2 bytes each, rounded stochastically) or `int8` (1 byte each and a shared power-of-two exponent byte per block of 32 elements, rounded stochastically; docs/compact_state.md has the format). The step computes in fp32 and the master weights stay fp32 in every precision; checkpoints store fp32 values. Per param the optimizer state takes 16 bytes (fp32 with an fp32 gradient), 10 (bf16) or about 8 (int8) with a 16-bit gradient; `offload estimate` shows what each takes on every tier and on the disk per step."""
     gradient_precision: str = "auto"
     """How the gradient the step reads is stored: `auto` keeps it in its 16-bit arrival dtype (2 bytes per param instead of 4; exact, since nothing is added into it) when the compute `precision` is bf16 or fp16 and each optimizer step has one micro-batch (`gradient_accumulation_steps` 1), else fp32; `fp32` always stores it in fp32 (4 bytes per param)."""
+    rounding_seed: int = 0
+    """With `state_precision` bf16 or int8: which stream of random bits the stochastic rounding of the moments draws (an int >= 0). The bits are a pure function of this seed, the unit, the rank, the step and the element's place, so one seed trains the same bits on every thread count, instruction set and tier, and a resume continues the stream (keep the seed across a resume for a bitwise one). Other seeds give other, equally unbiased roundings: what the run-to-run spread of compact state is measured over (`benchmarks/bench_quality.py --rounding-seeds`)."""
     threads: int = 0
     """Threads of the C++ CPU Adam; 0 means every CPU this process may use."""
 
@@ -473,6 +475,8 @@ def validate(config: Config) -> Config:
         raise _fail("optimizer.weight_decay", f"must be >= 0, got {opt.weight_decay}")
     if opt.threads < 0:
         raise _fail("optimizer.threads", f"must be >= 0 (0 = all CPUs), got {opt.threads}")
+    if isinstance(opt.rounding_seed, bool) or not isinstance(opt.rounding_seed, int) or not 0 <= opt.rounding_seed < 2**32:
+        raise _fail("optimizer.rounding_seed", f"must be an int in [0, 2^32), got {opt.rounding_seed!r}")
     if config.gradient_accumulation_steps < 1:
         raise _fail("gradient_accumulation_steps", f"must be >= 1, got {config.gradient_accumulation_steps}")
     if config.collective_timeout is not None and not 0 < config.collective_timeout < math.inf:

@@ -54,7 +54,9 @@ class CPUAdamW(torch.optim.Optimizer):
     loads it), plus a top-level ``state_precision``; ``load_state_dict`` re-encodes fp32
     moments (from any optimizer) into this optimizer's precision. A state dict of a compact
     CPUAdamW re-encodes to exactly the moments it was saved from: training resumes bit for bit.
-    Each parameter's rounding uses its index in the optimizer (groups in order) and its step.
+    Each parameter's rounding uses its index in the optimizer (groups in order), its step and
+    ``rounding_seed`` (an int >= 0: which stream of random bits; the engine's
+    ``optimizer.rounding_seed``).
 
     ``lr`` and ``betas`` may be scalar tensors, as with torch: they are kept as given and read at
     every step, so a loop or scheduler that updates the tensor in place takes effect. Each
@@ -78,9 +80,13 @@ class CPUAdamW(torch.optim.Optimizer):
         maximize: bool = False,
         decoupled_weight_decay: bool | None = None,
         state_precision: str = "fp32",
+        rounding_seed: int = 0,
     ):
         if state_precision not in _STATE_PRECISIONS:
             raise ValueError(f"CPUAdamW: state_precision must be one of {_STATE_PRECISIONS}, got {state_precision!r}")
+        if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, int) or not 0 <= rounding_seed < 2**32:
+            raise ValueError(f"CPUAdamW: rounding_seed must be an int in [0, 2^32), got {rounding_seed!r}")
+        self.rounding_seed = rounding_seed
         # how the moments are stored: this optimizer's choice, not a group's (a loaded state
         # dict is re-encoded into it)
         self.state_precision = state_precision
@@ -160,12 +166,15 @@ class CPUAdamW(torch.optim.Optimizer):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["state_precision"] = self.state_precision
+        state["rounding_seed"] = self.rounding_seed
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         if not hasattr(self, "state_precision"):
             self.state_precision = "fp32"
+        if not hasattr(self, "rounding_seed"):
+            self.rounding_seed = 0
         for group in self.param_groups:
             # A state dict saved by torch.optim.AdamW has no adamw_mode: AdamW saves
             # decoupled_weight_decay=True (torch.optim.Adam saves False).
@@ -210,7 +219,7 @@ class CPUAdamW(torch.optim.Optimizer):
                         values.detach().reshape(-1).float().contiguous(),
                         moments.moment_view(precision, buffer, n, 0, n),
                         position=0,
-                        key=moments.rounding_key(index, 0, step),
+                        key=moments.rounding_key(index, 0, step, self.rounding_seed),
                         reload=True,
                     )
                 state[key] = buffer
@@ -300,7 +309,7 @@ class CPUAdamW(torch.optim.Optimizer):
                         exp_avg_sq,
                         precision=self.state_precision,
                         position=0,
-                        rounding_key=moments.rounding_key(index, 0, int(step_t.item())),
+                        rounding_key=moments.rounding_key(index, 0, int(step_t.item()), self.rounding_seed),
                         step=step_t.item(),
                         lr=lr,
                         beta1=beta1,

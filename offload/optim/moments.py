@@ -116,13 +116,16 @@ def fmix32(h: int) -> int:
     return h
 
 
-def rounding_key(unit: int, rank: int, step: int) -> int:
-    """The rounding key of one unit's step: fmix32(fmix32(fmix32(fmix32(step) ^ rank) ^ unit) ^ SEED),
-    each input taken mod 2^32. `step` is the unit's Adam step count after this step."""
-    for name, value in (("unit", unit), ("rank", rank), ("step", step)):
+def rounding_key(unit: int, rank: int, step: int, seed: int = 0) -> int:
+    """The rounding key of one unit's step:
+    fmix32(fmix32(fmix32(fmix32(step) ^ rank) ^ unit) ^ SEED ^ seed), each input taken mod 2^32.
+    `step` is the unit's Adam step count after this step; `seed` the run's
+    `optimizer.rounding_seed` (0: the default stream)."""
+    for name, value in (("unit", unit), ("rank", rank), ("step", step), ("seed", seed)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"rounding_key: {name} must be an int >= 0, got {value!r}")
-    return fmix32(fmix32(fmix32(fmix32(step) ^ (rank & _MASK32)) ^ (unit & _MASK32)) ^ ROUNDING_SEED)
+    inner = fmix32(fmix32(fmix32(step) ^ (rank & _MASK32)) ^ (unit & _MASK32))
+    return fmix32(inner ^ ROUNDING_SEED ^ (seed & _MASK32))
 
 
 def _mul32(h: torch.Tensor, constant: int) -> torch.Tensor:

@@ -286,7 +286,7 @@ class UnitStepper:
         the unit's step count, and each element's place in the shard."""
         codec = self.store.codec
         views, base, numel = piece.views, piece.start, piece.end - piece.start
-        key = moments.rounding_key(unit.index, self.rank, unit.step_count)
+        key = codec.rounding_key(unit.index, unit.step_count)
         for group, start, end in ranges:
             state_out = None
             if speculative:

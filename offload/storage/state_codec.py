@@ -31,9 +31,10 @@ CHUNK_ELEMENTS = 1 << 22
 class StateCodec:
     """fp32 moments: every stored kind is already its fp32 values (the gradient may be 16-bit)."""
 
-    def __init__(self, state: StateBytes, compute_dtype: torch.dtype, rank: int) -> None:
+    def __init__(self, state: StateBytes, compute_dtype: torch.dtype, rank: int, rounding_seed: int = 0) -> None:
         self.state = state
         self.rank = rank
+        self.rounding_seed = rounding_seed
         self.grad_dtype = torch.float32 if state.gradient_bytes == 4 else compute_dtype
 
     @property
@@ -55,6 +56,11 @@ class StateCodec:
     def storage_numel(self, kind: str, numel: int) -> int:
         return self.storage(kind, numel)[0]
 
+    def rounding_key(self, unit_index: int, step_count: int) -> int:
+        """The key of the stochastic rounding of unit `unit_index`'s step `step_count` on this
+        rank, in the run's stream (`optimizer.rounding_seed`)."""
+        return moments.rounding_key(unit_index, self.rank, step_count, self.rounding_seed)
+
     def moment_view(self, buffer: torch.Tensor, piece_numel: int, start: int, end: int) -> moments.MomentView:
         """The stored form of elements [start, end) of a piece of `piece_numel` elements held in
         `buffer` (a moment's buffer of that piece)."""
@@ -68,8 +74,8 @@ class StateCodec:
 class CompactCodec(StateCodec):
     """bf16 or int8 moments, decoded chunk by chunk for fp32 readers and writers."""
 
-    def __init__(self, state: StateBytes, compute_dtype: torch.dtype, rank: int) -> None:
-        super().__init__(state, compute_dtype, rank)
+    def __init__(self, state: StateBytes, compute_dtype: torch.dtype, rank: int, rounding_seed: int = 0) -> None:
+        super().__init__(state, compute_dtype, rank, rounding_seed)
         self._scratch: dict[str, torch.Tensor] = {}
 
     @property
@@ -99,7 +105,7 @@ class CompactCodec(StateCodec):
                         moments.decode(self.precision.value, kind, stored[kind], out=views[kind])
                 yield StatePiece(piece.unit, piece.index, piece.start + low, views, piece.slot, last=piece.last and high == numel)
                 if encode:
-                    key = moments.rounding_key(piece.unit.index, self.rank, piece.unit.step_count)
+                    key = self.rounding_key(piece.unit.index, piece.unit.step_count)
                     for kind in MOMENT_KINDS:
                         # values read back (a checkpoint, a state dict) re-encode to themselves
                         moments.encode(
@@ -113,11 +119,12 @@ class CompactCodec(StateCodec):
                         )
 
 
-def make_codec(state: StateBytes, compute_dtype: torch.dtype, rank: int) -> StateCodec:
-    """The codec of `state`'s moment precision."""
+def make_codec(state: StateBytes, compute_dtype: torch.dtype, rank: int, rounding_seed: int = 0) -> StateCodec:
+    """The codec of `state`'s moment precision; `rounding_seed` picks the stream of random bits
+    its stochastic rounding draws (optimizer.rounding_seed)."""
     if state.precision is StatePrecision.FP32:
-        return StateCodec(state, compute_dtype, rank)
-    return CompactCodec(state, compute_dtype, rank)
+        return StateCodec(state, compute_dtype, rank, rounding_seed)
+    return CompactCodec(state, compute_dtype, rank, rounding_seed)
 
 
 def block_aligned_gaps(gaps: list[tuple[int, int]], precision: StatePrecision, end: int) -> list[tuple[int, int]]:

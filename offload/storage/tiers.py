@@ -80,7 +80,7 @@ class TierStore:
         (plan.plan_speculation). `state`: the bytes of each state kind (the moments' precision,
         the gradient's width; config.state_layout), whose formats `self.codec` knows."""
         self.state = state
-        self.codec: StateCodec = make_codec(state, compute_dtype, rank)
+        self.codec: StateCodec = make_codec(state, compute_dtype, rank, config.optimizer.rounding_seed)
         self.units = units
         self.param_tier = ParamTier(config.offload.param)
         if optimizer_tiers is None:
