@@ -125,7 +125,14 @@ def main(argv=None) -> dict:
 
     def trained(name, optimizer_class):
         return quality.train(
-            name, lambda: quality.TorchTrainer(model, optimizer_class, hyper, "fp32"), batches, validation, args.steps, args.lr, 50, 0
+            name,
+            lambda: quality.TorchTrainer(model, optimizer_class, hyper, "fp32"),
+            batches,
+            validation,
+            args.steps,
+            args.lr,
+            50,
+            0,
         )
 
     reference = trained("torch AdamW", torch.optim.AdamW)
@@ -133,11 +140,12 @@ def main(argv=None) -> dict:
     results = {}
     for spec in args.formats.split(","):
         moment, function = rounder(spec.strip())
+        rounders = {moment: function}
         rows = []
         for seed in range(args.streams):
 
-            def optimizer_class(params, seed=seed, **kw):
-                return RoundedAdamW(params, rounders={moment: function}, seed=seed, **kw)
+            def optimizer_class(params, seed=seed, rounders=rounders, **kw):
+                return RoundedAdamW(params, rounders=rounders, seed=seed, **kw)
 
             curve = trained(spec, optimizer_class)
             row = (
@@ -145,7 +153,9 @@ def main(argv=None) -> dict:
                 quality.percent(curve.final_validation, reference.final_validation),
             )
             rows.append(row)
-            print(f"  {spec:<8} stream {seed}: train {row[0]:+.2f}%  validation {row[1]:+.2f}%  ({curve.seconds:.0f} s)", flush=True)
+            print(
+                f"  {spec:<8} stream {seed}: train {row[0]:+.2f}%  validation {row[1]:+.2f}%  ({curve.seconds:.0f} s)", flush=True
+            )
         train, valid = [r[0] for r in rows], [r[1] for r in rows]
         print(
             f"{spec:<8} over {len(rows)} streams: train {min(train):+.2f} .. {max(train):+.2f}% (mean {statistics.fmean(train):+.2f}%), "
