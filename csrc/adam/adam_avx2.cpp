@@ -184,47 +184,60 @@ inline __m256i load_signed_codes(const uint8_t* src) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
 }
 
-// value(c) of code magnitudes c is the fp32 number with bits c << 19 times 2^Rebase (E3M4:
-// 2^120, E4M4: 2^112): from the first normal code on those bits are value(c)'s mantissa with
-// an exponent Rebase lower; below it they are the fp32 subnormal c * 2^(19 - 149) =
-// value(c) * 2^-Rebase. Exact, and equal to the doc's float((c + 1920) << 19) and
-// float((c + 1936) << 19) - 2^-6 (E3M4; likewise E4M4). The decode multiplies by 2^Rebase and
-// by the block's scale: `factor` is 2^Rebase * scale when that is an fp32 number (folded: the
-// usual case, one multiplication, the same exact product rounded once), else 2^Rebase and the
-// scale follows (decode_factors).
-inline __m256 decode_e3m4_vector(__m256i code, __m256 factor, __m256 scale, bool folded) {
-  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(code, 19), _mm256_set1_epi32(int(0x83F80000u)));
-  const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(bits), factor);
-  return folded ? value : _mm256_mul_ps(value, scale);
+// The int8 formats' arithmetic as docs/compact_state.md writes it, 8 lanes at a time, on normal
+// fp32 numbers only: the normal and the subnormal-range formula are both computed and a
+// compare picks one per lane. (Going through fp32 subnormals instead, one multiplication
+// fewer, cost microcode assists: 2.2x slower on Gaussian gradients, whose first moments have
+// some lanes below 2^-6 of their block in most vectors.)
+//
+// value(c) of code magnitudes c (< 256, in 32-bit lanes): float((c + Normal) << 19) from the
+// first normal code on, float((c + Subnormal) << 19) - end below; times the block's scale.
+template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
+inline __m256 decode_magnitude_vector(__m256i c, __m256 scale) {
+  const __m256i normal = _mm256_cmpgt_epi32(c, _mm256_set1_epi32(15));
+  const __m256 normal_value =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(int(Normal))), 19));
+  const __m256 subnormal_value = _mm256_sub_ps(
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(int(Subnormal))), 19)),
+      _mm256_castsi256_ps(_mm256_set1_epi32(int(EndBits))));
+  return _mm256_mul_ps(_mm256_blendv_ps(subnormal_value, normal_value, _mm256_castsi256_ps(normal)), scale);
 }
 
-inline __m256 decode_e4m4_vector(__m256i code, __m256 factor, __m256 scale, bool folded) {
-  const __m256 value = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(code, 19)), factor);
-  return folded ? value : _mm256_mul_ps(value, scale);
+// exp_avg: bit 7 of the (sign-extended) code is the sign, applied to value * scale.
+inline __m256 decode_e3m4_vector(__m256i code, __m256 scale) {
+  const __m256 magnitude = decode_magnitude_vector<1920, 1936, kTwoPowM6Bits>(
+      _mm256_and_si256(code, _mm256_set1_epi32(127)), scale);
+  const __m256i sign = _mm256_and_si256(code, _mm256_set1_epi32(int(0x80000000u)));
+  return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(magnitude), sign));
 }
 
-// Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept bits,
-// not yet limited to the largest code. z = y * 2^-Rebase is the doc's rounding point: from the
-// format's subnormal end (2^-6 / 2^-14) on, bits(z) = bits(y) - (normal base << 19) exactly;
-// below, z is an fp32 subnormal whose bits are y rounded to the format's subnormal spacing, as
-// the doc's bits(y + end) - (subnormal base << 19) are (same grid, same round to nearest even).
-// `inverse` is 2^(127 - e) * 2^-Rebase when that is a normal fp32 number (folded: see
-// encode_factor; one multiplication; the product is the same: y is exact wherever it is at
-// least 2^-126, and below that z rounds to 0 either way), else 2^(127 - e) and 2^-Rebase
-// follows.
-template <uint32_t Rebase>
-inline __m256i encode_magnitude_vector(__m256 magnitude, __m256 inverse, __m256i r, bool folded) {
-  __m256 z = _mm256_mul_ps(magnitude, inverse);
-  if (!folded) z = _mm256_mul_ps(z, _mm256_set1_ps(two_pow_minus_rebase(Rebase)));
-  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(z), r), 19);
+inline __m256 decode_e4m4_vector(__m256i code, __m256 scale) {
+  return decode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(code, scale);
+}
+
+// Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept 19
+// bits, not yet limited to the largest code: ((bits(y) + r) >> 19) - Normal from the format's
+// subnormal end on, ((bits(y + end) + r) >> 19) - Subnormal below (y + end an fp32 add).
+template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
+inline __m256i encode_magnitude_vector(__m256 magnitude, __m256 inverse, __m256i r) {
+  const __m256 end = _mm256_castsi256_ps(_mm256_set1_epi32(int(EndBits)));
+  const __m256 y = _mm256_mul_ps(magnitude, inverse);
+  const __m256i normal_code = _mm256_sub_epi32(
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(y), r), 19), _mm256_set1_epi32(int(Normal)));
+  const __m256i subnormal_code =
+      _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(_mm256_add_ps(y, end)), r), 19),
+                       _mm256_set1_epi32(int(Subnormal)));
+  const __m256 small = _mm256_cmp_ps(y, end, _CMP_LT_OQ);
+  return _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(normal_code), _mm256_castsi256_ps(subnormal_code), small));
 }
 
 // E3M4 magnitude codes (the sign comes separately: e3m4_signs). Up to 112 (y <= 1) unless the
 // block's exponent is 253, where y reaches 4 and codes are limited to 127 (limit_codes).
-inline __m256i encode_e3m4_vector(__m256 x, __m256 inverse, __m256i word, bool folded) {
+inline __m256i encode_e3m4_vector(__m256 x, __m256 inverse, __m256i word) {
   const __m256 magnitude = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-  return encode_magnitude_vector<kE3M4Rebase>(magnitude, inverse,
-                                              _mm256_and_si256(word, _mm256_set1_epi32(0x7FFFF)), folded);
+  return encode_magnitude_vector<1920, 1936, kTwoPowM6Bits>(
+      magnitude, inverse, _mm256_and_si256(word, _mm256_set1_epi32(0x7FFFF)));
 }
 
 inline __m256i e3m4_signs(__m256 x) {
@@ -234,9 +247,9 @@ inline __m256i e3m4_signs(__m256 x) {
 // E4M4 codes of a root (>= +0: sqrt of a v that is never -0; NaN only in a non-finite block,
 // whose codes are replaced by 0). Up to 240 unless the exponent is 253 (limited to 255).
 // A root above zero takes at least code 1 (its bits, a positive int, limited to 1, as a floor).
-inline __m256i encode_e4m4_vector(__m256 root, __m256 inverse, __m256i word, bool folded) {
+inline __m256i encode_e4m4_vector(__m256 root, __m256 inverse, __m256i word) {
   const __m256i codes =
-      encode_magnitude_vector<kE4M4Rebase>(root, inverse, _mm256_srli_epi32(word, 13), folded);
+      encode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(root, inverse, _mm256_srli_epi32(word, 13));
   return _mm256_max_epi32(codes, _mm256_min_epi32(_mm256_castps_si256(root), _mm256_set1_epi32(1)));
 }
 
@@ -384,18 +397,15 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
     v_exponent_in[blk] = v_exponents_in[blk];
   }
   for (size_t blk = 0; blk < blocks; ++blk) {
-    const DecodeFactors m_factors = decode_factors(m_exponent_in[blk], kE3M4Rebase);
-    const DecodeFactors v_factors = decode_factors(v_exponent_in[blk], kE4M4Rebase);
-    const __m256 m_factor = _mm256_set1_ps(m_factors.factor), m_scale = _mm256_set1_ps(m_factors.scale);
-    const __m256 v_factor = _mm256_set1_ps(v_factors.factor), v_scale = _mm256_set1_ps(v_factors.scale);
+    const __m256 m_scale = _mm256_set1_ps(exponent_scale(m_exponent_in[blk]));
+    const __m256 v_scale = _mm256_set1_ps(exponent_scale(v_exponent_in[blk]));
     __m256i m_max = _mm256_setzero_si256(), root_max = _mm256_setzero_si256();
     for (size_t k = 0; k < 4; ++k) {
       const size_t e = kInt8Block * blk + 8 * k;  // element within the group
       __m256 g = load_grad<GradType>(b.grad, i + e);
       __m256 p = _mm256_loadu_ps(b.param_in + i + e);
-      __m256 m = decode_e3m4_vector(load_signed_codes(m_in + e), m_factor, m_scale, m_factors.folded);
-      const __m256 stored_root =
-          decode_e4m4_vector(load_codes(v_in + e), v_factor, v_scale, v_factors.folded);
+      __m256 m = decode_e3m4_vector(load_signed_codes(m_in + e), m_scale);
+      const __m256 stored_root = decode_e4m4_vector(load_codes(v_in + e), v_scale);
       __m256 v = _mm256_mul_ps(stored_root, stored_root);
       const __m256 root = adamw_math(c.step, g, p, m, v, lerp_small, lerp_coeff);
       _mm256_storeu_ps(b.param + i + e, p);
@@ -411,18 +421,17 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
   for (size_t blk = 0; blk < blocks; ++blk) {
     const uint32_t m_e = block_exponent(m_largest[blk]);
     const uint32_t v_e = block_exponent(root_largest[blk]);
-    const EncodeFactor m_factor = encode_factor(m_e, kE3M4Rebase), v_factor = encode_factor(v_e, kE4M4Rebase);
-    const __m256 m_inverse = _mm256_set1_ps(m_factor.inverse);
-    const __m256 v_inverse = _mm256_set1_ps(v_factor.inverse);
+    const __m256 m_inverse = _mm256_set1_ps(exponent_inverse(m_e));
+    const __m256 v_inverse = _mm256_set1_ps(exponent_inverse(v_e));
     __m256i m_codes[4], v_codes[4];
     for (size_t k = 0; k < 4; ++k) {
       const size_t e = kInt8Block * blk + 8 * k;
       const __m256i word = random_words(c.key, first + uint32_t(e));
       const __m256 m = _mm256_load_ps(ms + e);
-      m_codes[k] = encode_e3m4_vector(m, m_inverse, word, m_factor.folded);
+      m_codes[k] = encode_e3m4_vector(m, m_inverse, word);
       if (m_e == 253) m_codes[k] = _mm256_min_epi32(m_codes[k], _mm256_set1_epi32(127));
       m_codes[k] = _mm256_or_si256(m_codes[k], e3m4_signs(m));
-      v_codes[k] = encode_e4m4_vector(_mm256_load_ps(roots + e), v_inverse, word, v_factor.folded);
+      v_codes[k] = encode_e4m4_vector(_mm256_load_ps(roots + e), v_inverse, word);
       if (v_e == 253) v_codes[k] = _mm256_min_epi32(v_codes[k], _mm256_set1_epi32(255));
     }
     if (m_e == 255)

@@ -163,36 +163,52 @@ inline __m512i load_signed_codes(const uint8_t* src, __mmask16 mask) {
   return _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, src));
 }
 
-// value(c) of code magnitudes c is the fp32 number with bits c << 19 times 2^Rebase (exact;
-// see adam_avx2.cpp). The decode multiplies by 2^Rebase and by the block's scale, folded into
-// one `factor` where that is an fp32 number (see adam_avx2.cpp).
-inline __m512 decode_e3m4_vector(__m512i code, __m512 factor, __m512 scale, bool folded) {
-  const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(code, 19), _mm512_set1_epi32(int(0x83F80000u)));
-  const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(bits), factor);
-  return folded ? value : _mm512_mul_ps(value, scale);
+// The int8 formats' arithmetic on normal fp32 numbers only, both range formulas computed and
+// one picked per lane by a mask (see adam_avx2.cpp: no fp32 subnormals, no microcode assists).
+template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
+inline __m512 decode_magnitude_vector(__m512i c, __m512 scale) {
+  const __mmask16 normal = _mm512_cmpgt_epi32_mask(c, _mm512_set1_epi32(15));
+  const __m512 normal_value =
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(int(Normal))), 19));
+  const __m512 subnormal_value = _mm512_sub_ps(
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(int(Subnormal))), 19)),
+      _mm512_castsi512_ps(_mm512_set1_epi32(int(EndBits))));
+  return _mm512_mul_ps(_mm512_mask_mov_ps(subnormal_value, normal, normal_value), scale);
 }
 
-inline __m512 decode_e4m4_vector(__m512i code, __m512 factor, __m512 scale, bool folded) {
-  const __m512 value = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(code, 19)), factor);
-  return folded ? value : _mm512_mul_ps(value, scale);
+inline __m512 decode_e3m4_vector(__m512i code, __m512 scale) {
+  const __m512 magnitude = decode_magnitude_vector<1920, 1936, kTwoPowM6Bits>(
+      _mm512_and_si512(code, _mm512_set1_epi32(127)), scale);
+  const __m512i sign = _mm512_and_si512(code, _mm512_set1_epi32(int(0x80000000u)));
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(magnitude), sign));
 }
 
-// Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept bits,
-// not yet limited to the largest code, through z = y * 2^-Rebase (see adam_avx2.cpp).
-template <uint32_t Rebase>
-inline __m512i encode_magnitude_vector(__m512 magnitude, __m512 inverse, __m512i r, bool folded) {
-  __m512 z = _mm512_mul_ps(magnitude, inverse);
-  if (!folded) z = _mm512_mul_ps(z, _mm512_set1_ps(two_pow_minus_rebase(Rebase)));
-  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(z), r), 19);
+inline __m512 decode_e4m4_vector(__m512i code, __m512 scale) {
+  return decode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(code, scale);
+}
+
+// Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept 19
+// bits, not yet limited to the largest code (see adam_avx2.cpp).
+template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
+inline __m512i encode_magnitude_vector(__m512 magnitude, __m512 inverse, __m512i r) {
+  const __m512 end = _mm512_castsi512_ps(_mm512_set1_epi32(int(EndBits)));
+  const __m512 y = _mm512_mul_ps(magnitude, inverse);
+  const __m512i normal_code = _mm512_sub_epi32(
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(y), r), 19), _mm512_set1_epi32(int(Normal)));
+  const __m512i subnormal_code =
+      _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(_mm512_add_ps(y, end)), r), 19),
+                       _mm512_set1_epi32(int(Subnormal)));
+  const __mmask16 small = _mm512_cmp_ps_mask(y, end, _CMP_LT_OQ);
+  return _mm512_mask_mov_epi32(normal_code, small, subnormal_code);
 }
 
 // E3M4 magnitude codes (the sign comes separately: e3m4_signs); limited to 127 only in a block
 // of exponent 253 (see adam_avx2.cpp).
-inline __m512i encode_e3m4_vector(__m512 x, __m512 inverse, __m512i word, bool folded) {
+inline __m512i encode_e3m4_vector(__m512 x, __m512 inverse, __m512i word) {
   const __m512 magnitude =
       _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
-  return encode_magnitude_vector<kE3M4Rebase>(magnitude, inverse,
-                                              _mm512_and_si512(word, _mm512_set1_epi32(0x7FFFF)), folded);
+  return encode_magnitude_vector<1920, 1936, kTwoPowM6Bits>(
+      magnitude, inverse, _mm512_and_si512(word, _mm512_set1_epi32(0x7FFFF)));
 }
 
 inline __m512i e3m4_signs(__m512 x) {
@@ -201,9 +217,9 @@ inline __m512i e3m4_signs(__m512 x) {
 
 // E4M4 codes of a root (>= +0; see adam_avx2.cpp).
 // A root above zero takes at least code 1 (see adam_avx2.cpp).
-inline __m512i encode_e4m4_vector(__m512 root, __m512 inverse, __m512i word, bool folded) {
+inline __m512i encode_e4m4_vector(__m512 root, __m512 inverse, __m512i word) {
   const __m512i codes =
-      encode_magnitude_vector<kE4M4Rebase>(root, inverse, _mm512_srli_epi32(word, 13), folded);
+      encode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(root, inverse, _mm512_srli_epi32(word, 13));
   return _mm512_max_epi32(codes, _mm512_min_epi32(_mm512_castps_si512(root), _mm512_set1_epi32(1)));
 }
 
@@ -309,19 +325,16 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
     v_exponent_in[blk] = c.exp_avg_sq_exponents_in[block0 + blk];
   }
   for (size_t blk = 0; blk < blocks; ++blk) {
-    const DecodeFactors m_factors = decode_factors(m_exponent_in[blk], kE3M4Rebase);
-    const DecodeFactors v_factors = decode_factors(v_exponent_in[blk], kE4M4Rebase);
-    const __m512 m_factor = _mm512_set1_ps(m_factors.factor), m_scale = _mm512_set1_ps(m_factors.scale);
-    const __m512 v_factor = _mm512_set1_ps(v_factors.factor), v_scale = _mm512_set1_ps(v_factors.scale);
+    const __m512 m_scale = _mm512_set1_ps(exponent_scale(m_exponent_in[blk]));
+    const __m512 v_scale = _mm512_set1_ps(exponent_scale(v_exponent_in[blk]));
     __m512i m_max = _mm512_setzero_si512(), root_max = _mm512_setzero_si512();
     for (size_t k = 0; k < 2; ++k) {
       const size_t e = kInt8Block * blk + 16 * k;  // element within the group
       const __mmask16 mask = lanes(2 * blk + k, count);
       __m512 g = load_grad<GradType>(a.grad, i + e, mask);
       __m512 p = _mm512_maskz_loadu_ps(mask, a.param_in + i + e);
-      __m512 m = decode_e3m4_vector(load_signed_codes(m_in + e, mask), m_factor, m_scale, m_factors.folded);
-      const __m512 stored_root =
-          decode_e4m4_vector(load_codes(v_in + e, mask), v_factor, v_scale, v_factors.folded);
+      __m512 m = decode_e3m4_vector(load_signed_codes(m_in + e, mask), m_scale);
+      const __m512 stored_root = decode_e4m4_vector(load_codes(v_in + e, mask), v_scale);
       __m512 v = _mm512_mul_ps(stored_root, stored_root);
       __m512 root = adamw_math(a, g, p, m, v, lerp_small, lerp_coeff);
       // masked-off lanes: zero (a NaN scale would otherwise reach them)
@@ -340,18 +353,17 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
   for (size_t blk = 0; blk < blocks; ++blk) {
     const uint32_t m_e = block_exponent(m_largest[blk]);
     const uint32_t v_e = block_exponent(root_largest[blk]);
-    const EncodeFactor m_factor = encode_factor(m_e, kE3M4Rebase), v_factor = encode_factor(v_e, kE4M4Rebase);
-    const __m512 m_inverse = _mm512_set1_ps(m_factor.inverse);
-    const __m512 v_inverse = _mm512_set1_ps(v_factor.inverse);
+    const __m512 m_inverse = _mm512_set1_ps(exponent_inverse(m_e));
+    const __m512 v_inverse = _mm512_set1_ps(exponent_inverse(v_e));
     for (size_t k = 0; k < 2; ++k) {
       const size_t e = kInt8Block * blk + 16 * k;
       const __mmask16 mask = lanes(2 * blk + k, count);
       const __m512i word = random_words(c.key, uint32_t(c.position + i + e));
       const __m512 m = _mm512_load_ps(ms + e);
-      __m512i m_codes = encode_e3m4_vector(m, m_inverse, word, m_factor.folded);
+      __m512i m_codes = encode_e3m4_vector(m, m_inverse, word);
       if (m_e == 253) m_codes = _mm512_min_epi32(m_codes, _mm512_set1_epi32(127));
       m_codes = _mm512_or_si512(m_codes, e3m4_signs(m));
-      __m512i v_codes = encode_e4m4_vector(_mm512_load_ps(roots + e), v_inverse, word, v_factor.folded);
+      __m512i v_codes = encode_e4m4_vector(_mm512_load_ps(roots + e), v_inverse, word);
       if (v_e == 253) v_codes = _mm512_min_epi32(v_codes, _mm512_set1_epi32(255));
       if (m_e == 255) m_codes = _mm512_setzero_si512();
       if (v_e == 255) v_codes = _mm512_setzero_si512();

@@ -187,20 +187,14 @@ static inline uint32_t fmix32(uint32_t h) {
   return h;
 }
 
-// The two int8 code formats (docs/compact_state.md) differ in their exponent bias: exp_avg's
-// E3M4 has 7 (normal codes from 2^-6, subnormal below), the root's E4M4 15 (from 2^-14). The
-// vector kernels go through fp32 numbers `Rebase` = 127 - bias binades lower, whose subnormal
-// range then falls on the format's.
-constexpr uint32_t kE3M4Rebase = 120;
-constexpr uint32_t kE4M4Rebase = 112;
-constexpr uint32_t kTwoPowM6Bits = (127u - 6u) << 23;    // 2^-6: where E3M4's subnormal range ends
-constexpr uint32_t kTwoPowM14Bits = (127u - 14u) << 23;  // 2^-14: where E4M4's subnormal range ends
-static inline float two_pow_rebase(uint32_t rebase) { return bits_float((127u + rebase) << 23); }
-static inline float two_pow_minus_rebase(uint32_t rebase) { return bits_float((127u - rebase) << 23); }
+// Where the int8 code formats' subnormal ranges end (docs/compact_state.md): exp_avg's E3M4
+// (exponent bias 7) at 2^-6, the root's E4M4 (bias 15) at 2^-14.
+constexpr uint32_t kTwoPowM6Bits = (127u - 6u) << 23;
+constexpr uint32_t kTwoPowM14Bits = (127u - 14u) << 23;
 
 // The compact kernels run with IEEE arithmetic whatever the calling thread set: round to
 // nearest, no flush-to-zero, no denormals-are-zero (torch.set_flush_denormal(True) sets both;
-// the vector int8 codes go through fp32 subnormals, and the result must equal torch's).
+// a tiny moment, weight or y is an fp32 subnormal, and the result must equal torch's).
 // ieee_mode_enter returns the control word for ieee_mode_leave to restore.
 static inline unsigned ieee_mode_enter() {
 #if defined(__SSE2__)
@@ -235,37 +229,6 @@ static inline float exponent_scale(uint32_t e) {
 
 // 2^(127 - e) (0 for e = 255, whose codes are 0 anyway).
 static inline float exponent_inverse(uint32_t e) { return bits_float((e >= 254 ? 0u : 254u - e) << 23); }
-
-// The vector kernels decode a block's codes as float(code bits) * 2^Rebase * scale (an fp32
-// subnormal below the normal codes): `factor` folds the two when 2^Rebase * scale is an fp32
-// number (exponent bytes up to 254 - Rebase, and 255: NaN), else it is 2^Rebase and `scale`
-// follows. (Plain aggregates built by static functions: no inline function with external
-// linkage, see the note at the top.)
-struct DecodeFactors {
-  float factor;
-  float scale;
-  bool folded;
-};
-
-static inline DecodeFactors decode_factors(uint32_t e, uint32_t rebase) {
-  const bool folded = e <= 254 - rebase || e == 255;
-  const float scale = exponent_scale(e);
-  const float up = two_pow_rebase(rebase);
-  return {folded ? scale * up : up, scale, folded};
-}
-
-// ... and encode as bits(|x| * 2^(127 - e) * 2^-Rebase): `inverse` folds the two when
-// 2^(127 - Rebase - e) is a normal fp32 number (exponent bytes up to 253 - Rebase), else it is
-// 2^(127 - e).
-struct EncodeFactor {
-  float inverse;
-  bool folded;
-};
-
-static inline EncodeFactor encode_factor(uint32_t e, uint32_t rebase) {
-  const bool folded = e <= 253 - rebase;
-  return {folded ? exponent_inverse(e) * two_pow_minus_rebase(rebase) : exponent_inverse(e), folded};
-}
 
 // exp_avg code: bit 7 the sign, bits 0..6 an E3M4 magnitude (value(112) = 1).
 static inline float decode_e3m4(uint32_t code, float scale) {
