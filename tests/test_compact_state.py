@@ -354,3 +354,20 @@ def test_cpu_adamw_rounding_seed_is_its_stream():
     assert not torch.equal(trained(0), trained(9))
     with pytest.raises(ValueError, match="rounding_seed"):
         CPUAdamW([torch.nn.Parameter(torch.zeros(4))], rounding_seed=-1)
+
+
+def test_int8_values_of_other_codes_are_said_to_round(caplog):
+    """A checkpoint records its int8 codes: values of the E4M3 first moment (int8 checkpoints
+    from before the record) re-encode into E3M4 with rounding, and the load says so."""
+    from offload.checkpoint.engine_state import _log_precision_change
+    from offload.config.state_layout import INT8_CODES
+
+    with caplog.at_level(logging.INFO, logger="offload"):
+        _log_precision_change({"state_precision": "int8", "int8_codes": INT8_CODES}, "int8", 1, 1)
+        assert caplog.text == ""
+        _log_precision_change({"state_precision": "int8"}, "int8", 1, 1)
+    assert "other codes (exp_avg E4M3" in caplog.text and "re-encoded with rounding" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="offload"):
+        _log_precision_change({"state_precision": "int8"}, "fp32", 1, 1)  # decoded values: exact in fp32
+    assert "converted exactly" in caplog.text

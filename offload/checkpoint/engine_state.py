@@ -69,6 +69,7 @@ from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's
 from offload.checkpoint.verify import VerifiedCheckpoint, frozen_piece, model_names, verify
 from offload.config.schema import Config
 from offload.config.sizes import format_bytes
+from offload.config.state_layout import INT8_CODES, INT8_CODES_BEFORE
 from offload.errors import InsufficientSpaceError, OffloadError
 from offload.model.unit_state import UnitState
 from offload.model.units import shard_pieces
@@ -421,6 +422,7 @@ def _finish(engine: CheckpointedEngine, root, temp, final, tag, files, canonical
         "optimizer": engine.config.optimizer.type,
         # how the engine stored the moments (the files hold their fp32 values in every precision)
         "state_precision": engine.store.codec.precision.value,
+        "int8_codes": INT8_CODES,
         "engine": engine.training_state(),
         "params": params,
         "state_dict_keys": [[key, what] for key, what in keys],
@@ -607,7 +609,17 @@ def _log_precision_change(index: dict, precision: str, saved_world: int, world: 
     which re-encode to themselves), rounded into a narrower one, or into int8 blocks that
     regroup on another number of ranks."""
     saved = index.get("state_precision", "fp32")
-    if saved == precision and (precision != "int8" or saved_world == world):
+    # int8 values from other codes (a checkpoint of the E4M3 first moment) are rounded like a narrower precision's
+    same_codes = saved != "int8" or index.get("int8_codes", INT8_CODES_BEFORE) == INT8_CODES
+    if saved == precision and same_codes and (precision != "int8" or saved_world == world):
+        return
+    if not same_codes and precision == "int8":
+        logger.info(
+            "offload: the checkpoint's int8 Adam moments were stored in other codes (%s; this engine: %s): they are "
+            "re-encoded with rounding",
+            index.get("int8_codes", INT8_CODES_BEFORE),
+            INT8_CODES,
+        )
         return
     order = {"int8": 0, "bf16": 1, "fp32": 2}
     exact = saved in order and order[saved] <= order[precision] and (precision != "int8" or saved_world == world)
