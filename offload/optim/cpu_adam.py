@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from offload.config.state_layout import StatePrecision
 from offload.errors import OffloadError
 from offload.optim import kernels, moments
 
-_STATE_PRECISIONS = ("fp32", "bf16", "int8")
+_STATE_PRECISIONS = tuple(precision.value for precision in StatePrecision)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 __all__ = ["CPUAdamW"]
@@ -296,12 +297,25 @@ class CPUAdamW(torch.optim.Optimizer):
                 if not grad.is_contiguous():
                     grad = grad.contiguous()
                 state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    if not compact:
+                        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                step_t = state["step"]
+                step_t += 1
+                hyper = {
+                    "step": step_t.item(),
+                    "lr": lr,
+                    "beta1": beta1,
+                    "beta2": beta2,
+                    "eps": group["eps"],
+                    "weight_decay": group["weight_decay"],
+                    "adamw_mode": adamw_mode,
+                    "bias_correction": group.get("bias_correction", True),
+                }
                 if compact:
-                    if len(state) == 0:
-                        state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     exp_avg, exp_avg_sq = self._compact_state(p, index, state)
-                    step_t = state["step"]
-                    step_t += 1
                     kernels.adam_step_compact(
                         p.view(-1),
                         grad.view(-1),
@@ -310,34 +324,8 @@ class CPUAdamW(torch.optim.Optimizer):
                         precision=self.state_precision,
                         position=0,
                         rounding_key=moments.rounding_key(index, 0, int(step_t.item()), self.rounding_seed),
-                        step=step_t.item(),
-                        lr=lr,
-                        beta1=beta1,
-                        beta2=beta2,
-                        eps=group["eps"],
-                        weight_decay=group["weight_decay"],
-                        adamw_mode=adamw_mode,
-                        bias_correction=group.get("bias_correction", True),
+                        **hyper,
                     )
-                    continue
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                step_t = state["step"]
-                step_t += 1
-                kernels.adam_step(
-                    p,
-                    grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    step=step_t.item(),
-                    lr=lr,
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    adamw_mode=adamw_mode,
-                    bias_correction=group.get("bias_correction", True),
-                )
+                else:
+                    kernels.adam_step(p, grad, state["exp_avg"], state["exp_avg_sq"], **hyper)
         return loss
