@@ -545,6 +545,46 @@ def test_extreme_magnitudes(isa):
         assert_state_same((p, m, v), ref, precision)
 
 
+def test_block_exponents_on_both_sides_of_the_scaled_form(isa):
+    """The vector kernels fold a block's scale into the exponent field for block exponent bytes
+    16..252 (and skip the subnormal formula of a second-moment block with no root in that range):
+    the blocks on both sides of each edge, and second-moment blocks with and without subnormal
+    codes, step like the torch reference."""
+    exponents = [14, 15, 16, 17, 127, 251, 252, 253]
+    n = 32 * len(exponents)
+    # block k's largest first moment has exponent byte exponents[k] (the last one's, 1.7 * 2^127,
+    # is limited to 253: its codes saturate); within a block magnitudes fall to 2^-12 of it
+    # (codes in E3M4's subnormal range below 2^-6), signs alternate
+    largest = torch.tensor([1.5 * 2.0 ** (e - 128) for e in exponents[:-1]] + [1.7 * 2.0**127])
+    largest = largest.repeat_interleave(32)
+    m_values = largest * torch.exp2(-12 * torch.linspace(0, 1, 32)).repeat(len(exponents))
+    m_values[1::2] *= -1
+    # second moments: even blocks within 2^20 of their largest (no root in the subnormal range),
+    # odd blocks over 2^40 (some); one block all zero
+    spread = torch.tensor([20.0, 40.0] * (len(exponents) // 2)).repeat_interleave(32)
+    v_values = torch.exp2(-spread * torch.rand(n, generator=torch.Generator().manual_seed(5)))
+    v_values[64:96] = 0
+    m, v = views("int8", n)
+    M.encode("int8", "exp_avg", m_values, m, position=0, key=1)
+    M.encode("int8", "exp_avg_sq", v_values, v, position=0, key=1)
+    assert m.block_exponents.tolist() == exponents
+    assert (v.values[32:64] < 16).any() and (v.values[:32] >= 16).all()
+    p = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    ref = (p.clone(), copy_view(m), copy_view(v))
+    for step in range(1, 4):
+        # gradients small against the first moments (each block keeps its exponent byte), but
+        # the first step pushes the last block's beyond 2^127 (y above 2: codes limited to 127;
+        # its second moments overflow, a non-finite block)
+        g = torch.randn(n, generator=torch.Generator().manual_seed(step)) * largest.clamp(max=1.0) * 1e-3
+        if step == 1:
+            g[-32:] = 2.5e38 * m_values[-32:].sign()
+        hp = dict(precision="int8", position=0, rounding_key=M.rounding_key(3, 0, step), step=step, **HYPER)
+        kernels.adam_step_compact(p, g, m, v, **hp)
+        M.adam_step_torch(ref[0], g, ref[1], ref[2], **hp)
+        assert_state_same((p, m, v), ref, f"{isa} step {step}")
+    assert m.block_exponents.tolist() == exponents
+
+
 def test_flush_denormal_does_not_change_the_step(isa):
     # torch.set_flush_denormal(True) sets flush-to-zero and denormals-are-zero on the calling
     # thread, which runs (part of) the kernel: the kernel still computes with IEEE subnormals

@@ -150,15 +150,20 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
 
 // ---- compact moments (docs/compact_state.md) --------------------------------------------
 
-// The random words of elements first .. first + 7 (first = position + index, mod 2^32).
-inline __m256i random_words(uint32_t key, uint32_t first) {
-  __m256i h = _mm256_add_epi32(_mm256_set1_epi32(int(first)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  h = _mm256_xor_si256(h, _mm256_set1_epi32(int(key)));
+// MurmurHash3's finalizer on 8 lanes (fmix32 in adam_kernels.h).
+inline __m256i fmix32_vector(__m256i h) {
   h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
   h = _mm256_mullo_epi32(h, _mm256_set1_epi32(int(0x85EBCA6Bu)));
   h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
   h = _mm256_mullo_epi32(h, _mm256_set1_epi32(int(0xC2B2AE35u)));
   return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+}
+
+// The random words of elements first .. first + 7 (first = position + index, mod 2^32).
+inline __m256i random_words(uint32_t key, uint32_t first) {
+  const __m256i position =
+      _mm256_add_epi32(_mm256_set1_epi32(int(first)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return fmix32_vector(_mm256_xor_si256(position, _mm256_set1_epi32(int(key))));
 }
 
 inline __m256 load_bf16(const uint16_t* src) {
@@ -190,6 +195,26 @@ inline __m256i load_signed_codes(const uint8_t* src) {
 // fewer, cost microcode assists: 2.2x slower on Gaussian gradients, whose first moments have
 // some lanes below 2^-6 of their block in most vectors.)
 //
+// Two forms of each, equal bit for bit where both apply:
+// - general (any block exponent e): values in units of the block's scale 2^(e - 127), then
+//   multiplied by it (decode) or by its inverse (encode), as the doc writes them;
+// - scaled (16 <= e <= 252, the blocks of every ordinary moment): the scale folded into the
+//   exponent field. Multiplying a normal fp32 number by 2^k adds k << 23 to its bits when the
+//   product is normal, and in this range every value the formulas form is (docs/compact_state.md,
+//   "Exactness of the kernels' scaled form"). Saves the multiplications, the base subtractions and,
+//   for a block of E4M4 codes or roots with no lane in the subnormal range (nearly every block of
+//   a second moment: the range is below 2^-14 of the block's largest root), the subnormal formula.
+//
+// The subnormal formulas reuse the normal ones: float((c + Subnormal) << 19) is
+// 2 * float((c + Normal) << 19) (Subnormal - Normal = 16: one more in the exponent field), and
+// a code of y + end's bits with Subnormal subtracted is the code of (y + end) / 2 with Normal.
+
+// The block exponents of the scaled form.
+inline bool scaled_exponent(uint32_t e) { return e >= 16 && e <= 252; }
+
+// The bits of x * 2^(e - 127) minus those of x, mod 2^32 (x and the product normal).
+inline uint32_t scale_bits(uint32_t e) { return (e - 127u) << 23; }
+
 // value(c) of code magnitudes c (< 256, in 32-bit lanes): float((c + Normal) << 19) from the
 // first normal code on, float((c + Subnormal) << 19) - end below; times the block's scale.
 template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
@@ -203,61 +228,178 @@ inline __m256 decode_magnitude_vector(__m256i c, __m256 scale) {
   return _mm256_mul_ps(_mm256_blendv_ps(subnormal_value, normal_value, _mm256_castsi256_ps(normal)), scale);
 }
 
-// exp_avg: bit 7 of the (sign-extended) code is the sign, applied to value * scale.
-inline __m256 decode_e3m4_vector(__m256i code, __m256 scale) {
-  const __m256 magnitude = decode_magnitude_vector<1920, 1936, kTwoPowM6Bits>(
-      _mm256_and_si256(code, _mm256_set1_epi32(127)), scale);
+// The same, scaled form: normal_base = Normal + 16 (e - 127), scaled_end = end * 2^(e - 127).
+inline __m256 decode_magnitude_scaled(__m256i c, __m256i normal_base, __m256 scaled_end) {
+  const __m256 normal_value = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, normal_base), 19));
+  const __m256 subnormal_value = _mm256_fmsub_ps(normal_value, _mm256_set1_ps(2.0f), scaled_end);
+  const __m256i subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(16), c);
+  return _mm256_blendv_ps(normal_value, subnormal_value, _mm256_castsi256_ps(subnormal));
+}
+
+// exp_avg: bit 7 of the (sign-extended) code is the sign, applied to the magnitude's value.
+inline __m256 with_code_sign(__m256 magnitude, __m256i code) {
   const __m256i sign = _mm256_and_si256(code, _mm256_set1_epi32(int(0x80000000u)));
   return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(magnitude), sign));
 }
 
-inline __m256 decode_e4m4_vector(__m256i code, __m256 scale) {
-  return decode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(code, scale);
+// The 32 exp_avg values of a block (codes at src, exponent byte e) into dst.
+inline void decode_e3m4_block(const uint8_t* src, uint32_t e, float* dst) {
+  const __m256i magnitude = _mm256_set1_epi32(127);
+  if (scaled_exponent(e)) {
+    const __m256i base = _mm256_set1_epi32(int(1920u + 16u * (e - 127u)));
+    const __m256 end = _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM6Bits + scale_bits(e))));
+    for (size_t k = 0; k < 4; ++k) {
+      const __m256i code = load_signed_codes(src + 8 * k);
+      const __m256 value = decode_magnitude_scaled(_mm256_and_si256(code, magnitude), base, end);
+      _mm256_store_ps(dst + 8 * k, with_code_sign(value, code));
+    }
+    return;
+  }
+  const __m256 scale = _mm256_set1_ps(exponent_scale(e));
+  for (size_t k = 0; k < 4; ++k) {
+    const __m256i code = load_signed_codes(src + 8 * k);
+    const __m256 value =
+        decode_magnitude_vector<1920, 1936, kTwoPowM6Bits>(_mm256_and_si256(code, magnitude), scale);
+    _mm256_store_ps(dst + 8 * k, with_code_sign(value, code));
+  }
+}
+
+// The 32 stored roots of a block of exp_avg_sq codes into dst. Scaled and no code below 16:
+// only the normal formula.
+inline void decode_e4m4_block(const uint8_t* src, uint32_t e, float* dst) {
+  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m256i sixteen = _mm256_set1_epi8(16);
+  const bool all_normal =
+      _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(codes, sixteen), codes)) == -1;
+  if (scaled_exponent(e) && all_normal) {
+    const __m256i base = _mm256_set1_epi32(int(1792u + 16u * (e - 127u)));
+    for (size_t k = 0; k < 4; ++k)
+      _mm256_store_ps(dst + 8 * k, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                       _mm256_add_epi32(load_codes(src + 8 * k), base), 19)));
+    return;
+  }
+  const __m256 scale = _mm256_set1_ps(exponent_scale(e));
+  for (size_t k = 0; k < 4; ++k)
+    _mm256_store_ps(dst + 8 * k,
+                    decode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(load_codes(src + 8 * k), scale));
 }
 
 // Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept 19
 // bits, not yet limited to the largest code: ((bits(y) + r) >> 19) - Normal from the format's
-// subnormal end on, ((bits(y + end) + r) >> 19) - Subnormal below (y + end an fp32 add).
-template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
+// subnormal end on, ((bits((y + end) / 2) + r) >> 19) - Normal below (y + end an fp32 add).
+template <uint32_t Normal, uint32_t EndBits>
 inline __m256i encode_magnitude_vector(__m256 magnitude, __m256 inverse, __m256i r) {
   const __m256 end = _mm256_castsi256_ps(_mm256_set1_epi32(int(EndBits)));
   const __m256 y = _mm256_mul_ps(magnitude, inverse);
-  const __m256i normal_code = _mm256_sub_epi32(
-      _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(y), r), 19), _mm256_set1_epi32(int(Normal)));
-  const __m256i subnormal_code =
-      _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(_mm256_add_ps(y, end)), r), 19),
-                       _mm256_set1_epi32(int(Subnormal)));
   const __m256 small = _mm256_cmp_ps(y, end, _CMP_LT_OQ);
-  return _mm256_castps_si256(
-      _mm256_blendv_ps(_mm256_castsi256_ps(normal_code), _mm256_castsi256_ps(subnormal_code), small));
+  const __m256 t = _mm256_blendv_ps(y, _mm256_mul_ps(_mm256_add_ps(y, end), _mm256_set1_ps(0.5f)), small);
+  return _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(t), r), 19),
+                          _mm256_set1_epi32(int(Normal)));
 }
 
-// E3M4 magnitude codes (the sign comes separately: e3m4_signs). Up to 112 (y <= 1) unless the
-// block's exponent is 253, where y reaches 4 and codes are limited to 127 (limit_codes).
-inline __m256i encode_e3m4_vector(__m256 x, __m256 inverse, __m256i word) {
-  const __m256 magnitude = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-  return encode_magnitude_vector<1920, 1936, kTwoPowM6Bits>(
-      magnitude, inverse, _mm256_and_si256(word, _mm256_set1_epi32(0x7FFFF)));
+// The same, scaled form (|x| and end scaled: y = |x| * inverse never formed): the codes are
+// (bits(t) + r + offset) >> 19 with offset = bits(inverse) - bits(1) - Normal << 19.
+inline __m256i encode_magnitude_scaled(__m256 magnitude, __m256 scaled_end, __m256i offset, __m256i r) {
+  const __m256 small = _mm256_cmp_ps(magnitude, scaled_end, _CMP_LT_OQ);
+  const __m256 t = _mm256_blendv_ps(
+      magnitude, _mm256_mul_ps(_mm256_add_ps(magnitude, scaled_end), _mm256_set1_ps(0.5f)), small);
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(_mm256_castps_si256(t), r), offset), 19);
 }
 
-inline __m256i e3m4_signs(__m256 x) {
-  return _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 24), _mm256_set1_epi32(0x80));
+// The random words of 32 elements from `first`: fmix32(key ^ position), 8 lanes at a time.
+inline void block_random_words(uint32_t key, uint32_t first, __m256i (&words)[4]) {
+  __m256i position =
+      _mm256_add_epi32(_mm256_set1_epi32(int(first)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (size_t k = 0; k < 4; ++k) {
+    words[k] = fmix32_vector(_mm256_xor_si256(position, _mm256_set1_epi32(int(key))));
+    position = _mm256_add_epi32(position, _mm256_set1_epi32(8));
+  }
 }
 
-// E4M4 codes of a root (>= +0: sqrt of a v that is never -0; NaN only in a non-finite block,
-// whose codes are replaced by 0). Up to 240 unless the exponent is 253 (limited to 255).
-// A root above zero takes at least code 1 (its bits, a positive int, limited to 1, as a floor).
-inline __m256i encode_e4m4_vector(__m256 root, __m256 inverse, __m256i word) {
-  const __m256i codes =
-      encode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(root, inverse, _mm256_srli_epi32(word, 13));
-  return _mm256_max_epi32(codes, _mm256_min_epi32(_mm256_castps_si256(root), _mm256_set1_epi32(1)));
+// 32 codes in 32-bit lanes (4 vectors, each < 256) packed to 32 bytes in element order; with
+// signs, bit 7 of each byte is set where the corresponding value of x is negative (its sign
+// bit: -0 and negative NaNs count).
+inline __m256i pack_codes(const __m256i (&c)[4]) {
+  return _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
 }
 
-// 32 codes in 32-bit lanes (4 vectors, each < 256) packed to 32 bytes in element order.
-inline void store_codes(uint8_t* dst, const __m256i (&c)[4]) {
-  const __m256i words = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
-  const __m256i ordered = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+inline void store_packed(uint8_t* dst, __m256i packed) {
+  const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), ordered);
+}
+
+inline void store_codes_with_signs(uint8_t* dst, const __m256i (&c)[4], const float* x) {
+  const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 8));
+  const __m256i x2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 16));
+  const __m256i x3 = _mm256_load_si256(reinterpret_cast<const __m256i*>(x + 24));
+  // signed saturation keeps each value's sign through both packs
+  const __m256i signs = _mm256_packs_epi16(_mm256_packs_epi32(x0, x1), _mm256_packs_epi32(x2, x3));
+  store_packed(dst, _mm256_or_si256(pack_codes(c), _mm256_and_si256(signs, _mm256_set1_epi8(char(0x80)))));
+}
+
+// The codes of a block of first moments x (32 at x) with exponent byte e into dst.
+inline void encode_e3m4_block(const float* x, uint32_t e, const __m256i (&words)[4], uint8_t* dst) {
+  if (e == 255) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_setzero_si256());
+    return;
+  }
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i low_bits = _mm256_set1_epi32(0x7FFFF);
+  __m256i codes[4];
+  if (scaled_exponent(e)) {
+    const __m256 end = _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM6Bits + scale_bits(e))));
+    const __m256i offset = _mm256_set1_epi32(int(scale_bits(254u - e) - (1920u << 19)));
+    for (size_t k = 0; k < 4; ++k)
+      codes[k] = encode_magnitude_scaled(_mm256_and_ps(_mm256_load_ps(x + 8 * k), abs_mask), end, offset,
+                                         _mm256_and_si256(words[k], low_bits));
+  } else {
+    // Up to 112 (y <= 1) unless the exponent is 253, where y reaches 4: limited to 127.
+    const __m256 inverse = _mm256_set1_ps(exponent_inverse(e));
+    for (size_t k = 0; k < 4; ++k)
+      codes[k] = _mm256_min_epi32(
+          encode_magnitude_vector<1920, kTwoPowM6Bits>(_mm256_and_ps(_mm256_load_ps(x + 8 * k), abs_mask),
+                                                       inverse, _mm256_and_si256(words[k], low_bits)),
+          _mm256_set1_epi32(127));
+  }
+  store_codes_with_signs(dst, codes, x);
+}
+
+// The codes of a block of roots (32 at root, each >= +0: sqrt of a v that is never -0; NaN only
+// in a non-finite block, whose codes are 0) with exponent byte e into dst. Up to 240 unless the
+// exponent is 253 (limited to 255). A root above zero takes at least code 1 (its bits, a
+// positive int, limited to 1, as a floor); in the scaled form with no root below the subnormal
+// end every code is at least 16.
+inline void encode_e4m4_block(const float* root, uint32_t e, const __m256i (&words)[4], uint8_t* dst) {
+  if (e == 255) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_setzero_si256());
+    return;
+  }
+  __m256i codes[4];
+  __m256i bits[4];
+  for (size_t k = 0; k < 4; ++k) bits[k] = _mm256_load_si256(reinterpret_cast<const __m256i*>(root + 8 * k));
+  if (scaled_exponent(e)) {
+    // roots are >= +0: their bits order like their values
+    const __m256i smallest =
+        _mm256_min_epu32(_mm256_min_epu32(bits[0], bits[1]), _mm256_min_epu32(bits[2], bits[3]));
+    const __m256i end = _mm256_set1_epi32(int(kTwoPowM14Bits + scale_bits(e)));
+    if (_mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(smallest, end), smallest)) == -1) {
+      const __m256i offset = _mm256_set1_epi32(int(scale_bits(254u - e) - (1792u << 19)));
+      for (size_t k = 0; k < 4; ++k)
+        codes[k] = _mm256_srli_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(bits[k], _mm256_srli_epi32(words[k], 13)), offset), 19);
+      store_packed(dst, pack_codes(codes));
+      return;
+    }
+  }
+  const __m256 inverse = _mm256_set1_ps(exponent_inverse(e));
+  for (size_t k = 0; k < 4; ++k) {
+    const __m256i c = encode_magnitude_vector<1792, kTwoPowM14Bits>(_mm256_castsi256_ps(bits[k]), inverse,
+                                                                    _mm256_srli_epi32(words[k], 13));
+    codes[k] = _mm256_max_epi32(_mm256_min_epi32(c, _mm256_set1_epi32(255)),
+                                _mm256_min_epi32(bits[k], _mm256_set1_epi32(1)));
+  }
+  store_packed(dst, pack_codes(codes));
 }
 
 template <int OutType>
@@ -342,12 +484,15 @@ void bf16_range(const CompactArgs& args, size_t begin, size_t end) {
   if (i < end) bf16_partial<GradType, OutType, Traffic>(c, i, end - i, lerp_small, lerp_coeff);
 }
 
-// Largest of the lanes of a vector of magnitudes' bits.
-inline uint32_t horizontal_max(__m256i a) {
-  __m128i h = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
-  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
-  return uint32_t(_mm_cvtsi128_si32(h));
+// The largest lane of a (in *largest_a) and of b (in *largest_b), unsigned: both reduced by
+// the same shuffles.
+inline void horizontal_max_pair(__m256i a, __m256i b, uint32_t* largest_a, uint32_t* largest_b) {
+  // lanes 0..3: a's halves, 4..7: b's halves, combined
+  __m256i h = _mm256_max_epu32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+  h = _mm256_max_epu32(h, _mm256_shuffle_epi32(h, 0x4E));
+  h = _mm256_max_epu32(h, _mm256_shuffle_epi32(h, 0xB1));
+  *largest_a = uint32_t(_mm256_cvtsi256_si32(h));
+  *largest_b = uint32_t(_mm_cvtsi128_si32(_mm256_extracti128_si256(h, 1)));
 }
 
 // Blocks processed together by int8_group.
@@ -355,11 +500,12 @@ constexpr size_t kGroupBlocks = 8;
 
 // `blocks` (<= kGroupBlocks) blocks of 32 elements with int8 moments at offset i of the
 // buffers (`first` the position of element i; the exponents of the first block at the given
-// pointers), in two passes: decode and step every vector (the new weights stored, m' and
-// sqrt(v') kept in stack arrays with each block's largest magnitudes), then encode block by
-// block. The encoding does not wait on the long square-root and division chains of its own
-// block (a one-pass block would), and every code and exponent of the group is read before
-// any is written (in place).
+// pointers), in three passes over two stack arrays: decode every block (ms: m, roots: the
+// stored roots), step every vector there (the new weights stored; m' and sqrt(v') replace the
+// decoded values, with each block's largest magnitudes), then encode block by block. The
+// encoding does not wait on the long square-root and division chains of its own block (a
+// one-pass block would), and every code and exponent of the group is read before any is
+// written (in place).
 template <int GradType, int OutType, bool Traffic>
 __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, const CompactBuffers& b, size_t i,
                                                       uint32_t first, const uint8_t* m_exponents_in,
@@ -388,24 +534,22 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
     }
     return;
   }
+  // Each block's old moments decoded into ms and roots, stepped there, then encoded.
   alignas(32) float ms[kGroupBlocks * kInt8Block], roots[kGroupBlocks * kInt8Block];
   uint32_t m_largest[kGroupBlocks], root_largest[kGroupBlocks];
-  uint8_t m_exponent_in[kGroupBlocks], v_exponent_in[kGroupBlocks];
+  for (size_t blk = 0; blk < blocks; ++blk) {
+    decode_e3m4_block(m_in + kInt8Block * blk, m_exponents_in[blk], ms + kInt8Block * blk);
+    decode_e4m4_block(v_in + kInt8Block * blk, v_exponents_in[blk], roots + kInt8Block * blk);
+  }
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   for (size_t blk = 0; blk < blocks; ++blk) {
-    m_exponent_in[blk] = m_exponents_in[blk];
-    v_exponent_in[blk] = v_exponents_in[blk];
-  }
-  for (size_t blk = 0; blk < blocks; ++blk) {
-    const __m256 m_scale = _mm256_set1_ps(exponent_scale(m_exponent_in[blk]));
-    const __m256 v_scale = _mm256_set1_ps(exponent_scale(v_exponent_in[blk]));
     __m256i m_max = _mm256_setzero_si256(), root_max = _mm256_setzero_si256();
     for (size_t k = 0; k < 4; ++k) {
       const size_t e = kInt8Block * blk + 8 * k;  // element within the group
       __m256 g = load_grad<GradType>(b.grad, i + e);
       __m256 p = _mm256_loadu_ps(b.param_in + i + e);
-      __m256 m = decode_e3m4_vector(load_signed_codes(m_in + e), m_scale);
-      const __m256 stored_root = decode_e4m4_vector(load_codes(v_in + e), v_scale);
+      __m256 m = _mm256_load_ps(ms + e);
+      const __m256 stored_root = _mm256_load_ps(roots + e);
       __m256 v = _mm256_mul_ps(stored_root, stored_root);
       const __m256 root = adamw_math(c.step, g, p, m, v, lerp_small, lerp_coeff);
       _mm256_storeu_ps(b.param + i + e, p);
@@ -415,33 +559,15 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
       m_max = _mm256_max_epu32(m_max, _mm256_and_si256(_mm256_castps_si256(m), magnitude));
       root_max = _mm256_max_epu32(root_max, _mm256_castps_si256(root));  // a root is never negative
     }
-    m_largest[blk] = horizontal_max(m_max);
-    root_largest[blk] = horizontal_max(root_max);
+    horizontal_max_pair(m_max, root_max, &m_largest[blk], &root_largest[blk]);
   }
   for (size_t blk = 0; blk < blocks; ++blk) {
     const uint32_t m_e = block_exponent(m_largest[blk]);
     const uint32_t v_e = block_exponent(root_largest[blk]);
-    const __m256 m_inverse = _mm256_set1_ps(exponent_inverse(m_e));
-    const __m256 v_inverse = _mm256_set1_ps(exponent_inverse(v_e));
-    __m256i m_codes[4], v_codes[4];
-    for (size_t k = 0; k < 4; ++k) {
-      const size_t e = kInt8Block * blk + 8 * k;
-      const __m256i word = random_words(c.key, first + uint32_t(e));
-      const __m256 m = _mm256_load_ps(ms + e);
-      m_codes[k] = encode_e3m4_vector(m, m_inverse, word);
-      if (m_e == 253) m_codes[k] = _mm256_min_epi32(m_codes[k], _mm256_set1_epi32(127));
-      m_codes[k] = _mm256_or_si256(m_codes[k], e3m4_signs(m));
-      v_codes[k] = encode_e4m4_vector(_mm256_load_ps(roots + e), v_inverse, word);
-      if (v_e == 253) v_codes[k] = _mm256_min_epi32(v_codes[k], _mm256_set1_epi32(255));
-    }
-    if (m_e == 255)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(m_out + kInt8Block * blk), _mm256_setzero_si256());
-    else
-      store_codes(m_out + kInt8Block * blk, m_codes);
-    if (v_e == 255)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(v_out + kInt8Block * blk), _mm256_setzero_si256());
-    else
-      store_codes(v_out + kInt8Block * blk, v_codes);
+    __m256i words[4];
+    block_random_words(c.key, first + uint32_t(kInt8Block * blk), words);
+    encode_e3m4_block(ms + kInt8Block * blk, m_e, words, m_out + kInt8Block * blk);
+    encode_e4m4_block(roots + kInt8Block * blk, v_e, words, v_out + kInt8Block * blk);
     m_exponents[blk] = uint8_t(m_e);
     v_exponents[blk] = uint8_t(v_e);
   }
