@@ -31,19 +31,25 @@ inline __m128i to_bf16(__m256 p) {
 }
 
 // AdamW on one vector, the operations of torch's single-tensor AdamW in its order: updates
-// p, m, v and returns sqrt(v') (before bias correction).
+// p, m, v and returns sqrt(v') (before bias correction). Compact: the compact steps' bias
+// correction (a multiplication by bias_correction2_rsqrt instead of torch's division).
+template <bool Compact>
 inline __m256 adamw_math(const AdamArgs& a, __m256 g, __m256& p, __m256& m, __m256& v, bool lerp_small,
                          __m256 lerp_coeff) {
   if (a.apply_scale) g = _mm256_mul_ps(g, _mm256_set1_ps(a.grad_scale));
   if (a.l2_decay) g = _mm256_fmadd_ps(p, _mm256_set1_ps(a.weight_decay), g);
   if (a.decoupled_decay) p = _mm256_mul_ps(p, _mm256_set1_ps(a.decay_factor));
-  m = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, m), lerp_small ? m : g);
+  // (a blend, not a branch: the compiler re-tested lerp_small in every iteration)
+  const __m256 lerp_base = _mm256_blendv_ps(g, m, _mm256_castsi256_ps(_mm256_set1_epi32(-int(lerp_small))));
+  m = _mm256_fmadd_ps(lerp_coeff, _mm256_sub_ps(g, m), lerp_base);
   v = _mm256_mul_ps(v, _mm256_set1_ps(a.beta2));
   // addcmul_: torch's build contracts self + (value * t1) * t2 into one fused multiply-add
   v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(a.one_minus_beta2), g), g, v);
   const __m256 sqrt_v = _mm256_sqrt_ps(v);
   __m256 root = sqrt_v;
-  if (a.divide_bc2) root = _mm256_div_ps(root, _mm256_set1_ps(a.bias_correction2_sqrt));
+  if (a.correct_bc2)
+    root = Compact ? _mm256_mul_ps(root, _mm256_set1_ps(a.bias_correction2_rsqrt))
+                   : _mm256_div_ps(root, _mm256_set1_ps(a.bias_correction2_sqrt));
   __m256 denom = _mm256_add_ps(root, _mm256_set1_ps(a.eps));
   p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(a.neg_step_size), m), denom));
   return sqrt_v;
@@ -68,7 +74,7 @@ inline void adam_vector(const AdamArgs& a, const float* param_in, const void* gr
     m = _mm256_add_ps(m, g);
     v = _mm256_add_ps(v, g);
   } else {
-    adamw_math(a, g, p, m, v, lerp_small, lerp_coeff);
+    adamw_math<false>(a, g, p, m, v, lerp_small, lerp_coeff);
   }
   _mm256_storeu_ps(param + i, p);
   _mm256_storeu_ps(exp_avg + i, m);
@@ -229,11 +235,11 @@ inline __m256 decode_magnitude_vector(__m256i c, __m256 scale) {
 }
 
 // The same, scaled form: normal_base = Normal + 16 (e - 127), scaled_end = end * 2^(e - 127).
+// With n the normal formula's value, the subnormal one is 2 n - end, which is below n exactly
+// where c < 16 (n < end) and equal at c = 16: the smaller of the two is the value.
 inline __m256 decode_magnitude_scaled(__m256i c, __m256i normal_base, __m256 scaled_end) {
   const __m256 normal_value = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, normal_base), 19));
-  const __m256 subnormal_value = _mm256_fmsub_ps(normal_value, _mm256_set1_ps(2.0f), scaled_end);
-  const __m256i subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(16), c);
-  return _mm256_blendv_ps(normal_value, subnormal_value, _mm256_castsi256_ps(subnormal));
+  return _mm256_min_ps(normal_value, _mm256_fmsub_ps(normal_value, _mm256_set1_ps(2.0f), scaled_end));
 }
 
 // exp_avg: bit 7 of the (sign-extended) code is the sign, applied to the magnitude's value.
@@ -298,11 +304,12 @@ inline __m256i encode_magnitude_vector(__m256 magnitude, __m256 inverse, __m256i
 }
 
 // The same, scaled form (|x| and end scaled: y = |x| * inverse never formed): the codes are
-// (bits(t) + r + offset) >> 19 with offset = bits(inverse) - bits(1) - Normal << 19.
+// (bits(t) + r + offset) >> 19 with offset = bits(inverse) - bits(1) - Normal << 19. The
+// subnormal range's t, (|x| + end) / 2 rounded, is above |x| exactly where |x| < end (and
+// equal to it where they round to the same value): t is the larger of the two.
 inline __m256i encode_magnitude_scaled(__m256 magnitude, __m256 scaled_end, __m256i offset, __m256i r) {
-  const __m256 small = _mm256_cmp_ps(magnitude, scaled_end, _CMP_LT_OQ);
-  const __m256 t = _mm256_blendv_ps(
-      magnitude, _mm256_mul_ps(_mm256_add_ps(magnitude, scaled_end), _mm256_set1_ps(0.5f)), small);
+  const __m256 t =
+      _mm256_max_ps(magnitude, _mm256_mul_ps(_mm256_add_ps(magnitude, scaled_end), _mm256_set1_ps(0.5f)));
   return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(_mm256_castps_si256(t), r), offset), 19);
 }
 
@@ -441,7 +448,7 @@ inline void bf16_vector(const CompactArgs& c, const CompactBuffers& b, size_t i,
   } else {
     __m256 m = load_bf16(m_in);
     __m256 v = load_bf16(v_in);
-    adamw_math(c.step, g, p, m, v, lerp_small, lerp_coeff);
+    adamw_math<true>(c.step, g, p, m, v, lerp_small, lerp_coeff);
     const __m256i word = random_words(c.key, first);
     _mm_storeu_si128(m_out, encode_bf16_vector(m, _mm256_and_si256(word, _mm256_set1_epi32(0xFFFF))));
     _mm_storeu_si128(v_out, encode_bf16_vector(v, _mm256_srli_epi32(word, 16)));
@@ -551,7 +558,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
       __m256 m = _mm256_load_ps(ms + e);
       const __m256 stored_root = _mm256_load_ps(roots + e);
       __m256 v = _mm256_mul_ps(stored_root, stored_root);
-      const __m256 root = adamw_math(c.step, g, p, m, v, lerp_small, lerp_coeff);
+      const __m256 root = adamw_math<true>(c.step, g, p, m, v, lerp_small, lerp_coeff);
       _mm256_storeu_ps(b.param + i + e, p);
       store_out16<OutType>(b.out16 + i + e, p);
       _mm256_store_ps(ms + e, m);

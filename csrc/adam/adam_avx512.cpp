@@ -32,7 +32,9 @@ inline __m256i to_bf16(__m512 p) {
 }
 
 // AdamW on one vector, the operations of torch's single-tensor AdamW in its order: updates
-// p, m, v and returns sqrt(v') (before bias correction).
+// p, m, v and returns sqrt(v') (before bias correction). Compact: the compact steps' bias
+// correction (a multiplication by bias_correction2_rsqrt instead of torch's division).
+template <bool Compact>
 inline __m512 adamw_math(const AdamArgs& a, __m512 g, __m512& p, __m512& m, __m512& v, bool lerp_small,
                          __m512 lerp_coeff) {
   if (a.apply_scale) g = _mm512_mul_ps(g, _mm512_set1_ps(a.grad_scale));
@@ -44,7 +46,9 @@ inline __m512 adamw_math(const AdamArgs& a, __m512 g, __m512& p, __m512& m, __m5
   v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(a.one_minus_beta2), g), g, v);
   const __m512 sqrt_v = _mm512_sqrt_ps(v);
   __m512 root = sqrt_v;
-  if (a.divide_bc2) root = _mm512_div_ps(root, _mm512_set1_ps(a.bias_correction2_sqrt));
+  if (a.correct_bc2)
+    root = Compact ? _mm512_mul_ps(root, _mm512_set1_ps(a.bias_correction2_rsqrt))
+                   : _mm512_div_ps(root, _mm512_set1_ps(a.bias_correction2_sqrt));
   __m512 denom = _mm512_add_ps(root, _mm512_set1_ps(a.eps));
   p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(a.neg_step_size), m), denom));
   return sqrt_v;
@@ -66,7 +70,7 @@ inline void adam_vector(const AdamArgs& a, size_t i, __mmask16 mask, bool lerp_s
     m = _mm512_add_ps(m, g);
     v = _mm512_add_ps(v, g);
   } else {
-    adamw_math(a, g, p, m, v, lerp_small, lerp_coeff);
+    adamw_math<false>(a, g, p, m, v, lerp_small, lerp_coeff);
   }
   _mm512_mask_storeu_ps(a.param + i, mask, p);
   _mm512_mask_storeu_ps(a.exp_avg + i, mask, m);
@@ -249,7 +253,7 @@ inline void bf16_vector(const CompactArgs& c, size_t i, __mmask16 mask, bool ler
   } else {
     __m512 m = load_bf16(m_in, mask);
     __m512 v = load_bf16(v_in, mask);
-    adamw_math(a, g, p, m, v, lerp_small, lerp_coeff);
+    adamw_math<true>(a, g, p, m, v, lerp_small, lerp_coeff);
     const __m512i word = random_words(c.key, uint32_t(c.position + i));
     _mm256_mask_storeu_epi16(m_out, mask,
                              encode_bf16_vector(m, _mm512_and_si512(word, _mm512_set1_epi32(0xFFFF))));
@@ -336,7 +340,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
       __m512 m = decode_e3m4_vector(load_signed_codes(m_in + e, mask), m_scale);
       const __m512 stored_root = decode_e4m4_vector(load_codes(v_in + e, mask), v_scale);
       __m512 v = _mm512_mul_ps(stored_root, stored_root);
-      __m512 root = adamw_math(a, g, p, m, v, lerp_small, lerp_coeff);
+      __m512 root = adamw_math<true>(a, g, p, m, v, lerp_small, lerp_coeff);
       // masked-off lanes: zero (a NaN scale would otherwise reach them)
       m = _mm512_maskz_mov_ps(mask, m);
       root = _mm512_maskz_mov_ps(mask, root);

@@ -46,8 +46,13 @@ struct AdamArgs {
   float beta1_weight;  // 1 - beta1, the lerp weight of exp_avg
   float beta2;
   float one_minus_beta2;
+  // The bias correction of the second moment: the fp32 step divides sqrt(v') by
+  // bias_correction2_sqrt, as torch does; the compact steps multiply it by
+  // bias_correction2_rsqrt = 1 / sqrt(bias_correction2) rounded to fp32 once (docs/compact_state.md:
+  // one division fewer per element, at most an ulp from the quotient).
   float bias_correction2_sqrt;
-  bool divide_bc2;  // bias_correction2_sqrt != 1 (x / 1 == x exactly: the division is skipped)
+  float bias_correction2_rsqrt;
+  bool correct_bc2;  // this step's factor != 1 (x / 1 == x * 1 == x exactly: skipped)
   float eps;
   float neg_step_size;  // -lr / bias_correction1
   // Large arrays (far beyond the last-level cache): write param_out16 with non-temporal

@@ -18,6 +18,8 @@ inline float load_grad(const void* grad, size_t i) {
 
 // AdamW on one element, the operations of torch's single-tensor AdamW in its order (the fused
 // multiply-adds explicit): updates p, m, v and returns sqrt(v') (before bias correction).
+// Compact: the compact steps' bias correction (multiplied by bias_correction2_rsqrt).
+template <bool Compact>
 inline float adamw_element(const AdamArgs& a, float g, float& p, float& m, float& v, bool lerp_small,
                            float lerp_coeff) {
   if (a.apply_scale) g = g * a.grad_scale;
@@ -28,7 +30,7 @@ inline float adamw_element(const AdamArgs& a, float g, float& p, float& m, float
   v = __builtin_fmaf(a.one_minus_beta2 * g, g, v);            //   .addcmul_(grad, grad, 1-beta2)
   const float sqrt_v = __builtin_sqrtf(v);
   float root = sqrt_v;
-  if (a.divide_bc2) root = root / a.bias_correction2_sqrt;
+  if (a.correct_bc2) root = Compact ? root * a.bias_correction2_rsqrt : root / a.bias_correction2_sqrt;
   float denom = root + a.eps;
   p = p + (a.neg_step_size * m) / denom;  // addcdiv_(m, denom, -step)
   return sqrt_v;
@@ -56,7 +58,7 @@ void adam_range(const AdamArgs& args, size_t begin, size_t end) {
       m = m + g;
       v = v + g;
     } else {
-      adamw_element(a, g, p, m, v, lerp_small, lerp_coeff);
+      adamw_element<false>(a, g, p, m, v, lerp_small, lerp_coeff);
     }
     a.param[i] = p;
     a.exp_avg[i] = m;
@@ -95,7 +97,7 @@ void bf16_range(const CompactArgs& args, size_t begin, size_t end) {
     } else {
       float m = bf16_to_float(m_in[i]);
       float v = bf16_to_float(v_in[i]);
-      adamw_element(a, g, p, m, v, lerp_small, lerp_coeff);
+      adamw_element<true>(a, g, p, m, v, lerp_small, lerp_coeff);
       const uint32_t word = fmix32(c.key ^ uint32_t(c.position + i));
       m_out[i] = encode_bf16(m, word & 0xFFFFu);
       v_out[i] = encode_bf16(v, word >> 16);
@@ -145,7 +147,7 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
       float m = decode_e3m4(m_in[i], m_scale);
       const float stored_root = decode_e4m4(v_in[i], v_scale);
       float v = stored_root * stored_root;
-      const float root = adamw_element(a, g, p, m, v, lerp_small, lerp_coeff);
+      const float root = adamw_element<true>(a, g, p, m, v, lerp_small, lerp_coeff);
       a.param[i] = p;
       store_out16<OutType>(out16, i, p);
       ms[j] = m;

@@ -235,9 +235,11 @@ void adam_traffic(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t 
 }
 
 // The step's scalars, each rounded to fp32 once, as torch rounds a Python scalar operand.
+// bias_correction2_factor: sqrt(bias_correction2) for the fp32 step (it divides by it),
+// 1 / sqrt(bias_correction2) for a compact one (it multiplies).
 void set_scalars(AdamArgs& args, double grad_scale, double weight_decay, bool l2_decay, double decay_factor,
                  bool decoupled_decay, double beta1_weight, double beta2, double one_minus_beta2,
-                 double bias_correction2_sqrt, double eps, double neg_step_size) {
+                 double bias_correction2_factor, bool compact, double eps, double neg_step_size) {
   args.grad_scale = float(grad_scale);
   args.apply_scale = grad_scale != 1.0;
   args.weight_decay = float(weight_decay);
@@ -247,10 +249,13 @@ void set_scalars(AdamArgs& args, double grad_scale, double weight_decay, bool l2
   args.beta1_weight = float(beta1_weight);
   args.beta2 = float(beta2);
   args.one_minus_beta2 = float(one_minus_beta2);
-  args.bias_correction2_sqrt = float(bias_correction2_sqrt);
+  const float factor = float(bias_correction2_factor);
+  args.bias_correction2_sqrt = compact ? 1.0f : factor;
+  args.bias_correction2_rsqrt = compact ? factor : 1.0f;
   // Late in training (beta2 = 0.999: from about step 17000) and without bias correction the
-  // fp32 factor is exactly 1; dividing by it changes no bit (sqrt never returns a signalling NaN).
-  args.divide_bc2 = args.bias_correction2_sqrt != 1.0f;
+  // fp32 factor is exactly 1; dividing or multiplying by it changes no bit (sqrt never returns
+  // a signalling NaN).
+  args.correct_bc2 = factor != 1.0f;
   args.eps = float(eps);
   args.neg_step_size = float(neg_step_size);
 }
@@ -267,7 +272,7 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
                               out_type, param_in, exp_avg_in, exp_avg_sq_in);
   args.stream = use_streaming(n);
   set_scalars(args, grad_scale, weight_decay, l2_decay, decay_factor, decoupled_decay, beta1_weight, beta2,
-              one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size);
+              one_minus_beta2, bias_correction2_sqrt, false, eps, neg_step_size);
   const IsaKernels& k = kernels();
   parallel_ranges(n, [&](size_t begin, size_t end) { k.adam(args, begin, end); });
 }
@@ -347,7 +352,7 @@ void adam_step_compact(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintp
                        int moment_type, int grad_type, int out_type, uint32_t key, uint64_t position,
                        double grad_scale, double weight_decay, bool l2_decay, double decay_factor,
                        bool decoupled_decay, double beta1_weight, double beta2, double one_minus_beta2,
-                       double bias_correction2_sqrt, double eps, double neg_step_size, uintptr_t param_in,
+                       double bias_correction2_rsqrt, double eps, double neg_step_size, uintptr_t param_in,
                        uintptr_t exp_avg_in, uintptr_t exp_avg_exponents_in, uintptr_t exp_avg_sq_in,
                        uintptr_t exp_avg_sq_exponents_in) {
   if (n == 0) return;
@@ -356,7 +361,7 @@ void adam_step_compact(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintp
                                          grad_type, out_type, key, position, param_in, exp_avg_in,
                                          exp_avg_exponents_in, exp_avg_sq_in, exp_avg_sq_exponents_in);
   set_scalars(args.step, grad_scale, weight_decay, l2_decay, decay_factor, decoupled_decay, beta1_weight,
-              beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size);
+              beta2, one_minus_beta2, bias_correction2_rsqrt, true, eps, neg_step_size);
   const IsaKernels& k = kernels();
   // chunks start at multiples of kChunkElements, whole int8 blocks
   parallel_ranges(n, [&](size_t begin, size_t end) { k.adam_compact(args, begin, end); });
@@ -483,7 +488,7 @@ PYBIND11_MODULE(_adam_ext, m) {
         py::arg("grad_type"), py::arg("out_type"), py::arg("key"), py::arg("position"), py::arg("grad_scale"),
         py::arg("weight_decay"), py::arg("l2_decay"), py::arg("decay_factor"), py::arg("decoupled_decay"),
         py::arg("beta1_weight"), py::arg("beta2"), py::arg("one_minus_beta2"),
-        py::arg("bias_correction2_sqrt"), py::arg("eps"), py::arg("neg_step_size"), py::arg("param_in") = 0,
+        py::arg("bias_correction2_rsqrt"), py::arg("eps"), py::arg("neg_step_size"), py::arg("param_in") = 0,
         py::arg("exp_avg_in") = 0, py::arg("exp_avg_exponents_in") = 0, py::arg("exp_avg_sq_in") = 0,
         py::arg("exp_avg_sq_exponents_in") = 0);
   m.def("compact_traffic", &compact_traffic, release(), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),

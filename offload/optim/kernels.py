@@ -160,9 +160,13 @@ def _check_hyper(op: str, step, lr, beta1, beta2, eps, weight_decay) -> None:
             raise ValueError(f"{op}: {name} must be in [0, 1), got {value}")
 
 
-def _step_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale) -> tuple:
+def _step_scalars(
+    step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, compact: bool = False
+) -> tuple:
     """The extension's scalar arguments (grad_scale .. neg_step_size), in float64: it rounds
-    each to fp32 once."""
+    each to fp32 once. The bias correction of the second moment is sqrt(bias_correction2),
+    which the fp32 step divides by, or for a compact step (`compact`) its inverse, which that
+    step multiplies by (docs/compact_state.md)."""
     lr = float(lr)
     weight_decay = float(weight_decay)
     # Same Python-level scalar expressions as torch/optim/adam.py::_single_tensor_adam.
@@ -184,7 +188,7 @@ def _step_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_co
         1 - beta1,
         beta2,
         1 - beta2,
-        bias_correction2_sqrt,
+        1 / bias_correction2_sqrt if compact else bias_correction2_sqrt,
         float(eps),
         -step_size,
     )
@@ -360,7 +364,7 @@ def adam_step_compact(
         _ext.NONE if param_out16 is None else _TYPE_CODES[param_out16.dtype],
         rounding_key,
         position,
-        *_step_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale),
+        *_step_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, compact=True),
         0 if state_out is None else param.data_ptr(),
         0 if state_out is None else exp_avg.values.data_ptr(),
         0 if state_out is None else pointer(exp_avg.block_exponents),

@@ -405,8 +405,10 @@ class _Scalars(NamedTuple):
     lerp_coeff: float
     beta2: float
     one_minus_beta2: float
-    bias_correction2_sqrt: float
-    divide_bc2: bool
+    bias_correction2_sqrt: float  # the fp32 step divides sqrt(v') by it
+    bias_correction2_rsqrt: float  # a compact step multiplies sqrt(v') by it
+    divide_bc2: bool  # the factor of the fp32 step != 1 (x / 1 == x: skipped)
+    multiply_bc2: bool  # that of a compact step != 1
     eps: float
     neg_step_size: float
 
@@ -423,6 +425,7 @@ def _scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correct
     step_size = lr / bias_correction1
     beta1_weight = _f32(1 - beta1)
     bc2_sqrt = _f32(bias_correction2**0.5)
+    bc2_rsqrt = _f32(1 / bias_correction2**0.5)
     lerp_small = abs(beta1_weight) < 0.5
     return _Scalars(
         grad_scale=_f32(grad_scale),
@@ -436,7 +439,9 @@ def _scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correct
         beta2=_f32(beta2),
         one_minus_beta2=_f32(1 - beta2),
         bias_correction2_sqrt=bc2_sqrt,
+        bias_correction2_rsqrt=bc2_rsqrt,
         divide_bc2=bc2_sqrt != 1.0,
+        multiply_bc2=bc2_rsqrt != 1.0,
         eps=_f32(eps),
         neg_step_size=_f32(-step_size),
     )
@@ -476,7 +481,8 @@ def adam_step_torch(
     state_out: tuple[torch.Tensor, MomentView, MomentView] | None = None,
 ) -> None:
     """One Adam / AdamW step on stored moments, on any device: decode, the fp32 kernel's
-    arithmetic (kernels.adam_step, operation for operation), encode. Bit for bit what
+    arithmetic (kernels.adam_step, operation for operation; a compact precision multiplies by
+    the inverse bias correction of the second moment instead of dividing), encode. Bit for bit what
     kernels.adam_step_compact computes on the CPU (and, for fp32, kernels.adam_step).
 
     param: fp32 master weights; grad: fp32, bf16 or fp16; the moments: views of `precision`
@@ -522,7 +528,10 @@ def adam_step_torch(
     v = v * s.beta2  # exp_avg_sq.mul_(beta2)
     v = _fma(g * s.one_minus_beta2, g, v)  # .addcmul_(grad, grad, value=1 - beta2)
     root = _sqrt(v)
-    denom = (root / s.bias_correction2_sqrt if s.divide_bc2 else root) + s.eps
+    if p_ is StatePrecision.FP32:
+        denom = (root / s.bias_correction2_sqrt if s.divide_bc2 else root) + s.eps
+    else:  # one division fewer per element (docs/compact_state.md)
+        denom = (root * s.bias_correction2_rsqrt if s.multiply_bc2 else root) + s.eps
     p = p + (m * s.neg_step_size) / denom  # param.addcdiv_(exp_avg, denom, value=-step_size)
     param_out.copy_(p.reshape(param_out.shape))
     encode(p_.value, "exp_avg", m, m_out, position=position, key=rounding_key)
