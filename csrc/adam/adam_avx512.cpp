@@ -191,6 +191,30 @@ inline __m512 decode_e4m4_vector(__m512i code, __m512 scale) {
   return decode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(code, scale);
 }
 
+// The scaled form of adam_avx2.cpp (docs/compact_state.md, "Exactness of the kernels' scaled
+// form"): for block exponents 16..252 the scale is folded into the exponent field.
+inline bool scaled_exponent(uint32_t e) { return e >= 16 && e <= 252; }
+
+inline uint32_t scale_bits(uint32_t e) { return (e - 127u) << 23; }
+
+// exp_avg values of sign-extended codes, scaled form: n = float((c + base) << 19) and the
+// smaller of n and 2 n - end, with the code's sign.
+inline __m512 decode_e3m4_scaled(__m512i code, __m512i base, __m512 end) {
+  const __m512i c = _mm512_and_si512(code, _mm512_set1_epi32(127));
+  const __m512 n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(c, base), 19));
+  const __m512 magnitude = _mm512_min_ps(n, _mm512_fmsub_ps(n, _mm512_set1_ps(2.0f), end));
+  const __m512i sign = _mm512_and_si512(code, _mm512_set1_epi32(int(0x80000000u)));
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(magnitude), sign));
+}
+
+// Codes of |x| (x >= 0 or its magnitude), scaled form: (bits(t) + r + offset) >> 19 with t the
+// larger of |x| and (|x| + end) / 2.
+inline __m512i encode_magnitude_scaled(__m512 magnitude, __m512 end, __m512i offset, __m512i r) {
+  const __m512 t =
+      _mm512_max_ps(magnitude, _mm512_mul_ps(_mm512_add_ps(magnitude, end), _mm512_set1_ps(0.5f)));
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(_mm512_castps_si512(t), r), offset), 19);
+}
+
 // Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept 19
 // bits, not yet limited to the largest code (see adam_avx2.cpp).
 template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
@@ -329,16 +353,27 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
     v_exponent_in[blk] = c.exp_avg_sq_exponents_in[block0 + blk];
   }
   for (size_t blk = 0; blk < blocks; ++blk) {
-    const __m512 m_scale = _mm512_set1_ps(exponent_scale(m_exponent_in[blk]));
-    const __m512 v_scale = _mm512_set1_ps(exponent_scale(v_exponent_in[blk]));
+    const uint32_t m_e = m_exponent_in[blk], v_e = v_exponent_in[blk];
+    const __m512 m_scale = _mm512_set1_ps(exponent_scale(m_e));
+    const __m512 v_scale = _mm512_set1_ps(exponent_scale(v_e));
+    const bool m_scaled = scaled_exponent(m_e);
+    const __m512i m_base = _mm512_set1_epi32(int(1920u + 16u * (m_e - 127u)));
+    const __m512 m_end = _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPowM6Bits + scale_bits(m_e))));
+    const bool v_scaled = scaled_exponent(v_e);  // and, per vector, no code below 16
+    const __m512i v_base = _mm512_set1_epi32(int(1792u + 16u * (v_e - 127u)));
     __m512i m_max = _mm512_setzero_si512(), root_max = _mm512_setzero_si512();
     for (size_t k = 0; k < 2; ++k) {
       const size_t e = kInt8Block * blk + 16 * k;  // element within the group
       const __mmask16 mask = lanes(2 * blk + k, count);
       __m512 g = load_grad<GradType>(a.grad, i + e, mask);
       __m512 p = _mm512_maskz_loadu_ps(mask, a.param_in + i + e);
-      __m512 m = decode_e3m4_vector(load_signed_codes(m_in + e, mask), m_scale);
-      const __m512 stored_root = decode_e4m4_vector(load_codes(v_in + e, mask), v_scale);
+      const __m512i m_code = load_signed_codes(m_in + e, mask);
+      __m512 m = m_scaled ? decode_e3m4_scaled(m_code, m_base, m_end) : decode_e3m4_vector(m_code, m_scale);
+      const __m512i v_code = load_codes(v_in + e, mask);
+      const __m512 stored_root =
+          v_scaled && _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(16), v_code) == 0
+              ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(v_code, v_base), 19))
+              : decode_e4m4_vector(v_code, v_scale);
       __m512 v = _mm512_mul_ps(stored_root, stored_root);
       __m512 root = adamw_math<true>(a, g, p, m, v, lerp_small, lerp_coeff);
       // masked-off lanes: zero (a NaN scale would otherwise reach them)
@@ -359,16 +394,39 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
     const uint32_t v_e = block_exponent(root_largest[blk]);
     const __m512 m_inverse = _mm512_set1_ps(exponent_inverse(m_e));
     const __m512 v_inverse = _mm512_set1_ps(exponent_inverse(v_e));
+    const bool m_scaled = scaled_exponent(m_e);
+    const __m512 m_end = _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPowM6Bits + scale_bits(m_e))));
+    const __m512i m_offset = _mm512_set1_epi32(int(scale_bits(254u - m_e) - (1920u << 19)));
+    // scaled and, per vector, no root below the subnormal end: the normal formula only, every
+    // code at least 16 (a partial block's masked-off lanes are zero roots: the general form)
+    const bool v_scaled = scaled_exponent(v_e);
+    const __m512i v_end = _mm512_set1_epi32(int(kTwoPowM14Bits + scale_bits(v_e)));
+    const __m512i v_offset = _mm512_set1_epi32(int(scale_bits(254u - v_e) - (1792u << 19)));
     for (size_t k = 0; k < 2; ++k) {
       const size_t e = kInt8Block * blk + 16 * k;
       const __mmask16 mask = lanes(2 * blk + k, count);
       const __m512i word = random_words(c.key, uint32_t(c.position + i + e));
       const __m512 m = _mm512_load_ps(ms + e);
-      __m512i m_codes = encode_e3m4_vector(m, m_inverse, word);
-      if (m_e == 253) m_codes = _mm512_min_epi32(m_codes, _mm512_set1_epi32(127));
+      __m512i m_codes;
+      if (m_scaled) {
+        const __m512 m_magnitude =
+            _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(0x7fffffff)));
+        m_codes = encode_magnitude_scaled(m_magnitude, m_end, m_offset,
+                                          _mm512_and_si512(word, _mm512_set1_epi32(0x7FFFF)));
+      } else {
+        m_codes = encode_e3m4_vector(m, m_inverse, word);
+        if (m_e == 253) m_codes = _mm512_min_epi32(m_codes, _mm512_set1_epi32(127));
+      }
       m_codes = _mm512_or_si512(m_codes, e3m4_signs(m));
-      __m512i v_codes = encode_e4m4_vector(_mm512_load_ps(roots + e), v_inverse, word);
-      if (v_e == 253) v_codes = _mm512_min_epi32(v_codes, _mm512_set1_epi32(255));
+      __m512i v_codes;
+      const __m512i root_bits = _mm512_load_si512(roots + e);
+      if (v_scaled && _mm512_cmpgt_epi32_mask(v_end, root_bits) == 0) {
+        v_codes = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(root_bits, _mm512_srli_epi32(word, 13)), v_offset), 19);
+      } else {
+        v_codes = encode_e4m4_vector(_mm512_load_ps(roots + e), v_inverse, word);
+        if (v_e == 253) v_codes = _mm512_min_epi32(v_codes, _mm512_set1_epi32(255));
+      }
       if (m_e == 255) m_codes = _mm512_setzero_si512();
       if (v_e == 255) v_codes = _mm512_setzero_si512();
       _mm_mask_storeu_epi8(m_out + e, mask, _mm512_cvtepi32_epi8(m_codes));
