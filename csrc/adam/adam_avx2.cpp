@@ -215,12 +215,6 @@ inline __m256i load_signed_codes(const uint8_t* src) {
 // 2 * float((c + Normal) << 19) (Subnormal - Normal = 16: one more in the exponent field), and
 // a code of y + end's bits with Subnormal subtracted is the code of (y + end) / 2 with Normal.
 
-// The block exponents of the scaled form.
-inline bool scaled_exponent(uint32_t e) { return e >= 16 && e <= 252; }
-
-// The bits of x * 2^(e - 127) minus those of x, mod 2^32 (x and the product normal).
-inline uint32_t scale_bits(uint32_t e) { return (e - 127u) << 23; }
-
 // value(c) of code magnitudes c (< 256, in 32-bit lanes): float((c + Normal) << 19) from the
 // first normal code on, float((c + Subnormal) << 19) - end below; times the block's scale.
 template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>

@@ -191,11 +191,7 @@ inline __m512 decode_e4m4_vector(__m512i code, __m512 scale) {
   return decode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(code, scale);
 }
 
-// The scaled form of adam_avx2.cpp (docs/compact_state.md, "Exactness of the kernels' scaled
-// form"): for block exponents 16..252 the scale is folded into the exponent field.
-inline bool scaled_exponent(uint32_t e) { return e >= 16 && e <= 252; }
-
-inline uint32_t scale_bits(uint32_t e) { return (e - 127u) << 23; }
+// The scaled form of adam_avx2.cpp (scaled_exponent, scale_bits in adam_kernels.h).
 
 // exp_avg values of sign-extended codes, scaled form: n = float((c + base) << 19) and the
 // smaller of n and 2 n - end, with the code's sign.

@@ -235,6 +235,13 @@ static inline float exponent_scale(uint32_t e) {
 // 2^(127 - e) (0 for e = 255, whose codes are 0 anyway).
 static inline float exponent_inverse(uint32_t e) { return bits_float((e >= 254 ? 0u : 254u - e) << 23); }
 
+// The block exponents of the vector kernels' scaled form (docs/compact_state.md, "Exactness of
+// the kernels' scaled form"): there the block's scale is folded into the exponent field.
+static inline bool scaled_exponent(uint32_t e) { return e >= 16 && e <= 252; }
+
+// The bits of x * 2^(e - 127) minus those of x, mod 2^32 (x and the product normal).
+static inline uint32_t scale_bits(uint32_t e) { return (e - 127u) << 23; }
+
 // exp_avg code: bit 7 the sign, bits 0..6 an E3M4 magnitude (value(112) = 1).
 static inline float decode_e3m4(uint32_t code, float scale) {
   const uint32_t c = code & 127u;
