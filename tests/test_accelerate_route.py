@@ -175,7 +175,8 @@ def test_plain_trainer_with_engine_optimizer_clips_like_the_plain_trainer(swap_d
             seed=0,
             data_seed=0,
             report_to=[],
-            use_cpu=True,
+            # the Trainer moves the model to its device: the engine's (a GPU's when there is one)
+            use_cpu=not torch.cuda.is_available(),
             save_strategy="no",
             logging_steps=1,
             disable_tqdm=True,

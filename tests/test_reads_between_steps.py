@@ -270,5 +270,9 @@ def test_a_conversion_that_changes_nothing_is_not_a_read(swap_dir):
         engine.backward(mse(engine, x, y))
         engine.step()
         assert model.to("cpu") is model and model.to(torch.device("cpu"), dtype=torch.float32) is model
-        with pytest.raises(OffloadError, match="consolidated_state_dict"):
+        with pytest.raises(OffloadError, match="consolidated_state_dict") as converted:
             model.inp.weight.to(torch.float16)
+        assert "cannot be moved or recast" in str(converted.value) and "use_cpu=True" in str(converted.value)
+        with pytest.raises(OffloadError) as read:
+            model.inp.weight.sum()
+        assert "cannot be moved or recast" not in str(read.value)

@@ -111,6 +111,23 @@ def returns_itself(func, args: tuple, kwargs: dict) -> bool:
     return same_device and dtype in (None, tensor.dtype) and memory_format in (None, torch.preserve_format)
 
 
+# Conversions: called on a parameter between steps they would move or recast the engine's weights.
+_CONVERSIONS = frozenset({"to", "cpu", "cuda", "double", "float", "half", "bfloat16", "type"})
+
+
+def conversion_note(func) -> str:
+    """For a conversion (`model.to()`, `.cpu()`, `.half()`...) read as a parameter read: a
+    sentence saying that the engine places the weights itself, and where such a call comes from;
+    else ""."""
+    if getattr(func, "__name__", None) not in _CONVERSIONS:
+        return ""
+    return (
+        " It is a conversion (model.to(), .cpu(), .half(), ...): the engine places and casts the weights itself, "
+        "and a model under it cannot be moved or recast. The Hugging Face Trainer moves the model to "
+        "TrainingArguments.device at its start: on a GPU machine, do not pass use_cpu=True with an engine's model."
+    )
+
+
 def describe_call(func) -> str:
     """`Tensor.sum`, `Tensor.data`: the call as an error message names it."""
     name = getattr(func, "__name__", None) or repr(func)
@@ -193,14 +210,14 @@ def read_between_steps(residency: Residency, stepping: Stepping, unit: UnitState
             f"cpu or nvme the engine keeps them there only while it runs their unit ({unit.spec.name}), and frees that "
             "memory after each use. Read fp32 copies with engine.consolidated_state_dict() (or model.state_dict()), or "
             "read the parameters on the device inside `with engine.params_on_device(module):` (module: the model, or one "
-            "of its blocks)"
+            "of its blocks)." + conversion_note(func)
         )
     if unit.needs_gather:
         raise OffloadError(
             f"{call} read parameter {name!r} between steps, but its unit ({unit.spec.name}) was just stepped and each rank "
             "holds only its own shard of the new weights until the next forward gathers them. Read fp32 copies with "
             "engine.consolidated_state_dict(), or read the parameters inside `with engine.params_on_device(module):` "
-            "(on every rank, with the same module)"
+            "(on every rank, with the same module)." + conversion_note(func)
         )
     residency._await_step(unit)
     stepping.raise_if_failed()
