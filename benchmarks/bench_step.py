@@ -27,6 +27,14 @@ over the minutes of the benchmark (a shared 2-core VM drifts by 20%) compares li
 `--plain-once` times plain PyTorch only first and last (quicker; ratios against their mean).
 `--rounds N` repeats the whole sequence N times and prints each run's ratio per round and
 their median: on a noisy machine one round's ratio moves by about 0.15x with nothing changed.
+
+Disk: each engine run's bytes read and written per step (the kernel's count, /proc/self/io, over
+the timed steps) per parameter, and their rate. With a run on NVMe the swap path's read and write
+bandwidth is measured first (bench-io's sweep, one setting, 1 GiB; `--disk-check off` skips it):
+the `% disk` column is the time those bytes need at those bandwidths, one after the other, over
+the step's time (the fraction of the disk's limit the step reaches), and with
+`--state-precisions` the same time gives the disk-bound speed-up over fp32: the most a precision
+can gain where the disk, not the compute, sets the step.
 """
 
 from __future__ import annotations
@@ -76,6 +84,31 @@ def build_model(layers: int, width: int, seq: int):
     return transformers.GPT2LMHeadModel(config)
 
 
+def proc_io() -> tuple[int, int]:
+    """(bytes read, bytes written) to and from storage by this process so far, as the kernel
+    counts them (/proc/self/io; (0, 0) where there is none)."""
+    try:
+        with open("/proc/self/io") as f:
+            values = dict(line.split(":") for line in f if ":" in line)
+        return int(values["read_bytes"]), int(values["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+def measure_disk(path: str) -> dict[str, float]:
+    """Sequential read and write GB/s of the swap path: bench-io's sweep at one setting (1 MiB
+    blocks, depth 16, 8 threads: the best on this machine's disk) on a 1 GiB scratch file."""
+    from offload.cli.bench_io import run_sweep
+
+    result = run_sweep(path, 1 << 30, [1 << 20], [16], [8])
+    return {"read_gbps": result["best"]["read"]["gbps"], "write_gbps": result["best"]["write"]["gbps"]}
+
+
+def disk_seconds(read_bytes: float, written_bytes: float, disk: dict[str, float]) -> float:
+    """Seconds the disk needs for these bytes at its measured bandwidths, one after the other."""
+    return read_bytes / (disk["read_gbps"] * 1e9) + written_bytes / (disk["write_gbps"] * 1e9)
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -120,13 +153,18 @@ def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision,
         for ids in batches:
             synchronize(engine.device.torch_device)
             engine.pop_timings()
+            read_before, written_before = proc_io()
             started = time.perf_counter()
             out = engine(input_ids=ids, labels=ids)
             engine.backward(out.loss)
             engine.step()
             synchronize(engine.device.torch_device)
             times.append(time.perf_counter() - started)
-            breakdowns.append(engine.pop_timings())
+            read_after, written_after = proc_io()
+            breakdown = engine.pop_timings()
+            breakdown["disk_read"] = read_after - read_before
+            breakdown["disk_written"] = written_after - written_before
+            breakdowns.append(breakdown)
         report = engine.memory_report()
         report["speculation"] = dict(engine.speculation_counts)
     finally:
@@ -134,10 +172,11 @@ def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision,
     return times, breakdowns, report
 
 
-def one_round(args, runs, model, batches, plain_step, tokens) -> list[tuple[str, float, float]]:
+def one_round(args, runs, model, batches, plain_step, tokens, params, disk) -> list[tuple[str, float, float]]:
     """Times plain PyTorch and every run once (once per state precision with --state-precisions),
     prints the table, and returns (run, s/step, the plain s/step it is compared with, the
-    engine's breakdown of that step) for each engine run."""
+    engine's breakdown of that step with the disk bytes averaged over the timed steps) for each
+    engine run. `disk`: the swap path's measured bandwidths, or None."""
     plains = [plain_step()]
     rows = []
     jobs = [(run, state) for run in runs for state in (args.state_precisions or [None])]
@@ -149,11 +188,15 @@ def one_round(args, runs, model, batches, plain_step, tokens) -> list[tuple[str,
             times, breakdowns, report = time_engine(
                 model, batches, param, optimizer, overlap, swap, args.precision, args.clip, state
             )
-            median_index = sorted(range(2, len(times)), key=lambda i: times[i])[(len(times) - 2) // 2]
+            timed = range(2, len(times))
+            median_index = sorted(timed, key=lambda i: times[i])[(len(times) - 2) // 2]
+            breakdown = dict(breakdowns[median_index])
+            for key in ("disk_read", "disk_written"):  # bytes move unevenly between steps: their mean
+                breakdown[key] = statistics.fmean(breakdowns[i][key] for i in timed)
             name = run_name(param, optimizer, overlap, state)
             if not args.plain_once or index == len(jobs) - 1:
                 plains.append(plain_step())
-            rows.append((name, times[median_index], breakdowns[median_index], report))
+            rows.append((name, times[median_index], breakdown, report))
     if args.plain_once:
         around = [(plains[0] + plains[-1]) / 2] * len(rows)
     else:
@@ -167,7 +210,11 @@ def one_round(args, runs, model, batches, plain_step, tokens) -> list[tuple[str,
     around.insert(0, plain)
 
     print(f"plain PyTorch runs, in order (s/step): {drift}")
-    header = f"{'run':<{NAME_WIDTH}}{'step s':>8}{'plain':>7}{'ratio':>7}{'tok/s':>8}{'fwd':>7}{'bwd':>7}{'step':>7}{'w.fetch':>8}{'w.step':>8}{'dev MB':>8}{'host MB':>8}{'nvme MB':>8}"
+    header = (
+        f"{'run':<{NAME_WIDTH}}{'step s':>8}{'plain':>7}{'ratio':>7}{'tok/s':>8}{'fwd':>7}{'bwd':>7}{'step':>7}"
+        f"{'w.fetch':>8}{'w.step':>8}{'dev MB':>8}{'host MB':>8}{'nvme MB':>8}{'disk B/p r+w':>14}{'GB/s':>6}"
+        + (f"{'% disk':>7}" if disk else "")
+    )
     print(header)
     print("-" * len(header))
     for (name, seconds, breakdown, report), reference in zip(rows, around, strict=True):
@@ -178,6 +225,10 @@ def one_round(args, runs, model, batches, plain_step, tokens) -> list[tuple[str,
                 for k in ("forward", "backward", "step", "wait_fetch", "wait_step")
             )
             line += "".join(f"{report[tier]['peak'] / 2**20:>8.0f}" for tier in ("device", "host", "nvme"))
+            read, written = breakdown["disk_read"], breakdown["disk_written"]
+            line += f"{f'{read / params:.2f}+{written / params:.2f}':>14}{(read + written) / seconds / 1e9:>6.2f}"
+            if disk:
+                line += f"{100 * disk_seconds(read, written, disk) / seconds:>6.0f}%"
             if any(report["speculation"].values()):
                 line += "  speculative windows " + " ".join(f"{k} {v}" for k, v in report["speculation"].items())
         print(line, flush=True)
@@ -228,6 +279,12 @@ def main(argv=None) -> int:
         "--rounds", type=int, default=1, help="repeat the whole sequence; prints each run's ratio per round and the median"
     )
     parser.add_argument(
+        "--disk-check",
+        default="on",
+        choices=["on", "off"],
+        help="with a run on NVMe, measure the swap path's bandwidth first (about 10 s) for the %% disk column",
+    )
+    parser.add_argument(
         "--state-precisions",
         default=None,
         help="comma-separated optimizer.state_precision values (fp32, bf16, int8): every run once per value, "
@@ -256,16 +313,26 @@ def main(argv=None) -> int:
         return statistics.median(time_plain(model, batches, device, args.precision, args.clip)[2:])
 
     runs = [run.strip() for run in args.runs.split(",")]
+    disk = None
+    if args.disk_check == "on" and "nvme" in args.runs and proc_io() != (0, 0):
+        disk = measure_disk(os.path.abspath(args.nvme_path or "."))
+        print(
+            f"swap path {os.path.abspath(args.nvme_path or '.')}: read {disk['read_gbps']:.2f} GB/s, "
+            f"write {disk['write_gbps']:.2f} GB/s (bench-io sweep, 1 MiB blocks, depth 16, 8 threads, 1 GiB)"
+        )
     ratios: dict[str, list[float]] = {}
     seconds_per_step: dict[str, list[float]] = {}
     optimizer_seconds: dict[str, list[float]] = {}  # the step's optimizer part: its step phase and waits for the CPU step
+    bound_seconds: dict[str, list[float]] = {}  # the time the step's disk bytes need at the measured bandwidths
     for round_index in range(args.rounds):
         if args.rounds > 1:
             print(f"\nround {round_index + 1} of {args.rounds}")
-        for name, seconds, reference, breakdown in one_round(args, runs, model, batches, plain_step, tokens):
+        for name, seconds, reference, breakdown in one_round(args, runs, model, batches, plain_step, tokens, count, disk):
             ratios.setdefault(name, []).append(seconds / reference)
             seconds_per_step.setdefault(name, []).append(seconds)
             optimizer_seconds.setdefault(name, []).append(breakdown["step"] + breakdown["wait_step"])
+            if disk:
+                bound_seconds.setdefault(name, []).append(disk_seconds(breakdown["disk_read"], breakdown["disk_written"], disk))
     if args.rounds > 1:
         print(f"\nratio to plain PyTorch in each of {args.rounds} rounds, and their median")
         for name, values in ratios.items():
@@ -277,6 +344,13 @@ def main(argv=None) -> int:
     if args.state_precisions:
         print_state_speedups(seconds_per_step, runs, args, "whole step")
         print_state_speedups(optimizer_seconds, runs, args, "optimizer part (step + w.step columns)")
+        if bound_seconds:
+            print_state_speedups(
+                bound_seconds,
+                [run for run in runs if "nvme" in run],
+                args,
+                "disk-bound (the disk bytes at the measured bandwidths)",
+            )
         if "int8" in args.state_precisions and "fp32" in args.state_precisions:
             print("target (issue 34): state=int8 at least 1.5x faster than state=fp32 with param nvme / optimizer nvme")
     return 0
