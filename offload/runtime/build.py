@@ -205,13 +205,14 @@ def _platform(config: Config, process_group, device) -> tuple[Collectives, Devic
 
 def _log_start(config: Config, units: list[UnitState], collectives: Collectives) -> None:
     logger.info(
-        "offload: %d units (largest %.1fM params), precision %s, param on %s, optimizer on %s, overlap %s, "
-        "CPU Adam threads %d, rank %d/%d",
+        "offload: %d units (largest %.1fM params), precision %s, param on %s, optimizer on %s (moments %s), "
+        "overlap %s, CPU Adam threads %d, rank %d/%d",
         len(units),
         max(u.spec.numel for u in units) / 1e6,
         config.precision,
         config.offload.param,
         config.offload.optimizer,
+        config.optimizer.state_precision,
         config.overlap,
         kernels.get_num_threads(),
         collectives.rank,
