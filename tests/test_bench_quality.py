@@ -93,3 +93,65 @@ def test_rounding_seeds_give_the_spread_over_rounding_streams(bench, tmp_path, c
     with open(summary["csv"], newline="") as handle:
         names = {row["run"] for row in csv.DictReader(handle)}
     assert {"offload int8 r1", "offload int8 r2"} <= names
+
+
+def test_perturbed_adamw_is_adamw_with_unbiased_noise_on_the_stored_moments(bench):
+    """Scale 0: torch's AdamW bit for bit. Otherwise the step's update is AdamW's and the stored
+    moments are AdamW's times (1 + scale * N(0, 1)): mean 1, spread `scale`."""
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(200_000, generator=generator)
+    grads = [torch.randn(200_000, generator=generator) for _ in range(3)]
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+
+    def trained(make, steps):
+        param = torch.nn.Parameter(start.clone())
+        optimizer = make([param])
+        for grad in grads[:steps]:
+            param.grad = grad.clone()
+            optimizer.step()
+        return param.detach(), optimizer.state[param]
+
+    plain, plain_state = trained(lambda params: torch.optim.AdamW(params, **hyper), 3)
+    still, still_state = trained(lambda params: bench.PerturbedAdamW(params, seed=1, scale=0.0, **hyper), 3)
+    assert torch.equal(plain, still)
+    assert torch.equal(plain_state["exp_avg"], still_state["exp_avg"])
+    assert torch.equal(plain_state["exp_avg_sq"], still_state["exp_avg_sq"])
+
+    one, one_state = trained(lambda params: torch.optim.AdamW(params, **hyper), 1)
+    moved, moved_state = trained(lambda params: bench.PerturbedAdamW(params, seed=1, **hyper), 1)
+    assert torch.equal(one, moved)  # the step itself used the exact moments
+    for kind in ("exp_avg", "exp_avg_sq"):
+        factor = (moved_state[kind] / one_state[kind])[one_state[kind] != 0].double()
+        assert abs(factor.mean().item() - 1.0) < 1e-4, kind
+        assert factor.std().item() == pytest.approx(bench.PERTURBATION, rel=0.02), kind
+
+
+def test_perturbed_seeds_compare_stream_means_with_perturbed_adamw(bench, tmp_path, capsys):
+    """--perturbed-seeds K with --rounding-seeds: each compact precision's mean over its streams
+    against the mean of K perturbed AdamW runs, with a standard error, and a target on the means."""
+    if "bf16" not in bench.engine_state_precisions():
+        pytest.skip("the engine has no compact state")
+    argv = ["--small", "--steps", str(STEPS), "--eval-every", "3", "--eval-batches", "2", "--noise-seeds", "0"]
+    summary = bench.main(
+        [*argv, "--runs", "offload bf16", "--rounding-seeds", "1", "--perturbed-seeds", "2", "--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    row = summary["perturbed"]["offload bf16"]
+    assert row["runs"] == 2 and row["perturbed_runs"] == 2
+    with open(summary["csv"], newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    for what, column in (("train", "train_loss"), ("validation", "validation_loss")):
+        finals = {}
+        for name in (bench.perturbed_name(1), bench.perturbed_name(2), "offload bf16", "offload bf16 r1"):
+            values = [float(r[column]) for r in rows if r["run"] == name and r[column]]
+            finals[name] = (
+                sum(values[-bench.FINAL_WINDOW :]) / len(values[-bench.FINAL_WINDOW :]) if what == "train" else values[-1]
+            )
+        perturbed_mean = (finals[bench.perturbed_name(1)] + finals[bench.perturbed_name(2)]) / 2
+        mine = (finals["offload bf16"] + finals["offload bf16 r1"]) / 2
+        assert row[what]["perturbed_mean"] == pytest.approx(perturbed_mean, rel=1e-5)
+        assert row[what]["difference_pct"] == pytest.approx(100 * (mine - perturbed_mean) / perturbed_mean, abs=1e-3)
+        assert row[what]["standard_error_pct"] > 0
+    target = f"offload bf16 (mean of 2 streams) within 0.5% of {bench.REFERENCE} (mean of 2 perturbed runs)"
+    assert target in summary["targets"] and f"target: {target} (two-sided): " in out
+    assert f"offload bf16, mean of 2 rounding streams, vs the mean of 2 perturbed {bench.REFERENCE} runs" in out
