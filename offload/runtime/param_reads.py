@@ -122,9 +122,10 @@ def conversion_note(func) -> str:
     if getattr(func, "__name__", None) not in _CONVERSIONS:
         return ""
     return (
-        " It is a conversion (model.to(), .cpu(), .half(), ...): the engine places and casts the weights itself, "
-        "and a model under it cannot be moved or recast. The Hugging Face Trainer moves the model to "
-        "TrainingArguments.device at its start: on a GPU machine, do not pass use_cpu=True with an engine's model."
+        " If it came from moving or recasting the model (model.to(), .cpu(), .half(), ...): the engine places and "
+        "casts the weights itself, and a model under it cannot be moved or recast. The Hugging Face Trainer moves the "
+        "model to TrainingArguments.device at its start: on a GPU machine, do not pass use_cpu=True with an engine's "
+        "model."
     )
 
 
