@@ -319,7 +319,7 @@ def main(argv=None) -> int:
 
     runs = [run.strip() for run in args.runs.split(",")]
     disk = None
-    if args.disk_check == "on" and "nvme" in args.runs and proc_io() != (0, 0):
+    if args.disk_check == "on" and "nvme" in args.runs and os.path.exists("/proc/self/io"):
         disk = measure_disk(os.path.abspath(args.nvme_path or "."))
         print(
             f"swap path {os.path.abspath(args.nvme_path or '.')}: read {disk['read_gbps']:.2f} GB/s, "
