@@ -290,6 +290,41 @@ def test_stochastic_rounding_is_unbiased(precision, kind):
     assert (back.max(0).values != back.min(0).values).sum() > 16
 
 
+@pytest.mark.parametrize(
+    "precision",
+    [
+        "bf16",
+        pytest.param(
+            "int8",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="known defect: int8 rounds v's root without bias, so v = root^2 comes back larger by the "
+                "rounding's variance (+3.2e-4 of v per store, measured); through beta2 = 0.999 that compounds "
+                "to a v up to ~1.46x and int8 steps ~17% shorter than AdamW's (benchmarks/RESULTS.md, "
+                "'Quality over sixteen rounding streams'). The fix: round the root up with probability "
+                "(x^2 - lo^2) / (hi^2 - lo^2). Strict: this test fails the suite once the bias is gone, to "
+                "drop the mark",
+            ),
+        ),
+    ],
+)
+def test_the_second_moment_comes_back_unbiased(precision):
+    # v spread over two binades, 16384 stores with one key each (the rounding is per element and
+    # key): the mean of the decoded v over the true v is 1 within 5 standard errors (about 4e-5)
+    gen = torch.Generator().manual_seed(3)
+    v = torch.rand(32 * 512, generator=gen).mul(2.0).exp2().mul(1e-6)
+    stores = 32
+    ratios = torch.stack(
+        [
+            roundtrip(precision, "exp_avg_sq", v, position=0, key=M.rounding_key(1, 0, k + 1)).double() / v.double()
+            for k in range(stores)
+        ]
+    )
+    standard_error = ratios.std().item() / math.sqrt(ratios.numel())
+    bias = ratios.mean().item() - 1.0
+    assert abs(bias) <= 5 * standard_error, (bias, standard_error)
+
+
 # ---- the step in torch ----------------------------------------------------------------------
 
 
