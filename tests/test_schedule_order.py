@@ -108,22 +108,37 @@ def test_overlap_forward_hides_the_step_behind_the_next_forward(swap_dir, gated_
 
 def test_overlap_backward_steps_a_block_while_backward_continues(swap_dir, slow_adam):
     engine = traced_engine(swap_dir, "backward")
+    log = engine.schedule.context.events
+
+    def hold_the_backward_until_block_2_steps(grad):
+        # between block 1's backward and the input layer's (the root's last gradients): the
+        # backward waits here until block 2's step has begun, for at most 30 s. A step that
+        # began only after the backward would let it go on at the timeout, and the order below
+        # would fail; without the gate that order was the threads' to decide (it failed once
+        # under a loaded 2-core run, and on the checked device's slower copy stream)
+        deadline = time.monotonic() + 30
+        while ("step_begin", 2) not in list(log.events) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return grad
+
+    def gate_block_1_input(module, args):
+        if args[0].requires_grad:
+            args[0].register_hook(hold_the_backward_until_block_2_steps)
+
+    gate = engine.model.blocks[0].register_forward_pre_hook(gate_block_1_input)
     try:
         data = batches(2)
         one_step(engine, data[0])
         one_step(engine, data[1])
-        events = engine.schedule.context.events.take()
+        events = log.take()
         second = events[len(events) // 2 :]
         # block 2's step is submitted from the transfer worker as soon as its gradients land,
-        # during the backward; the root steps at step()
+        # during the backward, before the root's gradients are final; the root steps at step()
+        assert second.index(("step_begin", 2)) < second.index(("grads_final", 0)), second
         assert second.index(("step_begin", 2)) < second.index(("step_begin", 0)), second
         assert ("step_begin", 0) in second[second.index(("grads_final", 0)) :]
-        if engine.device.kind != "checked":
-            # with copies as fast as here, before the root's gradients are final too (on the
-            # checked device a landing waits for its copy stream, slower than this tiny root's
-            # backward: the order of the two is then the streams' to decide)
-            assert second.index(("step_begin", 2)) < second.index(("grads_final", 0)), second
     finally:
+        gate.remove()
         engine.close()
 
 
