@@ -488,13 +488,18 @@ def summarize(curves: list[Curve], band_runs: list[Curve]) -> dict:
     return summary
 
 
+def with_streams(main: Curve, streams: list[Curve]) -> list[Curve]:
+    """A compact run and its extra rounding streams (named `<run> r<seed>`)."""
+    return [main] + [c for c in streams if c.name.startswith(main.name + " r")]
+
+
 def rounding_spread(curves: list[Curve], streams: list[Curve]) -> dict:
     """For each compact run with extra rounding streams: its final losses against the reference
     (in %) over the main run (seed 0) and those streams, as min, mean and max."""
     reference = next(c for c in curves if c.name == REFERENCE)
     spread = {}
     for main in curves:
-        runs = [main] + [c for c in streams if c.name.startswith(main.name + " r")]
+        runs = with_streams(main, streams)
         if len(runs) < 2:
             continue
         row: dict = {"runs": len(runs)}
@@ -515,7 +520,7 @@ def perturbed_comparison(curves: list[Curve], streams: list[Curve], perturbed: l
     for main in curves:
         if main.name not in ("offload bf16", "offload int8"):
             continue
-        runs = [main] + [c for c in streams if c.name.startswith(main.name + " r")]
+        runs = with_streams(main, streams)
         row: dict = {"runs": len(runs), "perturbed_runs": len(perturbed)}
         for what, final in (("train", lambda c: c.final_train), ("validation", lambda c: c.final_validation)):
             mine, theirs = [final(c) for c in runs], [final(c) for c in perturbed]

@@ -56,6 +56,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import offload  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling benchmarks, when loaded as a module
+from bench_state_memory import proc_io  # noqa: E402
+
 RUNS = "none/cpu,cpu/cpu,nvme/cpu,none/nvme,cpu/nvme,nvme/nvme"
 NAME_WIDTH = 58  # the run column; wider when run names carry a state precision
 
@@ -86,15 +89,11 @@ def build_model(layers: int, width: int, seq: int):
     return transformers.GPT2LMHeadModel(config)
 
 
-def proc_io() -> tuple[int, int]:
+def disk_bytes() -> tuple[int, int]:
     """(bytes read, bytes written) to and from storage by this process so far, as the kernel
-    counts them (/proc/self/io; (0, 0) where there is none)."""
-    try:
-        with open("/proc/self/io") as f:
-            values = dict(line.split(":") for line in f if ":" in line)
-        return int(values["read_bytes"]), int(values["write_bytes"])
-    except (OSError, KeyError, ValueError):
-        return 0, 0
+    counts them (bench_state_memory.proc_io: /proc/self/io; (0, 0) where there is none)."""
+    counters = proc_io()
+    return counters.get("read_bytes", 0), counters.get("write_bytes", 0)
 
 
 def measure_disk(path: str, best: dict[str, float] | None = None) -> dict[str, float]:
@@ -158,14 +157,14 @@ def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision,
         for ids in batches:
             synchronize(engine.device.torch_device)
             engine.pop_timings()
-            read_before, written_before = proc_io()
+            read_before, written_before = disk_bytes()
             started = time.perf_counter()
             out = engine(input_ids=ids, labels=ids)
             engine.backward(out.loss)
             engine.step()
             synchronize(engine.device.torch_device)
             times.append(time.perf_counter() - started)
-            read_after, written_after = proc_io()
+            read_after, written_after = disk_bytes()
             breakdown = engine.pop_timings()
             breakdown["disk_read"] = read_after - read_before
             breakdown["disk_written"] = written_after - written_before
