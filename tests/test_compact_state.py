@@ -371,3 +371,11 @@ def test_int8_values_of_other_codes_are_said_to_round(caplog):
     with caplog.at_level(logging.INFO, logger="offload"):
         _log_precision_change({"state_precision": "int8"}, "fp32", 1, 1)  # decoded values: exact in fp32
     assert "converted exactly" in caplog.text
+
+
+@pytest.mark.parametrize("precision", ["fp32", *COMPACT])
+def test_the_start_up_log_names_the_moments_precision(swap_dir, precision, caplog):
+    with caplog.at_level(logging.INFO, logger="offload"):
+        offload.initialize(TinyNet(), make_config(swap_dir, precision, optimizer="nvme")).close()
+    starts = [r.getMessage() for r in caplog.records if "units (largest" in r.getMessage()]
+    assert len(starts) == 1 and f"optimizer on nvme (moments {precision})" in starts[0], starts
