@@ -114,8 +114,9 @@ def test_overlap_backward_steps_a_block_while_backward_continues(swap_dir, slow_
         # between block 1's backward and the input layer's (the root's last gradients): the
         # backward waits here until block 2's step has begun, for at most 30 s. A step that
         # began only after the backward would let it go on at the timeout, and the order below
-        # would fail; without the gate that order was the threads' to decide (it failed once
-        # under a loaded 2-core run)
+        # would fail; without the gate that order was the threads' to decide. The log holds
+        # this step's events only (taken after the first step), so an earlier step's
+        # step_begin cannot open the gate
         deadline = time.monotonic() + 30
         while ("step_begin", 2) not in list(log.events) and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -125,26 +126,21 @@ def test_overlap_backward_steps_a_block_while_backward_continues(swap_dir, slow_
         if args[0].requires_grad:
             args[0].register_hook(hold_the_backward_until_block_2_steps)
 
-    # the gate on the plain device only: on the checked device a landing waits for its copy
-    # stream (100 MB/s), and that block 2's step begins before the root's gradients are final
-    # is then the streams' to decide (under a loaded 2-core run it did not, gate or not)
-    checked = engine.device.kind == "checked"
-    gate = None if checked else engine.model.blocks[0].register_forward_pre_hook(gate_block_1_input)
+    gate = engine.model.blocks[0].register_forward_pre_hook(gate_block_1_input)
     try:
         data = batches(2)
         one_step(engine, data[0])
+        log.take()
         one_step(engine, data[1])
-        events = log.take()
-        second = events[len(events) // 2 :]
+        second = log.take()
         # block 2's step is submitted from the transfer worker as soon as its gradients land,
         # during the backward, before the root's gradients are final; the root steps at step()
+        assert second[: len(FORWARD)] == FORWARD, second
+        assert second.index(("step_begin", 2)) < second.index(("grads_final", 0)), second
         assert second.index(("step_begin", 2)) < second.index(("step_begin", 0)), second
         assert ("step_begin", 0) in second[second.index(("grads_final", 0)) :]
-        if not checked:
-            assert second.index(("step_begin", 2)) < second.index(("grads_final", 0)), second
     finally:
-        if gate is not None:
-            gate.remove()
+        gate.remove()
         engine.close()
 
 
