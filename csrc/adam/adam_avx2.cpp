@@ -284,17 +284,38 @@ inline void decode_e4m4_block(const uint8_t* src, uint32_t e, float* dst) {
                     decode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(load_codes(src + 8 * k), scale));
 }
 
-// Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept 19
-// bits, not yet limited to the largest code: ((bits(y) + r) >> 19) - Normal from the format's
-// subnormal end on, ((bits((y + end) / 2) + r) >> 19) - Normal below (y + end an fp32 add).
+// Where y = |x| * inverse (magnitude: x >= 0 or NaN) falls among the codes, code << 19 | the
+// dropped bits (code_position in adam_kernels.h): bits(y) - Normal << 19 from the format's
+// subnormal end on, bits((y + end) / 2) - Normal << 19 below (y + end an fp32 add).
 template <uint32_t Normal, uint32_t EndBits>
-inline __m256i encode_magnitude_vector(__m256 magnitude, __m256 inverse, __m256i r) {
+inline __m256i code_position_vector(__m256 magnitude, __m256 inverse) {
   const __m256 end = _mm256_castsi256_ps(_mm256_set1_epi32(int(EndBits)));
   const __m256 y = _mm256_mul_ps(magnitude, inverse);
   const __m256 small = _mm256_cmp_ps(y, end, _CMP_LT_OQ);
   const __m256 t = _mm256_blendv_ps(y, _mm256_mul_ps(_mm256_add_ps(y, end), _mm256_set1_ps(0.5f)), small);
-  return _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(t), r), 19),
-                          _mm256_set1_epi32(int(Normal)));
+  return _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(int(Normal << 19)));
+}
+
+// The codes at those positions rounded with r below the kept 19 bits (x unbiased), not yet
+// limited to the largest code.
+template <uint32_t Normal, uint32_t EndBits>
+inline __m256i encode_magnitude_vector(__m256 magnitude, __m256 inverse, __m256i r) {
+  const __m256i position = code_position_vector<Normal, EndBits>(magnitude, inverse);
+  return _mm256_srli_epi32(_mm256_add_epi32(position, r), 19);
+}
+
+// Roots' codes at positions code << 19 | F rounded so that v = root^2 is unbiased, not yet
+// limited to the largest code (root_rounds_up in adam_kernels.h).
+inline __m256i encode_roots_unbiased_square(__m256i position, __m256i r) {
+  const __m256i code = _mm256_srli_epi32(position, 19);
+  const __m256i fraction = _mm256_and_si256(position, _mm256_set1_epi32(0x7FFFF));
+  const __m256i l = _mm256_min_epu32(
+      code, _mm256_add_epi32(_mm256_and_si256(code, _mm256_set1_epi32(15)), _mm256_set1_epi32(16)));
+  const __m256i odd = _mm256_or_si256(_mm256_slli_epi32(l, 1), _mm256_set1_epi32(1));
+  const __m256i high = _mm256_srli_epi32(fraction, 3);
+  const __m256i gap = _mm256_sub_epi32(fraction, _mm256_srli_epi32(_mm256_mullo_epi32(high, high), 13));
+  const __m256i up = _mm256_cmpgt_epi32(_mm256_mullo_epi32(odd, _mm256_sub_epi32(fraction, r)), gap);
+  return _mm256_sub_epi32(code, up);  // up: all ones (-1) where the root rounds up
 }
 
 // The same, scaled form (|x| and end scaled: y = |x| * inverse never formed): the codes are
@@ -387,16 +408,16 @@ inline void encode_e4m4_block(const float* root, uint32_t e, const __m256i (&wor
     if (_mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(smallest, end), smallest)) == -1) {
       const __m256i offset = _mm256_set1_epi32(int(scale_bits(254u - e) - (1792u << 19)));
       for (size_t k = 0; k < 4; ++k)
-        codes[k] = _mm256_srli_epi32(
-            _mm256_add_epi32(_mm256_add_epi32(bits[k], _mm256_srli_epi32(words[k], 13)), offset), 19);
+        codes[k] = encode_roots_unbiased_square(_mm256_add_epi32(bits[k], offset), _mm256_srli_epi32(words[k], 13));
       store_packed(dst, pack_codes(codes));
       return;
     }
   }
   const __m256 inverse = _mm256_set1_ps(exponent_inverse(e));
   for (size_t k = 0; k < 4; ++k) {
-    const __m256i c = encode_magnitude_vector<1792, kTwoPowM14Bits>(_mm256_castsi256_ps(bits[k]), inverse,
-                                                                    _mm256_srli_epi32(words[k], 13));
+    const __m256i c = encode_roots_unbiased_square(
+        code_position_vector<1792, kTwoPowM14Bits>(_mm256_castsi256_ps(bits[k]), inverse),
+        _mm256_srli_epi32(words[k], 13));
     codes[k] = _mm256_max_epi32(_mm256_min_epi32(c, _mm256_set1_epi32(255)),
                                 _mm256_min_epi32(bits[k], _mm256_set1_epi32(1)));
   }

@@ -211,19 +211,39 @@ inline __m512i encode_magnitude_scaled(__m512 magnitude, __m512 end, __m512i off
   return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(_mm512_castps_si512(t), r), offset), 19);
 }
 
-// Codes of y = |x| * inverse (magnitude: x >= 0 or NaN) rounded with r below the kept 19
-// bits, not yet limited to the largest code (see adam_avx2.cpp).
+// Where y = |x| * inverse (magnitude: x >= 0 or NaN) falls among the codes, code << 19 | the
+// dropped bits (see adam_avx2.cpp).
 template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
-inline __m512i encode_magnitude_vector(__m512 magnitude, __m512 inverse, __m512i r) {
+inline __m512i code_position_vector(__m512 magnitude, __m512 inverse) {
   const __m512 end = _mm512_castsi512_ps(_mm512_set1_epi32(int(EndBits)));
   const __m512 y = _mm512_mul_ps(magnitude, inverse);
-  const __m512i normal_code = _mm512_sub_epi32(
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(y), r), 19), _mm512_set1_epi32(int(Normal)));
-  const __m512i subnormal_code =
-      _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(_mm512_add_ps(y, end)), r), 19),
-                       _mm512_set1_epi32(int(Subnormal)));
+  const __m512i normal = _mm512_sub_epi32(_mm512_castps_si512(y), _mm512_set1_epi32(int(Normal << 19)));
+  const __m512i subnormal =
+      _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, end)), _mm512_set1_epi32(int(Subnormal << 19)));
   const __mmask16 small = _mm512_cmp_ps_mask(y, end, _CMP_LT_OQ);
-  return _mm512_mask_mov_epi32(normal_code, small, subnormal_code);
+  return _mm512_mask_mov_epi32(normal, small, subnormal);
+}
+
+// The codes at those positions rounded with r below the kept 19 bits (x unbiased), not yet
+// limited to the largest code.
+template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
+inline __m512i encode_magnitude_vector(__m512 magnitude, __m512 inverse, __m512i r) {
+  const __m512i position = code_position_vector<Normal, Subnormal, EndBits>(magnitude, inverse);
+  return _mm512_srli_epi32(_mm512_add_epi32(position, r), 19);
+}
+
+// Roots' codes at positions code << 19 | F rounded so that v = root^2 is unbiased, not yet
+// limited to the largest code (see adam_avx2.cpp, encode_roots_unbiased_square).
+inline __m512i encode_roots_unbiased_square(__m512i position, __m512i r) {
+  const __m512i code = _mm512_srli_epi32(position, 19);
+  const __m512i fraction = _mm512_and_si512(position, _mm512_set1_epi32(0x7FFFF));
+  const __m512i l = _mm512_min_epu32(
+      code, _mm512_add_epi32(_mm512_and_si512(code, _mm512_set1_epi32(15)), _mm512_set1_epi32(16)));
+  const __m512i odd = _mm512_or_si512(_mm512_slli_epi32(l, 1), _mm512_set1_epi32(1));
+  const __m512i high = _mm512_srli_epi32(fraction, 3);
+  const __m512i gap = _mm512_sub_epi32(fraction, _mm512_srli_epi32(_mm512_mullo_epi32(high, high), 13));
+  const __mmask16 up = _mm512_cmpgt_epi32_mask(_mm512_mullo_epi32(odd, _mm512_sub_epi32(fraction, r)), gap);
+  return _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
 }
 
 // E3M4 magnitude codes (the sign comes separately: e3m4_signs); limited to 127 only in a block
@@ -242,8 +262,8 @@ inline __m512i e3m4_signs(__m512 x) {
 // E4M4 codes of a root (>= +0; see adam_avx2.cpp).
 // A root above zero takes at least code 1 (see adam_avx2.cpp).
 inline __m512i encode_e4m4_vector(__m512 root, __m512 inverse, __m512i word) {
-  const __m512i codes =
-      encode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(root, inverse, _mm512_srli_epi32(word, 13));
+  const __m512i codes = encode_roots_unbiased_square(
+      code_position_vector<1792, 1808, kTwoPowM14Bits>(root, inverse), _mm512_srli_epi32(word, 13));
   return _mm512_max_epi32(codes, _mm512_min_epi32(_mm512_castps_si512(root), _mm512_set1_epi32(1)));
 }
 
@@ -417,8 +437,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
       __m512i v_codes;
       const __m512i root_bits = _mm512_load_si512(roots + e);
       if (v_scaled && _mm512_cmpgt_epi32_mask(v_end, root_bits) == 0) {
-        v_codes = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(root_bits, _mm512_srli_epi32(word, 13)), v_offset), 19);
+        v_codes = encode_roots_unbiased_square(_mm512_add_epi32(root_bits, v_offset), _mm512_srli_epi32(word, 13));
       } else {
         v_codes = encode_e4m4_vector(_mm512_load_ps(roots + e), v_inverse, word);
         if (v_e == 253) v_codes = _mm512_min_epi32(v_codes, _mm512_set1_epi32(255));

@@ -257,27 +257,45 @@ static inline float decode_e4m4(uint32_t c, float scale) {
   return value * scale;
 }
 
-// The stochastic rounding of y = |x| * inverse to a code of 19 dropped bits (E3M4: bases
-// 1936 / 1920, largest 127, subnormal below 2^-6; E4M4: 1808 / 1792, 255, below 2^-14); r
-// below the kept bits.
-static inline uint32_t encode_magnitude(float x, float inverse, uint32_t r, uint32_t subnormal_end_bits,
-                                        uint32_t sub_base, uint32_t normal_base, uint32_t top) {
+// Where y = |x| * inverse falls among a format's codes: code << 19 | fraction, the fraction the
+// 19 dropped bits (E3M4: bases 1936 / 1920, subnormal below 2^-6; E4M4: 1808 / 1792, below
+// 2^-14). From the subnormal end on, bits(y) - normal_base << 19; below, bits(y + end) (an
+// fp32 add, in the binade above the end) - subnormal_base << 19.
+static inline uint32_t code_position(float x, float inverse, uint32_t subnormal_end_bits, uint32_t sub_base,
+                                     uint32_t normal_base) {
   const float y = bits_float(float_bits(x) & 0x7fffffffu) * inverse;
   const float subnormal_end = bits_float(subnormal_end_bits);
-  const uint32_t c = y < subnormal_end ? ((float_bits(y + subnormal_end) + r) >> 19) - sub_base
-                                       : ((float_bits(y) + r) >> 19) - normal_base;
-  return c < top ? c : top;
+  return y < subnormal_end ? float_bits(y + subnormal_end) - (sub_base << 19) : float_bits(y) - (normal_base << 19);
+}
+
+// Whether the root at position c << 19 | F rounds up so that v = root^2 comes back unbiased:
+// with probability (x^2 - lo^2) / (hi^2 - lo^2) = f (2L + f) / (2L + 1) = f - f (1 - f) / (2L + 1),
+// f = F / 2^19 the fraction and L = lo / (hi - lo): c below 16 (subnormal: codes c * 2^-18),
+// else 16 + c % 16 (a normal binade's codes are (16 + m) / 16 of its power of two), i.e.
+// min(c, 16 + c % 16). In 32-bit integers, r the 19 random bits: up iff
+// (2L + 1) (F - r) > F (2^19 - F) / 2^19, the right side as F - ((F >> 3)^2 >> 13): at most 15
+// above it, which lowers the probability by at most 15 / ((2L + 1) 2^19) (docs/compact_state.md).
+static inline uint32_t root_rounds_up(uint32_t position, uint32_t r) {
+  const uint32_t c = position >> 19;
+  const int32_t fraction = int32_t(position & 0x7FFFFu);
+  const int32_t odd = 2 * int32_t(c < 16 + (c & 15u) ? c : 16 + (c & 15u)) + 1;
+  const uint32_t high = uint32_t(fraction) >> 3;
+  const int32_t gap = fraction - int32_t((high * high) >> 13);
+  return odd * (fraction - int32_t(r)) > gap ? 1u : 0u;
 }
 
 static inline uint32_t encode_e3m4(float x, float inverse, uint32_t word) {
-  return encode_magnitude(x, inverse, word & 0x7FFFFu, kTwoPowM6Bits, 1936, 1920, 127) |
-         ((float_bits(x) >> 31) << 7);
+  const uint32_t c = (code_position(x, inverse, kTwoPowM6Bits, 1936, 1920) + (word & 0x7FFFFu)) >> 19;
+  return (c < 127 ? c : 127) | ((float_bits(x) >> 31) << 7);
 }
 
-// A root above zero never rounds to code 0 (docs/compact_state.md: a zero second moment under a
-// nonzero first one would step by m / eps).
+// The root's code, rounded so that v = root^2 is unbiased (root_rounds_up; r the word's top 19
+// bits). A root above zero never rounds to code 0 (docs/compact_state.md: a zero second moment
+// under a nonzero first one would step by m / eps).
 static inline uint32_t encode_e4m4(float root, float inverse, uint32_t word) {
-  const uint32_t code = encode_magnitude(root, inverse, word >> 13, kTwoPowM14Bits, 1808, 1792, 255);
+  const uint32_t position = code_position(root, inverse, kTwoPowM14Bits, 1808, 1792);
+  const uint32_t rounded = (position >> 19) + root_rounds_up(position, word >> 13);
+  const uint32_t code = rounded < 255 ? rounded : 255;
   return code == 0 && float_bits(root) != 0 ? 1 : code;
 }
 

@@ -252,8 +252,14 @@ def _encode_int8(x: torch.Tensor, r: torch.Tensor, fmt: _CodeFormat, signed: boo
     e = _block_exponents(padded, reload)
     inverse = _float(torch.clamp(254 - e, min=0) << 23)
     y = x.abs() * inverse.repeat_interleave(INT8_BLOCK)[:n]
-    small = _bits(y + subnormal_end)
-    c = torch.where(y < subnormal_end, ((small + r) >> shift) - sub_base, ((_bits(y) + r) >> shift) - normal_base)
+    # code << shift | the dropped bits, from the subnormal end on and below (y + end, an fp32 add)
+    position = torch.where(
+        y < subnormal_end, _bits(y + subnormal_end) - (sub_base << shift), _bits(y) - (normal_base << shift)
+    )
+    if signed:
+        c = (position + r) >> shift  # x unbiased
+    else:
+        c = (position >> shift) + _root_rounds_up(position, r)  # x^2 unbiased
     c = torch.clamp(c, max=top)
     if signed:
         c = c | ((u >> 31) << 7)
@@ -263,6 +269,20 @@ def _encode_int8(x: torch.Tensor, r: torch.Tensor, fmt: _CodeFormat, signed: boo
         c = torch.maximum(c, (u > 0).to(c.dtype))
     c = torch.where((e == 255).repeat_interleave(INT8_BLOCK)[:n], 0, c)
     return c.to(torch.uint8), e.to(torch.uint8)
+
+
+def _root_rounds_up(position: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """1 where a root at `position` (code << 19 | F) rounds up so that its square comes back
+    unbiased: with probability (x^2 - lo^2) / (hi^2 - lo^2) = f - f (1 - f) / (2L + 1), f = F / 2^19
+    and L = lo / (hi - lo) = min(code, 16 + code % 16) (codes below 16 are the subnormal steps
+    code * 2^-18, a normal binade's (16 + m) / 16 of its power of two). In 32-bit integers:
+    up iff (2L + 1) (F - r) > F - ((F >> 3)^2 >> 13) (adam_kernels.h, root_rounds_up)."""
+    c = position >> 19
+    fraction = position & 0x7FFFF
+    odd = 2 * torch.minimum(c, 16 + (c & 15)) + 1
+    high = fraction >> 3
+    gap = fraction - ((high * high) >> 13)
+    return (odd * (fraction - r) > gap).to(position.dtype)
 
 
 def _decode_int8(codes: torch.Tensor, exponents: torch.Tensor, fmt: _CodeFormat, signed: bool):
@@ -349,8 +369,9 @@ def encode(
     words of elements [position, position + n) under `key` (for int8, `position` is a multiple
     of 32 and the view's blocks start at its first element).
 
-    exp_avg_sq: `values` is v; int8 stores sqrt(v) (correctly rounded). `root=True` says
-    `values` already is that root (the step passes the root it computed).
+    exp_avg_sq: `values` is v; int8 stores sqrt(v) (correctly rounded), its code rounded so
+    that the decoded v = root^2 is unbiased. `root=True` says `values` already is that root
+    (the step passes the root it computed).
 
     `reload=True` is for values read back from a checkpoint (fp32 values an encode decoded
     before): a block whose largest magnitude is exactly a power of two 2^k takes the exponent
