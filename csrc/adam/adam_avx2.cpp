@@ -305,13 +305,21 @@ inline __m256i encode_magnitude_vector(__m256 magnitude, __m256 inverse, __m256i
 }
 
 // Roots' codes at positions code << 19 | F rounded so that v = root^2 is unbiased, not yet
-// limited to the largest code (root_rounds_up in adam_kernels.h).
+// limited to the largest code (root_rounds_up in adam_kernels.h). AllNormal: every code is at
+// least 16, so 2L + 1 = 33 + 2 (code % 16), taken straight from the position's bits.
+template <bool AllNormal>
 inline __m256i encode_roots_unbiased_square(__m256i position, __m256i r) {
   const __m256i code = _mm256_srli_epi32(position, 19);
   const __m256i fraction = _mm256_and_si256(position, _mm256_set1_epi32(0x7FFFF));
-  const __m256i l = _mm256_min_epu32(
-      code, _mm256_add_epi32(_mm256_and_si256(code, _mm256_set1_epi32(15)), _mm256_set1_epi32(16)));
-  const __m256i odd = _mm256_or_si256(_mm256_slli_epi32(l, 1), _mm256_set1_epi32(1));
+  __m256i odd;  // 2L + 1
+  if (AllNormal) {
+    odd = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(position, 18), _mm256_set1_epi32(30)),
+                          _mm256_set1_epi32(33));
+  } else {
+    const __m256i l = _mm256_min_epu32(
+        code, _mm256_add_epi32(_mm256_and_si256(code, _mm256_set1_epi32(15)), _mm256_set1_epi32(16)));
+    odd = _mm256_or_si256(_mm256_slli_epi32(l, 1), _mm256_set1_epi32(1));
+  }
   const __m256i high = _mm256_srli_epi32(fraction, 3);
   const __m256i gap = _mm256_sub_epi32(fraction, _mm256_srli_epi32(_mm256_mullo_epi32(high, high), 13));
   const __m256i up = _mm256_cmpgt_epi32(_mm256_mullo_epi32(odd, _mm256_sub_epi32(fraction, r)), gap);
@@ -408,14 +416,15 @@ inline void encode_e4m4_block(const float* root, uint32_t e, const __m256i (&wor
     if (_mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(smallest, end), smallest)) == -1) {
       const __m256i offset = _mm256_set1_epi32(int(scale_bits(254u - e) - (1792u << 19)));
       for (size_t k = 0; k < 4; ++k)
-        codes[k] = encode_roots_unbiased_square(_mm256_add_epi32(bits[k], offset), _mm256_srli_epi32(words[k], 13));
+        codes[k] = encode_roots_unbiased_square<true>(_mm256_add_epi32(bits[k], offset),
+                                                     _mm256_srli_epi32(words[k], 13));
       store_packed(dst, pack_codes(codes));
       return;
     }
   }
   const __m256 inverse = _mm256_set1_ps(exponent_inverse(e));
   for (size_t k = 0; k < 4; ++k) {
-    const __m256i c = encode_roots_unbiased_square(
+    const __m256i c = encode_roots_unbiased_square<false>(
         code_position_vector<1792, kTwoPowM14Bits>(_mm256_castsi256_ps(bits[k]), inverse),
         _mm256_srli_epi32(words[k], 13));
     codes[k] = _mm256_max_epi32(_mm256_min_epi32(c, _mm256_set1_epi32(255)),

@@ -234,12 +234,19 @@ inline __m512i encode_magnitude_vector(__m512 magnitude, __m512 inverse, __m512i
 
 // Roots' codes at positions code << 19 | F rounded so that v = root^2 is unbiased, not yet
 // limited to the largest code (see adam_avx2.cpp, encode_roots_unbiased_square).
+template <bool AllNormal>
 inline __m512i encode_roots_unbiased_square(__m512i position, __m512i r) {
   const __m512i code = _mm512_srli_epi32(position, 19);
   const __m512i fraction = _mm512_and_si512(position, _mm512_set1_epi32(0x7FFFF));
-  const __m512i l = _mm512_min_epu32(
-      code, _mm512_add_epi32(_mm512_and_si512(code, _mm512_set1_epi32(15)), _mm512_set1_epi32(16)));
-  const __m512i odd = _mm512_or_si512(_mm512_slli_epi32(l, 1), _mm512_set1_epi32(1));
+  __m512i odd;  // 2L + 1
+  if (AllNormal) {
+    odd = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(position, 18), _mm512_set1_epi32(30)),
+                          _mm512_set1_epi32(33));
+  } else {
+    const __m512i l = _mm512_min_epu32(
+        code, _mm512_add_epi32(_mm512_and_si512(code, _mm512_set1_epi32(15)), _mm512_set1_epi32(16)));
+    odd = _mm512_or_si512(_mm512_slli_epi32(l, 1), _mm512_set1_epi32(1));
+  }
   const __m512i high = _mm512_srli_epi32(fraction, 3);
   const __m512i gap = _mm512_sub_epi32(fraction, _mm512_srli_epi32(_mm512_mullo_epi32(high, high), 13));
   const __mmask16 up = _mm512_cmpgt_epi32_mask(_mm512_mullo_epi32(odd, _mm512_sub_epi32(fraction, r)), gap);
@@ -262,7 +269,7 @@ inline __m512i e3m4_signs(__m512 x) {
 // E4M4 codes of a root (>= +0; see adam_avx2.cpp).
 // A root above zero takes at least code 1 (see adam_avx2.cpp).
 inline __m512i encode_e4m4_vector(__m512 root, __m512 inverse, __m512i word) {
-  const __m512i codes = encode_roots_unbiased_square(
+  const __m512i codes = encode_roots_unbiased_square<false>(
       code_position_vector<1792, 1808, kTwoPowM14Bits>(root, inverse), _mm512_srli_epi32(word, 13));
   return _mm512_max_epi32(codes, _mm512_min_epi32(_mm512_castps_si512(root), _mm512_set1_epi32(1)));
 }
@@ -437,7 +444,8 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
       __m512i v_codes;
       const __m512i root_bits = _mm512_load_si512(roots + e);
       if (v_scaled && _mm512_cmpgt_epi32_mask(v_end, root_bits) == 0) {
-        v_codes = encode_roots_unbiased_square(_mm512_add_epi32(root_bits, v_offset), _mm512_srli_epi32(word, 13));
+        v_codes = encode_roots_unbiased_square<true>(_mm512_add_epi32(root_bits, v_offset),
+                                                     _mm512_srli_epi32(word, 13));
       } else {
         v_codes = encode_e4m4_vector(_mm512_load_ps(roots + e), v_inverse, word);
         if (v_e == 253) v_codes = _mm512_min_epi32(v_codes, _mm512_set1_epi32(255));
