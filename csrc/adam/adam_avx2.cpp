@@ -417,7 +417,7 @@ inline void encode_e4m4_block(const float* root, uint32_t e, const __m256i (&wor
       const __m256i offset = _mm256_set1_epi32(int(scale_bits(254u - e) - (1792u << 19)));
       for (size_t k = 0; k < 4; ++k)
         codes[k] = encode_roots_unbiased_square<true>(_mm256_add_epi32(bits[k], offset),
-                                                     _mm256_srli_epi32(words[k], 13));
+                                                      _mm256_srli_epi32(words[k], 13));
       store_packed(dst, pack_codes(codes));
       return;
     }

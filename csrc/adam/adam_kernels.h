@@ -265,7 +265,8 @@ static inline uint32_t code_position(float x, float inverse, uint32_t subnormal_
                                      uint32_t normal_base) {
   const float y = bits_float(float_bits(x) & 0x7fffffffu) * inverse;
   const float subnormal_end = bits_float(subnormal_end_bits);
-  return y < subnormal_end ? float_bits(y + subnormal_end) - (sub_base << 19) : float_bits(y) - (normal_base << 19);
+  return y < subnormal_end ? float_bits(y + subnormal_end) - (sub_base << 19)
+                           : float_bits(y) - (normal_base << 19);
 }
 
 // Whether the root at position c << 19 | F rounds up so that v = root^2 comes back unbiased:

@@ -253,9 +253,7 @@ def _encode_int8(x: torch.Tensor, r: torch.Tensor, fmt: _CodeFormat, signed: boo
     inverse = _float(torch.clamp(254 - e, min=0) << 23)
     y = x.abs() * inverse.repeat_interleave(INT8_BLOCK)[:n]
     # code << shift | the dropped bits, from the subnormal end on and below (y + end, an fp32 add)
-    position = torch.where(
-        y < subnormal_end, _bits(y + subnormal_end) - (sub_base << shift), _bits(y) - (normal_base << shift)
-    )
+    position = torch.where(y < subnormal_end, _bits(y + subnormal_end) - (sub_base << shift), _bits(y) - (normal_base << shift))
     if signed:
         c = (position + r) >> shift  # x unbiased
     else:
