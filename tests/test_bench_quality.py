@@ -155,3 +155,45 @@ def test_perturbed_seeds_compare_stream_means_with_perturbed_adamw(bench, tmp_pa
     target = f"offload bf16 (mean of 2 streams) within 0.5% of {bench.REFERENCE} (mean of 2 perturbed runs)"
     assert target in summary["targets"] and f"target: {target} (two-sided): " in out
     assert f"offload bf16, mean of 2 rounding streams, vs the mean of 2 perturbed {bench.REFERENCE} runs" in out
+
+
+def test_perturbation_sizes_each_get_their_runs_and_comparison(bench, tmp_path, capsys):
+    """--perturbation-log2 -9 -5: K perturbed runs of each size, named apart, each compared with
+    the compact runs; the targets stay judged against the bf16-sized (-9) runs."""
+    if "bf16" not in bench.engine_state_precisions():
+        pytest.skip("the engine has no compact state")
+    argv = ["--small", "--steps", str(STEPS), "--eval-every", "3", "--eval-batches", "2", "--noise-seeds", "0"]
+    summary = bench.main(
+        [*argv, "--runs", "offload bf16", "--perturbed-seeds", "2", "--perturbation-log2", "-9", "-5", "--out", str(tmp_path)]
+    )
+    out = capsys.readouterr().out
+    with open(summary["csv"], newline="") as handle:
+        runs = {r["run"] for r in csv.DictReader(handle)}
+    names = {bench.perturbed_name(s, e) for s in (1, 2) for e in (-9, -5)}
+    assert names <= runs and len(names) == 4
+    assert bench.perturbed_name(1, -5) == f"{bench.REFERENCE} perturbed 2^-5 1"
+    assert set(summary["perturbed_by_size"]) == {-9, -5}
+    assert summary["perturbed"] == summary["perturbed_by_size"][-9]
+    coarse = summary["perturbed_by_size"][-5]["offload bf16"]["train"]["perturbed_mean"]
+    fine = summary["perturbed_by_size"][-9]["offload bf16"]["train"]["perturbed_mean"]
+    assert coarse != fine  # other runs, not the same ones twice
+    assert f"vs the mean of 2 perturbed {bench.REFERENCE} (noise 2^-5) runs" in out
+    assert f"vs the mean of 2 perturbed {bench.REFERENCE} runs" in out
+    assert [t for t in summary["targets"] if "perturbed runs" in t] == [
+        f"offload bf16 (mean of 1 streams) within 0.5% of {bench.REFERENCE} (mean of 2 perturbed runs)"
+    ]
+
+
+def test_perturbed_adamw_noise_has_the_asked_size(bench):
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(4096))
+    optimizer = bench.PerturbedAdamW([param], seed=3, scale=2.0**-5, lr=1e-3)
+    param.grad = torch.randn(4096)
+    exact = torch.optim.AdamW([torch.nn.Parameter(param.detach().clone())], lr=1e-3)
+    exact.param_groups[0]["params"][0].grad = param.grad.clone()
+    optimizer.step()
+    exact.step()
+    moved = optimizer.state[param]["exp_avg"]
+    plain = exact.state[exact.param_groups[0]["params"][0]]["exp_avg"]
+    factor = (moved / plain)[plain != 0].double()
+    assert factor.std().item() == pytest.approx(2.0**-5, rel=0.05)
