@@ -644,6 +644,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--runs", default=None, help="comma-separated subset of the run names (default: all available)")
     parser.add_argument("--out", default=None, help="directory for the CSV and PNG (default: a new temporary one)")
     args = parser.parse_args(argv)
+    if len(set(args.perturbation_log2)) != len(args.perturbation_log2):
+        parser.error(f"--perturbation-log2 names a size twice ({args.perturbation_log2}): give each size once")
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:

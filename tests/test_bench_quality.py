@@ -197,3 +197,9 @@ def test_perturbed_adamw_noise_has_the_asked_size(bench):
     plain = exact.state[exact.param_groups[0]["params"][0]]["exp_avg"]
     factor = (moved / plain)[plain != 0].double()
     assert factor.std().item() == pytest.approx(2.0**-5, rel=0.05)
+
+
+def test_a_perturbation_size_given_twice_is_refused(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--small", "--perturbed-seeds", "2", "--perturbation-log2", "-9", "-9"])
+    assert "--perturbation-log2 names a size twice" in capsys.readouterr().err
