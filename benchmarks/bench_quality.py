@@ -55,7 +55,7 @@ precision's mean over its streams is also compared with the mean of the K pertur
 the standard error of the difference, and the targets are judged on those means too.
 `--perturbation-log2 -9 -5` adds K runs with noise 2^-5 (about an int8 rounding's size in its
 normal codes, 16 times bf16's), compared the same way: at 300 steps noisier moments reach a
-lower loss on this benchmark (2^-5: 2.9% below 2^-9 over eight seeds), so a compact run's
+lower loss on this benchmark (2^-5: 2.2% below 2^-9 over sixteen seeds), so a compact run's
 difference from the 2^-9 runs mixes a format's bias with the effect of its noise's size.
 
 Printed: final train loss (mean of the last 20 steps) and validation loss per run, each as a
