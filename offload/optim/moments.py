@@ -255,15 +255,12 @@ def _encode_int8(x: torch.Tensor, r: torch.Tensor, fmt: _CodeFormat, signed: boo
     # code << shift | the dropped bits, from the subnormal end on and below (y + end, an fp32 add)
     position = torch.where(y < subnormal_end, _bits(y + subnormal_end) - (sub_base << shift), _bits(y) - (normal_base << shift))
     if signed:
-        c = (position + r) >> shift  # x unbiased
+        # x unbiased, and its sign
+        c = torch.clamp((position + r) >> shift, max=top) | ((u >> 31) << 7)
     else:
-        c = (position >> shift) + _root_rounds_up(position, r)  # x^2 unbiased
-    c = torch.clamp(c, max=top)
-    if signed:
-        c = c | ((u >> 31) << 7)
-    else:
-        # a root above zero never rounds to code 0: a zero second moment under a nonzero first
-        # one would step by m / eps (docs/compact_state.md)
+        # x^2 unbiased; a root above zero never rounds to code 0: a zero second moment under a
+        # nonzero first one would step by m / eps (docs/compact_state.md)
+        c = torch.clamp((position >> shift) + _root_rounds_up(position, r), max=top)
         c = torch.maximum(c, (u > 0).to(c.dtype))
     c = torch.where((e == 255).repeat_interleave(INT8_BLOCK)[:n], 0, c)
     return c.to(torch.uint8), e.to(torch.uint8)
