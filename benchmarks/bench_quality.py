@@ -37,6 +37,13 @@ optimizer change exceeds, carry a run by its end, the floor under a paired compa
 them): the run-to-run spread a user sees, much wider (at 300 steps, 5% in validation loss, more
 than every target).
 
+Learning rate: peak 1e-3 by default. Until 2026-11-27 it was 2e-3, where torch AdamW itself ends
+higher on this model (final train loss 2.34 against 2.19) and single runs are chaotic: one
+rounding stream or one 2^-9 perturbation of the moments moves the final loss 2-4% either way,
+wider than the targets the benchmark judges, and noisier moments end lower. At 1e-3 the same runs
+spread 0.2-0.5% (benchmarks/RESULTS.md). `--lr 2e-3` reproduces the earlier setting; the figures
+below that name a spread were measured there.
+
 Rounding streams: compact state rounds stochastically, and one stream of random bits is one
 draw. `--rounding-seeds K` trains each compact run K more times with `optimizer.rounding_seed`
 1..K and prints the spread of its difference from the reference over the K + 1 streams: what a
@@ -606,7 +613,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--small", action="store_true", help="a tiny model and text (the smoke test's setting)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="compute precision (see the docstring)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warmup 10%%, cosine to 10%%)")
+    parser.add_argument(
+        "--lr", type=float, default=1e-3, help="peak learning rate (warmup 10%%, cosine to 10%%; see the docstring)"
+    )
     parser.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999))
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0, help="data-order seed of the compared runs")
