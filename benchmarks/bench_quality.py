@@ -552,6 +552,31 @@ def perturbed_comparison(curves: list[Curve], streams: list[Curve], perturbed: l
     return result
 
 
+def bnb_against_streams(curves: list[Curve], streams: list[Curve]) -> dict:
+    """bnb AdamW8bit's one run against offload int8's rounding streams (the main run and
+    `streams`, K >= 2 in all): int8's mean minus bnb in %, and the standard error of that
+    difference for one run drawn with int8's spread, sd * sqrt(1 + 1 / K). bnb rounds to nearest,
+    so its run is one trajectory; judged within noise where the difference is at most two such
+    standard errors. Empty without bnb or without streams."""
+    by_name = {c.name: c for c in curves}
+    if "bnb AdamW8bit" not in by_name or "offload int8" not in by_name:
+        return {}
+    runs = with_streams(by_name["offload int8"], streams)
+    if len(runs) < 2:
+        return {}
+    row: dict = {"runs": len(runs)}
+    for what, final in (("train", lambda c: c.final_train), ("validation", lambda c: c.final_validation)):
+        theirs = final(by_name["bnb AdamW8bit"])
+        mine = [final(c) for c in runs]
+        error = statistics.stdev(mine) * math.sqrt(1 + 1 / len(mine))
+        row[what] = {
+            "difference_pct": percent(statistics.fmean(mine), theirs),
+            "standard_error_pct": 100.0 * error / theirs,
+        }
+    row["within_noise"] = all(abs(row[w]["difference_pct"]) <= 2 * row[w]["standard_error_pct"] for w in ("train", "validation"))
+    return row
+
+
 def print_summary(summary: dict) -> None:
     header = f"{'run':<22}{'train':>9}{'vs ref %':>10}{'valid':>9}{'vs ref %':>10}{'s/run':>8}   against noise (train/valid)"
     print(header)
@@ -588,6 +613,15 @@ def print_summary(summary: dict) -> None:
             f"{name} over {spread['runs']} rounding streams (optimizer.rounding_seed 0..{spread['runs'] - 1}), vs {REFERENCE}: "
             + ", ".join(
                 f"{what} {spread[what]['min']:+.2f}% .. {spread[what]['max']:+.2f}% (mean {spread[what]['mean']:+.2f}%)"
+                for what in ("train", "validation")
+            )
+        )
+    if summary.get("bnb_against_streams"):
+        row = summary["bnb_against_streams"]
+        print(
+            f"offload int8, mean of {row['runs']} rounding streams, vs bnb AdamW8bit's run: "
+            + ", ".join(
+                f"{what} {row[what]['difference_pct']:+.2f}% (standard error of one run {row[what]['standard_error_pct']:.2f}%)"
                 for what in ("train", "validation")
             )
         )
@@ -766,6 +800,13 @@ def run(args: argparse.Namespace) -> dict:
         band += [c for c in curves if c.name == "offload fp32"]
     summary = summarize(curves, band if len(band) > 1 else [])
     summary["rounding_streams"] = rounding_spread(curves, streams)
+    summary["bnb_against_streams"] = bnb_against_streams(curves, streams)
+    if summary["bnb_against_streams"]:
+        # int8 rounds stochastically: one of its runs against bnb's is one draw, so with streams
+        # the verdict comes from their spread, not from the reference's rounding-level band
+        summary["targets"].pop("offload int8 within noise of bnb AdamW8bit", None)
+        row = summary["bnb_against_streams"]
+        summary["targets"][f"offload int8 (mean of {row['runs']} streams) within noise of bnb AdamW8bit"] = row["within_noise"]
     summary["perturbed_by_size"] = {
         log2_scale: perturbed_comparison(curves, streams, group) for log2_scale, group in perturbed_by_size.items()
     }

@@ -203,3 +203,24 @@ def test_a_perturbation_size_given_twice_is_refused(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--small", "--perturbed-seeds", "2", "--perturbation-log2", "-9", "-9"])
     assert "--perturbation-log2 names a size twice" in capsys.readouterr().err
+
+
+def test_bnb_is_judged_against_the_int8_streams_spread(bench):
+    """With int8 rounding streams, bnb AdamW8bit's run is compared with their mean against the
+    standard error of one run drawn with their spread (sd * sqrt(1 + 1/K)): within two of them is
+    within noise, beyond is not; without streams or without bnb there is no such comparison."""
+
+    def curve(name: str, loss: float) -> object:
+        return bench.Curve(name, 0, [loss] * bench.FINAL_WINDOW, [(1, loss + 0.01)], 0.0)
+
+    int8 = [curve("offload int8", 2.00), curve("offload int8 r1", 2.02), curve("offload int8 r2", 2.04)]
+    sd = 0.02  # of 2.00, 2.02, 2.04
+    error = sd * math.sqrt(1 + 1 / 3)
+    for bnb_loss, within in ((2.02 + 1.9 * error, True), (2.02 + 2.1 * error, False), (2.02 - 2.1 * error, False)):
+        curves = [curve(bench.REFERENCE, 2.0), int8[0], curve("bnb AdamW8bit", bnb_loss)]
+        row = bench.bnb_against_streams(curves, int8[1:])
+        assert row["runs"] == 3 and row["within_noise"] is within, bnb_loss
+        assert row["train"]["difference_pct"] == pytest.approx(100 * (2.02 - bnb_loss) / bnb_loss)
+        assert row["train"]["standard_error_pct"] == pytest.approx(100 * error / bnb_loss)
+    assert bench.bnb_against_streams([curve(bench.REFERENCE, 2.0), int8[0]], int8[1:]) == {}
+    assert bench.bnb_against_streams([curve(bench.REFERENCE, 2.0), int8[0], curve("bnb AdamW8bit", 2.0)], []) == {}
