@@ -81,6 +81,7 @@ import csv
 import dataclasses
 import math
 import os
+import re
 import statistics
 import sys
 import sysconfig
@@ -408,8 +409,26 @@ def write_csv(path: Path, curves: list[Curve]) -> None:
                 )
 
 
+def plot_group(name: str) -> str:
+    """The curve a run is drawn with: a compact run's rounding streams (`<run> r<k>`) with their
+    main run, the noise and perturbed runs (`... ulp <k>`, `... seed <k>`, `... perturbed [2^e] <k>`)
+    with the others of their kind; every other run alone."""
+    match = re.fullmatch(r"(.+) r\d+", name) or re.fullmatch(r"(.+ (?:ulp|seed|perturbed(?: 2\^-?\d+)?)) \d+", name)
+    return match.group(1) if match else name
+
+
+def smoothed_train(curve: Curve) -> list[float]:
+    """Each step's train loss averaged over the FINAL_WINDOW steps up to it (the final train loss
+    is the last value)."""
+    window = min(FINAL_WINDOW, len(curve.train))
+    return [statistics.fmean(curve.train[max(0, i - window + 1) : i + 1]) for i in range(len(curve.train))]
+
+
 def write_plot(path: Path, curves: list[Curve], title: str) -> bool:
-    """Train (smoothed over FINAL_WINDOW steps) and validation curves; False without matplotlib."""
+    """Three panels: the train loss (smoothed over FINAL_WINDOW steps), its last third enlarged
+    (where the runs differ by tenths of a percent), and the validation loss. A group of runs
+    (plot_group: rounding streams, noise or perturbed runs) is drawn as its mean with its
+    range shaded, one legend entry per group; False without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -417,33 +436,58 @@ def write_plot(path: Path, curves: list[Curve], title: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    groups: dict[str, list[Curve]] = {}
     for curve in curves:
-        noise = curve.name != REFERENCE and curve.name.startswith(REFERENCE)
-        style = {"color": "grey", "alpha": 0.5, "linewidth": 0.8} if noise else {"linewidth": 1.2}
-        label = curve.name
-        window = min(FINAL_WINDOW, len(curve.train))
-        smoothed = [statistics.fmean(curve.train[max(0, i - window + 1) : i + 1]) for i in range(len(curve.train))]
-        left.plot(range(1, len(smoothed) + 1), smoothed, label=label, **style)
-        right.plot(
-            [s for s, _ in curve.validation[1:]],
-            [v for _, v in curve.validation[1:]],
-            marker="o",
-            markersize=3,
-            label=label,
-            **style,
-        )
-    left.set(title=f"train loss (mean of last {FINAL_WINDOW} steps)", xlabel="step", ylabel="loss")
+        groups.setdefault(plot_group(curve.name), []).append(curve)
+    figure, (whole, end, right) = plt.subplots(1, 3, figsize=(16, 5.5))
+    for index, (name, members) in enumerate(groups.items()):
+        color = "black" if name == REFERENCE else f"C{index % 10}"
+        label = name if len(members) == 1 else f"{name} ({len(members)} runs: mean, range shaded)"
+        train = [smoothed_train(c) for c in members]
+        steps = min(len(t) for t in train)
+        train_steps = range(1, steps + 1)
+        train_mean = [statistics.fmean(t[i] for t in train) for i in range(steps)]
+        evals = min(len(c.validation) for c in members)
+        eval_steps = [s for s, _ in members[0].validation[1:evals]]
+        eval_mean = [statistics.fmean(c.validation[i][1] for c in members) for i in range(1, evals)]
+        for axis in (whole, end):
+            axis.plot(train_steps, train_mean, color=color, linewidth=1.2, label=label)
+        right.plot(eval_steps, eval_mean, color=color, linewidth=1.2, marker="o", markersize=3, label=label)
+        if len(members) > 1:
+            for axis in (whole, end):
+                axis.fill_between(
+                    train_steps,
+                    [min(t[i] for t in train) for i in range(steps)],
+                    [max(t[i] for t in train) for i in range(steps)],
+                    color=color,
+                    alpha=0.15,
+                    linewidth=0,
+                )
+            right.fill_between(
+                eval_steps,
+                [min(c.validation[i][1] for c in members) for i in range(1, evals)],
+                [max(c.validation[i][1] for c in members) for i in range(1, evals)],
+                color=color,
+                alpha=0.15,
+                linewidth=0,
+            )
+    whole.set(title=f"train loss (mean of last {FINAL_WINDOW} steps)", xlabel="step", ylabel="loss")
+    end.set(title="train loss, last third", xlabel="step", ylabel="loss")
     right.set(title="validation loss", xlabel="step", ylabel="loss")
-    # the interesting part is the end: start the y axis at the loss after the first tenth
-    for axis in (left, right):
+    longest = max(len(c.train) for c in curves)
+    # the start is the same for every run: the whole panel starts at the loss after the first tenth
+    tail = [v for c in curves for v in smoothed_train(c)[longest // 10 :]]
+    last = [v for c in curves for v in smoothed_train(c)[2 * longest // 3 :]]
+    if tail and last:
+        whole.set_ylim(min(tail) * 0.98, max(tail) * 1.02)
+        end.set_xlim(2 * longest // 3, longest)
+        end.set_ylim(min(last) * 0.995, max(last) * 1.005)
+    for axis in (whole, end, right):
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    tail = [v for c in curves for v in c.train[len(c.train) // 10 :]]
-    if tail:
-        left.set_ylim(min(tail) * 0.98, max(tail) * 1.02)
+    handles, labels = whole.get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
     figure.suptitle(title, fontsize=10)
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.06 + 0.025 * math.ceil(len(groups) / 3), 1, 1))
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return True

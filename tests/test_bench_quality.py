@@ -224,3 +224,17 @@ def test_bnb_is_judged_against_the_int8_streams_spread(bench):
         assert row["train"]["standard_error_pct"] == pytest.approx(100 * error / bnb_loss)
     assert bench.bnb_against_streams([curve(bench.REFERENCE, 2.0), int8[0]], int8[1:]) == {}
     assert bench.bnb_against_streams([curve(bench.REFERENCE, 2.0), int8[0], curve("bnb AdamW8bit", 2.0)], []) == {}
+
+
+def test_runs_are_plotted_in_groups_of_their_kind(bench):
+    """Rounding streams join their main run, noise and perturbed runs join the others of their kind
+    (each size apart), and every other run is its own curve."""
+    group = bench.plot_group
+    assert group("offload int8 r3") == group("offload int8") == "offload int8"
+    assert group("offload bf16 r12") == "offload bf16"
+    assert group(bench.perturbed_name(4)) == group(bench.perturbed_name(1)) == f"{bench.REFERENCE} perturbed"
+    assert group(bench.perturbed_name(2, -5)) == f"{bench.REFERENCE} perturbed 2^-5"
+    assert group(bench.noise_name("rounding", 2)) == f"{bench.REFERENCE} ulp"
+    assert group(bench.noise_name("order", 7)) == f"{bench.REFERENCE} seed"
+    for alone in (bench.REFERENCE, "offload fp32", "bnb AdamW8bit"):
+        assert group(alone) == alone
