@@ -21,7 +21,7 @@ def bench():
 
 def test_smallest_setting_reports_every_run(bench, tmp_path, capsys):
     argv = ["--small", "--steps", str(STEPS), "--eval-every", "3", "--eval-batches", "2", "--noise-seeds", "1"]
-    summary = bench.main([*argv, "--out", str(tmp_path)])
+    summary = bench.main([*argv, "--rounding-seeds", "0", "--perturbed-seeds", "0", "--out", str(tmp_path)])
     out = capsys.readouterr().out
 
     expected = {bench.REFERENCE, *(f"offload {p}" for p in bench.engine_state_precisions())}
@@ -81,7 +81,9 @@ def test_rounding_seeds_give_the_spread_over_rounding_streams(bench, tmp_path, c
     if "int8" not in bench.engine_state_precisions():
         pytest.skip("the engine has no compact state")
     argv = ["--small", "--steps", str(STEPS), "--eval-every", "3", "--eval-batches", "2", "--noise-seeds", "0"]
-    summary = bench.main([*argv, "--runs", "offload int8", "--rounding-seeds", "2", "--out", str(tmp_path)])
+    summary = bench.main(
+        [*argv, "--runs", "offload int8", "--rounding-seeds", "2", "--perturbed-seeds", "0", "--out", str(tmp_path)]
+    )
     out = capsys.readouterr().out
     spread = summary["rounding_streams"]["offload int8"]
     assert spread["runs"] == 3 and set(summary["rounding_streams"]) == {"offload int8"}
@@ -164,7 +166,8 @@ def test_perturbation_sizes_each_get_their_runs_and_comparison(bench, tmp_path, 
         pytest.skip("the engine has no compact state")
     argv = ["--small", "--steps", str(STEPS), "--eval-every", "3", "--eval-batches", "2", "--noise-seeds", "0"]
     summary = bench.main(
-        [*argv, "--runs", "offload bf16", "--perturbed-seeds", "2", "--perturbation-log2", "-9", "-5", "--out", str(tmp_path)]
+        [*argv, "--runs", "offload bf16", "--rounding-seeds", "0", "--perturbed-seeds", "2", "--perturbation-log2", "-9", "-5"]
+        + ["--out", str(tmp_path)]
     )
     out = capsys.readouterr().out
     with open(summary["csv"], newline="") as handle:
@@ -238,3 +241,22 @@ def test_runs_are_plotted_in_groups_of_their_kind(bench):
     assert group(bench.noise_name("order", 7)) == f"{bench.REFERENCE} seed"
     for alone in (bench.REFERENCE, "offload fp32", "bnb AdamW8bit"):
         assert group(alone) == alone
+
+
+def test_the_default_run_judges_every_target_on_means(bench, tmp_path, capsys):
+    """Without seed options the benchmark trains eight rounding streams of each compact
+    precision and eight perturbed AdamW runs, so every target is judged on means: the compact
+    precisions against perturbed AdamW and, with bnb installed, int8 against bnb on its streams'
+    spread (not on the one-ulp band)."""
+    if "int8" not in bench.engine_state_precisions():
+        pytest.skip("the engine has no compact state")
+    argv = ["--small", "--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--noise-seeds", "0"]
+    summary = bench.main([*argv, "--out", str(tmp_path)])
+    assert summary["rounding_streams"]["offload int8"]["runs"] == 8
+    assert summary["perturbed"]["offload bf16"]["perturbed_runs"] == 8
+    targets = set(summary["targets"])
+    assert f"offload int8 (mean of 8 streams) within 1.0% of {bench.REFERENCE} (mean of 8 perturbed runs)" in targets
+    if bench.bitsandbytes_adamw8bit() is not None:
+        assert "offload int8 (mean of 8 streams) within noise of bnb AdamW8bit" in targets
+        assert "offload int8 within noise of bnb AdamW8bit" not in targets
+        assert "offload int8, mean of 8 rounding streams, vs bnb AdamW8bit's run" in capsys.readouterr().out
