@@ -36,18 +36,23 @@ the step's time (the fraction of the disk's limit the step reaches; the check ru
 each round and the best bandwidths seen so far count, as this machine's shared disk varies 2x
 from minute to minute), and with
 `--state-precisions` the same time gives the disk-bound speed-up over fp32: the most a precision
-can gain where the disk, not the compute, sets the step.
+can gain where the disk, not the compute, sets the step. Runs with swap files also get a line
+each of where in the step the disk works: the median step's bytes read and written in its
+forward and in its backward and step(), and the seconds of each phase in which not one byte
+moved (a thread samples /proc/self/io every 10 ms).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import copy
 import dataclasses
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -94,6 +99,51 @@ def disk_bytes() -> tuple[int, int]:
     counts them (bench_state_memory.proc_io: /proc/self/io; (0, 0) where there is none)."""
     counters = proc_io()
     return counters.get("read_bytes", 0), counters.get("write_bytes", 0)
+
+
+def phase_disk(samples: list[tuple[float, int, int]], start: float, end: float) -> tuple[int, int, float]:
+    """Bytes read, bytes written, and seconds in which not one byte moved, between `start` and
+    `end`, from `samples` of (time, bytes read so far, bytes written so far) in time order (a
+    DiskSampler's). The bytes are those of the last sample at or before each end; an interval
+    between two samples counts as idle when neither counter moved, and counts in the phase its
+    later sample falls in."""
+    times = [sample[0] for sample in samples]
+    if not samples:
+        return 0, 0, 0.0
+    first = samples[max(0, bisect.bisect_right(times, start) - 1)]
+    last = samples[max(0, bisect.bisect_right(times, end) - 1)]
+    idle = 0.0
+    for before, after in zip(samples, samples[1:]):
+        if start < after[0] <= end and before[1:] == after[1:]:
+            idle += after[0] - before[0]
+    return last[1] - first[1], last[2] - first[2], idle
+
+
+class DiskSampler:
+    """A thread sampling this process's disk counters (disk_bytes) every `interval` seconds while
+    it runs: which phase of a step moves the swap files' bytes, and when the disk waits. Owned
+    by time_engine: started before the first step, stopped after the last; `samples` is read
+    only after stop()."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-disk-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), *disk_bytes()))
+            self._stop.wait(self.interval)
+        self.samples.append((time.perf_counter(), *disk_bytes()))
+
+    def start(self) -> DiskSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def measure_disk(path: str, best: dict[str, float] | None = None) -> dict[str, float]:
@@ -152,7 +202,9 @@ def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision,
         "gradient_clipping": clip,
     }
     engine = offload.initialize(copy.deepcopy(model), config)
-    times, breakdowns = [], []
+    times, breakdowns, marks = [], [], []
+    # with swap files, where in the step the disk works (forward, then backward and step())
+    sampler = DiskSampler().start() if "nvme" in (param, optimizer) and os.path.exists("/proc/self/io") else None
     try:
         for ids in batches:
             synchronize(engine.device.torch_device)
@@ -160,10 +212,14 @@ def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision,
             read_before, written_before = disk_bytes()
             started = time.perf_counter()
             out = engine(input_ids=ids, labels=ids)
+            synchronize(engine.device.torch_device)
+            forward_ended = time.perf_counter()
             engine.backward(out.loss)
             engine.step()
             synchronize(engine.device.torch_device)
-            times.append(time.perf_counter() - started)
+            ended = time.perf_counter()
+            times.append(ended - started)
+            marks.append((started, forward_ended, ended))
             read_after, written_after = disk_bytes()
             breakdown = engine.pop_timings()
             breakdown["disk_read"] = read_after - read_before
@@ -172,7 +228,14 @@ def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision,
         report = engine.memory_report()
         report["speculation"] = dict(engine.speculation_counts)
     finally:
+        if sampler is not None:
+            sampler.stop()
         engine.close(restore_weights=False)
+    if sampler is not None:
+        for breakdown, (started, forward_ended, ended) in zip(breakdowns, marks, strict=True):
+            for phase, (start, end) in (("fwd", (started, forward_ended)), ("bwd", (forward_ended, ended))):
+                read, written, idle = phase_disk(sampler.samples, start, end)
+                breakdown[f"{phase}_disk"] = (read, written, idle, end - start)
     return times, breakdowns, report
 
 
@@ -236,7 +299,22 @@ def one_round(args, runs, model, batches, plain_step, tokens, params, disk) -> l
             if any(report["speculation"].values()):
                 line += "  speculative windows " + " ".join(f"{k} {v}" for k, v in report["speculation"].items())
         print(line, flush=True)
+    phased = [(name, breakdown) for name, _, breakdown, _ in rows if breakdown and "fwd_disk" in breakdown]
+    if phased:
+        print("disk by phase, the median step: MB read / written, and the seconds in which no byte moved, of the phase's")
+        for name, breakdown in phased:
+            print(f"{name:<{NAME_WIDTH}}" + "   ".join(phase_line(label, breakdown[key]) for label, key in PHASES))
     return engine_rows
+
+
+# the phases of a step that the disk table splits it into: the forward; the backward and step()
+PHASES = (("forward", "fwd_disk"), ("backward+step", "bwd_disk"))
+
+
+def phase_line(label: str, disk: tuple[int, int, float, float]) -> str:
+    """One phase's disk use, as the table prints it."""
+    read, written, idle, seconds = disk
+    return f"{label} r {read / 1e6:.0f} w {written / 1e6:.0f}, no I/O {idle:.2f} of {seconds:.2f} s"
 
 
 def run_name(param: str, optimizer: str, overlap: str, state: str | None) -> str:
