@@ -264,3 +264,34 @@ def test_interrupted_wait_leaves_the_request_pending(tmp_path, pool):
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert (tmp_path / "slow.bin").read_bytes() == src.numpy().tobytes()
+
+
+def test_an_urgent_request_goes_ahead_of_those_queued_before_it(tmp_path, pool):
+    """One worker, one piece at a time, each piece slowed: a write queued first still has most of
+    its pieces to go when an urgent read submitted after it has completed; both complete whole."""
+    background = random_bytes(pool, 16 * 4096, seed=1)
+    urgent_source = random_bytes(pool, 4096, seed=2)
+    (tmp_path / "urgent.bin").write_bytes(urgent_source.numpy().tobytes())
+    target = pool.alloc(4096, torch.uint8)
+    with AioEngine(4096, 1, 1) as eng:
+        eng.set_delay(0.02)
+        slow = eng.submit_write(str(tmp_path / "background.bin"), background)
+        quick = eng.submit_read(str(tmp_path / "urgent.bin"), target, urgent=True)
+        assert quick.wait() is True
+        assert not slow.done()  # about 15 pieces of 20 ms each were still queued
+        assert slow.wait() is True
+    assert torch.equal(target, urgent_source)
+    assert (tmp_path / "background.bin").read_bytes() == background.numpy().tobytes()
+
+
+def test_requests_of_one_class_keep_their_order(tmp_path, pool):
+    """Without urgency the queue is first in, first out: of two slowed writes, the first
+    completes first."""
+    first, second = random_bytes(pool, 4 * 4096, seed=3), random_bytes(pool, 4 * 4096, seed=4)
+    with AioEngine(4096, 1, 1) as eng:
+        eng.set_delay(0.02)
+        a = eng.submit_write(str(tmp_path / "a.bin"), first)
+        b = eng.submit_write(str(tmp_path / "b.bin"), second)
+        assert a.wait() is True
+        assert not b.done()
+        assert b.wait() is True

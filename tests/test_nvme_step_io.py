@@ -370,3 +370,48 @@ def test_a_failed_prefetch_read_is_read_again_by_the_step(stepped, caplog):
         got = _store_values(engine)
     assert "ahead of the step failed; it is read again" in caplog.text
     assert all(torch.equal(got[key], expected[key]) for key in expected)
+
+
+def test_what_compute_waits_on_is_urgent_and_the_state_write_back_is_not(swap_dir):
+    """The I/O engine's two queues (AioEngine): the 16-bit weights a fetch reads and a step writes
+    back, and the state pieces a step's stream reads, go ahead of the state written back and of
+    the pieces prefetched during backward, which nothing waits on yet. One step of a trained engine
+    with both tiers on NVMe: every param16 transfer is urgent, every state write is not, and of the
+    state reads exactly the prefetched pieces' (master and moments, one piece per slot) are not."""
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, param="nvme", gradient_memory=None))
+    try:
+        data = batches(3)
+        engine_run(engine, data[:2])
+        engine.stepping.wait()
+        swap, slots = engine.store.swap, len(engine.store._slots)
+        seen: list[tuple[str, str, bool]] = []
+        read_into, write_from = swap.read_into, swap.write_from
+
+        def recording_read(name, tensor, *, urgent=False):
+            seen.append(("read", name, urgent))
+            return read_into(name, tensor, urgent=urgent)
+
+        def recording_write(name, tensor, *, urgent=False):
+            seen.append(("write", name, urgent))
+            return write_from(name, tensor, urgent=urgent)
+
+        swap.read_into, swap.write_from = recording_read, recording_write
+        x, y = data[2]
+        engine.backward(mse(engine, x, y))
+        engine.step()
+        engine.stepping.wait()
+        engine_run(engine, [data[0]])  # the next forward fetches the new weights
+        engine.stepping.wait()
+        swap.read_into, swap.write_from = read_into, write_from
+    finally:
+        engine.close()
+    weights = [(op, urgent) for op, name, urgent in seen if name.endswith(".param16")]
+    state = [(op, name, urgent) for op, name, urgent in seen if not name.endswith(".param16")]
+    assert {op for op, _ in weights} == {"read", "write"}
+    assert all(urgent for _, urgent in weights)
+    assert state and not any(urgent for op, _, urgent in state if op == "write")
+    background_reads = [name for op, name, urgent in state if op == "read" and not urgent]
+    stepped_kinds = 3  # master, exp_avg, exp_avg_sq
+    assert len(background_reads) == 2 * stepped_kinds * slots  # two boundary backwards
+    assert any(urgent for op, _, urgent in state if op == "read")  # the stream's own reads

@@ -43,11 +43,13 @@ PYBIND11_MODULE(_aio_ext, m) {
       .def(
           "submit",
           [](Engine& e, Op op, int fd, uint64_t ptr, uint64_t offset, size_t nbytes, size_t crc_nbytes,
-             bool want_crc, size_t piece_size, const std::string& path) {
-            return e.submit(op, fd, as_ptr(ptr), offset, nbytes, crc_nbytes, want_crc, piece_size, path);
+             bool want_crc, size_t piece_size, const std::string& path, bool urgent) {
+            return e.submit(op, fd, as_ptr(ptr), offset, nbytes, crc_nbytes, want_crc, piece_size, path,
+                            urgent);
           },
           py::arg("op"), py::arg("fd"), py::arg("ptr"), py::arg("offset"), py::arg("nbytes"),
-          py::arg("crc_nbytes"), py::arg("want_crc"), py::arg("piece_size"), py::arg("path"))
+          py::arg("crc_nbytes"), py::arg("want_crc"), py::arg("piece_size"), py::arg("path"),
+          py::arg("urgent") = false)
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def("set_fault", &Engine::set_fault, py::arg("op"), py::arg("err"), py::arg("after_offset"),
            py::arg("count") = -1)

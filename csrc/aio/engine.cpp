@@ -137,7 +137,7 @@ void Engine::clear_fault() { fault_op_.store(-1); }
 
 std::shared_ptr<Request> Engine::submit(Op op, int fd, char* buf, uint64_t offset, size_t nbytes,
                                         size_t crc_nbytes, bool want_crc, size_t piece_size,
-                                        const std::string& path) {
+                                        const std::string& path, bool urgent) {
   if (piece_size == 0) piece_size = block_size_;
   if (crc_nbytes > nbytes) throw std::invalid_argument("crc_nbytes exceeds nbytes");
   auto req = std::make_shared<Request>(op, fd, buf, offset, nbytes, crc_nbytes, want_crc, piece_size, path);
@@ -145,7 +145,8 @@ std::shared_ptr<Request> Engine::submit(Op op, int fd, char* buf, uint64_t offse
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) throw std::runtime_error("the I/O engine is closed; create a new one");
-    for (size_t i = 0; i < req->npieces_; ++i) queue_.push_back(Piece{req, i});
+    std::deque<Piece>& queue = urgent ? urgent_queue_ : queue_;
+    for (size_t i = 0; i < req->npieces_; ++i) queue.push_back(Piece{req, i});
   }
   cv_.notify_all();
   return req;
@@ -157,11 +158,13 @@ void Engine::worker() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] {
-        return (stop_ && queue_.empty()) || (!queue_.empty() && in_flight_ < queue_depth_);
+        const bool empty = urgent_queue_.empty() && queue_.empty();
+        return (stop_ && empty) || (!empty && in_flight_ < queue_depth_);
       });
-      if (queue_.empty()) return;  // stop_ and drained
-      piece = std::move(queue_.front());
-      queue_.pop_front();
+      std::deque<Piece>& queue = urgent_queue_.empty() ? queue_ : urgent_queue_;
+      if (queue.empty()) return;  // stop_ and drained
+      piece = std::move(queue.front());
+      queue.pop_front();
       ++in_flight_;
     }
     run_piece(piece);

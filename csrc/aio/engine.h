@@ -2,8 +2,10 @@
 //
 // Concurrency contract
 // - submit() (caller thread) splits a request into pieces of `piece_size` bytes and appends
-//   them to one FIFO queue; it never blocks on I/O.
-// - `threads` workers pop pieces; at most `queue_depth` pieces execute at once (so the
+//   them to one of two FIFO queues, the urgent one (I/O that compute waits on) or the other;
+//   it never blocks on I/O.
+// - `threads` workers pop pieces, the urgent queue's first (a piece of the other queue waits
+//   while any urgent one is queued); at most `queue_depth` pieces execute at once (so the
 //   number of pieces in flight is min(threads, queue_depth)). A worker reads into / writes
 //   from the caller's buffer directly (no copy), and, when asked, checksums its piece
 //   (after the read, before the write) so the checksum costs no extra pass on the caller.
@@ -87,7 +89,7 @@ class Engine {
   ~Engine();
   // piece_size 0: the engine's block_size.
   std::shared_ptr<Request> submit(Op op, int fd, char* buf, uint64_t offset, size_t nbytes, size_t crc_nbytes,
-                                  bool want_crc, size_t piece_size, const std::string& path);
+                                  bool want_crc, size_t piece_size, const std::string& path, bool urgent);
   void close();
   // Fault injection for tests: pieces of `op` whose range ends past `after_offset` fail with `err`;
   // `count` >= 0: only the next `count` such pieces fail, then the fault is spent.
@@ -114,7 +116,8 @@ class Engine {
   const pid_t owner_pid_;  // workers exist only in this process; a fork child must not join them
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Piece> queue_;
+  std::deque<Piece> urgent_queue_;  // filled by submit(urgent), emptied first by the workers
+  std::deque<Piece> queue_;         // filled by submit(not urgent), emptied when urgent_queue_ is
   size_t in_flight_ = 0;
   bool stop_ = false;
   std::atomic<int> fault_op_{-1};

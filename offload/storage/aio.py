@@ -4,6 +4,11 @@ The C++ engine (csrc/aio) splits each request into `block_size` pieces, keeps at
 `queue_depth` pieces in flight on a pool of `threads` workers doing pread/pwrite, and can
 checksum (CRC-32C) each piece in the worker that moves it. Waiting releases the GIL.
 
+Two queues: a request submitted `urgent` (I/O that compute is waiting on, such as the 16-bit
+weights a fetch reads or a step writes back) goes ahead of every request that is not (the
+optimizer state streaming behind it), which keeps its order among its own class. The engine
+orders nothing else: a caller that needs one request after another waits for the first.
+
 Who owns what: from `submit_*` until the request completes, the tensor belongs to the
 engine (do not resize or write it). The engine keeps the tensor (and any fd it opened) in
 its table of requests in flight until the request is done, not merely until the handle is
@@ -286,6 +291,7 @@ class AioEngine:
         checksum: bool,
         piece_size: int,
         path: str | None,
+        urgent: bool,
     ) -> AioHandle:
         if self._closed:
             raise SwapError(_errno.EBADF, "the I/O engine is closed; create a new AioEngine", path or str(target))
@@ -330,6 +336,7 @@ class AioEngine:
                 bool(checksum),
                 int(piece_size),
                 name,
+                bool(urgent),
             )
         except BaseException:
             if owned is not None:
@@ -354,9 +361,11 @@ class AioEngine:
         checksum: bool = False,
         piece_size: int = 0,
         path: str | None = None,
+        urgent: bool = False,
     ) -> AioHandle:
-        """Read `io_nbytes` (default: the tensor's size) at `offset` of fd or path into the tensor."""
-        return self._submit(_aio_ext.Op.READ, target, tensor, offset, nbytes, io_nbytes, checksum, piece_size, path)
+        """Read `io_nbytes` (default: the tensor's size) at `offset` of fd or path into the tensor.
+        `urgent`: compute waits on it; queued ahead of every request that is not (see AioEngine)."""
+        return self._submit(_aio_ext.Op.READ, target, tensor, offset, nbytes, io_nbytes, checksum, piece_size, path, urgent)
 
     def submit_write(
         self,
@@ -369,9 +378,11 @@ class AioEngine:
         checksum: bool = False,
         piece_size: int = 0,
         path: str | None = None,
+        urgent: bool = False,
     ) -> AioHandle:
-        """Write the tensor's bytes (or `io_nbytes` of its buffer, padding included) at `offset`."""
-        return self._submit(_aio_ext.Op.WRITE, target, tensor, offset, nbytes, io_nbytes, checksum, piece_size, path)
+        """Write the tensor's bytes (or `io_nbytes` of its buffer, padding included) at `offset`.
+        `urgent`: compute waits on it; queued ahead of every request that is not (see AioEngine)."""
+        return self._submit(_aio_ext.Op.WRITE, target, tensor, offset, nbytes, io_nbytes, checksum, piece_size, path, urgent)
 
     def set_fault(self, op: str, err: int, after_offset: int = 0, count: int | None = None) -> None:
         """Test hook: make every `op` ("read"/"write") piece ending past `after_offset` fail with

@@ -139,13 +139,13 @@ class NvmeParam16(Param16Home):
 
     def read_into(self, unit: UnitState, out: torch.Tensor) -> None:
         """The unit's current weights, read from their file into `out`."""
-        self._swap().read_into(unit.swap_name("param16"), out).wait()
+        self._swap().read_into(unit.swap_name("param16"), out, urgent=True).wait()
 
     def publish(self, unit: UnitState, out: torch.Tensor) -> Param16WriteBack:
         """Starts writing `out` (a `target`) to the unit's file and offers it to fetches; a write
         that cannot start gives `out` back and raises."""
         try:
-            handle = self._swap().write_from(unit.swap_name("param16"), out)
+            handle = self._swap().write_from(unit.swap_name("param16"), out, urgent=True)
         except BaseException:
             self.give_back(out)
             raise
@@ -168,7 +168,7 @@ class NvmeParam16(Param16Home):
             return fresh, True
         staging = self.staging.take()
         try:
-            self._swap().read_into(unit.swap_name("param16"), staging[: unit.shard_numel]).wait()
+            self._swap().read_into(unit.swap_name("param16"), staging[: unit.shard_numel], urgent=True).wait()
         except BaseException:
             self.staging.give(staging)
             raise

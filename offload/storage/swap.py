@@ -624,12 +624,13 @@ class SwapStore:
                 ) from None
         return entry.buffered_fd, entry.nbytes
 
-    def write_from(self, name: str, tensor: torch.Tensor) -> SwapHandle:
-        """Start writing `tensor` (a HostBufferPool buffer for O_DIRECT) to swap tensor `name`."""
+    def write_from(self, name: str, tensor: torch.Tensor, *, urgent: bool = False) -> SwapHandle:
+        """Start writing `tensor` (a HostBufferPool buffer for O_DIRECT) to swap tensor `name`;
+        `urgent`: ahead of the engine's other I/O (AioEngine)."""
         entry = self._entry_for(name, tensor)
         fd, io_len = self._fd_and_length(entry, tensor)
         aio = self.engine.submit_write(
-            fd, tensor, HEADER_SIZE, nbytes=entry.nbytes, io_nbytes=io_len, checksum=True, path=entry.path
+            fd, tensor, HEADER_SIZE, nbytes=entry.nbytes, io_nbytes=io_len, checksum=True, path=entry.path, urgent=urgent
         )
         handle = SwapHandle(self, entry, "write", tensor, aio, generation=entry.generation + 1)
         with self._lock:
@@ -638,8 +639,9 @@ class SwapStore:
         entry.write_submitted = True
         return handle
 
-    def read_into(self, name: str, tensor: torch.Tensor) -> SwapHandle:
-        """Start reading swap tensor `name` into `tensor`; the handle's wait() verifies the checksum."""
+    def read_into(self, name: str, tensor: torch.Tensor, *, urgent: bool = False) -> SwapHandle:
+        """Start reading swap tensor `name` into `tensor`; the handle's wait() verifies the checksum.
+        `urgent`: ahead of the engine's other I/O (AioEngine)."""
         entry = self._entry_for(name, tensor)
         self._check_header(entry)
         if entry.state == _STATE_EMPTY:
@@ -647,7 +649,7 @@ class SwapStore:
             return SwapHandle(self, entry, "read", tensor, None)
         fd, io_len = self._fd_and_length(entry, tensor)
         aio = self.engine.submit_read(
-            fd, tensor, HEADER_SIZE, nbytes=entry.nbytes, io_nbytes=io_len, checksum=True, path=entry.path
+            fd, tensor, HEADER_SIZE, nbytes=entry.nbytes, io_nbytes=io_len, checksum=True, path=entry.path, urgent=urgent
         )
         handle = SwapHandle(self, entry, "read", tensor, aio, expected_crc=entry.crc)
         with self._lock:

@@ -336,12 +336,18 @@ class TierStore:
         self._param16.store_values(unit, values32)
 
     # ---- optimizer slots (optimizer: nvme; optimizer worker only) --------------------------
-    def _load_piece(self, unit: UnitState, piece: int, slot: OptimizerSlot, kinds: tuple[str, ...]) -> list[SwapHandle]:
-        """Starts reading those of `kinds` that the unit keeps in swap files, of one piece, into `slot`."""
+    def _load_piece(
+        self, unit: UnitState, piece: int, slot: OptimizerSlot, kinds: tuple[str, ...], *, urgent: bool
+    ) -> list[SwapHandle]:
+        """Starts reading those of `kinds` that the unit keeps in swap files, of one piece, into
+        `slot`. `urgent`: a stream's read, which the step (and the forward behind it) waits on,
+        goes ahead of the state writes queued before it; a prefetch's does not (AioEngine)."""
         swap = self._require_swap()
         start, end = unit.state_pieces[piece]
         views = slot.views(end - start)
-        return [swap.read_into(unit.swap_name(kind, piece), views[kind]) for kind in unit.swap_kinds if kind in kinds]
+        return [
+            swap.read_into(unit.swap_name(kind, piece), views[kind], urgent=urgent) for kind in unit.swap_kinds if kind in kinds
+        ]
 
     @staticmethod
     def _streamed_pieces(units: list[UnitState]) -> list[tuple[UnitState, int]]:
@@ -361,7 +367,7 @@ class TierStore:
                 for position, (unit, j) in enumerate(self._streamed_pieces(units)[: len(self._slots)]):
                     slot = self._slots[position]
                     slot.wait_writes()
-                    self._prefetched.append((unit, j, self._load_piece(unit, j, slot, STEPPED_KINDS)))
+                    self._prefetched.append((unit, j, self._load_piece(unit, j, slot, STEPPED_KINDS, urgent=False)))
             except Exception:
                 logger.debug("offload: prefetching the next step's optimizer state failed", exc_info=True)
                 self._drop_prefetch()
@@ -432,12 +438,12 @@ class TierStore:
             unit, j = pieces[i]
             if i in reads:
                 # prefetched (master and moments); the gradient, when wanted, is read now
-                reads[i] += self._load_piece(unit, j, slot, ("grad32",) if include_grad else ())
+                reads[i] += self._load_piece(unit, j, slot, ("grad32",) if include_grad else (), urgent=True)
                 return
             started = time.perf_counter()
             slot.wait_writes()
             timed("wait_write", started)
-            reads[i] = self._load_piece(unit, j, slot, kinds)
+            reads[i] = self._load_piece(unit, j, slot, kinds, urgent=True)
 
         try:
             if pieces:
