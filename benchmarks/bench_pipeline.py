@@ -418,10 +418,10 @@ def record(
         ids = iter(range(1, 1 << 60))
 
         def spy(op: str, original):
-            def call(name: str, tensor):
+            def call(name: str, tensor, *, urgent: bool = False):
                 disk = op == "write" or not swap.never_written(name)
                 issued = now()
-                handle = original(name, tensor)
+                handle = original(name, tensor, urgent=urgent)
                 if not disk:
                     return handle
                 match = _SWAP_NAME.match(name)
@@ -436,6 +436,7 @@ def record(
                             "kind": match.group(2) if match else name,
                             "nbytes": tensor.numel() * tensor.element_size(),
                             "thread": threading.current_thread().name,
+                            "urgent": urgent,
                             "issued": issued,
                         }
                     )

@@ -372,14 +372,17 @@ def test_a_failed_prefetch_read_is_read_again_by_the_step(stepped, caplog):
     assert all(torch.equal(got[key], expected[key]) for key in expected)
 
 
-def test_what_compute_waits_on_is_urgent_and_the_state_write_back_is_not(swap_dir):
+@pytest.mark.parametrize("gradient_memory", [None, 0], ids=["grads-in-ram", "grads-on-nvme"])
+def test_what_compute_waits_on_is_urgent_and_the_state_write_back_is_not(swap_dir, gradient_memory):
     """The I/O engine's two queues (AioEngine): the 16-bit weights a fetch reads and a step writes
     back, and the state pieces a step's stream reads, go ahead of the state written back and of
     the pieces prefetched during backward, which nothing waits on yet. One step of a trained engine
     with both tiers on NVMe: every param16 transfer is urgent, every state write is not, and of the
     state reads exactly the prefetched pieces' (master and moments, one piece per slot) are not."""
     torch.manual_seed(0)
-    engine = offload.initialize(TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, param="nvme", gradient_memory=None))
+    engine = offload.initialize(
+        TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, param="nvme", gradient_memory=gradient_memory)
+    )
     try:
         data = batches(3)
         engine_run(engine, data[:2])
@@ -407,9 +410,15 @@ def test_what_compute_waits_on_is_urgent_and_the_state_write_back_is_not(swap_di
     finally:
         engine.close()
     weights = [(op, urgent) for op, name, urgent in seen if name.endswith(".param16")]
-    state = [(op, name, urgent) for op, name, urgent in seen if not name.endswith(".param16")]
+    gradients = [(op, urgent) for op, name, urgent in seen if ".grad32." in name]
+    state = [(op, name, urgent) for op, name, urgent in seen if not name.endswith(".param16") and ".grad32." not in name]
     assert {op for op, _ in weights} == {"read", "write"}
     assert all(urgent for _, urgent in weights)
+    if gradient_memory == 0:
+        assert {op for op, _ in gradients} == {"read", "write"}  # landed, then read by the step
+        assert all(urgent for _, urgent in gradients)
+    else:
+        assert gradients == []
     assert state and not any(urgent for op, _, urgent in state if op == "write")
     background_reads = [name for op, name, urgent in state if op == "read" and not urgent]
     stepped_kinds = 3  # master, exp_avg, exp_avg_sq

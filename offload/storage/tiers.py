@@ -563,11 +563,12 @@ class TierStore:
         for j, (start, end) in enumerate(unit.state_pieces):
             target = self._grad_slot[: end - start]
             name = unit.swap_name("grad32", j)
+            # urgent: backward waits for its gradients' landings (at most GRADS_IN_FLIGHT units)
             if not first_in_window:
-                swap.read_into(name, target).wait()
+                swap.read_into(name, target, urgent=True).wait()
             piece_norm = _accumulate(target, start, pieces, first_in_window, compute_norm)
             norm += piece_norm or 0.0
-            swap.write_from(name, target).wait()
+            swap.write_from(name, target, urgent=True).wait()
         return norm if compute_norm else None
 
     def refuse_gradient_sum(self, what: str) -> None:
