@@ -107,15 +107,17 @@ def phase_disk(samples: list[tuple[float, int, int]], start: float, end: float) 
     DiskSampler's). The bytes are those of the last sample at or before each end; an interval
     between two samples counts as idle when neither counter moved, and counts in the phase its
     later sample falls in."""
-    times = [sample[0] for sample in samples]
     if not samples:
         return 0, 0, 0.0
-    first = samples[max(0, bisect.bisect_right(times, start) - 1)]
-    last = samples[max(0, bisect.bisect_right(times, end) - 1)]
-    idle = 0.0
-    for before, after in zip(samples, samples[1:]):
-        if start < after[0] <= end and before[1:] == after[1:]:
-            idle += after[0] - before[0]
+    times = [sample[0] for sample in samples]
+    low, high = bisect.bisect_right(times, start), bisect.bisect_right(times, end)
+    first, last = samples[max(0, low - 1)], samples[max(0, high - 1)]
+    later = max(low, 1)  # the first interval ending in the phase ends at sample `later`
+    idle = sum(
+        after[0] - before[0]
+        for before, after in zip(samples[later - 1 : high - 1], samples[later:high])
+        if before[1:] == after[1:]
+    )
     return last[1] - first[1], last[2] - first[2], idle
 
 
@@ -212,7 +214,8 @@ def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision,
             read_before, written_before = disk_bytes()
             started = time.perf_counter()
             out = engine(input_ids=ids, labels=ids)
-            synchronize(engine.device.torch_device)
+            if sampler is not None:  # the forward's end, for the disk by phase (a GPU's queue drained)
+                synchronize(engine.device.torch_device)
             forward_ended = time.perf_counter()
             engine.backward(out.loss)
             engine.step()

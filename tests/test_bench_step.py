@@ -50,6 +50,12 @@ def test_the_phases_of_a_step_add_up_to_the_step(bench):
     assert sum(p[2] for p in parts) == pytest.approx(whole[2])
 
 
+def test_a_phase_that_begins_before_the_first_sample(bench):
+    read, written, idle = bench.phase_disk(SAMPLES, -1.0, 0.08)
+    assert (read, written) == (90, 300)
+    assert idle == pytest.approx(0.03)
+
+
 def test_no_samples_is_no_bytes(bench):
     assert bench.phase_disk([], 0.0, 1.0) == (0, 0, 0.0)
 

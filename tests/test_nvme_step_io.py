@@ -377,8 +377,10 @@ def test_what_compute_waits_on_is_urgent_and_the_state_write_back_is_not(swap_di
     """The I/O engine's two queues (AioEngine): the 16-bit weights a fetch reads and a step writes
     back, and the state pieces a step's stream reads, go ahead of the state written back and of
     the pieces prefetched during backward, which nothing waits on yet. One step of a trained engine
-    with both tiers on NVMe: every param16 transfer is urgent, every state write is not, and of the
-    state reads exactly the prefetched pieces' (master and moments, one piece per slot) are not."""
+    with both tiers on NVMe: every param16 transfer is urgent, and so is every gradient landing's
+    read and write when the gradients are on NVMe (backward waits for them); every other state
+    write is not, and of the state reads exactly the prefetched pieces' (master and moments, one
+    piece per slot) are not."""
     torch.manual_seed(0)
     engine = offload.initialize(
         TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, param="nvme", gradient_memory=gradient_memory)
