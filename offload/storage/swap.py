@@ -19,6 +19,11 @@ padded to a multiple of 4096.
 Space for every file is reserved when the tensor is created (posix_fallocate), so a full
 disk fails at start with needed vs free bytes, not in the middle of a step.
 
+Each file is held open for the run (its descriptor is the file): `reserve` raises the process's
+soft limit on open files when the new ones would not fit under it (a 70B model's state is
+thousands of files; many shells start processes with a limit of 1024), or, when the hard limit
+is too low, says which limit to raise before it makes any (`offload.platform.descriptors`).
+
 Identity. The store remembers, per name, the header it last wrote (state, data checksum,
 generation); a read checks the on-disk header against it: another tensor's file copied over
 (wrong name), another run's (wrong run id), or an older self-consistent copy of the same file
@@ -63,6 +68,7 @@ import torch
 from offload import _aio_ext
 from offload.config.sizes import format_bytes
 from offload.errors import InsufficientSpaceError, SwapCorruptError, SwapError
+from offload.platform.descriptors import DescriptorLimitError, make_room_for_descriptors
 from offload.storage.aio import AioEngine, AioHandle, direct_ok, probe_o_direct, round_up
 from offload.storage.swap_layout import (
     _HEADER,
@@ -401,6 +407,12 @@ class SwapStore:
                 f"{self._other_runs_note()}; free space or set offload.nvme_path to a larger disk",
                 self.path,
             )
+        try:
+            make_room_for_descriptors(len(new))
+        except DescriptorLimitError as e:
+            raise SwapError(
+                e.errno, f"cannot hold {len(new)} more swap files open in {self.path}: {e.strerror}", self.path
+            ) from None
         made = []
         try:
             for name, (numel, dtype) in new.items():
