@@ -43,7 +43,8 @@ Method
      (param none: publishing a step's weights); device_to_host: gradient copies; optimizer:
      device-tier Adam launches and on-device gradient adds;
    - cpu_adam: one op per recorded Adam piece;
-   - nvme_read / nvme_write: one op per recorded swap read / write.
+   - nvme_read / nvme_write: one op per recorded swap read / write, urgent where the engine
+     submitted it to the I/O engine's urgent queue (the replay serves those first).
    Dependencies (each op waits for these to end, and for the op before it on its resource):
    - stream waits: a copy or launch depends on the op each event in its `after` marks: a
      compute event marks the compute op last started when it was recorded (running or last
@@ -316,9 +317,11 @@ def record(
     nvme_path: str,
     steps: int = 3,
     nvme_gradients: str = "ram",
+    state_precision: str = "fp32",
 ) -> Recording:
     """Trains the recording shape of `target` for 1 + `steps` steps on the recording checked
-    device and returns what it recorded (see the module docstring, step 1)."""
+    device, with the Adam moments in `state_precision`, and returns what it recorded (see the
+    module docstring, step 1)."""
     import torch
     import transformers
 
@@ -344,7 +347,12 @@ def record(
         offload_config["sub_group_size"], offload_config["buffer_count"] = _nvme_pieces(target, small)
         if nvme_gradients == "nvme":
             offload_config["gradient_memory"] = 0
-    engine_config = {"precision": "bf16", "optimizer": {"lr": 1e-4}, "offload": offload_config, "overlap": overlap}
+    engine_config = {
+        "precision": "bf16",
+        "optimizer": {"lr": 1e-4, "state_precision": state_precision},
+        "offload": offload_config,
+        "overlap": overlap,
+    }
     started = time.perf_counter()
     with _environ(OFFLOAD_CHECKED_RECORD="1"):
         engine = offload.initialize(model, engine_config, device="checked")
@@ -510,6 +518,7 @@ class _Node:
     after: list[int] = field(default_factory=list)  # device op: the events its stream waited on
     last_piece: bool = False  # Adam: the unit's last piece (its step_done follows)
     first_piece: bool = False  # Adam: the unit's first piece
+    urgent: bool = False  # swap I/O: submitted to the I/O engine's urgent queue
 
 
 @dataclass
@@ -689,6 +698,7 @@ def build_graph(rec: Recording, work: Workload) -> Graph:
             step=submitted_step(io["issued"]) if thread == "step" else step_of(io["issued"]),
             nbytes=nbytes,
             label=io["name"],
+            urgent=io["urgent"],
         )
         if io["name"] in previous_on_file:
             node.deps.add(id(previous_on_file[io["name"]]))
@@ -860,6 +870,7 @@ def _ordered(nodes: list[_Node], step_count: int) -> Graph:
             elements=n.elements,
             deps=tuple(sorted(by_ref[d].index for d in n.deps)),
             label=f"step {n.step}" + (f", {n.label}" if n.label and n.resource != "compute" else ""),
+            urgent=n.urgent,
         )
         for n in order
     ]
@@ -946,19 +957,29 @@ def run(
     steps: int,
     nvme_path: str,
     nvme_gradients: str = "ram",
+    state_precision: str = "fp32",
 ) -> tuple[Prediction, Graph, Recording]:
     """Records `placement` for the Llama `size`, builds its graph at batch x seq and replays it."""
     target = Shape.named(size)
-    rec = record(target, placement, overlap, nvme_path=nvme_path, steps=steps, nvme_gradients=nvme_gradients)
+    rec = record(
+        target,
+        placement,
+        overlap,
+        nvme_path=nvme_path,
+        steps=steps,
+        nvme_gradients=nvme_gradients,
+        state_precision=state_precision,
+    )
     graph = build_graph(rec, Workload(target, batch, seq))
     return predict(graph, machine), graph, rec
 
 
-def trace_path(base: str, size: str, placement: str, several: bool) -> str:
+def trace_path(base: str, size: str, placement: str, several: bool, state_precision: str = "fp32") -> str:
     if not several:
         return base
     stem, ext = os.path.splitext(base)
-    return f"{stem}.{size}.{placement.replace('/', '-')}{ext or '.json'}"
+    state = "" if state_precision == "fp32" else f".{state_precision}"
+    return f"{stem}.{size}.{placement.replace('/', '-')}{state}{ext or '.json'}"
 
 
 def main(argv: list[str] | None = None) -> list[str]:
@@ -981,6 +1002,12 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--nvme-path", default=None, help="where the recording's swap files go (default: a temp dir)")
     parser.add_argument(
         "--nvme-gradients", default="ram", choices=("ram", "nvme"), help="optimizer nvme: fp32 gradients in RAM or on the drive"
+    )
+    parser.add_argument(
+        "--state-precisions",
+        default="fp32",
+        help="comma-separated optimizer.state_precision values (fp32, bf16, int8): each placement once per value, "
+        "and each compact one's predicted speed-up over fp32",
     )
     parser.add_argument("--trace", default=None, help="write the replay as a Chrome trace (JSON) here")
     args = parser.parse_args(argv)
@@ -1005,6 +1032,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     for placement in placements:
         if placement.count("/") != 1:
             parser.error(f"a placement is param/optimizer, got {placement!r}")
+    precisions = [p for p in args.state_precisions.split(",") if p]
+    for precision in precisions:
+        if precision not in ("fp32", "bf16", "int8"):
+            parser.error(f"unknown state precision {precision!r}; known: fp32, bf16, int8")
     lines: list[str] = []
 
     def say(line: str) -> None:
@@ -1027,25 +1058,37 @@ def main(argv: list[str] | None = None) -> list[str]:
                 f"plain PyTorch (compute only): {work.step_flops() / (machine.device_tflops * 1e12):.4g} s/step"
             )
             for placement in placements:
-                swap = tempfile.mkdtemp(dir=tmp)
-                prediction, graph, rec = run(
-                    size,
-                    placement,
-                    overlap=args.overlap,
-                    machine=machine,
-                    batch=args.batch,
-                    seq=args.seq,
-                    steps=args.steps,
-                    nvme_path=swap,
-                    nvme_gradients=args.nvme_gradients,
-                )
-                shutil.rmtree(swap, ignore_errors=True)
-                say(summary_line(size, placement, args.overlap, prediction))
-                say(busy_line(prediction) + f"; recorded in {rec.seconds:.1f} s, {len(graph.ops)} ops")
-                if args.trace:
-                    path = trace_path(args.trace, size, placement, len(sizes) * len(placements) > 1)
-                    write_chrome_trace(path, prediction.replay)
-                    say(f"    trace: {path}")
+                steps: dict[str, float] = {}
+                for precision in precisions:
+                    swap = tempfile.mkdtemp(dir=tmp)
+                    prediction, graph, rec = run(
+                        size,
+                        placement,
+                        overlap=args.overlap,
+                        machine=machine,
+                        batch=args.batch,
+                        seq=args.seq,
+                        steps=args.steps,
+                        nvme_path=swap,
+                        nvme_gradients=args.nvme_gradients,
+                        state_precision=precision,
+                    )
+                    shutil.rmtree(swap, ignore_errors=True)
+                    steps[precision] = prediction.step
+                    state = "" if precision == "fp32" and len(precisions) == 1 else f" state={precision}"
+                    say(summary_line(size, placement + state, args.overlap, prediction))
+                    say(busy_line(prediction) + f"; recorded in {rec.seconds:.1f} s, {len(graph.ops)} ops")
+                    if args.trace:
+                        several = len(sizes) * len(placements) * len(precisions) > 1
+                        path = trace_path(args.trace, size, placement, several, precision)
+                        write_chrome_trace(path, prediction.replay)
+                        say(f"    trace: {path}")
+                if "fp32" in steps:
+                    for precision, step in steps.items():
+                        if precision != "fp32":
+                            say(
+                                f"    {size} {placement}: state {precision} against fp32, predicted step {steps['fp32'] / step:.2f}x"
+                            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return lines

@@ -95,3 +95,31 @@ def test_recording_shape_and_flops(bench):
     attention = 12 * 1024 * 2048 * 24 * 8192
     matmul_params = target.total_params() - target.vocab * target.hidden - target.hidden  # no embedding, no final norm
     assert work.step_flops() == pytest.approx(6 * matmul_params * 8192 + attention)
+
+
+def test_state_precisions_record_each_and_mark_urgent_io(bench, tmp_path, capsys):
+    """--state-precisions fp32,int8: a line per precision, int8's NVMe bytes below fp32's, the
+    predicted speed-up line; the graph's weight fetches are urgent and the state write-back is not."""
+    argv = ["--sizes", "tiny", "--placements", "nvme/nvme", "--batch", "2", "--seq", "32", "--machine", "h100-pcie5"]
+    lines = bench.main([*argv, "--state-precisions", "fp32,int8", "--nvme-path", str(tmp_path)])
+    assert lines == capsys.readouterr().out.splitlines()
+    found = [line for line in lines if re.match(r"^tiny nvme/nvme state=(fp32|int8) forward: step ", line)]
+    assert [line.split()[2] for line in found] == ["state=fp32", "state=int8"], lines
+    written = [float(g) for g in re.findall(r"nvme_w [0-9.e+-]+ s \(([0-9.e+-]+) GB\)", "\n".join(lines))]
+    assert len(written) == 2 and written[1] < 0.7 * written[0], lines  # int8: 6 state bytes per param against 12
+    ratio = [line for line in lines if "state int8 against fp32, predicted step" in line]
+    assert len(ratio) == 1 and float(re.search(r"([0-9.]+)x$", ratio[0]).group(1)) > 1.0, lines
+    _, graph, _ = bench.run(
+        "tiny",
+        "nvme/nvme",
+        overlap="forward",
+        machine=MACHINES["h100-pcie5"],
+        batch=2,
+        seq=32,
+        steps=3,
+        nvme_path=str(tmp_path),
+        state_precision="int8",
+    )
+    kinds = {(op.kind, op.urgent) for op in graph.ops if op.resource.startswith("nvme")}
+    assert ("read_weights", True) in kinds and ("write_weights", True) in kinds and ("write_state", False) in kinds
+    assert ("write_state", True) not in kinds and ("read_weights", False) not in kinds

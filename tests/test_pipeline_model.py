@@ -344,3 +344,100 @@ def test_replay_properties(ops, latency):
         for a, b in zip(path, path[1:]):
             assert r.spans[a.id][1] == r.spans[b.id][0]
     assert replay(ops, m) == r
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=schedules())
+def test_replay_without_urgent_ops_is_the_plain_list_schedule(ops):
+    """Each op starts exactly when the op before it on its resource (in list order) and all its
+    deps have ended: the schedule the replay made before it had an urgent queue."""
+    r = replay(ops, ROUND)
+    free_at: dict[str, float] = {}
+    for op in ops:
+        assert r.spans[op.id][0] == max([free_at.get(op.resource, 0.0), *(r.spans[d][1] for d in op.deps)])
+        free_at[op.resource] = r.spans[op.id][1]
+
+
+def nvme_read(id_, seconds, *, urgent, deps=()):
+    return Op(id_, "nvme_read", "read", 0, nbytes=seconds * G, deps=deps, urgent=urgent)
+
+
+def test_urgent_read_overtakes_an_earlier_waiting_one():
+    """A prefetch read issued first and a fetch's urgent read, both ready at 0: the urgent one
+    goes first, then the prefetch; the forward waiting on the fetch starts at 1, not 3."""
+    ops = [
+        nvme_read(1, 2, urgent=False),
+        nvme_read(2, 1, urgent=True),
+        compute(3, "forward", 0, 1, deps=(2,)),
+    ]
+    r = replay(ops, ROUND)
+    assert r.spans == {2: (0.0, 1.0), 1: (1.0, 3.0), 3: (1.0, 2.0)}
+    assert [op.id for op in r.critical_path()] == [2, 1]  # the prefetch ran after the fetch on the drive
+    plain = replay([dataclasses.replace(op, urgent=False) for op in ops], ROUND)
+    assert plain.spans[3] == (3.0, 4.0)
+
+
+def test_urgent_op_does_not_preempt_and_classes_keep_their_order():
+    """A non-urgent read already running finishes; the urgent read ready meanwhile goes next,
+    before a non-urgent one that was waiting; within each class, list order."""
+    ops = [
+        compute(1, "forward", 0, 0.5),
+        nvme_read(2, 2, urgent=False),  # [0, 2]
+        nvme_read(3, 1, urgent=False),  # waits behind 2, then behind the urgent ones
+        nvme_read(4, 1, urgent=True, deps=(1,)),  # ready at 0.5: runs when 2 ends
+        nvme_read(5, 1, urgent=True),  # ready at 0, but behind 4 in its queue
+    ]
+    r = replay(ops, ROUND)
+    assert r.spans[2] == (0.0, 2.0)
+    assert r.spans[4] == (2.0, 3.0) and r.spans[5] == (3.0, 4.0) and r.spans[3] == (4.0, 5.0)
+
+
+@st.composite
+def schedules_with_urgent_io(draw):
+    """Random DAGs whose NVMe ops are urgent or not; every op does some work (positive
+    durations: an op never becomes ready at the very instant a choice is made)."""
+    ops = draw(schedules())
+    return [
+        dataclasses.replace(
+            op,
+            flops=op.flops + 1e11,
+            nbytes=op.nbytes + 10**8,
+            elements=op.elements + 10**8,
+            urgent=op.resource.startswith("nvme") and draw(st.booleans()),
+        )
+        for op in ops
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=schedules_with_urgent_io())
+def test_replay_with_urgent_io_properties(ops):
+    r = replay(ops, ROUND)
+    ready = {op.id: max([0.0, *(r.spans[d][1] for d in op.deps)]) for op in ops}
+    for resource in RESOURCES:
+        ran = sorted((op for op in ops if op.resource == resource), key=lambda o: r.spans[o.id][0])
+        previous_end = 0.0
+        for op in ran:
+            start, end = r.spans[op.id]
+            assert start >= ready[op.id] and start >= previous_end  # deps first; one at a time
+            # never idle while this op, the first of its class, could run: it starts as soon as
+            # it is ready and the resource is free
+            assert start == max(ready[op.id], previous_end)
+            previous_end = end
+        for urgent in (True, False):
+            mine = [op.id for op in ops if op.resource == resource and op.urgent == urgent]
+            assert mine == sorted(mine, key=lambda i: r.spans[i][0])  # each class in list order
+        # a non-urgent op starts only when the urgent queue's first op is not ready then
+        urgent_ops = [op for op in ops if op.resource == resource and op.urgent]
+        for op in ran:
+            if op.urgent:
+                continue
+            start = r.spans[op.id][0]
+            waiting = [u for u in urgent_ops if r.spans[u.id][0] > start]
+            if waiting:
+                assert ready[waiting[0].id] > start
+    path = r.critical_path()
+    if ops:
+        assert r.spans[path[0].id][0] == 0.0 and r.spans[path[-1].id][1] == r.step_time
+        for a, b in zip(path, path[1:]):
+            assert r.spans[a.id][1] == r.spans[b.id][0]

@@ -1,7 +1,9 @@
 """A replay of a recorded training-step schedule under a machine cost model, without torch.
 
 A step is recorded as a list of `Op`s in issue order: each runs on one `resource` (a serial
-queue: its ops run one at a time, in list order) and waits for its `deps` to end. `replay`
+queue: its ops run one at a time, in list order, except that an `urgent` op waiting for the
+resource goes before the non-urgent ones waiting with it, as the I/O engine's urgent queue
+serves the disk) and waits for its `deps` to end. `replay`
 gives every op a start and an end under a `Machine`'s rates (a discrete-event list schedule),
 and the resulting `Replay` says how long the step takes, the `floor` no schedule can beat (the
 busiest resource), how much of each resource's work hides under compute, and the critical path:
@@ -30,7 +32,9 @@ class Op:
     """One recorded piece of work of a step: `flops` (compute, optional on optimizer), `nbytes`
     (copies and NVMe IO) or `elements` (parameters an Adam op updates) on `resource`; it starts
     once every op in `deps` (ids of ops earlier in the list) has ended. `unit` is the model unit
-    it belongs to (None for step-wide work); `label` is free text for traces."""
+    it belongs to (None for step-wide work); `label` is free text for traces. `urgent`: compute
+    waits on it (a weight fetch, a step's state read): when its resource frees, it runs before
+    the non-urgent ops that are ready too (the state's write-back, reads ahead of the step)."""
 
     id: int
     resource: str
@@ -41,6 +45,7 @@ class Op:
     elements: int = 0
     deps: tuple[int, ...] = ()
     label: str = ""
+    urgent: bool = False
 
 
 @dataclass(frozen=True)
@@ -233,7 +238,7 @@ class Replay:
         """The chain of ops that sets the step time, first op first: from the op that ends last
         (the first such in list order), or from the op with id `end` (what sets its start and
         end), each step back goes to the predecessor (a dependency, preferred on a tie, or the
-        previous op on the same resource) whose end is this op's start."""
+        op that ran before it on the same resource) whose end is this op's start."""
         if not self.ops:
             return []
         by_id = {op.id: op for op in self.ops}
@@ -241,7 +246,8 @@ class Replay:
             raise ValueError(f"critical_path: op {end} is not in the replay")
         previous: dict[int, int] = {}
         last_on: dict[str, int] = {}
-        for op in self.ops:
+        position = {op.id: i for i, op in enumerate(self.ops)}
+        for op in sorted(self.ops, key=lambda o: (self.spans[o.id][0], position[o.id])):  # the order they ran in
             if op.resource in last_on:
                 previous[op.id] = last_on[op.resource]
             last_on[op.resource] = op.id
@@ -278,18 +284,54 @@ def _validate(ops: Sequence[Op]) -> None:
 
 
 def replay(ops: Sequence[Op], machine: Machine) -> Replay:
-    """Replays `ops` (in issue order) on `machine`: each op starts when the previous op on its
-    resource and all its deps have ended, and runs for `duration(op, machine)` seconds."""
+    """Replays `ops` (in issue order) on `machine`; each runs for `duration(op, machine)` seconds.
+
+    Each resource serves two queues, urgent and not, each in list order. An op is ready once
+    all its deps have ended; a resource, when free, starts the first op of its urgent queue if
+    that one is ready by then, else the first of the other queue if that one is, else whichever
+    of the two is ready first (the urgent one on a tie). Nothing is preempted. Without urgent
+    ops this is the plain list schedule: each op starts when the previous op on its resource
+    and all its deps have ended.
+
+    Decided in time order (a discrete-event schedule): the next op to start is the one that
+    can start earliest, so an op whose deps have not all started yet, which cannot start
+    before then, is never overtaken by a choice made too early."""
     _validate(ops)
+    lengths = {op.id: duration(op, machine) for op in ops}
+    queues: dict[tuple[str, bool], list[Op]] = {(r, u): [] for r in RESOURCES for u in (True, False)}
+    for op in ops:
+        queues[(op.resource, op.urgent)].append(op)
+    heads = dict.fromkeys(queues, 0)
     spans: dict[int, tuple[float, float]] = {}
     free_at = dict.fromkeys(RESOURCES, 0.0)
     busy = dict.fromkeys(RESOURCES, 0.0)
-    for op in ops:
-        length = duration(op, machine)
-        start = max([free_at[op.resource], *(spans[d][1] for d in op.deps)])
-        spans[op.id] = (start, start + length)
-        free_at[op.resource] = start + length
-        busy[op.resource] += length
+
+    def ready_at(op: Op) -> float | None:
+        """When `op`'s deps have all ended; None while one of them has not been placed."""
+        ends = [spans[d][1] if d in spans else None for d in op.deps]
+        if any(end is None for end in ends):
+            return None
+        return max([0.0, *(end for end in ends if end is not None)])
+
+    for _ in range(len(ops)):
+        best: tuple[float, int, Op] | None = None  # (start, 0 urgent / 1 not, op)
+        for resource in RESOURCES:
+            for urgent in (True, False):
+                queue, head = queues[(resource, urgent)], heads[(resource, urgent)]
+                ready = ready_at(queue[head]) if head < len(queue) else None
+                if ready is None:
+                    continue
+                candidate = (max(free_at[resource], ready), 0 if urgent else 1, queue[head])
+                if best is None or candidate[:2] < best[:2]:
+                    best = candidate
+        # deps always point backwards (_validate), so the first op of some queue can start
+        assert best is not None, "replay: no op can start"
+        start, _, op = best
+        end = start + lengths[op.id]
+        spans[op.id] = (start, end)
+        free_at[op.resource] = end
+        busy[op.resource] += lengths[op.id]
+        heads[(op.resource, op.urgent)] += 1
     floor_resource = max(RESOURCES, key=lambda r: (busy[r], -RESOURCES.index(r)))
     step_time = max((end for _, end in spans.values()), default=0.0)
     return Replay(tuple(ops), spans, step_time, busy, busy[floor_resource], floor_resource)
