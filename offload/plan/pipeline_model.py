@@ -295,7 +295,8 @@ def replay(ops: Sequence[Op], machine: Machine) -> Replay:
 
     Decided in time order (a discrete-event schedule): the next op to start is the one that
     can start earliest, so an op whose deps have not all started yet, which cannot start
-    before then, is never overtaken by a choice made too early."""
+    before then, is never overtaken by a choice made too early (an op whose last dep takes no
+    time at all may become ready at the very instant another starts, and then goes second)."""
     _validate(ops)
     lengths = {op.id: duration(op, machine) for op in ops}
     queues: dict[tuple[str, bool], list[Op]] = {(r, u): [] for r in RESOURCES for u in (True, False)}
