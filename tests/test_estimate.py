@@ -15,7 +15,7 @@ from offload.errors import ConfigError
 from offload.plan import estimate as est
 from offload.plan.machine import Machine
 from offload.plan.model_shapes import shape_from_hf_config, shape_from_module, shape_from_param_count
-from offload.plan.optimizer_plan import GRADS_IN_FLIGHT
+from offload.plan.optimizer_plan import GRADS_IN_FLIGHT, piece_bounds
 
 transformers = pytest.importorskip("transformers")
 
@@ -445,3 +445,51 @@ def test_python_dash_m_offload_cli(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["recommended"] is not None
+
+
+@pytest.mark.parametrize("param, gradient_memory", [("nvme", 0), ("none", None)])
+def test_swap_file_count_is_the_engines(swap_dir, param, gradient_memory):
+    """`offload estimate`'s count of swap files (each held open for the run) is the number the
+    engine reserves: a file per state kind and piece of each NVMe unit, none for a gradient kept
+    in RAM, one per unit for the weights with param nvme."""
+    shape = shape_from_hf_config(MEASURED)
+    sub_group_size = 4096
+    placement = {"param": param, "optimizer": "nvme", "nvme_path": swap_dir, "sub_group_size": sub_group_size}
+    if gradient_memory is not None:
+        placement["gradient_memory"] = gradient_memory
+    engine = offload.initialize(
+        hf_model(MEASURED), {"precision": "bf16", "optimizer": {"lr": 1e-3, "gradient_precision": "fp32"}, "offload": placement}
+    )
+    try:
+        reserved = len(engine.store.swap.names())
+        in_ram = [unit.gradient_in_ram for unit in engine.units]
+    finally:
+        engine.close(restore_weights=False)
+    estimate = est.estimate_tiers(shape, param, "nvme", precision="bf16", device=ENGINE_DEVICE, sub_group_size=sub_group_size)
+    assert est.swap_file_count(shape, estimate, in_ram) == reserved
+    pieces = sum(len(piece_bounds(n, sub_group_size)) for n in shape.shard_numels())
+    kept = sum(len(piece_bounds(n, sub_group_size)) for n, ram in zip(shape.shard_numels(), in_ram) if ram)
+    assert reserved == 4 * pieces - kept + (len(in_ram) if param == "nvme" else 0)
+    assert (kept > 0) == (gradient_memory is None)  # RAM left over keeps some gradients here
+
+
+def test_cli_prints_swap_files_and_a_hard_limit_too_low(tmp_path):
+    """At 70B the NVMe placements make thousands of swap files: the estimate prints how many, and
+    where this shell's hard limit on open files cannot hold them, the `ulimit -n` to give."""
+    script = (
+        "import resource, sys\n"
+        "from offload.cli import main\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (1000, 1000))\n"
+        f"sys.exit(main(['estimate', '70B', '--gpu-memory', '24GB', '--ram', '128GiB', '--disk', '2TB', '--nvme-path', {str(tmp_path)!r}]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [line.strip() for line in out.stdout.splitlines() if "swap files:" in line]
+    counts = []
+    assert lines, out.stdout
+    for line in lines:
+        files = int(line.split("swap files: ")[1].split(", each")[0].replace(",", ""))
+        counts.append(files)
+        advised = "hard limit on open files is 1000: raise it (ulimit -n" in line
+        assert advised if files > 1000 else not advised, line  # 72 weight files fit; thousands do not
+    assert max(counts) > 3000  # the state streamed in 64M-element pieces, a file per kind and piece

@@ -17,6 +17,7 @@ from offload.plan import estimate as est
 from offload.plan.machine import DEVICE_KINDS, Machine, detect_machine
 from offload.plan.model_shapes import ModelShape, shape_from_hf_config, shape_from_param_count
 from offload.plan.precisions import compare_state_precisions, state_for
+from offload.platform.descriptors import hard_limit_shortfall
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +224,10 @@ def format_report(report: dict) -> str:
             lines.append(
                 f"{'':<18} disk traffic of the optimizer state per step: {f(disk['read'])} read + {f(disk['written'])} written"
             )
+        files = row.get("swap_files", 0)
+        if files:
+            shortfall = hard_limit_shortfall(files)
+            lines.append(f"{'':<18} swap files: {files:,}, each held open for the run" + (f"; {shortfall}" if shortfall else ""))
     activations = report["activations_bytes"]
     lines.append("")
     lines.append(

@@ -56,6 +56,7 @@ from offload.plan.optimizer_plan import (
     engine_device_bytes,
     factor_needs_norm,
     host_cap_bytes,
+    piece_bounds,
     plan_leftover_ram,
     plan_optimizer_tiers,
     shape_slots,
@@ -382,6 +383,28 @@ def step_disk_bytes(
     return total
 
 
+def swap_file_count(
+    shape: ModelShape,
+    estimate: TierEstimate,
+    gradients_in_ram: list[bool] | None = None,
+    *,
+    world_size: int = 1,
+) -> int:
+    """The swap files the engine makes for `estimate`'s placement on one rank, each held open for
+    the run (storage.swap): one per state kind and piece of each NVMe unit's optimizer state (no
+    gradient file where `gradients_in_ram` keeps the unit's gradient in RAM), and with param
+    `nvme` one per unit for its 16-bit weights."""
+    shards = shape.shard_numels(world_size)
+    in_ram = gradients_in_ram or [False] * len(shards)
+    files = 0
+    for numel, tier, kept in zip(shards, estimate.optimizer_tiers, in_ram):
+        if OptimizerTier(tier).streamed:
+            files += len(piece_bounds(numel, estimate.piece)) * (len(STATE_KINDS) - (1 if kept else 0))
+    if estimate.param == "nvme":
+        files += len(shards)
+    return files
+
+
 def speculates(overlap: str, gradient_clipping: float, precision: str) -> bool:
     """Whether the engine steps speculatively during backward (overlap.overlap_policy)."""
     return overlap == "backward" and factor_needs_norm(gradient_clipping, precision)
@@ -664,6 +687,7 @@ def estimate_report(
                 "problems": problems,
                 "leftover_ram": {**asdict(leftover), "host": leftover.host},
                 "disk_per_step": {"read": traffic.read, "written": traffic.written},
+                "swap_files": swap_file_count(shape, estimate, taken.gradients_in_ram, world_size=world_size),
             }
         )
         if tiers is not None and "device" in tiers and "nvme" not in tiers:

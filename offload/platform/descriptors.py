@@ -45,6 +45,18 @@ def open_descriptor_count() -> int:
         return 0
 
 
+def hard_limit_shortfall(needed: int) -> str | None:
+    """What to do when this process's hard limit on open files cannot hold `needed` more
+    descriptors (`offload estimate`'s advice, in words); None when it can."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = open_descriptor_count()
+    try:
+        soft_limit_for(open_now, needed, soft, hard)
+    except DescriptorLimitError:
+        return f"this shell's hard limit on open files is {hard}: raise it (ulimit -n {open_now + needed + SPARE_DESCRIPTORS}) before the run"
+    return None
+
+
 def make_room_for_descriptors(needed: int) -> None:
     """Raises this process's soft limit on open files (RLIMIT_NOFILE) so that `needed` more
     descriptors fit, logging the change; raises DescriptorLimitError (the reason in `strerror`,
