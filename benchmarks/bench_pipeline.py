@@ -160,6 +160,7 @@ from offload.plan.pipeline_model import (  # noqa: E402
     Machine,
     Op,
     Replay,
+    floor_of,
     machine_from_args,
     replay,
     write_chrome_trace,
@@ -913,13 +914,13 @@ def predict(graph: Graph, machine: Machine) -> Prediction:
         s, e = r.spans[i]
         busy[by_id[i].resource] += e - s
         nbytes[by_id[i].resource] += by_id[i].nbytes
-    floor_resource = max(RESOURCES, key=lambda res: (busy[res], -RESOURCES.index(res)))
+    floor, floor_resource = floor_of(busy, machine.nvme_duplex)
     path = dict.fromkeys(RESOURCES, 0.0)
     for op in r.critical_path(end=graph.first_compute[following]):
         s, e = r.spans[op.id]
         path[op.resource] += max(0.0, min(e, end) - max(s, begin))
     hidden = {res: r.hidden_share(res, among=ids) for res in RESOURCES}
-    return Prediction(end - begin, busy[floor_resource], floor_resource, busy, hidden, path, nbytes, r)
+    return Prediction(end - begin, floor, floor_resource, busy, hidden, path, nbytes, r)
 
 
 def summary_line(size: str, placement: str, overlap: str, p: Prediction) -> str:
@@ -999,6 +1000,13 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--nvme-read-gbps", type=float, help="swap drive read GB/s")
     parser.add_argument("--nvme-write-gbps", type=float, help="swap drive write GB/s")
     parser.add_argument("--latency-us", type=float, help="fixed µs per copy or IO op")
+    parser.add_argument(
+        "--nvme-duplex",
+        choices=("yes", "no"),
+        default=None,
+        help="whether the swap drive reads and writes at once (yes: a queue each way; no: one queue for both, "
+        "as a drive whose mixed load gets no more than either alone); default: the machine's",
+    )
     parser.add_argument("--nvme-path", default=None, help="where the recording's swap files go (default: a temp dir)")
     parser.add_argument(
         "--nvme-gradients", default="ram", choices=("ram", "nvme"), help="optimizer nvme: fp32 gradients in RAM or on the drive"
@@ -1023,6 +1031,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         nvme_read_gbps=args.nvme_read_gbps,
         nvme_write_gbps=args.nvme_write_gbps,
         latency_us=args.latency_us,
+        nvme_duplex=None if args.nvme_duplex is None else args.nvme_duplex == "yes",
     )
     sizes = [s for s in args.sizes.split(",") if s]
     for size in sizes:
@@ -1045,7 +1054,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     say(
         f"machine {args.machine}: {machine.device_tflops:g} TFLOPS, PCIe {machine.h2d_gbps:g}/{machine.d2h_gbps:g} GB/s, "
         f"CPU Adam {machine.cpu_adam_gparams:g} Gparams/s, NVMe {machine.nvme_read_gbps:g}/{machine.nvme_write_gbps:g} GB/s "
-        f"read/write, {machine.latency_us:g} µs per copy; overlap {args.overlap}"
+        f"read/write{'' if machine.nvme_duplex else ' (one queue for both)'}, {machine.latency_us:g} µs per copy; "
+        f"overlap {args.overlap}"
     )
     tmp = tempfile.mkdtemp(prefix="bench-pipeline-", dir=args.nvme_path)
     try:

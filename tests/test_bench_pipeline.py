@@ -123,3 +123,12 @@ def test_state_precisions_record_each_and_mark_urgent_io(bench, tmp_path, capsys
     kinds = {(op.kind, op.urgent) for op in graph.ops if op.resource.startswith("nvme")}
     assert ("read_weights", True) in kinds and ("write_weights", True) in kinds and ("write_state", False) in kinds
     assert ("write_state", True) not in kinds and ("read_weights", False) not in kinds
+
+
+def test_nvme_duplex_no_replays_one_queue_for_the_drive(bench, tmp_path, capsys):
+    argv = ["--sizes", "tiny", "--placements", "nvme/nvme", "--batch", "2", "--seq", "32", "--machine", "h100-pcie5"]
+    lines = bench.main([*argv, "--nvme-duplex", "no", "--nvme-path", str(tmp_path)])
+    capsys.readouterr()
+    assert "NVMe 6/5 GB/s read/write (one queue for both)" in lines[0], lines[0]
+    found = [m for m in map(LINE.match, lines) if m]
+    assert len(found) == 1 and found[0].group(4) == "nvme", lines  # reads and writes add up on one queue

@@ -11,11 +11,14 @@ from hypothesis import strategies as st
 from offload.plan.pipeline_model import (
     MACHINES,
     RESOURCES,
+    SHARED_NVME,
     Machine,
     Op,
     chrome_trace,
     duration,
+    floor_of,
     machine_from_args,
+    queue_of,
     replay,
     summary_lines,
     write_chrome_trace,
@@ -221,7 +224,11 @@ def test_validation_errors_name_the_op(ops, words):
 def test_machine_validation_and_presets():
     for name, m in MACHINES.items():
         for f in dataclasses.fields(m):
-            assert getattr(m, f.name) > 0 or f.name == "latency_us", (name, f.name)
+            if f.name != "nvme_duplex":
+                assert getattr(m, f.name) > 0 or f.name == "latency_us", (name, f.name)
+    assert not MACHINES["this-cpu"].nvme_duplex and MACHINES["h100-pcie5"].nvme_duplex
+    with pytest.raises(ValueError, match="nvme_duplex must be True or False"):
+        dataclasses.replace(ROUND, nvme_duplex=1)
     assert {"h100-pcie5", "h100-pcie4", "h200-pcie5", "a100-pcie4", "this-cpu"} <= set(MACHINES)
     with pytest.raises(ValueError, match="h2d_gbps"):
         dataclasses.replace(ROUND, h2d_gbps=0.0)
@@ -441,3 +448,46 @@ def test_replay_with_urgent_io_properties(ops):
         assert r.spans[path[0].id][0] == 0.0 and r.spans[path[-1].id][1] == r.step_time
         for a, b in zip(path, path[1:]):
             assert r.spans[a.id][1] == r.spans[b.id][0]
+
+
+SHARED = dataclasses.replace(ROUND, nvme_duplex=False)
+
+
+def nvme_write(id_, seconds, *, urgent, deps=()):
+    return Op(id_, "nvme_write", "write", 0, nbytes=seconds * G, deps=deps, urgent=urgent)
+
+
+def test_a_drive_that_is_not_duplex_serves_reads_and_writes_from_one_queue():
+    """A state write-back and a weight read, both ready at 0: a duplex drive runs them together;
+    one queue runs the urgent read first, then the write, and the floor is their sum."""
+    ops = [nvme_write(1, 2, urgent=False), nvme_read(2, 1, urgent=True), compute(3, "forward", 0, 1, deps=(2,))]
+    duplex = replay(ops, ROUND)
+    assert duplex.spans[1] == (0.0, 2.0) and duplex.spans[2] == (0.0, 1.0)
+    assert (duplex.floor, duplex.floor_resource) == (2.0, "nvme_write")
+    shared = replay(ops, SHARED)
+    assert shared.spans == {2: (0.0, 1.0), 1: (1.0, 3.0), 3: (1.0, 2.0)}
+    assert (shared.floor, shared.floor_resource) == (3.0, SHARED_NVME)
+    assert shared.busy["nvme_read"] == 1.0 and shared.busy["nvme_write"] == 2.0  # each direction still counted
+    assert [op.id for op in shared.critical_path()] == [2, 1]  # the write waited for the read's queue
+    assert queue_of("nvme_write", False) == queue_of("nvme_read", False) == SHARED_NVME
+    assert queue_of("nvme_write", True) == "nvme_write" and queue_of("compute", False) == "compute"
+    assert floor_of({"compute": 2.5, "nvme_read": 1.0, "nvme_write": 2.0}, True) == (2.5, "compute")
+    assert floor_of({"compute": 2.5, "nvme_read": 1.0, "nvme_write": 2.0}, False) == (3.0, SHARED_NVME)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=schedules_with_urgent_io())
+def test_one_nvme_queue_properties(ops):
+    """With one queue for the drive no two NVMe ops overlap, and each op starts as soon as it is
+    ready and its queue is free (queues in the order they ran)."""
+    r = replay(ops, SHARED)
+    ready = {op.id: max([0.0, *(r.spans[d][1] for d in op.deps)]) for op in ops}
+    for queue in {queue_of(res, False) for res in RESOURCES}:
+        ran = sorted((op for op in ops if queue_of(op.resource, False) == queue), key=lambda o: r.spans[o.id][0])
+        previous_end = 0.0
+        for op in ran:
+            assert r.spans[op.id][0] == max(ready[op.id], previous_end)
+            previous_end = r.spans[op.id][1]
+    assert r.floor == pytest.approx(floor_of(r.busy, False)[0])
+    assert r.step_time >= r.floor - 1e-9
+    assert r.step_time >= replay(ops, ROUND).floor - 1e-9  # never below the duplex drive's floor

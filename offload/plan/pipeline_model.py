@@ -60,10 +60,19 @@ class Machine:
     nvme_read_gbps: float  # GB/s read from the swap drive(s)
     nvme_write_gbps: float  # GB/s written to the swap drive(s)
     latency_us: float = 10.0  # µs of fixed cost per copy or IO op (launch, DMA setup, syscall)
+    # True: the drive reads and writes at once, each direction at its own rate (two queues).
+    # False: one queue serves both, each transfer at its direction's rate, as a drive whose mixed
+    # load gets no more than its reads or writes alone (this VM's virtual disk: 1 GiB read and
+    # 1 GiB written together took 4.38 s, apart 1.76 + 2.32 s).
+    nvme_duplex: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "nvme_duplex":
+                if not isinstance(value, bool):
+                    raise ValueError(f"Machine.nvme_duplex must be True or False, got {value!r}")
+                continue
             if (
                 not isinstance(value, int | float)
                 or not math.isfinite(value)
@@ -123,20 +132,48 @@ MACHINES: dict[str, Machine] = {
         device_adam_gparams=0.2,  # the device-tier Adam runs on the same two cores
         nvme_read_gbps=1.0,  # a virtual disk of a cloud VM
         nvme_write_gbps=0.5,  # its writes, slower than its reads
+        nvme_duplex=False,  # its reads and writes share one queue (measured with dd, above)
     ),
 }
 
 
-def machine_from_args(name: str, **overrides: float | None) -> Machine:
+def machine_from_args(name: str, **overrides: float | bool | None) -> Machine:
     """The preset `name` of `MACHINES` with each override that is not None in place of its field
-    (so every rate can be a command-line flag defaulting to None)."""
+    (so every rate, and `nvme_duplex`, can be a command-line flag defaulting to None)."""
     if name not in MACHINES:
         raise ValueError(f"unknown machine {name!r}; known: {', '.join(sorted(MACHINES))}")
     fields = {f.name for f in dataclasses.fields(Machine)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(f"unknown machine field(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
-    return dataclasses.replace(MACHINES[name], **{k: v for k, v in overrides.items() if v is not None})
+    given: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(MACHINES[name], **given)
+
+
+SHARED_NVME = "nvme"
+"""The one queue of a drive that is not duplex (`Machine.nvme_duplex` False): its reads and its
+writes, which `busy` still counts apart; the floor counts them together under this name."""
+
+
+def queue_of(resource: str, duplex: bool) -> str:
+    """The serial queue an op on `resource` waits in: its resource, except that a drive that is
+    not `duplex` serves both NVMe directions from one queue (SHARED_NVME)."""
+    if not duplex and resource in ("nvme_read", "nvme_write"):
+        return SHARED_NVME
+    return resource
+
+
+def floor_of(busy: dict[str, float], duplex: bool) -> tuple[float, str]:
+    """The floor of a schedule whose resources are busy `busy` seconds each, and what sets it:
+    the busiest queue (the first in `RESOURCES` order on a tie; SHARED_NVME, in nvme_read's
+    place, for a drive that is not `duplex`)."""
+    queues: dict[str, float] = {}
+    for resource in RESOURCES:
+        queue = queue_of(resource, duplex)
+        queues[queue] = queues.get(queue, 0.0) + busy.get(resource, 0.0)
+    order = list(queues)
+    name = max(order, key=lambda q: (queues[q], -order.index(q)))
+    return queues[name], name
 
 
 def _describe(op: Op) -> str:
@@ -198,9 +235,10 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 @dataclass(frozen=True)
 class Replay:
     """A replayed step: each op's (start, end) in seconds by id, the step time (last end), each
-    resource's busy seconds, and the floor: the busiest resource's busy time (copies and IO with
+    resource's busy seconds, and the floor: the busiest queue's busy time (copies and IO with
     their latency), which no schedule of these ops can beat; `floor_resource` names it (the
-    first in `RESOURCES` order on a tie, "compute" for no ops)."""
+    first in `RESOURCES` order on a tie, "compute" for no ops; SHARED_NVME for the one queue of
+    a drive that is not duplex). `nvme_duplex`: the machine's (`queue_of`)."""
 
     ops: tuple[Op, ...]
     spans: dict[int, tuple[float, float]]
@@ -208,6 +246,7 @@ class Replay:
     busy: dict[str, float]
     floor: float
     floor_resource: str
+    nvme_duplex: bool = True
 
     def _intervals(self, resource: str, among: Collection[int] | None = None) -> list[tuple[float, float]]:
         """The union of the spans of `resource`'s ops (only those with ids in `among`, if given)."""
@@ -238,7 +277,7 @@ class Replay:
         """The chain of ops that sets the step time, first op first: from the op that ends last
         (the first such in list order), or from the op with id `end` (what sets its start and
         end), each step back goes to the predecessor (a dependency, preferred on a tie, or the
-        op that ran before it on the same resource) whose end is this op's start."""
+        op that ran before it in the same queue) whose end is this op's start."""
         if not self.ops:
             return []
         by_id = {op.id: op for op in self.ops}
@@ -248,9 +287,10 @@ class Replay:
         last_on: dict[str, int] = {}
         position = {op.id: i for i, op in enumerate(self.ops)}
         for op in sorted(self.ops, key=lambda o: (self.spans[o.id][0], position[o.id])):  # the order they ran in
-            if op.resource in last_on:
-                previous[op.id] = last_on[op.resource]
-            last_on[op.resource] = op.id
+            queue = queue_of(op.resource, self.nvme_duplex)
+            if queue in last_on:
+                previous[op.id] = last_on[queue]
+            last_on[queue] = op.id
         # the first of the ops ending last, unless asked for another
         op = max(self.ops, key=lambda o: self.spans[o.id][1]) if end is None else by_id[end]
         path = [op]
@@ -286,7 +326,8 @@ def _validate(ops: Sequence[Op]) -> None:
 def replay(ops: Sequence[Op], machine: Machine) -> Replay:
     """Replays `ops` (in issue order) on `machine`; each runs for `duration(op, machine)` seconds.
 
-    Each resource serves two queues, urgent and not, each in list order. An op is ready once
+    Each resource (a drive that is not duplex: both NVMe directions together, `queue_of`)
+    serves two queues, urgent and not, each in list order. An op is ready once
     all its deps have ended; a resource, when free, starts the first op of its urgent queue if
     that one is ready by then, else the first of the other queue if that one is, else whichever
     of the two is ready first (the urgent one on a tie). Nothing is preempted. Without urgent
@@ -299,12 +340,14 @@ def replay(ops: Sequence[Op], machine: Machine) -> Replay:
     time at all may become ready at the very instant another starts, and then goes second)."""
     _validate(ops)
     lengths = {op.id: duration(op, machine) for op in ops}
-    queues: dict[tuple[str, bool], list[Op]] = {(r, u): [] for r in RESOURCES for u in (True, False)}
+    duplex = machine.nvme_duplex
+    servers = list(dict.fromkeys(queue_of(r, duplex) for r in RESOURCES))
+    queues: dict[tuple[str, bool], list[Op]] = {(q, u): [] for q in servers for u in (True, False)}
     for op in ops:
-        queues[(op.resource, op.urgent)].append(op)
+        queues[(queue_of(op.resource, duplex), op.urgent)].append(op)
     heads = dict.fromkeys(queues, 0)
     spans: dict[int, tuple[float, float]] = {}
-    free_at = dict.fromkeys(RESOURCES, 0.0)
+    free_at = dict.fromkeys(servers, 0.0)
     busy = dict.fromkeys(RESOURCES, 0.0)
 
     def ready_at(op: Op) -> float | None:
@@ -316,13 +359,13 @@ def replay(ops: Sequence[Op], machine: Machine) -> Replay:
 
     for _ in range(len(ops)):
         best: tuple[float, int, Op] | None = None  # (start, 0 urgent / 1 not, op)
-        for resource in RESOURCES:
+        for server in servers:
             for urgent in (True, False):
-                queue, head = queues[(resource, urgent)], heads[(resource, urgent)]
+                queue, head = queues[(server, urgent)], heads[(server, urgent)]
                 ready = ready_at(queue[head]) if head < len(queue) else None
                 if ready is None:
                     continue
-                candidate = (max(free_at[resource], ready), 0 if urgent else 1, queue[head])
+                candidate = (max(free_at[server], ready), 0 if urgent else 1, queue[head])
                 if best is None or candidate[:2] < best[:2]:
                     best = candidate
         # deps always point backwards (_validate), so the first op of some queue can start
@@ -330,12 +373,13 @@ def replay(ops: Sequence[Op], machine: Machine) -> Replay:
         start, _, op = best
         end = start + lengths[op.id]
         spans[op.id] = (start, end)
-        free_at[op.resource] = end
+        server = queue_of(op.resource, duplex)
+        free_at[server] = end
         busy[op.resource] += lengths[op.id]
-        heads[(op.resource, op.urgent)] += 1
-    floor_resource = max(RESOURCES, key=lambda r: (busy[r], -RESOURCES.index(r)))
+        heads[(server, op.urgent)] += 1
+    floor, floor_resource = floor_of(busy, duplex)
     step_time = max((end for _, end in spans.values()), default=0.0)
-    return Replay(tuple(ops), spans, step_time, busy, busy[floor_resource], floor_resource)
+    return Replay(tuple(ops), spans, step_time, busy, floor, floor_resource, duplex)
 
 
 def chrome_trace(replay: Replay, ops: Sequence[Op] | None = None) -> dict[str, Any]:
