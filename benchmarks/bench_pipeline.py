@@ -154,6 +154,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gpu import SIZES  # noqa: E402
 
+from offload.config.state_layout import StatePrecision  # noqa: E402
 from offload.plan.pipeline_model import (  # noqa: E402
     MACHINES,
     RESOURCES,
@@ -1042,9 +1043,10 @@ def main(argv: list[str] | None = None) -> list[str]:
         if placement.count("/") != 1:
             parser.error(f"a placement is param/optimizer, got {placement!r}")
     precisions = [p for p in args.state_precisions.split(",") if p]
+    known = [p.value for p in StatePrecision]
     for precision in precisions:
-        if precision not in ("fp32", "bf16", "int8"):
-            parser.error(f"unknown state precision {precision!r}; known: fp32, bf16, int8")
+        if precision not in known:
+            parser.error(f"unknown state precision {precision!r}; known: {', '.join(known)}")
     lines: list[str] = []
 
     def say(line: str) -> None:

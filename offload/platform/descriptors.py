@@ -18,7 +18,12 @@ SPARE_DESCRIPTORS = 256
 
 
 class DescriptorLimitError(OSError):
-    """The hard limit on open descriptors leaves no room for the files asked for."""
+    """The hard limit on open descriptors leaves no room for the files asked for; `wanted` is
+    the limit that would hold them (the `ulimit -n` to give)."""
+
+    def __init__(self, message: str, wanted: int) -> None:
+        super().__init__(errno.EMFILE, message)
+        self.wanted = wanted
 
 
 def soft_limit_for(open_now: int, needed: int, soft: int, hard: int, *, spare: int = SPARE_DESCRIPTORS) -> int:
@@ -30,9 +35,9 @@ def soft_limit_for(open_now: int, needed: int, soft: int, hard: int, *, spare: i
         return soft
     if 0 <= hard < want:
         raise DescriptorLimitError(
-            errno.EMFILE,
             f"{needed} more open files are needed beside the {open_now} this process holds, but its hard limit "
             f"on open files is {hard}",
+            want,
         )
     return want
 
@@ -45,15 +50,20 @@ def open_descriptor_count() -> int:
         return 0
 
 
+def _limits_for(needed: int) -> tuple[int, int, int]:
+    """This process's (soft, hard) limit on open files and the soft one `needed` more
+    descriptors want (`soft_limit_for`, which raises when the hard one cannot hold them)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft, hard, soft_limit_for(open_descriptor_count(), needed, soft, hard)
+
+
 def hard_limit_shortfall(needed: int) -> str | None:
     """What to do when this process's hard limit on open files cannot hold `needed` more
     descriptors (`offload estimate`'s advice, in words); None when it can."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    open_now = open_descriptor_count()
     try:
-        soft_limit_for(open_now, needed, soft, hard)
-    except DescriptorLimitError:
-        return f"this shell's hard limit on open files is {hard}: raise it (ulimit -n {open_now + needed + SPARE_DESCRIPTORS}) before the run"
+        _limits_for(needed)
+    except DescriptorLimitError as e:
+        return f"{e.strerror}: raise it (ulimit -n {e.wanted}) before the run"
     return None
 
 
@@ -61,16 +71,14 @@ def make_room_for_descriptors(needed: int) -> None:
     """Raises this process's soft limit on open files (RLIMIT_NOFILE) so that `needed` more
     descriptors fit, logging the change; raises DescriptorLimitError (the reason in `strerror`,
     what to do after it) when the hard limit does not allow it."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    open_now = open_descriptor_count()
     try:
-        limit = soft_limit_for(open_now, needed, soft, hard)
+        soft, hard, limit = _limits_for(needed)
     except DescriptorLimitError as e:
         raise DescriptorLimitError(
-            e.errno,
-            f"{e.strerror}: raise it before starting the run (ulimit -n {open_now + needed + SPARE_DESCRIPTORS}, "
-            "or LimitNOFILE= in a systemd unit, nofile in /etc/security/limits.conf), or give offload.sub_group_size "
-            "a larger piece so that fewer swap files are made",
+            f"{e.strerror}: raise it before starting the run (ulimit -n {e.wanted}, or LimitNOFILE= in a systemd "
+            "unit, nofile in /etc/security/limits.conf), or give offload.sub_group_size a larger piece so that "
+            "fewer swap files are made",
+            e.wanted,
         ) from None
     if limit != soft:
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
