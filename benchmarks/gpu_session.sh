@@ -1,21 +1,28 @@
 #!/bin/bash
-# A lent GPU machine's half hour, in three calls of the device tool (each at most 10 minutes),
-# from the checkout's root there. Beforehand, here: `cp -r ../shared/gpu gpu-peers` (PEERS, a
-# folder .gitignore leaves out) and `gpu-peers/fetch-peers.sh gpu-peers/peers` (DeepSpeed, its
-# wheels and libaio); then each call carries gpu-peers:
+# A lent GPU machine's time, from the checkout's root there. Beforehand, here: `cp -r ../shared/gpu
+# gpu-peers` (PEERS, a folder .gitignore leaves out) and `gpu-peers/fetch-peers.sh gpu-peers/peers`
+# (DeepSpeed, its wheels and libaio); then each call carries gpu-peers:
 #
+#   bash benchmarks/gpu_session.sh lease gpu-peers    for a 15-minute lease, one call of about 7 minutes:
+#                                                     bench_step nvme/nvme with fp32, bf16 and int8 state
+#                                                     (issue 34's 1.5x, on a real disk and GPU), then
+#                                                     tests/test_cuda.py, then the CUDA tests under the
+#                                                     stream sanitizer; each part stops in time
+#   bash benchmarks/gpu_session.sh peers gpu-peers    a second, warm call of about 5 minutes: bench_gpu at
+#                                                     1.35B, offload against plain PyTorch and DeepSpeed ZeRO-2
 #   bash benchmarks/gpu_session.sh tests gpu-peers    the whole suite on the GPU, then tests/test_cuda.py,
 #                                                     then the CUDA tests under the stream sanitizer
 #   bash benchmarks/gpu_session.sh bench gpu-peers    bench_gpu at 1.35B against DeepSpeed ZeRO-2 and 3,
 #                                                     beside bench_pipeline's prediction of the same runs
 #   bash benchmarks/gpu_session.sh 7b gpu-peers       bench_gpu at 7B with checkpointing (TFLOPS, start-up)
 #
-# Each phase installs what it needs first (safe to repeat: a warm machine keeps /tmp for 30 s
-# only), writes its logs into $OUT (the device tool brings them back) and stops its parts at
-# the time given, so that one slow part leaves the rest their turn.
+# tests, bench and 7b each take up to 10 minutes, for a lease of 30. Each phase installs what it
+# needs first (safe to repeat: a warm machine keeps /tmp for 30 s only), writes its logs into $OUT
+# (the device tool brings them back) and stops its parts at the time given, so that one slow part
+# leaves the rest their turn.
 set -uo pipefail
-phase=${1:?usage: gpu_session.sh tests|bench|7b PEERS}
-peers=${2:?usage: gpu_session.sh tests|bench|7b PEERS}
+phase=${1:?usage: gpu_session.sh lease|peers|tests|bench|7b PEERS}
+peers=${2:?usage: gpu_session.sh lease|peers|tests|bench|7b PEERS}
 out=${OUT:-/tmp/gpu-session}
 mkdir -p "$out"
 
@@ -36,7 +43,41 @@ setup() {
     >>"$out/machine.txt" 2>&1
 }
 
+# part SECONDS LOG COMMAND...: runs COMMAND with its output in $out/LOG, stopped after SECONDS or
+# at the phase's deadline (DEADLINE seconds from the start), whichever comes first
+part() {
+  local cap=$1 log=$2
+  shift 2
+  local left=$((DEADLINE - SECONDS - 5))
+  ((left < cap)) && cap=$left
+  if ((cap < 20)); then
+    echo "skipped: $* (no time left)" >"$out/$log"
+    return
+  fi
+  timeout "$cap" "$@" >"$out/$log" 2>&1
+  echo "exit $? after $SECONDS s of the phase: $*" >>"$out/$log"
+}
+
 case "$phase" in
+lease)
+  DEADLINE=${DEADLINE:-450}
+  setup
+  echo "setup done at $SECONDS s" >>"$out/machine.txt"
+  part 170 compact_step.log python3 benchmarks/bench_step.py --runs nvme/nvme --state-precisions fp32,bf16,int8 \
+    --precision bf16 --batch 8 --seq 1024 --steps 4 --rounds 2 --plain-once
+  part 110 cuda.log python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider
+  # PyTorch's CUDA stream sanitizer: a kernel that reads or writes memory another stream uses
+  # without an event between them is reported (the GPU side of what the checked device checks)
+  TORCH_CUDA_SANITIZER=1 part 120 sanitizer.log python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider
+  tail -32 "$out/compact_step.log"
+  tail -4 "$out/cuda.log" "$out/sanitizer.log"
+  ;;
+peers)
+  DEADLINE=${DEADLINE:-300}
+  setup
+  part 290 bench_1.3b.log python3 benchmarks/bench_gpu.py --size 1.3b --clip 1.0 --runs plain,none/cpu,cpu/cpu,ds2
+  tail -25 "$out/bench_1.3b.log"
+  ;;
 tests)
   setup
   timeout 420 python3 -m pytest tests -q -p no:cacheprovider \
@@ -70,7 +111,7 @@ bench)
   tail -25 "$out/bench_7b.log"
   ;;
 *)
-  echo "unknown phase $phase: tests, bench or 7b" >&2
+  echo "unknown phase $phase: lease, peers, tests, bench or 7b" >&2
   exit 2
   ;;
 esac
