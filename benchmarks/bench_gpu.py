@@ -320,6 +320,14 @@ def spawn(args, run: str) -> dict:
         os.unlink(out)
 
 
+def progress_text(run: str, result: dict) -> str:
+    """One finished run in a line, printed as it ends: a lease that stops the script part way
+    through keeps what was measured before."""
+    if "skipped" in result or "failed" in result:
+        return f"{run}: {result.get('skipped') or 'failed: ' + result['failed']}"
+    return f"{run}: {statistics.median(result['times']):.3f} s/step, start-up {result['startup']:.1f} s"
+
+
 def floor_seconds(run: str, params: int, plain_fwd_bwd: float | None, limits: dict) -> float | None:
     """The least a step can take: GPU compute (plain forward+backward), the CPU Adam over every
     parameter, and the PCIe traffic (16-bit weights in, 16-bit gradients out; with params
@@ -357,20 +365,28 @@ def main(argv=None) -> int:
     with torch.device("meta"):
         params = sum(p.numel() for p in transformers.LlamaForCausalLM(llama_config(args.size, args.seq)).parameters())
     tokens = args.batch * args.seq
-    limits = spawn(args, "limits")
     runs = [run.strip() for run in args.runs.split(",") if run.strip()]
-    results = {run: spawn(args, run) for run in runs}
+    started = time.perf_counter()
+    limits = spawn(args, "limits")
+    print(
+        f"Llama-style {args.size} ({params / 1e9:.2f}B params), bf16, batch {args.batch}x{args.seq}, "
+        f"checkpointing {'on' if args.checkpointing else 'off'}, overlap {args.overlap} (unless @), "
+        f"clip {args.clip or 'off'}, device {limits.get('device')}",
+        flush=True,
+    )
+    print(f"[limits] measured in {time.perf_counter() - started:.0f} s", flush=True)
+    results = {}
+    for index, run in enumerate(runs, 1):
+        results[run] = spawn(args, run)
+        print(
+            f"[{index}/{len(runs)}] {progress_text(run, results[run])} ({time.perf_counter() - started:.0f} s so far)", flush=True
+        )
     plain = results.get("plain", {})
     plain_s = statistics.median(plain["times"]) if plain.get("times") else None
     peer = {}
     for run in runs:
         if run.startswith("ds") and results[run].get("times"):
             peer[run] = statistics.median(results[run]["times"])
-    print(
-        f"Llama-style {args.size} ({params / 1e9:.2f}B params), bf16, batch {args.batch}x{args.seq}, "
-        f"checkpointing {'on' if args.checkpointing else 'off'}, overlap {args.overlap} (unless @), "
-        f"clip {args.clip or 'off'}, device {limits.get('device')}"
-    )
     limit_text = f"CPU Adam {limits['adam_params_per_s'] / 1e9:.2f} G params/s"
     if "h2d_bytes_per_s" in limits:
         limit_text += f", PCIe host->device {limits['h2d_bytes_per_s'] / 1e9:.1f} GB/s, device->host {limits['d2h_bytes_per_s'] / 1e9:.1f} GB/s"

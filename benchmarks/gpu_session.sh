@@ -3,13 +3,16 @@
 # gpu-peers` (PEERS, a folder .gitignore leaves out) and `gpu-peers/fetch-peers.sh gpu-peers/peers`
 # (DeepSpeed, its wheels and libaio); then each call carries gpu-peers:
 #
-#   bash benchmarks/gpu_session.sh lease gpu-peers    for a 15-minute lease, one call of about 7 minutes:
+#   bash benchmarks/gpu_session.sh lease gpu-peers    for a 15-minute lease, one call of about 5 minutes:
 #                                                     bench_step nvme/nvme with fp32, bf16 and int8 state
 #                                                     (issue 34's 1.5x, on a real disk and GPU), then
-#                                                     tests/test_cuda.py, then the CUDA tests under the
-#                                                     stream sanitizer; each part stops in time
-#   bash benchmarks/gpu_session.sh peers gpu-peers    a second, warm call of about 5 minutes: bench_gpu at
-#                                                     1.35B, offload against plain PyTorch and DeepSpeed ZeRO-2
+#                                                     tests/test_cuda.py and the compact-state tests, then
+#                                                     the same under the stream sanitizer; each part stops
+#                                                     in time (on 2026-11-27: 76 s of setup, 222 s in all)
+#   bash benchmarks/gpu_session.sh peers gpu-peers    a second, warm call of about 8 minutes: bench_gpu at
+#                                                     1.35B, offload against plain PyTorch and DeepSpeed
+#                                                     ZeRO-2 (300 s did not finish it: each run's line is
+#                                                     printed as it ends, so a stopped call keeps those)
 #   bash benchmarks/gpu_session.sh tests gpu-peers    the whole suite on the GPU, then tests/test_cuda.py,
 #                                                     then the CUDA tests under the stream sanitizer
 #   bash benchmarks/gpu_session.sh bench gpu-peers    bench_gpu at 1.35B against DeepSpeed ZeRO-2 and 3,
@@ -65,17 +68,18 @@ lease)
   echo "setup done at $SECONDS s" >>"$out/machine.txt"
   part 170 compact_step.log python3 benchmarks/bench_step.py --runs nvme/nvme --state-precisions fp32,bf16,int8 \
     --precision bf16 --batch 8 --seq 1024 --steps 4 --rounds 2 --plain-once
-  part 110 cuda.log python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider
+  cuda_tests=(tests/test_cuda.py tests/test_compact_state.py tests/test_compact_kernels.py)
+  part 110 cuda.log python3 -m pytest "${cuda_tests[@]}" -q -p no:cacheprovider
   # PyTorch's CUDA stream sanitizer: a kernel that reads or writes memory another stream uses
   # without an event between them is reported (the GPU side of what the checked device checks)
-  TORCH_CUDA_SANITIZER=1 part 120 sanitizer.log python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider
+  TORCH_CUDA_SANITIZER=1 part 120 sanitizer.log python3 -m pytest "${cuda_tests[@]}" -q -p no:cacheprovider
   tail -32 "$out/compact_step.log"
-  tail -4 "$out/cuda.log" "$out/sanitizer.log"
+  tail -n 4 "$out/cuda.log" "$out/sanitizer.log"
   ;;
 peers)
-  DEADLINE=${DEADLINE:-300}
+  DEADLINE=${DEADLINE:-500}
   setup
-  part 290 bench_1.3b.log python3 benchmarks/bench_gpu.py --size 1.3b --clip 1.0 --runs plain,none/cpu,cpu/cpu,ds2
+  part 480 bench_1.3b.log python3 benchmarks/bench_gpu.py --size 1.3b --clip 1.0 --runs plain,none/cpu,cpu/cpu,ds2
   tail -25 "$out/bench_1.3b.log"
   ;;
 tests)

@@ -66,6 +66,10 @@ def test_bench_gpu_smoke(tmp_path):
     assert any(line.startswith("plain ") for line in lines), result.stdout
     assert offload_lines_filled(lines, ("none/cpu@backward",)), result.stdout
     assert "CPU Adam" in result.stdout
+    # each run's line as it ends, before the table: a lease cut short keeps the runs that finished
+    progress = [line for line in lines if line.startswith("[")]
+    assert [line.split("]")[0] for line in progress] == ["[limits", "[1/2", "[2/2"], result.stdout
+    assert "none/cpu@backward: " in progress[2] and " s/step" in progress[2], progress
     assert os.listdir(tmp_path) == []  # each run's swap directory is removed
 
 
