@@ -30,9 +30,10 @@ their median: on a noisy machine one round's ratio moves by about 0.15x with not
 
 Disk: each engine run's bytes read and written per step (the kernel's count, /proc/self/io, over
 the timed steps) per parameter, and their rate. With a run on NVMe the swap path's read and write
-bandwidth is measured first (bench-io's sweep, one setting, 1 GiB; `--disk-check off` skips it):
-the `% disk` column is the time those bytes need at those bandwidths, one after the other, over
-the step's time (the fraction of the disk's limit the step reaches; the check runs again after
+bandwidth is measured first, and how much faster it serves reads and writes at once than one
+after the other (bench-io's sweep, one setting, 1 GiB; `--disk-check off` skips it): the `% disk`
+column is the time those bytes need at those bandwidths and that overlap
+(`offload.plan.disk_time`) over the step's time (the fraction of the disk's limit the step reaches; the check runs again after
 each round and the best bandwidths seen so far count, as this machine's shared disk varies 2x
 from minute to minute), and with
 `--state-precisions` the same time gives the disk-bound speed-up over fp32: the most a precision
@@ -149,20 +150,29 @@ class DiskSampler:
 
 
 def measure_disk(path: str, best: dict[str, float] | None = None) -> dict[str, float]:
-    """Sequential read and write GB/s of the swap path: bench-io's sweep at one setting (1 MiB
-    blocks, depth 16, 8 threads: the best on this machine's disk), best of two passes on a 1 GiB
+    """Sequential read and write GB/s of the swap path and how much faster it serves both at
+    once than one after the other (its overlap): bench-io's sweep at one setting (1 MiB blocks,
+    depth 16, 8 threads: the best on this machine's disk), best of two passes on a 1 GiB
     scratch file; with `best` (an earlier check), the larger of each. A shared virtual disk
     gave anything from 0.6 to 1.5 GB/s minutes apart: the limit is the best it showed."""
     from offload.cli.bench_io import run_sweep
 
     result = run_sweep(path, 1 << 30, [1 << 20], [16], [8], repeat=2)
-    measured = {"read_gbps": result["best"]["read"]["gbps"], "write_gbps": result["best"]["write"]["gbps"]}
+    measured = {
+        "read_gbps": result["best"]["read"]["gbps"],
+        "write_gbps": result["best"]["write"]["gbps"],
+        "overlap": result["together"]["overlap"],
+    }
     return {key: max(value, (best or {}).get(key, 0.0)) for key, value in measured.items()}
 
 
 def disk_seconds(read_bytes: float, written_bytes: float, disk: dict[str, float]) -> float:
-    """Seconds the disk needs for these bytes at its measured bandwidths, one after the other."""
-    return read_bytes / (disk["read_gbps"] * 1e9) + written_bytes / (disk["write_gbps"] * 1e9)
+    """Seconds the disk needs for these bytes at its measured bandwidths and overlap
+    (`offload.plan.disk_time`: reads then writes on a one-queue drive, less on one that serves
+    both at once)."""
+    from offload.plan.disk_time import disk_seconds as seconds_at
+
+    return seconds_at(read_bytes, written_bytes, disk["read_gbps"], disk["write_gbps"], disk["overlap"])
 
 
 def synchronize(device):
@@ -403,7 +413,8 @@ def main(argv=None) -> int:
         disk = measure_disk(os.path.abspath(args.nvme_path or "."))
         print(
             f"swap path {os.path.abspath(args.nvme_path or '.')}: read {disk['read_gbps']:.2f} GB/s, "
-            f"write {disk['write_gbps']:.2f} GB/s (bench-io sweep, 1 MiB blocks, depth 16, 8 threads, 1 GiB, best of 2)"
+            f"write {disk['write_gbps']:.2f} GB/s, both at once {disk['overlap']:.2f}x as fast as one after the other "
+            "(bench-io sweep, 1 MiB blocks, depth 16, 8 threads, 1 GiB, best of 2)"
         )
     ratios: dict[str, list[float]] = {}
     seconds_per_step: dict[str, list[float]] = {}
@@ -414,7 +425,10 @@ def main(argv=None) -> int:
             print(f"\nround {round_index + 1} of {args.rounds}")
         if disk and round_index:
             disk = measure_disk(os.path.abspath(args.nvme_path or "."), disk)
-            print(f"swap path, best so far: read {disk['read_gbps']:.2f} GB/s, write {disk['write_gbps']:.2f} GB/s")
+            print(
+                f"swap path, best so far: read {disk['read_gbps']:.2f} GB/s, write {disk['write_gbps']:.2f} GB/s, "
+                f"overlap {disk['overlap']:.2f}x"
+            )
         for name, seconds, reference, breakdown in one_round(args, runs, model, batches, plain_step, tokens, count, disk):
             ratios.setdefault(name, []).append(seconds / reference)
             seconds_per_step.setdefault(name, []).append(seconds)

@@ -31,8 +31,39 @@ def test_json_result_shape_and_cleanup(tmp_path, capsys):
         assert best["gbps"] == max(r["gbps"] for r in res["rows"] if r["op"] == op)
     assert set(res["io"]) == {"block_size", "queue_depth", "threads"}
     assert res["size"] == 1 << 20
-    assert "[16/16]" in err  # progress on stderr
+    # then half the file read while the other half is written, at the io setting
+    together = res["together"]
+    assert {k: together[k] for k in ("block_size", "queue_depth", "threads")} == res["io"]
+    assert together["read_bytes"] == together["written_bytes"] == 1 << 19
+    assert together["seconds"] > 0 and together["gbps"] == pytest.approx((1 << 20) / together["seconds"] / 1e9, rel=0.01)
+    assert 1.0 <= together["overlap"] <= together["largest_overlap"] <= 2.0
+    assert res["step_advice"]["overlap"] == together["overlap"]
+    assert "[17/17] both " in err  # progress on stderr, the pass of both directions last
     assert os.listdir(tmp_path) == []
+
+
+def test_together_pass_reads_one_half_and_writes_the_other(tmp_path):
+    """The pass of both directions reads back what the file's first half holds and leaves its
+    second half holding the written buffer."""
+    import torch
+
+    from offload.storage.aio import AioEngine
+
+    size = 1 << 20
+    path = tmp_path / "f"
+    first = torch.arange(size // 2, dtype=torch.int64).remainder(251).to(torch.uint8)
+    path.write_bytes(first.numpy().tobytes() + bytes(size // 2))
+    read_buf = torch.zeros(size // 2, dtype=torch.uint8)  # one request per half (the engine splits it in blocks)
+    write_buf = torch.full((size // 2,), 7, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with AioEngine(65536, 4, 2) as engine:
+            assert bench_io._together_pass(engine, fd, read_buf, write_buf, size, direct=False) > 0
+    finally:
+        os.close(fd)
+    data = path.read_bytes()
+    assert data[size // 2 :] == bytes([7]) * (size // 2)
+    assert torch.equal(read_buf, first)
 
 
 def test_table_and_pasteable_io_section(tmp_path, capsys):
@@ -118,6 +149,25 @@ def test_step_seconds_count_the_states_bytes():
     )
 
 
+def test_step_seconds_at_the_drives_overlap():
+    """A drive that served reads and writes at once gets the step's seconds of `disk_time`: less
+    than reads then writes, never less than its longer direction."""
+    from offload.config.state_layout import FP32_STATE
+
+    serial = bench_io.step_seconds(2.0, 1.0, FP32_STATE)["gradient_on_disk"]["seconds"]
+    assert bench_io.step_seconds(2.0, 1.0, FP32_STATE, overlap=1.0)["gradient_on_disk"]["seconds"] == serial
+    assert bench_io.step_seconds(2.0, 1.0, FP32_STATE, overlap=1.2)["gradient_on_disk"]["seconds"] == pytest.approx(
+        serial / 1.2, rel=1e-3
+    )
+    assert bench_io.step_seconds(2.0, 1.0, FP32_STATE, overlap=2.0)["gradient_on_disk"]["seconds"] == pytest.approx(
+        16 / 1, rel=1e-3
+    )
+    advice = {"params": 10**9, "config_precision": "fp32", "gradient_bytes": 2, "by_precision": {}}
+    assert "reads then writes;" in bench_io.advice_lines({**advice, "overlap": None})[0]
+    assert "1.60x as fast as one after the other" in bench_io.advice_lines({**advice, "overlap": 1.6})[0]
+    assert "no faster together" in bench_io.advice_lines({**advice, "overlap": 1.0})[0]
+
+
 def test_advice_marks_the_configs_precision(tmp_path, capsys):
     config = tmp_path / "offload.json"
     config.write_text(json.dumps({"optimizer": {"state_precision": "int8"}}))
@@ -127,5 +177,6 @@ def test_advice_marks_the_configs_precision(tmp_path, capsys):
     assert advice["config_precision"] == "int8" and advice["gradient_bytes"] == 2  # bf16 compute, one micro-batch
     assert list(advice["by_precision"]) == ["fp32", "bf16", "int8"]
     assert bench_io.advice_lines(advice)[3].startswith("  int8 (your config): ")
+    assert "served them" in bench_io.advice_lines(advice)[0]  # the drive's overlap, as measured
     rc, _, err = run_cli(capsys, "--path", str(tmp_path), "--config", str(tmp_path / "missing.json"), *SMALL)
     assert rc == 2 and "missing.json" in err

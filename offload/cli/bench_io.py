@@ -2,8 +2,10 @@
 
 Writes then reads a scratch file at DIR with the same engine the swap store uses (O_DIRECT
 where the filesystem allows it), prints a table in GB/s (1e9 bytes/s), the best `io`
-section to paste in a config, and what an optimizer step whose state streams from this disk
-would take at the best speeds, per billion params, for each `optimizer.state_precision`
+section to paste in a config, how much faster the drive serves reads and writes at once than
+one after the other (half the scratch file read while the other half is written, at that
+setting: `together`), and what an optimizer step whose state streams from this disk would take
+at the best speeds and that overlap, per billion params, for each `optimizer.state_precision`
 (`step_seconds`; `--config` says which one is yours); `--json` prints the whole result instead.
 The scratch file is removed on every exit path, Ctrl-C and SIGTERM included.
 
@@ -29,6 +31,7 @@ import torch
 from offload.config.sizes import format_bytes, parse_bytes
 from offload.config.state_layout import StateBytes, StatePrecision
 from offload.errors import ConfigError
+from offload.plan.disk_time import disk_seconds, largest_overlap, measured_overlap
 from offload.plan.optimizer_plan import step_disk_traffic
 from offload.storage.aio import AioEngine, probe_o_direct, round_up
 from offload.storage.memory import HostBufferPool
@@ -157,6 +160,49 @@ def _one_pass(engine: AioEngine, fd: int, buf: torch.Tensor, size: int, op: str,
     return time.perf_counter() - t0
 
 
+def _together_pass(engine: AioEngine, fd: int, read_buf: torch.Tensor, write_buf: torch.Tensor, size: int, direct: bool) -> float:
+    """Read the file's first half while writing its second, the requests of both submitted in
+    turn to one engine (as the swap store's step reads and write-backs are); returns seconds."""
+    chunk = read_buf.numel()
+    half = size // 2 // 4096 * 4096
+    if not direct:
+        _drop_cache(fd)
+    t0 = time.perf_counter()
+    handles = []
+    for off in range(0, max(half, size - half), chunk):
+        if off < half:
+            handles.append(engine.submit_read(fd, read_buf, off, nbytes=min(chunk, half - off), path="bench scratch file"))
+        if half + off < size:
+            handles.append(
+                engine.submit_write(fd, write_buf, half + off, nbytes=min(chunk, size - half - off), path="bench scratch file")
+            )
+    for h in handles:
+        h.wait()
+    if not direct:
+        os.fsync(fd)
+    return time.perf_counter() - t0
+
+
+def _together(engine: AioEngine, fd: int, read_buf, write_buf, size: int, direct: bool, repeat: int, rows: list[dict]) -> dict:
+    """Half the file read while the other half is written, at the engine's setting, best of
+    `repeat`: its seconds, the GB/s of both directions together, and the drive's overlap
+    (`offload.plan.disk_time`) against the read and write rates the sweep measured there."""
+    seconds = min(_together_pass(engine, fd, read_buf, write_buf, size, direct) for _ in range(repeat))
+    read_bytes = size // 2 // 4096 * 4096
+    written_bytes = size - read_bytes
+    setting = {"block_size": engine.block_size, "queue_depth": engine.queue_depth, "threads": engine.threads}
+    rates = {r["op"]: r["gbps"] for r in rows if all(r[k] == v for k, v in setting.items())}
+    return {
+        **setting,
+        "read_bytes": read_bytes,
+        "written_bytes": written_bytes,
+        "seconds": round(seconds, 6),
+        "gbps": round(size / seconds / 1e9, 3),
+        "overlap": round(measured_overlap(read_bytes, written_bytes, rates["read"], rates["write"], seconds), 3),
+        "largest_overlap": round(largest_overlap(read_bytes, written_bytes, rates["read"], rates["write"]), 3),
+    }
+
+
 def run_sweep(
     path: str,
     size: int,
@@ -168,7 +214,9 @@ def run_sweep(
     progress=None,
     ops=("write", "read"),
 ) -> dict:
-    """Measure every (op, block size, queue depth, threads) on a scratch file under `path`."""
+    """Measure every (op, block size, queue depth, threads) on a scratch file under `path`;
+    with both ops, then half the file read while the other half is written at the best
+    setting (`together`: whether the drive serves both directions at once)."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--path {path} is not an existing directory; create it first")
@@ -189,7 +237,8 @@ def run_sweep(
         os.posix_fallocate(fd, 0, size)
         with AioEngine(max(block_sizes), max(queue_depths), max(threads_list)) as warm:
             _one_pass(warm, fd, buf, size, "write", direct)  # turn unwritten extents into written ones
-        total = len(combos) * len(ops) * repeat
+        measure_together = {"read", "write"} <= set(ops)
+        total = len(combos) * len(ops) * repeat + (repeat if measure_together else 0)
         done = 0
         for b, q, t in combos:
             with AioEngine(b, q, t) as engine:
@@ -203,6 +252,15 @@ def run_sweep(
                     rows.append(row)
                     if progress:
                         progress(done, total, row)
+        together = None
+        if measure_together:
+            io = _best_io(rows, ops)
+            write_buf = pool.alloc(buf.numel(), torch.uint8)
+            write_buf.copy_(buf)
+            with AioEngine(io["block_size"], io["queue_depth"], io["threads"]) as engine:
+                together = _together(engine, fd, buf, write_buf, size, direct, repeat, rows)
+            if progress:
+                progress(total, total, {"op": "both", **io, "gbps": together["gbps"]})
     finally:
         if fd >= 0:
             os.close(fd)
@@ -221,6 +279,7 @@ def run_sweep(
         "rows": rows,
         "best": best_rows,
         "io": io,
+        "together": together,
     }
 
 
@@ -241,35 +300,45 @@ def _best_io(rows: list[dict], ops) -> dict:
 PARAMS_PER_ADVICE = 10**9  # the advice is per billion params of optimizer state on the disk
 
 
-def step_seconds(read_gbps: float, write_gbps: float, state: StateBytes, *, accumulation_steps: int = 1) -> dict:
+def step_seconds(
+    read_gbps: float, write_gbps: float, state: StateBytes, *, accumulation_steps: int = 1, overlap: float = 1.0
+) -> dict:
     """Disk bytes and seconds of one optimizer step of PARAMS_PER_ADVICE params whose state
     streams from a disk reading `read_gbps` and writing `write_gbps` GB/s, as wide as `state`
     (plan.step_disk_traffic: master and moments read and written, the gradient written during
     backward and read by the step; with the gradient in RAM, the master and moments alone).
-    Seconds are reads then writes, not overlapped: an upper bound for one drive."""
+    Seconds are `plan.disk_time.disk_seconds` at the drive's `overlap` of reads and writes (1,
+    the default: reads then writes, an upper bound for one drive)."""
     advice = {}
     for where, in_ram in (("gradient_on_disk", False), ("gradient_in_ram", True)):
         traffic = step_disk_traffic(
             PARAMS_PER_ADVICE, PARAMS_PER_ADVICE, state, gradient_in_ram=in_ram, accumulation_steps=accumulation_steps
         )
-        seconds = traffic.read / (read_gbps * 1e9) + traffic.written / (write_gbps * 1e9)
+        seconds = disk_seconds(traffic.read, traffic.written, read_gbps, write_gbps, overlap)
         advice[where] = {"read": traffic.read, "written": traffic.written, "seconds": round(seconds, 3)}
     return advice
 
 
 def step_advice(result: dict, state: StateBytes, accumulation_steps: int = 1) -> dict:
-    """`step_seconds` at the sweep's best read and write speeds for every state precision (the
-    gradient as wide as `state`'s), and which precision is the config's."""
+    """`step_seconds` at the sweep's best read and write speeds and the overlap the drive showed
+    (1 where it was not measured) for every state precision (the gradient as wide as
+    `state`'s), and which precision is the config's."""
     read, write = result["best"].get("read"), result["best"].get("write")
     if not read or not write or read["gbps"] <= 0 or write["gbps"] <= 0:
         return {}
+    overlap = (result.get("together") or {}).get("overlap")
     return {
         "params": PARAMS_PER_ADVICE,
         "config_precision": state.precision.value,
         "gradient_bytes": state.gradient_bytes,
+        "overlap": overlap,
         "by_precision": {
             precision.value: step_seconds(
-                read["gbps"], write["gbps"], StateBytes(precision, state.gradient_bytes), accumulation_steps=accumulation_steps
+                read["gbps"],
+                write["gbps"],
+                StateBytes(precision, state.gradient_bytes),
+                accumulation_steps=accumulation_steps,
+                overlap=overlap or 1.0,
             )
             for precision in StatePrecision
         },
@@ -280,9 +349,16 @@ def advice_lines(advice: dict, mine: str = "your config") -> list[str]:
     """The step advice in words, one line per precision (the config's marked with `mine`)."""
     if not advice:
         return []
+    overlap = advice.get("overlap")
+    if overlap is None:
+        how = "reads then writes"
+    elif overlap >= 1.05:
+        how = f"reads and writes together, {overlap:.2f}x as fast as one after the other as this drive served them"
+    else:
+        how = "reads then writes: this drive served them no faster together"
     lines = [
         f"an optimizer step per {advice['params'] / 1e9:g}B params of optimizer state on this disk, at the best speeds "
-        f"above (reads then writes; {'fp32' if advice['gradient_bytes'] == 4 else '16-bit'} gradient):"
+        f"above ({how}; {'fp32' if advice['gradient_bytes'] == 4 else '16-bit'} gradient):"
     ]
     for precision, row in advice["by_precision"].items():
         mark = f" ({mine})" if precision == advice["config_precision"] else ""
@@ -374,6 +450,13 @@ def run(args) -> int:
     for op, r in result["best"].items():
         print(
             f"best {op}: {r['gbps']:.2f} GB/s at block {format_bytes(r['block_size'])}, depth {r['queue_depth']}, threads {r['threads']}"
+        )
+    together = result["together"]
+    if together:
+        print(
+            f"read and write at once (half the file each, at the io setting below): {together['gbps']:.2f} GB/s together, "
+            f"{together['seconds']:.2f} s; {together['overlap']:.2f}x as fast as one after the other "
+            f"(1.00: one queue for both; {together['largest_overlap']:.2f}: neither slows the other)"
         )
     for line in advice_lines(result["step_advice"], mine="your config" if getattr(args, "config", None) else "the default"):
         print(line)
