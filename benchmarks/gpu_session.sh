@@ -3,13 +3,16 @@
 # gpu-peers` (PEERS, a folder .gitignore leaves out) and `gpu-peers/fetch-peers.sh gpu-peers/peers`
 # (DeepSpeed, its wheels and libaio); then each call carries gpu-peers:
 #
-#   bash benchmarks/gpu_session.sh lease gpu-peers    for a 15-minute lease, one call of about 5 minutes:
+#   bash benchmarks/gpu_session.sh lease gpu-peers    for a 15-minute lease, one call of about 9 minutes
+#                                                     (timeout_s 600): bench_adam's compact kernels against
+#                                                     fp32 on the host's cores, then
 #                                                     bench_step nvme/nvme with fp32, bf16 and int8 state
 #                                                     (issue 34's 1.5x, on a real disk and GPU), then
 #                                                     tests/test_cuda.py and the compact-state tests, then
 #                                                     the same under the stream sanitizer; each part stops
-#                                                     in time (on 2026-11-27: 76 s of setup, 222 s in all)
-#   bash benchmarks/gpu_session.sh peers gpu-peers    a second, warm call of about 8 minutes: bench_gpu at
+#                                                     in time (on 2026-11-27, without bench_adam: 76 s of
+#                                                     setup, 222 s in all)
+#   bash benchmarks/gpu_session.sh peers gpu-peers    a lease of its own, about 8 minutes: bench_gpu at
 #                                                     1.35B, offload against plain PyTorch and DeepSpeed
 #                                                     ZeRO-2 (300 s did not finish it: each run's line is
 #                                                     printed as it ends, so a stopped call keeps those)
@@ -63,9 +66,11 @@ part() {
 
 case "$phase" in
 lease)
-  DEADLINE=${DEADLINE:-450}
+  DEADLINE=${DEADLINE:-560}
   setup
   echo "setup done at $SECONDS s" >>"$out/machine.txt"
+  # the compact kernels against fp32 on the host's cores (and DeepSpeed's CPUAdam, JIT-built)
+  part 150 adam.log python3 benchmarks/bench_adam.py --sizes 30e6 100e6 --repeats 5 --bnb-rounds 0
   part 170 compact_step.log python3 benchmarks/bench_step.py --runs nvme/nvme --state-precisions fp32,bf16,int8 \
     --precision bf16 --batch 8 --seq 1024 --steps 4 --rounds 2 --plain-once
   cuda_tests=(tests/test_cuda.py tests/test_compact_state.py tests/test_compact_kernels.py)
@@ -73,7 +78,8 @@ lease)
   # PyTorch's CUDA stream sanitizer: a kernel that reads or writes memory another stream uses
   # without an event between them is reported (the GPU side of what the checked device checks)
   TORCH_CUDA_SANITIZER=1 part 120 sanitizer.log python3 -m pytest "${cuda_tests[@]}" -q -p no:cacheprovider
-  tail -32 "$out/compact_step.log"
+  tail -n 30 "$out/adam.log"
+  tail -n 32 "$out/compact_step.log"
   tail -n 4 "$out/cuda.log" "$out/sanitizer.log"
   ;;
 peers)
