@@ -201,8 +201,9 @@ def time_plain(model, batches, device, precision, clip):
     return times
 
 
-def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision, clip, state_precision=None):
-    """Times the engine on `batches`; `state_precision` None leaves the config's default (fp32)."""
+def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision, clip, state_precision=None, io=None):
+    """Times the engine on `batches`; `state_precision` None leaves the config's default (fp32);
+    `io`: the config's io section (None: its defaults)."""
     optimizer_section = {"lr": 1e-4}
     if state_precision is not None and engine_state_precisions() != ("fp32",):
         optimizer_section["state_precision"] = state_precision  # (an engine without the key has only fp32)
@@ -213,6 +214,8 @@ def time_engine(model, batches, param, optimizer, overlap, nvme_path, precision,
         "overlap": overlap,
         "gradient_clipping": clip,
     }
+    if io:
+        config["io"] = dict(io)
     engine = offload.initialize(copy.deepcopy(model), config)
     times, breakdowns, marks = [], [], []
     # with swap files, where in the step the disk works (forward, then backward and step())
@@ -266,7 +269,7 @@ def one_round(args, runs, model, batches, plain_step, tokens, params, disk) -> l
             param, optimizer = placement.split("/")
             overlap = overlap or args.overlap
             times, breakdowns, report = time_engine(
-                model, batches, param, optimizer, overlap, swap, args.precision, args.clip, state
+                model, batches, param, optimizer, overlap, swap, args.precision, args.clip, state, args.io
             )
             timed = range(2, len(times))
             median_index = sorted(timed, key=lambda i: times[i])[(len(times) - 2) // 2]
@@ -330,6 +333,20 @@ def phase_line(label: str, disk: tuple[int, int, float, float]) -> str:
     return f"{label} r {read / 1e6:.0f} w {written / 1e6:.0f}, no I/O {idle:.2f} of {seconds:.2f} s"
 
 
+def parse_io(text: str) -> dict[str, int]:
+    """`--io`'s KEY=VALUE,... as the io section it stands for; the config checks the values."""
+    from offload.config.schema import IOConfig
+
+    keys = {field.name for field in dataclasses.fields(IOConfig)}
+    io = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, equals, value = item.partition("=")
+        if not equals or key not in keys or not value.strip().isdigit():
+            raise ValueError(f"{item!r} is not KEY=VALUE with KEY one of {sorted(keys)} and VALUE a whole number")
+        io[key] = int(value)
+    return io
+
+
 def run_name(param: str, optimizer: str, overlap: str, state: str | None) -> str:
     """A run's name in the tables; with a state precision it ends in `state=...`."""
     name = f"offload param={param:<4} optimizer={optimizer:<4} overlap={overlap}"
@@ -380,12 +397,22 @@ def main(argv=None) -> int:
         help="with a run on NVMe, measure the swap path's bandwidth first (about 10 s) for the %% disk column",
     )
     parser.add_argument(
+        "--io",
+        default="",
+        help="the config's io section for every engine run, KEY=VALUE,... (block_size, queue_depth, threads, "
+        "background_depth; default: the config's defaults), e.g. threads=8,queue_depth=16,background_depth=2",
+    )
+    parser.add_argument(
         "--state-precisions",
         default=None,
         help="comma-separated optimizer.state_precision values (fp32, bf16, int8): every run once per value, "
         "back to back, and each compact one's speed-up over fp32 (default: the config's default, fp32)",
     )
     args = parser.parse_args(argv)
+    try:
+        args.io = parse_io(args.io)
+    except ValueError as error:
+        parser.error(f"--io: {error}")
     if args.state_precisions:
         args.state_precisions = [p.strip() for p in args.state_precisions.split(",")]
         available = engine_state_precisions()
@@ -402,6 +429,7 @@ def main(argv=None) -> int:
     tokens = args.batch * args.seq
     print(
         f"GPT-2 style, {count / 1e6:.0f}M params, batch {args.batch}x{args.seq}, {args.precision}, overlap {args.overlap} (unless @), clip {args.clip or 'off'}, device {device}, torch threads {torch.get_num_threads()}"
+        + (f", io {args.io}" if args.io else "")
     )
 
     def plain_step() -> float:

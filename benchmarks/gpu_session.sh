@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh lease gpu-peers    for a 15-minute lease, one call of about 9 minutes
 #                                                     (timeout_s 600): bench_adam's compact kernels against
 #                                                     fp32 on the host's cores, then
+#                                                     bench_step cpu/nvme and nvme/nvme with and without
+#                                                     places kept for the write-back (io.background_depth),
 #                                                     bench_step nvme/nvme with fp32, bf16 and int8 state
 #                                                     (issue 34's 1.5x, on a real disk and GPU), then
 #                                                     tests/test_cuda.py and the compact-state tests, then
@@ -66,20 +68,28 @@ part() {
 
 case "$phase" in
 lease)
-  DEADLINE=${DEADLINE:-560}
+  DEADLINE=${DEADLINE:-570}
   setup
   echo "setup done at $SECONDS s" >>"$out/machine.txt"
   # the compact kernels against fp32 on the host's cores (and DeepSpeed's CPUAdam, JIT-built)
-  part 150 adam.log python3 benchmarks/bench_adam.py --sizes 30e6 100e6 --repeats 5 --bnb-rounds 0
-  part 170 compact_step.log python3 benchmarks/bench_step.py --runs nvme/nvme --state-precisions fp32,bf16,int8 \
-    --precision bf16 --batch 8 --seq 1024 --steps 4 --rounds 2 --plain-once
+  part 120 adam.log python3 benchmarks/bench_adam.py --sizes 30e6 100e6 --repeats 5 --bnb-rounds 0
+  # io.background_depth on this machine's drive (it reads and writes at once): the state's
+  # write-back beside the step's urgent reads (2 places of 8), against urgent-first (0)
+  for depth in 0 2; do
+    check=$([ $depth = 0 ] && echo on || echo off) # the drive's rates and overlap, once
+    part 80 "io_background_$depth.log" python3 benchmarks/bench_step.py --runs cpu/nvme,nvme/nvme --precision bf16 \
+      --batch 8 --seq 1024 --steps 4 --plain-once --disk-check $check --io "threads=8,queue_depth=16,background_depth=$depth"
+  done
+  part 100 compact_step.log python3 benchmarks/bench_step.py --runs nvme/nvme --state-precisions fp32,bf16,int8 \
+    --precision bf16 --batch 8 --seq 1024 --steps 4 --plain-once
   cuda_tests=(tests/test_cuda.py tests/test_compact_state.py tests/test_compact_kernels.py)
   part 110 cuda.log python3 -m pytest "${cuda_tests[@]}" -q -p no:cacheprovider
   # PyTorch's CUDA stream sanitizer: a kernel that reads or writes memory another stream uses
   # without an event between them is reported (the GPU side of what the checked device checks)
   TORCH_CUDA_SANITIZER=1 part 120 sanitizer.log python3 -m pytest "${cuda_tests[@]}" -q -p no:cacheprovider
   tail -n 30 "$out/adam.log"
-  tail -n 32 "$out/compact_step.log"
+  grep -h -E "^swap path|^offload" "$out"/io_background_*.log
+  tail -n 20 "$out/compact_step.log"
   tail -n 4 "$out/cuda.log" "$out/sanitizer.log"
   ;;
 peers)

@@ -284,6 +284,32 @@ def test_an_urgent_request_goes_ahead_of_those_queued_before_it(tmp_path, pool):
     assert (tmp_path / "background.bin").read_bytes() == background.numpy().tobytes()
 
 
+def test_background_depth_keeps_places_for_the_other_queue(tmp_path, pool):
+    """Two pieces in flight, one kept for the non-urgent queue: a background write submitted
+    after a long urgent read completes while the read still has most of its pieces to go (with
+    no place kept it would wait for all of them, as the test above shows); both complete whole."""
+    urgent_source = random_bytes(pool, 24 * 4096, seed=5)
+    (tmp_path / "urgent.bin").write_bytes(urgent_source.numpy().tobytes())
+    target = pool.alloc(24 * 4096, torch.uint8)
+    background = random_bytes(pool, 2 * 4096, seed=6)
+    with AioEngine(4096, 2, 2, background_depth=1) as eng:
+        assert eng.background_depth == 1
+        eng.set_delay(0.02)
+        long_read = eng.submit_read(str(tmp_path / "urgent.bin"), target, urgent=True)
+        write = eng.submit_write(str(tmp_path / "background.bin"), background)
+        assert write.wait() is True
+        assert not long_read.done()  # about 20 of its 24 pieces of 20 ms each were still to run
+        assert long_read.wait() is True
+    assert torch.equal(target, urgent_source)
+    assert (tmp_path / "background.bin").read_bytes() == background.numpy().tobytes()
+
+
+@pytest.mark.parametrize("threads, depth, background_depth", [(2, 8, 2), (8, 2, 2), (4, 4, -1)])
+def test_background_depth_must_leave_a_place_for_urgent_io(threads, depth, background_depth):
+    with pytest.raises((ValueError, TypeError)):
+        AioEngine(4096, depth, threads, background_depth=background_depth)
+
+
 def test_requests_of_one_class_keep_their_order(tmp_path, pool):
     """Without urgency the queue is first in, first out: of two slowed writes, the first
     completes first."""

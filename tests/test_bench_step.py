@@ -73,3 +73,17 @@ def test_the_sampler_sees_this_process_write(bench, tmp_path):
     _, written, _ = bench.phase_disk(sampler.samples, first, last)
     assert written >= 1 << 20
     assert [t for t, _, _ in sampler.samples] == sorted(t for t, _, _ in sampler.samples)
+
+
+def test_io_option_gives_the_config_io_section(bench):
+    """`--io` sets the config's io section of every engine run; what is not a key of it, or not
+    a whole number, is refused by name."""
+    assert bench.parse_io("") == {}
+    assert bench.parse_io("threads=8, queue_depth=16,background_depth=2") == {
+        "threads": 8,
+        "queue_depth": 16,
+        "background_depth": 2,
+    }
+    for bad in ("threads", "thread=8", "threads=-1", "threads=eight"):
+        with pytest.raises(ValueError, match="not KEY=VALUE"):
+            bench.parse_io(bad)

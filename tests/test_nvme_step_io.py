@@ -426,3 +426,26 @@ def test_what_compute_waits_on_is_urgent_and_the_state_write_back_is_not(swap_di
     stepped_kinds = 3  # master, exp_avg, exp_avg_sq
     assert len(background_reads) == 2 * stepped_kinds * slots  # two boundary backwards
     assert any(urgent for op, _, urgent in state if op == "read")  # the stream's own reads
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward"])
+def test_background_depth_trains_bit_for_bit_as_urgent_first(swap_dir, overlap):
+    """`io.background_depth` changes which queued swap request the I/O engine starts next, never
+    what is read or written: weights and state on NVMe, two steps with a place kept for the state's
+    write-back are bit for bit the steps without, and the swap store's engine carries the setting."""
+    torch.manual_seed(0)
+    model, data = TinyNet(width=WIDTH, depth=DEPTH), batches(STEPS)
+    io = {"block_size": 4096, "queue_depth": 4, "threads": 4}
+
+    def check(depth):
+        def carries_the_setting(engine):
+            assert engine.store.swap.engine.background_depth == depth
+
+        return carries_the_setting
+
+    base = make_config(swap_dir, param="nvme", overlap=overlap, io=io)
+    kept = make_config(swap_dir, param="nvme", overlap=overlap, io={**io, "background_depth": 2})
+    losses, state, norm, _ = train(model, base, data, check(0))
+    kept_losses, kept_state, kept_norm, _ = train(model, kept, data, check(2))
+    assert kept_losses == losses and kept_norm == norm
+    assert_same_state(kept_state, state)

@@ -38,8 +38,8 @@ PYBIND11_MODULE(_aio_ext, m) {
       .def_property_readonly("nbytes", &Request::nbytes);
 
   py::class_<Engine>(m, "Engine")
-      .def(py::init<size_t, size_t, size_t>(), py::arg("block_size"), py::arg("queue_depth"),
-           py::arg("threads"))
+      .def(py::init<size_t, size_t, size_t, size_t>(), py::arg("block_size"), py::arg("queue_depth"),
+           py::arg("threads"), py::arg("background_depth") = 0)
       .def(
           "submit",
           [](Engine& e, Op op, int fd, uint64_t ptr, uint64_t offset, size_t nbytes, size_t crc_nbytes,
@@ -57,7 +57,8 @@ PYBIND11_MODULE(_aio_ext, m) {
       .def("set_delay_us", &Engine::set_delay_us, py::arg("us"))
       .def_property_readonly("block_size", &Engine::block_size)
       .def_property_readonly("queue_depth", &Engine::queue_depth)
-      .def_property_readonly("threads", &Engine::threads);
+      .def_property_readonly("threads", &Engine::threads)
+      .def_property_readonly("background_depth", &Engine::background_depth);
 
   m.def(
       "crc32c", [](uint64_t ptr, size_t n, uint32_t crc) { return crc32c_extend(crc, as_ptr(ptr), n); },

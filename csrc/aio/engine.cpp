@@ -82,13 +82,20 @@ void Request::finish_piece(size_t index, uint32_t crc, const IoError* error) {
   cv_.notify_all();
 }
 
-Engine::Engine(size_t block_size, size_t queue_depth, size_t threads)
-    : block_size_(block_size), queue_depth_(queue_depth), owner_pid_(getpid()) {
+Engine::Engine(size_t block_size, size_t queue_depth, size_t threads, size_t background_depth)
+    : block_size_(block_size),
+      queue_depth_(queue_depth),
+      background_depth_(background_depth),
+      owner_pid_(getpid()) {
   if (block_size == 0 || block_size % 4096 != 0)
     throw std::invalid_argument("block_size must be a positive multiple of 4096, got " +
                                 std::to_string(block_size));
   if (queue_depth == 0) throw std::invalid_argument("queue_depth must be at least 1");
   if (threads == 0) throw std::invalid_argument("threads must be at least 1");
+  if (background_depth >= std::min(threads, queue_depth))
+    throw std::invalid_argument("background_depth must be less than min(threads, queue_depth) = " +
+                                std::to_string(std::min(threads, queue_depth)) + ", got " +
+                                std::to_string(background_depth));
   workers_.reserve(threads);
   for (size_t i = 0; i < threads; ++i) workers_.emplace_back(&Engine::worker, this);
 }
@@ -155,22 +162,28 @@ std::shared_ptr<Request> Engine::submit(Op op, int fd, char* buf, uint64_t offse
 void Engine::worker() {
   for (;;) {
     Piece piece;
+    bool background = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] {
         const bool empty = urgent_queue_.empty() && queue_.empty();
         return (stop_ && empty) || (!empty && in_flight_ < queue_depth_);
       });
-      std::deque<Piece>& queue = urgent_queue_.empty() ? queue_ : urgent_queue_;
+      // the other queue's piece goes first while the urgent queue is empty, or while fewer of
+      // its pieces than background_depth are in flight
+      background = !queue_.empty() && (urgent_queue_.empty() || background_in_flight_ < background_depth_);
+      std::deque<Piece>& queue = background ? queue_ : urgent_queue_;
       if (queue.empty()) return;  // stop_ and drained
       piece = std::move(queue.front());
       queue.pop_front();
       ++in_flight_;
+      if (background) ++background_in_flight_;
     }
     run_piece(piece);
     {
       std::lock_guard<std::mutex> lock(mu_);
       --in_flight_;
+      if (background) --background_in_flight_;
     }
     cv_.notify_one();
   }

@@ -5,8 +5,10 @@
 //   them to one of two FIFO queues, the urgent one (I/O that compute waits on) or the other;
 //   it never blocks on I/O.
 // - `threads` workers pop pieces, the urgent queue's first (a piece of the other queue waits
-//   while any urgent one is queued); at most `queue_depth` pieces execute at once (so the
-//   number of pieces in flight is min(threads, queue_depth)). A worker reads into / writes
+//   while any urgent one is queued, unless fewer than `background_depth` of its pieces are in
+//   flight: those places are kept for it, so that on a drive that reads and writes at once the
+//   state's write-back goes on beside the urgent reads); at most `queue_depth` pieces execute
+//   at once (so the number of pieces in flight is min(threads, queue_depth)). A worker reads into / writes
 //   from the caller's buffer directly (no copy), and, when asked, checksums its piece
 //   (after the read, before the write) so the checksum costs no extra pass on the caller.
 // - The buffer belongs to the request from submit() until wait() returns true: the caller
@@ -85,7 +87,9 @@ class Request {
 
 class Engine {
  public:
-  Engine(size_t block_size, size_t queue_depth, size_t threads);
+  // background_depth: places among the pieces in flight kept for the non-urgent queue while it
+  // has pieces (0: urgent pieces always first); less than min(threads, queue_depth).
+  Engine(size_t block_size, size_t queue_depth, size_t threads, size_t background_depth = 0);
   ~Engine();
   // piece_size 0: the engine's block_size.
   std::shared_ptr<Request> submit(Op op, int fd, char* buf, uint64_t offset, size_t nbytes, size_t crc_nbytes,
@@ -100,6 +104,7 @@ class Engine {
   size_t block_size() const { return block_size_; }
   size_t queue_depth() const { return queue_depth_; }
   size_t threads() const { return workers_.size(); }
+  size_t background_depth() const { return background_depth_; }
 
  private:
   struct Piece {
@@ -112,6 +117,7 @@ class Engine {
 
   const size_t block_size_;
   const size_t queue_depth_;
+  const size_t background_depth_;
   std::vector<std::thread> workers_;
   const pid_t owner_pid_;  // workers exist only in this process; a fork child must not join them
   std::mutex mu_;
@@ -119,6 +125,7 @@ class Engine {
   std::deque<Piece> urgent_queue_;  // filled by submit(urgent), emptied first by the workers
   std::deque<Piece> queue_;         // filled by submit(not urgent), emptied when urgent_queue_ is
   size_t in_flight_ = 0;
+  size_t background_in_flight_ = 0;  // pieces of queue_ being run (guarded by mu_)
   bool stop_ = false;
   std::atomic<int> fault_op_{-1};
   std::atomic<int> fault_err_{0};

@@ -157,6 +157,8 @@ class IOConfig(ReadOnlyOnceFrozen):
     """Swap I/O requests in flight."""
     threads: int = 4
     """Swap I/O worker threads."""
+    background_depth: int = 0
+    """Places among the swap requests in flight kept for I/O that nothing waits on yet (the optimizer state's write-back and reads ahead) while such I/O is queued; 0: I/O that compute waits on (weights, a step's state reads) always goes first. On a drive that reads and writes at once (`offload bench-io` says how much faster it serves both together) a place or two lets the write-back run beside the step's reads instead of after them; on one that does not, it slows those reads. Less than min(threads, queue_depth)."""
 
 
 @dataclass
@@ -496,6 +498,12 @@ def validate(config: Config) -> Config:
         raise _fail("io.queue_depth", f"must be >= 1, got {io.queue_depth}")
     if io.threads < 1:
         raise _fail("io.threads", f"must be >= 1, got {io.threads}")
+    if not 0 <= io.background_depth < min(io.threads, io.queue_depth):
+        raise _fail(
+            "io.background_depth",
+            f"must be >= 0 and less than min(io.threads, io.queue_depth) = {min(io.threads, io.queue_depth)} "
+            f"(the requests in flight), got {io.background_depth}",
+        )
     if config.wrap.min_params < 0:
         raise _fail("wrap.min_params", f"must be >= 0, got {config.wrap.min_params}")
     if isinstance(config.offload.nvme_path, list) and not config.offload.nvme_path:

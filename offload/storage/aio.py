@@ -6,8 +6,11 @@ checksum (CRC-32C) each piece in the worker that moves it. Waiting releases the 
 
 Two queues: a request submitted `urgent` (I/O that compute is waiting on, such as the 16-bit
 weights a fetch reads or a step writes back) goes ahead of every request that is not (the
-optimizer state streaming behind it), which keeps its order among its own class. The engine
-orders nothing else: a caller that needs one request after another waits for the first.
+optimizer state streaming behind it), which keeps its order among its own class; with
+`background_depth` > 0 that many places among the pieces in flight stay with the other queue
+while it has pieces (for a drive that reads and writes at once: the state's write-back beside
+the urgent reads). The engine orders nothing else: a caller that needs one request after
+another waits for the first.
 
 Who owns what: from `submit_*` until the request completes, the tensor belongs to the
 engine (do not resize or write it). The engine keeps the tensor (and any fd it opened) in
@@ -245,16 +248,17 @@ class AioEngine:
     Thread-safe: submits and waits may come from several threads (the table of requests in
     flight has its own lock)."""
 
-    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 4):
+    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, threads: int = 4, background_depth: int = 0):
         self._closed = True  # until the C++ engine exists (a refused setting leaves nothing to close)
         self._owner_pid = os.getpid()  # its worker threads exist only in this process, not in a fork
         self._flights_lock = threading.Lock()
         self._flights: dict[int, _Flight] = {}  # id(flight) -> flight, until the request is done
         try:
-            self._engine = _aio_ext.Engine(int(block_size), int(queue_depth), int(threads))
+            self._engine = _aio_ext.Engine(int(block_size), int(queue_depth), int(threads), int(background_depth))
         except ValueError as e:
             raise ValueError(f"io settings: {e}") from None
         self.block_size, self.queue_depth, self.threads = int(block_size), int(queue_depth), int(threads)
+        self.background_depth = int(background_depth)
         self._closed = False
 
     def in_flight(self) -> int:

@@ -270,6 +270,7 @@ class SwapStore:
         block_size: int = 1 << 20,
         queue_depth: int = 8,
         threads: int = 4,
+        background_depth: int = 0,
         ledger=None,
     ):
         self._closed = True  # until fully made: close() and __del__ then only release descriptors
@@ -298,7 +299,7 @@ class SwapStore:
             self.other_runs = sweep_dead_runs(root, dir_fd=self._root_fd, keep=self.run_name)
             self._run_fd, self._rank_fd = self._make_directories()
             self.direct = probe_o_direct(self.path, dir_fd=self._rank_fd)
-            self.engine = AioEngine(block_size, queue_depth, threads)
+            self.engine = AioEngine(block_size, queue_depth, threads, background_depth)
         except BaseException:
             self._release_directories()
             raise

@@ -153,6 +153,7 @@ class TierStore:
                     block_size=config.io.block_size,
                     queue_depth=config.io.queue_depth,
                     threads=config.io.threads,
+                    background_depth=config.io.background_depth,
                 )
                 specs = {}
                 for unit in units:
