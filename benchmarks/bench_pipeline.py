@@ -898,12 +898,13 @@ class Prediction:
     replay: Replay
 
 
-def predict(graph: Graph, machine: Machine) -> Prediction:
-    """Replays `graph` on `machine`; the step is the period between the first compute ops of the
-    second and third recorded steps (module docstring, step 4)."""
+def predict(graph: Graph, machine: Machine, background_depth: int = 0) -> Prediction:
+    """Replays `graph` on `machine` with the I/O engine's `io.background_depth` (`replay`); the
+    step is the period between the first compute ops of the second and third recorded steps
+    (module docstring, step 4)."""
     if len(graph.steps) < 3:
         raise ValueError("need at least 3 recorded steps (the second is measured, up to the third's start)")
-    r = replay(graph.ops, machine)
+    r = replay(graph.ops, machine, background_depth=background_depth)
     measured, following = graph.steps[1], graph.steps[2]
     begin = r.spans[graph.first_compute[measured]][0]
     end = r.spans[graph.first_compute[following]][0]
@@ -939,6 +940,16 @@ def summary_line(size: str, placement: str, overlap: str, p: Prediction) -> str:
     )
 
 
+def depth_line(graph: Graph, machine: Machine, depths: list[int], first: Prediction) -> str:
+    """The same recording replayed at each of `depths` (the first's prediction given): each
+    one's step and how much faster than the first's it is."""
+    parts = []
+    for i, depth in enumerate(depths):
+        step = first.step if i == 0 else predict(graph, machine, depth).step
+        parts.append(f"{depth}: {step:.4g} s" + ("" if i == 0 else f" ({first.step / step:.2f}x)"))
+    return ", ".join(parts)
+
+
 def busy_line(p: Prediction) -> str:
     parts = []
     for r in RESOURCES:
@@ -960,8 +971,10 @@ def run(
     nvme_path: str,
     nvme_gradients: str = "ram",
     state_precision: str = "fp32",
+    background_depth: int = 0,
 ) -> tuple[Prediction, Graph, Recording]:
-    """Records `placement` for the Llama `size`, builds its graph at batch x seq and replays it."""
+    """Records `placement` for the Llama `size`, builds its graph at batch x seq and replays it
+    with `background_depth` (`predict`)."""
     target = Shape.named(size)
     rec = record(
         target,
@@ -973,7 +986,7 @@ def run(
         state_precision=state_precision,
     )
     graph = build_graph(rec, Workload(target, batch, seq))
-    return predict(graph, machine), graph, rec
+    return predict(graph, machine, background_depth), graph, rec
 
 
 def trace_path(base: str, size: str, placement: str, several: bool, state_precision: str = "fp32") -> str:
@@ -1018,8 +1031,21 @@ def main(argv: list[str] | None = None) -> list[str]:
         help="comma-separated optimizer.state_precision values (fp32, bf16, int8): each placement once per value, "
         "and each compact one's predicted speed-up over fp32",
     )
+    parser.add_argument(
+        "--background-depths",
+        default="0",
+        help="comma-separated io.background_depth values: each recording replayed once per value (0, the engine's "
+        "default: on a duplex drive the state's write-back waits for the other direction's urgent reads; above 0: it "
+        "runs beside them), the first value's in the table, the others' step beside it",
+    )
     parser.add_argument("--trace", default=None, help="write the replay as a Chrome trace (JSON) here")
     args = parser.parse_args(argv)
+    try:
+        depths = [int(d) for d in args.background_depths.split(",") if d.strip()]
+    except ValueError:
+        parser.error(f"--background-depths: whole numbers, comma-separated, got {args.background_depths!r}")
+    if not depths or min(depths) < 0:
+        parser.error(f"--background-depths: whole numbers >= 0, got {args.background_depths!r}")
     if args.steps < 3:
         parser.error("--steps must be at least 3")
     machine = machine_from_args(
@@ -1084,12 +1110,15 @@ def main(argv: list[str] | None = None) -> list[str]:
                         nvme_path=swap,
                         nvme_gradients=args.nvme_gradients,
                         state_precision=precision,
+                        background_depth=depths[0],
                     )
                     shutil.rmtree(swap, ignore_errors=True)
                     steps[precision] = prediction.step
                     state = "" if precision == "fp32" and len(precisions) == 1 else f" state={precision}"
                     say(summary_line(size, placement + state, args.overlap, prediction))
                     say(busy_line(prediction) + f"; recorded in {rec.seconds:.1f} s, {len(graph.ops)} ops")
+                    if len(depths) > 1:
+                        say("    io.background_depth: " + depth_line(graph, machine, depths, prediction))
                     if args.trace:
                         several = len(sizes) * len(placements) * len(precisions) > 1
                         path = trace_path(args.trace, size, placement, several, precision)

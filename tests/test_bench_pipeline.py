@@ -132,3 +132,21 @@ def test_nvme_duplex_no_replays_one_queue_for_the_drive(bench, tmp_path, capsys)
     assert "NVMe 6/5 GB/s read/write (one queue for both)" in lines[0], lines[0]
     found = [m for m in map(LINE.match, lines) if m]
     assert len(found) == 1 and found[0].group(4) == "nvme", lines  # reads and writes add up on one queue
+
+
+def test_background_depths_replay_each_recording_at_each_depth(bench, tmp_path, capsys):
+    """--background-depths 0,2: the table at 0, the engine's default, and a line with each depth's
+    step and its speed-up over the first (a bad list is refused)."""
+    argv = ["--sizes", "tiny", "--placements", "cpu/nvme", "--batch", "2", "--seq", "32", "--machine", "h100-pcie5"]
+    lines = bench.main([*argv, "--background-depths", "0,2", "--nvme-path", str(tmp_path)])
+    capsys.readouterr()
+    table = [m for m in map(LINE.match, lines) if m]
+    depth = [line for line in lines if line.startswith("    io.background_depth: ")]
+    assert len(table) == 1 and len(depth) == 1, lines
+    found = re.match(r"^    io\.background_depth: 0: ([0-9.e+-]+) s, 2: ([0-9.e+-]+) s \(([0-9.]+)x\)$", depth[0])
+    assert found, depth[0]
+    at_0, at_2 = float(found.group(1)), float(found.group(2))
+    assert at_0 == pytest.approx(float(table[0].group(2)), rel=1e-3) and at_2 > 0
+    assert float(found.group(3)) == pytest.approx(at_0 / at_2, abs=0.006)
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--background-depths", "0,-1", "--nvme-path", str(tmp_path)])

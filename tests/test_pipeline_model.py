@@ -416,10 +416,14 @@ def schedules_with_urgent_io(draw):
     ]
 
 
+OTHER_DIRECTION = {"nvme_read": "nvme_write", "nvme_write": "nvme_read"}
+
+
 @settings(max_examples=200, deadline=None)
-@given(ops=schedules_with_urgent_io())
-def test_replay_with_urgent_io_properties(ops):
-    r = replay(ops, ROUND)
+@given(ops=schedules_with_urgent_io(), background_depth=st.sampled_from([0, 2]))
+def test_replay_with_urgent_io_properties(ops, background_depth):
+    r = replay(ops, ROUND, background_depth=background_depth)
+    assert r.background_depth == background_depth
     ready = {op.id: max([0.0, *(r.spans[d][1] for d in op.deps)]) for op in ops}
     for resource in RESOURCES:
         ran = sorted((op for op in ops if op.resource == resource), key=lambda o: r.spans[o.id][0])
@@ -428,8 +432,15 @@ def test_replay_with_urgent_io_properties(ops):
             start, end = r.spans[op.id]
             assert start >= ready[op.id] and start >= previous_end  # deps first; one at a time
             # never idle while this op, the first of its class, could run: it starts as soon as
-            # it is ready and the resource is free
-            assert start == max(ready[op.id], previous_end)
+            # it is ready and the resource is free, or, with background_depth 0, a non-urgent
+            # NVMe op as soon as no urgent op of the other direction runs
+            earliest = max(ready[op.id], previous_end)
+            if background_depth == 0 and not op.urgent and resource in OTHER_DIRECTION:
+                others = [r.spans[u.id] for u in ops if u.resource == OTHER_DIRECTION[resource] and u.urgent]
+                assert not any(s <= start < e for s, e in others)
+                assert start == earliest or any(e == start and e > earliest for _, e in others)
+            else:
+                assert start == earliest
             previous_end = end
         for urgent in (True, False):
             mine = [op.id for op in ops if op.resource == resource and op.urgent == urgent]
@@ -458,12 +469,20 @@ def nvme_write(id_, seconds, *, urgent, deps=()):
 
 
 def test_a_drive_that_is_not_duplex_serves_reads_and_writes_from_one_queue():
-    """A state write-back and a weight read, both ready at 0: a duplex drive runs them together;
-    one queue runs the urgent read first, then the write, and the floor is their sum."""
+    """A state write-back and a weight read, both ready at 0: a duplex drive runs them together
+    where the engine keeps places for the write-back (background_depth 2), else the write waits
+    for the urgent read; one queue runs the urgent read first, then the write, and the floor is
+    their sum."""
     ops = [nvme_write(1, 2, urgent=False), nvme_read(2, 1, urgent=True), compute(3, "forward", 0, 1, deps=(2,))]
-    duplex = replay(ops, ROUND)
+    duplex = replay(ops, ROUND, background_depth=2)
     assert duplex.spans[1] == (0.0, 2.0) and duplex.spans[2] == (0.0, 1.0)
     assert (duplex.floor, duplex.floor_resource) == (2.0, "nvme_write")
+    # the engine's default, urgent pieces first from one pool of places: the write waits for
+    # the read although the drive could serve both, and the critical path says so
+    urgent_first = replay(ops, ROUND)
+    assert urgent_first.spans == {2: (0.0, 1.0), 1: (1.0, 3.0), 3: (1.0, 2.0)}
+    assert (urgent_first.floor, urgent_first.floor_resource) == (2.0, "nvme_write")
+    assert [op.id for op in urgent_first.critical_path()] == [2, 1]
     shared = replay(ops, SHARED)
     assert shared.spans == {2: (0.0, 1.0), 1: (1.0, 3.0), 3: (1.0, 2.0)}
     assert (shared.floor, shared.floor_resource) == (3.0, SHARED_NVME)
@@ -491,3 +510,11 @@ def test_one_nvme_queue_properties(ops):
     assert r.floor == pytest.approx(floor_of(r.busy, False)[0])
     assert r.step_time >= r.floor - 1e-9
     assert r.step_time >= replay(ops, ROUND).floor - 1e-9  # never below the duplex drive's floor
+
+
+def test_background_depth_must_be_a_whole_number_at_least_0():
+    ops = [nvme_write(1, 1, urgent=False)]
+    for bad in (-1, 1.5, None):
+        with pytest.raises(ValueError, match="background_depth must be a whole number >= 0"):
+            replay(ops, ROUND, background_depth=bad)
+    assert replay(ops, ROUND, background_depth=3).background_depth == 3

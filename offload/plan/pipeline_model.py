@@ -238,7 +238,8 @@ class Replay:
     resource's busy seconds, and the floor: the busiest queue's busy time (copies and IO with
     their latency), which no schedule of these ops can beat; `floor_resource` names it (the
     first in `RESOURCES` order on a tie, "compute" for no ops; SHARED_NVME for the one queue of
-    a drive that is not duplex). `nvme_duplex`: the machine's (`queue_of`)."""
+    a drive that is not duplex). `nvme_duplex`: the machine's (`queue_of`); `background_depth`:
+    the engine setting it was replayed with (`replay`)."""
 
     ops: tuple[Op, ...]
     spans: dict[int, tuple[float, float]]
@@ -247,6 +248,7 @@ class Replay:
     floor: float
     floor_resource: str
     nvme_duplex: bool = True
+    background_depth: int = 0
 
     def _intervals(self, resource: str, among: Collection[int] | None = None) -> list[tuple[float, float]]:
         """The union of the spans of `resource`'s ops (only those with ids in `among`, if given)."""
@@ -276,27 +278,33 @@ class Replay:
     def critical_path(self, end: int | None = None) -> list[Op]:
         """The chain of ops that sets the step time, first op first: from the op that ends last
         (the first such in list order), or from the op with id `end` (what sets its start and
-        end), each step back goes to the predecessor (a dependency, preferred on a tie, or the
-        op that ran before it in the same queue) whose end is this op's start."""
+        end), each step back goes to the predecessor (a dependency, preferred on a tie, the op
+        that ran before it in the same queue, or, for a non-urgent NVMe op that waited out the
+        other direction's urgent one (`replay`'s background_depth 0), that one) whose end is this
+        op's start."""
         if not self.ops:
             return []
         by_id = {op.id: op for op in self.ops}
         if end is not None and end not in by_id:
             raise ValueError(f"critical_path: op {end} is not in the replay")
-        previous: dict[int, int] = {}
+        previous: dict[int, list[int]] = {}
         last_on: dict[str, int] = {}
         position = {op.id: i for i, op in enumerate(self.ops)}
+        directions_wait = self.nvme_duplex and self.background_depth == 0
+        other_direction = {"nvme_read": "nvme_write", "nvme_write": "nvme_read"}
         for op in sorted(self.ops, key=lambda o: (self.spans[o.id][0], position[o.id])):  # the order they ran in
             queue = queue_of(op.resource, self.nvme_duplex)
-            if queue in last_on:
-                previous[op.id] = last_on[queue]
+            previous[op.id] = [last_on[queue]] if queue in last_on else []
+            other = last_on.get(other_direction.get(queue, ""))
+            if directions_wait and not op.urgent and other is not None and by_id[other].urgent:
+                previous[op.id].append(other)
             last_on[queue] = op.id
         # the first of the ops ending last, unless asked for another
         op = max(self.ops, key=lambda o: self.spans[o.id][1]) if end is None else by_id[end]
         path = [op]
         while True:
             start = self.spans[op.id][0]
-            candidates = [*op.deps, *([previous[op.id]] if op.id in previous else [])]
+            candidates = [*op.deps, *previous[op.id]]
             found = next((c for c in candidates if self.spans[c][1] == start), None)
             if found is None:
                 break
@@ -323,7 +331,7 @@ def _validate(ops: Sequence[Op]) -> None:
                 raise ValueError(f"{_describe(op)}: depends on op {dep}, which comes later in the recording")
 
 
-def replay(ops: Sequence[Op], machine: Machine) -> Replay:
+def replay(ops: Sequence[Op], machine: Machine, *, background_depth: int = 0) -> Replay:
     """Replays `ops` (in issue order) on `machine`; each runs for `duration(op, machine)` seconds.
 
     Each resource (a drive that is not duplex: both NVMe directions together, `queue_of`)
@@ -334,13 +342,27 @@ def replay(ops: Sequence[Op], machine: Machine) -> Replay:
     ops this is the plain list schedule: each op starts when the previous op on its resource
     and all its deps have ended.
 
+    `background_depth`: the I/O engine's `io.background_depth`. The engine serves both
+    directions of a drive from one pool of places, urgent pieces first; so at 0 (its default), on
+    a duplex drive, a non-urgent NVMe op does not start while an urgent one of the other
+    direction runs, even though the drive could serve both (it starts when that one ends, and
+    then runs to its end: the engine would hold its remaining pieces back for a later urgent
+    op, which this model does not). Above 0 the engine keeps places for the non-urgent queue,
+    modelled as directions that never wait for each other. A drive that is not duplex has one
+    queue either way.
+
     Decided in time order (a discrete-event schedule): the next op to start is the one that
     can start earliest, so an op whose deps have not all started yet, which cannot start
     before then, is never overtaken by a choice made too early (an op whose last dep takes no
     time at all may become ready at the very instant another starts, and then goes second)."""
     _validate(ops)
+    if not isinstance(background_depth, int) or background_depth < 0:
+        raise ValueError(f"background_depth must be a whole number >= 0, got {background_depth!r}")
     lengths = {op.id: duration(op, machine) for op in ops}
     duplex = machine.nvme_duplex
+    directions_wait = duplex and background_depth == 0  # a background op waits out the other direction's urgent one
+    other_direction = {"nvme_read": "nvme_write", "nvme_write": "nvme_read"}
+    last_placed: dict[str, Op] = {}  # each queue's latest op (ops are placed in the order they start)
     servers = list(dict.fromkeys(queue_of(r, duplex) for r in RESOURCES))
     queues: dict[tuple[str, bool], list[Op]] = {(q, u): [] for q in servers for u in (True, False)}
     for op in ops:
@@ -365,7 +387,12 @@ def replay(ops: Sequence[Op], machine: Machine) -> Replay:
                 ready = ready_at(queue[head]) if head < len(queue) else None
                 if ready is None:
                     continue
-                candidate = (max(free_at[server], ready), 0 if urgent else 1, queue[head])
+                start = max(free_at[server], ready)
+                if directions_wait and not urgent and server in other_direction:
+                    running = last_placed.get(other_direction[server])
+                    if running is not None and running.urgent and spans[running.id][1] > start:
+                        start = spans[running.id][1]
+                candidate = (start, 0 if urgent else 1, queue[head])
                 if best is None or candidate[:2] < best[:2]:
                     best = candidate
         # deps always point backwards (_validate), so the first op of some queue can start
@@ -375,11 +402,12 @@ def replay(ops: Sequence[Op], machine: Machine) -> Replay:
         spans[op.id] = (start, end)
         server = queue_of(op.resource, duplex)
         free_at[server] = end
+        last_placed[server] = op
         busy[op.resource] += lengths[op.id]
         heads[(server, op.urgent)] += 1
     floor, floor_resource = floor_of(busy, duplex)
     step_time = max((end for _, end in spans.values()), default=0.0)
-    return Replay(tuple(ops), spans, step_time, busy, floor, floor_resource, duplex)
+    return Replay(tuple(ops), spans, step_time, busy, floor, floor_resource, duplex, background_depth)
 
 
 def chrome_trace(replay: Replay, ops: Sequence[Op] | None = None) -> dict[str, Any]:
