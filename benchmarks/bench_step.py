@@ -157,7 +157,7 @@ def measure_disk(path: str, best: dict[str, float] | None = None) -> dict[str, f
     gave anything from 0.6 to 1.5 GB/s minutes apart: the limit is the best it showed."""
     from offload.cli.bench_io import run_sweep
 
-    result = run_sweep(path, 1 << 30, [1 << 20], [16], [8], repeat=2)
+    result = run_sweep(path, 1 << 30, [1 << 20], [16], [8], repeat=2, try_background_depths=False)
     measured = {
         "read_gbps": result["best"]["read"]["gbps"],
         "write_gbps": result["best"]["write"]["gbps"],

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from offload.cli import bench_io, main
+from offload.plan.disk_time import background_depths_to_try, pick_background_depth
 
 
 def run_cli(capsys, *argv):
@@ -29,11 +30,17 @@ def test_json_result_shape_and_cleanup(tmp_path, capsys):
         best = res["best"][op]
         assert best["op"] == op
         assert best["gbps"] == max(r["gbps"] for r in res["rows"] if r["op"] == op)
-    assert set(res["io"]) == {"block_size", "queue_depth", "threads"}
+    assert set(res["io"]) == {"block_size", "queue_depth", "threads", "background_depth"}
     assert res["size"] == 1 << 20
     # then half the file read while the other half is written, at the io setting
     together = res["together"]
-    assert {k: together[k] for k in ("block_size", "queue_depth", "threads")} == res["io"]
+    setting = {k: together[k] for k in ("block_size", "queue_depth", "threads")}
+    assert {**setting, "background_depth": together["background_depth"]} == res["io"]
+    # and with the reads urgent at each depth worth trying: the fastest's, or 0 within 10% of it
+    places = min(setting["threads"], setting["queue_depth"])
+    timed = {row["background_depth"]: row["seconds"] for row in together["urgent_reads"]}
+    assert list(timed) == background_depths_to_try(places)
+    assert together["background_depth"] == pick_background_depth(timed)
     assert together["read_bytes"] == together["written_bytes"] == 1 << 19
     assert together["seconds"] > 0 and together["gbps"] == pytest.approx((1 << 20) / together["seconds"] / 1e9, rel=0.01)
     assert 1.0 <= together["overlap"] <= together["largest_overlap"] <= 2.0
@@ -84,7 +91,9 @@ def test_table_and_pasteable_io_section(tmp_path, capsys):
     assert rc == 0
     assert "GB/s" in out and "write" in out and "read" in out
     section = json.loads(out[out.index("{") :])
-    assert section == {"io": {"block_size": 65536, "queue_depth": 2, "threads": 2}}
+    depth = section["io"].pop("background_depth")
+    assert section == {"io": {"block_size": 65536, "queue_depth": 2, "threads": 2}} and depth in (0, 1)
+    assert "by io.background_depth" in out
     assert os.listdir(tmp_path) == []
 
 

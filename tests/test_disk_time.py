@@ -4,7 +4,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from offload.plan.disk_time import disk_seconds, largest_overlap, measured_overlap
+from offload.plan.disk_time import (
+    background_depths_to_try,
+    disk_seconds,
+    largest_overlap,
+    measured_overlap,
+    pick_background_depth,
+)
 
 GB = 1e9
 byte_counts = st.floats(min_value=0.0, max_value=1e13)
@@ -62,3 +68,33 @@ def test_measured_overlap_gives_back_the_measured_time(read, written, read_rate,
     overlap = measured_overlap(read, written, read_rate, write_rate, together)
     assert 1.0 <= overlap <= largest_overlap(read, written, read_rate, write_rate) * (1 + 1e-12)
     assert disk_seconds(read, written, read_rate, write_rate, overlap) == pytest.approx(together, rel=1e-9)
+
+
+def test_background_depths_to_try():
+    assert background_depths_to_try(1) == [0]
+    assert background_depths_to_try(2) == [0, 1]
+    assert background_depths_to_try(4) == [0, 1, 2]
+    assert background_depths_to_try(8) == [0, 1, 2, 4]
+    assert background_depths_to_try(16) == [0, 1, 2, 8]
+    with pytest.raises(ValueError, match="places must be >= 1"):
+        background_depths_to_try(0)
+
+
+def test_pick_background_depth():
+    # a one-queue drive: all about the same, so 0 (urgent reads first cost it nothing)
+    assert pick_background_depth({0: 1.45, 1: 1.35, 2: 1.40, 4: 1.41}) == 0
+    # a drive that reads and writes at once: the smallest depth near the fastest
+    assert pick_background_depth({0: 2.0, 1: 1.3, 2: 1.2, 4: 1.19}) == 1
+    assert pick_background_depth({0: 2.0, 1: 1.6, 2: 1.2, 4: 1.19}) == 2
+    with pytest.raises(ValueError, match="seconds > 0"):
+        pick_background_depth({})
+    with pytest.raises(ValueError, match="seconds > 0"):
+        pick_background_depth({0: 0.0})
+
+
+@given(st.dictionaries(st.integers(0, 16), st.floats(min_value=1e-3, max_value=1e3), min_size=1))
+def test_picked_depth_is_near_the_fastest_and_no_larger_than_needed(seconds):
+    depth = pick_background_depth(seconds)
+    fastest = min(seconds.values())
+    assert seconds[depth] <= fastest * 1.1
+    assert all(seconds[d] > fastest * 1.1 for d in seconds if d < depth)

@@ -4,9 +4,11 @@ Writes then reads a scratch file at DIR with the same engine the swap store uses
 where the filesystem allows it), prints a table in GB/s (1e9 bytes/s), the best `io`
 section to paste in a config, how much faster the drive serves reads and writes at once than
 one after the other (half the scratch file read while the other half is written, at that
-setting: `together`), and what an optimizer step whose state streams from this disk would take
-at the best speeds and that overlap, per billion params, for each `optimizer.state_precision`
-(`step_seconds`; `--config` says which one is yours); `--json` prints the whole result instead.
+setting: `together`), the same with the reads urgent at a few `io.background_depth` values and
+the one to use (it goes into the `io` section), and what an optimizer step whose state streams
+from this disk would take at the best speeds and that overlap, per billion params, for each
+`optimizer.state_precision` (`step_seconds`; `--config` says which one is yours); `--json`
+prints the whole result instead.
 The scratch file is removed on every exit path, Ctrl-C and SIGTERM included.
 
 Note on the engine: a pool of `threads` workers each doing one pread/pwrite at a time, so
@@ -22,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import sys
 import time
 import uuid
@@ -31,7 +34,13 @@ import torch
 from offload.config.sizes import format_bytes, parse_bytes
 from offload.config.state_layout import StateBytes, StatePrecision
 from offload.errors import ConfigError
-from offload.plan.disk_time import disk_seconds, largest_overlap, measured_overlap
+from offload.plan.disk_time import (
+    background_depths_to_try,
+    disk_seconds,
+    largest_overlap,
+    measured_overlap,
+    pick_background_depth,
+)
 from offload.plan.optimizer_plan import step_disk_traffic
 from offload.storage.aio import AioEngine, probe_o_direct, round_up
 from offload.storage.memory import HostBufferPool
@@ -160,9 +169,18 @@ def _one_pass(engine: AioEngine, fd: int, buf: torch.Tensor, size: int, op: str,
     return time.perf_counter() - t0
 
 
-def _together_pass(engine: AioEngine, fd: int, read_buf: torch.Tensor, write_buf: torch.Tensor, size: int, direct: bool) -> float:
+def _together_pass(
+    engine: AioEngine,
+    fd: int,
+    read_buf: torch.Tensor,
+    write_buf: torch.Tensor,
+    size: int,
+    direct: bool,
+    urgent_reads: bool = False,
+) -> float:
     """Read the file's first half while writing its second, the requests of both submitted in
-    turn to one engine (as the swap store's step reads and write-backs are); returns seconds."""
+    turn to one engine (as the swap store's step reads and write-backs are); `urgent_reads`:
+    the reads in the engine's urgent queue, as a step's are; returns seconds."""
     chunk = read_buf.numel()
     half = size // 2 // 4096 * 4096
     if not direct:
@@ -171,7 +189,11 @@ def _together_pass(engine: AioEngine, fd: int, read_buf: torch.Tensor, write_buf
     handles = []
     for off in range(0, max(half, size - half), chunk):
         if off < half:
-            handles.append(engine.submit_read(fd, read_buf, off, nbytes=min(chunk, half - off), path="bench scratch file"))
+            handles.append(
+                engine.submit_read(
+                    fd, read_buf, off, nbytes=min(chunk, half - off), path="bench scratch file", urgent=urgent_reads
+                )
+            )
         if half + off < size:
             handles.append(
                 engine.submit_write(fd, write_buf, half + off, nbytes=min(chunk, size - half - off), path="bench scratch file")
@@ -183,14 +205,34 @@ def _together_pass(engine: AioEngine, fd: int, read_buf: torch.Tensor, write_buf
     return time.perf_counter() - t0
 
 
-def _together(engine: AioEngine, fd: int, read_buf, write_buf, size: int, direct: bool, repeat: int, rows: list[dict]) -> dict:
-    """Half the file read while the other half is written, at the engine's setting, best of
+def _together(
+    fd: int, read_buf, write_buf, size: int, direct: bool, repeat: int, rows: list[dict], io: dict, try_depths: bool
+) -> dict:
+    """Half the file read while the other half is written at the `io` setting, best of
     `repeat`: its seconds, the GB/s of both directions together, and the drive's overlap
-    (`offload.plan.disk_time`) against the read and write rates the sweep measured there."""
-    seconds = min(_together_pass(engine, fd, read_buf, write_buf, size, direct) for _ in range(repeat))
+    (`offload.plan.disk_time`) against the read and write rates the sweep measured there. Then
+    the same with the reads urgent, as a step's are, at each io.background_depth worth trying
+    (`background_depths_to_try`; with `try_depths`): the median seconds of each over rounds
+    that take the depths in turn (at least 3: a shared disk drifts between passes), and the
+    depth to use (`pick_background_depth`)."""
+    with AioEngine(io["block_size"], io["queue_depth"], io["threads"]) as engine:
+        seconds = min(_together_pass(engine, fd, read_buf, write_buf, size, direct) for _ in range(repeat))
+    urgent_reads: dict[int, float] = {}
+    if try_depths:
+        depths = background_depths_to_try(min(io["threads"], io["queue_depth"]))
+        engines = [AioEngine(io["block_size"], io["queue_depth"], io["threads"], background_depth=d) for d in depths]
+        passes: dict[int, list[float]] = {depth: [] for depth in depths}
+        try:
+            for _ in range(max(repeat, 3)):
+                for depth, engine in zip(depths, engines, strict=True):
+                    passes[depth].append(_together_pass(engine, fd, read_buf, write_buf, size, direct, urgent_reads=True))
+        finally:
+            for engine in engines:
+                engine.close()
+        urgent_reads = {depth: statistics.median(times) for depth, times in passes.items()}
     read_bytes = size // 2 // 4096 * 4096
     written_bytes = size - read_bytes
-    setting = {"block_size": engine.block_size, "queue_depth": engine.queue_depth, "threads": engine.threads}
+    setting = {key: io[key] for key in ("block_size", "queue_depth", "threads")}
     rates = {r["op"]: r["gbps"] for r in rows if all(r[k] == v for k, v in setting.items())}
     return {
         **setting,
@@ -200,6 +242,8 @@ def _together(engine: AioEngine, fd: int, read_buf, write_buf, size: int, direct
         "gbps": round(size / seconds / 1e9, 3),
         "overlap": round(measured_overlap(read_bytes, written_bytes, rates["read"], rates["write"], seconds), 3),
         "largest_overlap": round(largest_overlap(read_bytes, written_bytes, rates["read"], rates["write"]), 3),
+        "urgent_reads": [{"background_depth": depth, "seconds": round(s, 6)} for depth, s in urgent_reads.items()],
+        "background_depth": pick_background_depth(urgent_reads) if urgent_reads else None,
     }
 
 
@@ -213,6 +257,7 @@ def run_sweep(
     repeat: int = 1,
     progress=None,
     ops=("write", "read"),
+    try_background_depths: bool = True,
 ) -> dict:
     """Measure every (op, block size, queue depth, threads) on a scratch file under `path`;
     with both ops, then half the file read while the other half is written at the best
@@ -257,8 +302,7 @@ def run_sweep(
             io = _best_io(rows, ops)
             write_buf = pool.alloc(buf.numel(), torch.uint8)
             write_buf.copy_(buf)
-            with AioEngine(io["block_size"], io["queue_depth"], io["threads"]) as engine:
-                together = _together(engine, fd, buf, write_buf, size, direct, repeat, rows)
+            together = _together(fd, buf, write_buf, size, direct, repeat, rows, io, try_background_depths)
             if progress:
                 progress(total, total, {"op": "both", **io, "gbps": together["gbps"]})
     finally:
@@ -269,6 +313,8 @@ def run_sweep(
         pool.close()
     best_rows = {op: max((r for r in rows if r["op"] == op), key=lambda r: r["gbps"]) for op in ops}
     io = _best_io(rows, ops)
+    if together is not None and together["background_depth"] is not None:
+        io["background_depth"] = together["background_depth"]
     return {
         "path": path,
         "filesystem": fstype,
@@ -457,6 +503,11 @@ def run(args) -> int:
             f"read and write at once (half the file each, at the io setting below): {together['gbps']:.2f} GB/s together, "
             f"{together['seconds']:.2f} s; {together['overlap']:.2f}x as fast as one after the other "
             f"(1.00: one queue for both; {together['largest_overlap']:.2f}: neither slows the other)"
+        )
+        timings = ", ".join(f"{row['background_depth']}: {row['seconds']:.2f} s" for row in together["urgent_reads"])
+        print(
+            f"the same with the reads urgent, as an optimizer step's, by io.background_depth (places kept for the "
+            f"writes; medians): {timings}; io.background_depth {together['background_depth']} below"
         )
     for line in advice_lines(result["step_advice"], mine="your config" if getattr(args, "config", None) else "the default"):
         print(line)

@@ -56,3 +56,27 @@ def disk_seconds(read_bytes: float, written_bytes: float, read_gbps: float, writ
         raise ValueError(f"overlap must be >= 1 (1: reads then writes), got {overlap}")
     reading, writing = _directions(read_bytes, written_bytes, read_gbps, write_gbps)
     return max(reading, writing, (reading + writing) / overlap)
+
+
+# ---- the I/O engine's io.background_depth on a drive -----------------------------------------
+def background_depths_to_try(places: int) -> list[int]:
+    """The io.background_depth values `offload bench-io` times for an engine with `places`
+    pieces in flight (min(threads, queue_depth)): 0, 1, 2 and half the places, each below
+    `places` (a depth must leave urgent I/O a place)."""
+    if places < 1:
+        raise ValueError(f"places must be >= 1, got {places}")
+    return sorted({depth for depth in (0, 1, 2, places // 2) if depth < places})
+
+
+def pick_background_depth(seconds_by_depth: dict[int, float], tolerance: float = 0.10) -> int:
+    """The io.background_depth to use, from the seconds a drive took to read (urgent) and write
+    (not) at once at each depth: the smallest within `tolerance` of the fastest. A drive that
+    serves one direction at a time is as fast at 0 (urgent reads first cost it nothing), so it
+    keeps 0; one that reads and writes at once is faster with places kept for the writes. The
+    tolerance (10%) is above what a shared virtual disk moves between two passes a second
+    apart, so that noise does not pick a depth; a duplex drive's gain is larger (the pipeline
+    replay predicts 1.5-1.8x steps at 7B)."""
+    if not seconds_by_depth or any(s <= 0 for s in seconds_by_depth.values()):
+        raise ValueError(f"seconds_by_depth must map depths to seconds > 0, got {seconds_by_depth}")
+    fastest = min(seconds_by_depth.values())
+    return min(depth for depth, seconds in seconds_by_depth.items() if seconds <= fastest * (1 + tolerance))

@@ -13,6 +13,7 @@ the chain of ops that sets the step time, i.e. what the schedule fails to hide.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -289,16 +290,19 @@ class Replay:
             raise ValueError(f"critical_path: op {end} is not in the replay")
         previous: dict[int, list[int]] = {}
         last_on: dict[str, int] = {}
+        last_urgent_on: dict[str, int] = {}
         position = {op.id: i for i, op in enumerate(self.ops)}
         directions_wait = self.nvme_duplex and self.background_depth == 0
         other_direction = {"nvme_read": "nvme_write", "nvme_write": "nvme_read"}
         for op in sorted(self.ops, key=lambda o: (self.spans[o.id][0], position[o.id])):  # the order they ran in
             queue = queue_of(op.resource, self.nvme_duplex)
             previous[op.id] = [last_on[queue]] if queue in last_on else []
-            other = last_on.get(other_direction.get(queue, ""))
-            if directions_wait and not op.urgent and other is not None and by_id[other].urgent:
+            other = last_urgent_on.get(other_direction.get(queue, ""))
+            if directions_wait and not op.urgent and other is not None:
                 previous[op.id].append(other)
             last_on[queue] = op.id
+            if op.urgent:
+                last_urgent_on[queue] = op.id
         # the first of the ops ending last, unless asked for another
         op = max(self.ops, key=lambda o: self.spans[o.id][1]) if end is None else by_id[end]
         path = [op]
@@ -362,7 +366,19 @@ def replay(ops: Sequence[Op], machine: Machine, *, background_depth: int = 0) ->
     duplex = machine.nvme_duplex
     directions_wait = duplex and background_depth == 0  # a background op waits out the other direction's urgent one
     other_direction = {"nvme_read": "nvme_write", "nvme_write": "nvme_read"}
-    last_placed: dict[str, Op] = {}  # each queue's latest op (ops are placed in the order they start)
+    # each NVMe queue's urgent ops as placed: their starts and ends, in time order (one queue's
+    # ops run one after another, and ops are placed in the order they start)
+    urgent_starts: dict[str, list[float]] = {"nvme_read": [], "nvme_write": []}
+    urgent_ends: dict[str, list[float]] = {"nvme_read": [], "nvme_write": []}
+
+    def after_urgent(server: str, start: float) -> float:
+        """The first time from `start` on at which no urgent op of `server` runs."""
+        starts, ends = urgent_starts[server], urgent_ends[server]
+        i = bisect.bisect_right(starts, start) - 1
+        while 0 <= i < len(starts) and starts[i] <= start < ends[i]:
+            start, i = ends[i], i + 1
+        return start
+
     servers = list(dict.fromkeys(queue_of(r, duplex) for r in RESOURCES))
     queues: dict[tuple[str, bool], list[Op]] = {(q, u): [] for q in servers for u in (True, False)}
     for op in ops:
@@ -389,9 +405,7 @@ def replay(ops: Sequence[Op], machine: Machine, *, background_depth: int = 0) ->
                     continue
                 start = max(free_at[server], ready)
                 if directions_wait and not urgent and server in other_direction:
-                    running = last_placed.get(other_direction[server])
-                    if running is not None and running.urgent and spans[running.id][1] > start:
-                        start = spans[running.id][1]
+                    start = after_urgent(other_direction[server], start)
                 candidate = (start, 0 if urgent else 1, queue[head])
                 if best is None or candidate[:2] < best[:2]:
                     best = candidate
@@ -402,7 +416,9 @@ def replay(ops: Sequence[Op], machine: Machine, *, background_depth: int = 0) ->
         spans[op.id] = (start, end)
         server = queue_of(op.resource, duplex)
         free_at[server] = end
-        last_placed[server] = op
+        if op.urgent and server in urgent_starts:
+            urgent_starts[server].append(start)
+            urgent_ends[server].append(end)
         busy[op.resource] += lengths[op.id]
         heads[(server, op.urgent)] += 1
     floor, floor_resource = floor_of(busy, duplex)
