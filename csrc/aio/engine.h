@@ -124,6 +124,7 @@ class Engine {
   std::condition_variable cv_;
   std::deque<Piece> urgent_queue_;  // filled by submit(urgent), emptied first by the workers
   std::deque<Piece> queue_;         // filled by submit(not urgent), emptied when urgent_queue_ is
+                                    // (or background_depth_ of its pieces at a time before)
   size_t in_flight_ = 0;
   size_t background_in_flight_ = 0;  // pieces of queue_ being run (guarded by mu_)
   bool stop_ = false;
