@@ -220,9 +220,11 @@ def _together(
     urgent_reads: dict[int, float] = {}
     if try_depths:
         depths = background_depths_to_try(min(io["threads"], io["queue_depth"]))
-        engines = [AioEngine(io["block_size"], io["queue_depth"], io["threads"], background_depth=d) for d in depths]
+        engines: list[AioEngine] = []
         passes: dict[int, list[float]] = {depth: [] for depth in depths}
         try:
+            for depth in depths:
+                engines.append(AioEngine(io["block_size"], io["queue_depth"], io["threads"], background_depth=depth))
             for _ in range(max(repeat, 3)):
                 for depth, engine in zip(depths, engines, strict=True):
                     passes[depth].append(_together_pass(engine, fd, read_buf, write_buf, size, direct, urgent_reads=True))
