@@ -5,15 +5,14 @@
 #
 #   bash benchmarks/gpu_session.sh lease gpu-peers    for a 15-minute lease, one call of about 9 minutes
 #                                                     (timeout_s 600): bench_adam's compact kernels against
-#                                                     fp32 on the host's cores, then
-#                                                     bench_step cpu/nvme and nvme/nvme with and without
-#                                                     places kept for the write-back (io.background_depth),
-#                                                     bench_step nvme/nvme with fp32, bf16 and int8 state
-#                                                     (issue 34's 1.5x, on a real disk and GPU), then
-#                                                     tests/test_cuda.py and the compact-state tests, then
-#                                                     the same under the stream sanitizer; each part stops
-#                                                     in time (on 2026-11-27, without bench_adam: 76 s of
-#                                                     setup, 222 s in all)
+#                                                     fp32 on the host's cores, bench_step cpu/nvme and
+#                                                     nvme/nvme with and without places kept for the
+#                                                     write-back (io.background_depth), tests/test_cuda.py
+#                                                     and the compact-state tests, the same under the
+#                                                     stream sanitizer, then, if time is left, bench_step
+#                                                     nvme/nvme with fp32, bf16 and int8 state (issue 34's
+#                                                     1.5x); each part stops in time (on 2026-11-27,
+#                                                     without bench_adam: 76 s of setup, 222 s in all)
 #   bash benchmarks/gpu_session.sh peers gpu-peers    a lease of its own, about 8 minutes: bench_gpu at
 #                                                     1.35B, offload against plain PyTorch and DeepSpeed
 #                                                     ZeRO-2 (300 s did not finish it: each run's line is
@@ -71,8 +70,9 @@ lease)
   DEADLINE=${DEADLINE:-570}
   setup
   echo "setup done at $SECONDS s" >>"$out/machine.txt"
-  # the compact kernels against fp32 on the host's cores (and DeepSpeed's CPUAdam, JIT-built)
-  part 120 adam.log python3 benchmarks/bench_adam.py --sizes 30e6 100e6 --repeats 5 --bnb-rounds 0
+  # the compact kernels against fp32 on the host's cores (and DeepSpeed's CPUAdam, JIT-built
+  # first: about a minute)
+  part 180 adam.log python3 benchmarks/bench_adam.py --sizes 30e6 100e6 --repeats 5 --bnb-rounds 0
   # io.background_depth on this machine's drive (it reads and writes at once): the state's
   # write-back beside the step's urgent reads (2 places of 8), against urgent-first (0)
   for depth in 0 2; do
@@ -80,17 +80,18 @@ lease)
     part 80 "io_background_$depth.log" python3 benchmarks/bench_step.py --runs cpu/nvme,nvme/nvme --precision bf16 \
       --batch 8 --seq 1024 --steps 4 --plain-once --disk-check $check --io "threads=8,queue_depth=16,background_depth=$depth"
   done
-  part 100 compact_step.log python3 benchmarks/bench_step.py --runs nvme/nvme --state-precisions fp32,bf16,int8 \
-    --precision bf16 --batch 8 --seq 1024 --steps 4 --plain-once
   cuda_tests=(tests/test_cuda.py tests/test_compact_state.py tests/test_compact_kernels.py)
   part 110 cuda.log python3 -m pytest "${cuda_tests[@]}" -q -p no:cacheprovider
   # PyTorch's CUDA stream sanitizer: a kernel that reads or writes memory another stream uses
   # without an event between them is reported (the GPU side of what the checked device checks)
   TORCH_CUDA_SANITIZER=1 part 120 sanitizer.log python3 -m pytest "${cuda_tests[@]}" -q -p no:cacheprovider
+  # measured on 2026-11-27 (RESULTS): again if time is left
+  part 100 compact_step.log python3 benchmarks/bench_step.py --runs nvme/nvme --state-precisions fp32,bf16,int8 \
+    --precision bf16 --batch 8 --seq 1024 --steps 4 --plain-once
   tail -n 30 "$out/adam.log"
   grep -h -E "^swap path|^offload" "$out"/io_background_*.log
-  tail -n 20 "$out/compact_step.log"
   tail -n 4 "$out/cuda.log" "$out/sanitizer.log"
+  tail -n 20 "$out/compact_step.log"
   ;;
 peers)
   DEADLINE=${DEADLINE:-500}
