@@ -304,6 +304,25 @@ def test_background_depth_keeps_places_for_the_other_queue(tmp_path, pool):
     assert (tmp_path / "background.bin").read_bytes() == background.numpy().tobytes()
 
 
+@pytest.mark.parametrize("background_depth", [0, 1, 3])
+def test_mixed_urgent_and_background_requests_all_complete_whole(tmp_path, pool, background_depth):
+    """Writes then reads of 24 files, each request urgent or not at random, on 4 workers with up
+    to 3 places kept for the non-urgent queue: every request completes and every byte lands."""
+    import random
+
+    rng = random.Random(background_depth)
+    sources = [random_bytes(pool, 4096 * rng.randint(1, 6), seed=i) for i in range(24)]
+    targets = [pool.alloc(src.numel(), torch.uint8) for src in sources]
+    with AioEngine(4096, 4, 4, background_depth=background_depth) as eng:
+        writes = [eng.submit_write(str(tmp_path / f"{i}.bin"), src, urgent=rng.random() < 0.5) for i, src in enumerate(sources)]
+        assert all(h.wait() is True for h in writes)
+        reads = [
+            eng.submit_read(str(tmp_path / f"{i}.bin"), target, urgent=rng.random() < 0.5) for i, target in enumerate(targets)
+        ]
+        assert all(h.wait() is True for h in reads)
+    assert all(torch.equal(src, target) for src, target in zip(sources, targets, strict=True))
+
+
 @pytest.mark.parametrize("threads, depth, background_depth", [(2, 8, 2), (8, 2, 2), (4, 4, -1)])
 def test_background_depth_must_leave_a_place_for_urgent_io(threads, depth, background_depth):
     with pytest.raises((ValueError, TypeError)):
