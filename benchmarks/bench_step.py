@@ -33,9 +33,9 @@ the timed steps) per parameter, and their rate. With a run on NVMe the swap path
 bandwidth is measured first, and how much faster it serves reads and writes at once than one
 after the other (bench-io's sweep, one setting, 1 GiB; `--disk-check off` skips it): the `% disk`
 column is the time those bytes need at those bandwidths and that overlap
-(`offload.plan.disk_time`) over the step's time (the fraction of the disk's limit the step reaches; the check runs again after
-each round and the best bandwidths seen so far count, as this machine's shared disk varies 2x
-from minute to minute), and with
+(`offload.plan.disk_time`) over the step's time (the fraction of the disk's limit the step
+reaches; the check runs again after each round and the best bandwidths seen so far count, as
+this machine's shared disk varies 2x from minute to minute), and with
 `--state-precisions` the same time gives the disk-bound speed-up over fp32: the most a precision
 can gain where the disk, not the compute, sets the step. Runs with swap files also get a line
 each of where in the step the disk works: the median step's bytes read and written in its
@@ -61,6 +61,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import offload  # noqa: E402
+from offload.plan import disk_time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling benchmarks, when loaded as a module
 from bench_state_memory import proc_io  # noqa: E402
@@ -170,9 +171,7 @@ def disk_seconds(read_bytes: float, written_bytes: float, disk: dict[str, float]
     """Seconds the disk needs for these bytes at its measured bandwidths and overlap
     (`offload.plan.disk_time`: reads then writes on a one-queue drive, less on one that serves
     both at once)."""
-    from offload.plan.disk_time import disk_seconds as seconds_at
-
-    return seconds_at(read_bytes, written_bytes, disk["read_gbps"], disk["write_gbps"], disk["overlap"])
+    return disk_time.disk_seconds(read_bytes, written_bytes, disk["read_gbps"], disk["write_gbps"], disk["overlap"])
 
 
 def synchronize(device):

@@ -169,6 +169,13 @@ def _one_pass(engine: AioEngine, fd: int, buf: torch.Tensor, size: int, op: str,
     return time.perf_counter() - t0
 
 
+def _halves(size: int) -> tuple[int, int]:
+    """The bytes a pass of both directions reads (the file's first half, whole pages) and
+    writes (the rest)."""
+    read_bytes = size // 2 // 4096 * 4096
+    return read_bytes, size - read_bytes
+
+
 def _together_pass(
     engine: AioEngine,
     fd: int,
@@ -182,7 +189,7 @@ def _together_pass(
     turn to one engine (as the swap store's step reads and write-backs are); `urgent_reads`:
     the reads in the engine's urgent queue, as a step's are; returns seconds."""
     chunk = read_buf.numel()
-    half = size // 2 // 4096 * 4096
+    half, _ = _halves(size)
     if not direct:
         _drop_cache(fd)
     t0 = time.perf_counter()
@@ -232,8 +239,7 @@ def _together(
             for engine in engines:
                 engine.close()
         urgent_reads = {depth: statistics.median(times) for depth, times in passes.items()}
-    read_bytes = size // 2 // 4096 * 4096
-    written_bytes = size - read_bytes
+    read_bytes, written_bytes = _halves(size)
     setting = {key: io[key] for key in ("block_size", "queue_depth", "threads")}
     rates = {r["op"]: r["gbps"] for r in rows if all(r[k] == v for k, v in setting.items())}
     return {
@@ -299,9 +305,9 @@ def run_sweep(
                     rows.append(row)
                     if progress:
                         progress(done, total, row)
+        io = _best_io(rows, ops)
         together = None
         if measure_together:
-            io = _best_io(rows, ops)
             write_buf = pool.alloc(buf.numel(), torch.uint8)
             write_buf.copy_(buf)
             together = _together(fd, buf, write_buf, size, direct, repeat, rows, io, try_background_depths)
@@ -314,7 +320,6 @@ def run_sweep(
             os.unlink(scratch)
         pool.close()
     best_rows = {op: max((r for r in rows if r["op"] == op), key=lambda r: r["gbps"]) for op in ops}
-    io = _best_io(rows, ops)
     if together is not None and together["background_depth"] is not None:
         io["background_depth"] = together["background_depth"]
     return {

@@ -151,6 +151,15 @@ def machine_from_args(name: str, **overrides: float | bool | None) -> Machine:
     return dataclasses.replace(MACHINES[name], **given)
 
 
+OTHER_NVME_DIRECTION = {"nvme_read": "nvme_write", "nvme_write": "nvme_read"}
+
+
+def directions_wait(duplex: bool, background_depth: int) -> bool:
+    """Whether a non-urgent NVMe op waits out the other direction's urgent one (`replay`): on a
+    duplex drive whose I/O engine keeps no place for the non-urgent queue."""
+    return duplex and background_depth == 0
+
+
 SHARED_NVME = "nvme"
 """The one queue of a drive that is not duplex (`Machine.nvme_duplex` False): its reads and its
 writes, which `busy` still counts apart; the floor counts them together under this name."""
@@ -292,13 +301,12 @@ class Replay:
         last_on: dict[str, int] = {}
         last_urgent_on: dict[str, int] = {}
         position = {op.id: i for i, op in enumerate(self.ops)}
-        directions_wait = self.nvme_duplex and self.background_depth == 0
-        other_direction = {"nvme_read": "nvme_write", "nvme_write": "nvme_read"}
+        waits = directions_wait(self.nvme_duplex, self.background_depth)
         for op in sorted(self.ops, key=lambda o: (self.spans[o.id][0], position[o.id])):  # the order they ran in
             queue = queue_of(op.resource, self.nvme_duplex)
             previous[op.id] = [last_on[queue]] if queue in last_on else []
-            other = last_urgent_on.get(other_direction.get(queue, ""))
-            if directions_wait and not op.urgent and other is not None:
+            other = last_urgent_on.get(OTHER_NVME_DIRECTION.get(queue, ""))
+            if waits and not op.urgent and other is not None:
                 previous[op.id].append(other)
             last_on[queue] = op.id
             if op.urgent:
@@ -364,12 +372,11 @@ def replay(ops: Sequence[Op], machine: Machine, *, background_depth: int = 0) ->
         raise ValueError(f"background_depth must be a whole number >= 0, got {background_depth!r}")
     lengths = {op.id: duration(op, machine) for op in ops}
     duplex = machine.nvme_duplex
-    directions_wait = duplex and background_depth == 0  # a background op waits out the other direction's urgent one
-    other_direction = {"nvme_read": "nvme_write", "nvme_write": "nvme_read"}
+    waits = directions_wait(duplex, background_depth)
     # each NVMe queue's urgent ops as placed: their starts and ends, in time order (one queue's
     # ops run one after another, and ops are placed in the order they start)
-    urgent_starts: dict[str, list[float]] = {"nvme_read": [], "nvme_write": []}
-    urgent_ends: dict[str, list[float]] = {"nvme_read": [], "nvme_write": []}
+    urgent_starts: dict[str, list[float]] = {direction: [] for direction in OTHER_NVME_DIRECTION}
+    urgent_ends: dict[str, list[float]] = {direction: [] for direction in OTHER_NVME_DIRECTION}
 
     def after_urgent(server: str, start: float) -> float:
         """The first time from `start` on at which no urgent op of `server` runs."""
@@ -404,8 +411,8 @@ def replay(ops: Sequence[Op], machine: Machine, *, background_depth: int = 0) ->
                 if ready is None:
                     continue
                 start = max(free_at[server], ready)
-                if directions_wait and not urgent and server in other_direction:
-                    start = after_urgent(other_direction[server], start)
+                if waits and not urgent and server in OTHER_NVME_DIRECTION:
+                    start = after_urgent(OTHER_NVME_DIRECTION[server], start)
                 candidate = (start, 0 if urgent else 1, queue[head])
                 if best is None or candidate[:2] < best[:2]:
                     best = candidate
