@@ -304,6 +304,31 @@ def test_background_depth_keeps_places_for_the_other_queue(tmp_path, pool):
     assert (tmp_path / "background.bin").read_bytes() == background.numpy().tobytes()
 
 
+@pytest.mark.parametrize("background_depth", [0, 1])
+def test_with_places_kept_a_queue_serves_both_directions_at_once(tmp_path, pool, background_depth):
+    """Two workers, each piece slowed, everything non-urgent: a long read then a short write.
+    With a place kept (a drive that reads and writes at once) the queue takes the direction with
+    fewer pieces in flight first, so the write completes while the read still has most of its
+    pieces to go; without (one queue for both), strictly in submission order: after the read's
+    last piece has started. Both complete whole either way."""
+    source = random_bytes(pool, 24 * 4096, seed=7)
+    (tmp_path / "read.bin").write_bytes(source.numpy().tobytes())
+    target = pool.alloc(24 * 4096, torch.uint8)
+    written = random_bytes(pool, 4096, seed=8)
+    with AioEngine(4096, 2, 2, background_depth=background_depth) as eng:
+        eng.set_delay(0.02)
+        long_read = eng.submit_read(str(tmp_path / "read.bin"), target)
+        write = eng.submit_write(str(tmp_path / "write.bin"), written)
+        assert write.wait() is True
+        if background_depth:
+            assert not long_read.done()  # about 22 of its 24 pieces of 20 ms each were still to run
+        else:
+            assert long_read.wait(timeout=0.1) is True  # at most its last piece was still running
+        assert long_read.wait() is True
+    assert torch.equal(target, source)
+    assert (tmp_path / "write.bin").read_bytes() == written.numpy().tobytes()
+
+
 @pytest.mark.parametrize("background_depth", [0, 1, 3])
 def test_mixed_urgent_and_background_requests_all_complete_whole(tmp_path, pool, background_depth):
     """Writes then reads of 24 files, each request urgent or not at random, on 4 workers with up

@@ -152,11 +152,24 @@ std::shared_ptr<Request> Engine::submit(Op op, int fd, char* buf, uint64_t offse
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) throw std::runtime_error("the I/O engine is closed; create a new one");
-    std::deque<Piece>& queue = urgent ? urgent_queue_ : queue_;
-    for (size_t i = 0; i < req->npieces_; ++i) queue.push_back(Piece{req, i});
+    std::deque<Piece>& queue = (urgent ? urgent_queue_ : queue_).by_op[static_cast<int>(op)];
+    for (size_t i = 0; i < req->npieces_; ++i) queue.push_back(Piece{req, i, next_order_++});
   }
   cv_.notify_all();
   return req;
+}
+
+Engine::Piece Engine::take(Queue& queue) {
+  int op = queue.by_op[0].empty() ? 1 : 0;
+  if (!queue.by_op[0].empty() && !queue.by_op[1].empty()) {
+    if (background_depth_ > 0 && op_in_flight_[0] != op_in_flight_[1])
+      op = op_in_flight_[0] < op_in_flight_[1] ? 0 : 1;
+    else
+      op = queue.by_op[0].front().order < queue.by_op[1].front().order ? 0 : 1;
+  }
+  Piece piece = std::move(queue.by_op[op].front());
+  queue.by_op[op].pop_front();
+  return piece;
 }
 
 void Engine::worker() {
@@ -172,17 +185,18 @@ void Engine::worker() {
       // the other queue's piece goes first while the urgent queue is empty, or while fewer of
       // its pieces than background_depth are in flight
       background = !queue_.empty() && (urgent_queue_.empty() || background_in_flight_ < background_depth_);
-      std::deque<Piece>& queue = background ? queue_ : urgent_queue_;
+      Queue& queue = background ? queue_ : urgent_queue_;
       if (queue.empty()) return;  // stop_ and drained
-      piece = std::move(queue.front());
-      queue.pop_front();
+      piece = take(queue);
       ++in_flight_;
+      ++op_in_flight_[static_cast<int>(piece.req->op_)];
       if (background) ++background_in_flight_;
     }
     run_piece(piece);
     {
       std::lock_guard<std::mutex> lock(mu_);
       --in_flight_;
+      --op_in_flight_[static_cast<int>(piece.req->op_)];
       if (background) --background_in_flight_;
     }
     cv_.notify_one();

@@ -8,7 +8,11 @@
 //   while any urgent one is queued, unless fewer than `background_depth` of its pieces are in
 //   flight: those places are kept for it, so that on a drive that reads and writes at once the
 //   state's write-back goes on beside the urgent reads); at most `queue_depth` pieces execute
-//   at once (so the number of pieces in flight is min(threads, queue_depth)). A worker reads into / writes
+//   at once (so the number of pieces in flight is min(threads, queue_depth)). Within a queue,
+//   pieces go in submission order; with background_depth > 0 (that drive), the direction with
+//   fewer pieces in flight goes first while both have pieces queued, so that a long run of reads
+//   queued ahead of the write-back (the next step's state read ahead) does not hold the write
+//   side idle. A worker reads into / writes
 //   from the caller's buffer directly (no copy), and, when asked, checksums its piece
 //   (after the read, before the write) so the checksum costs no extra pass on the caller.
 // - The buffer belongs to the request from submit() until wait() returns true: the caller
@@ -88,7 +92,8 @@ class Request {
 class Engine {
  public:
   // background_depth: places among the pieces in flight kept for the non-urgent queue while it
-  // has pieces (0: urgent pieces always first); less than min(threads, queue_depth).
+  // has pieces (0: urgent pieces always first), and, above 0, both directions served at once
+  // within each queue; less than min(threads, queue_depth).
   Engine(size_t block_size, size_t queue_depth, size_t threads, size_t background_depth = 0);
   ~Engine();
   // piece_size 0: the engine's block_size.
@@ -110,8 +115,19 @@ class Engine {
   struct Piece {
     std::shared_ptr<Request> req;
     size_t index;
+    uint64_t order;  // submission order across both directions of its queue
+  };
+  // One queue (urgent or not): its pieces by direction (Op), each FIFO; `order` says which
+  // direction's front was submitted first.
+  struct Queue {
+    std::deque<Piece> by_op[2];
+    bool empty() const { return by_op[0].empty() && by_op[1].empty(); }
   };
   void worker();
+  // Under mu_: the next piece of `queue` (not empty). In submission order; with
+  // background_depth_ > 0 (a drive that reads and writes at once), the front piece of the
+  // direction with fewer pieces in flight when both directions have pieces queued.
+  Piece take(Queue& queue);
   void run_piece(const Piece& p);
   bool take_fault(Op op, uint64_t end);
 
@@ -122,11 +138,13 @@ class Engine {
   const pid_t owner_pid_;  // workers exist only in this process; a fork child must not join them
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Piece> urgent_queue_;  // filled by submit(urgent), emptied first by the workers
-  std::deque<Piece> queue_;         // filled by submit(not urgent), emptied when urgent_queue_ is
-                                    // (or background_depth_ of its pieces at a time before)
+  Queue urgent_queue_;  // filled by submit(urgent), emptied first by the workers
+  Queue queue_;         // filled by submit(not urgent), emptied when urgent_queue_ is
+                        // (or background_depth_ of its pieces at a time before)
+  uint64_t next_order_ = 0;
   size_t in_flight_ = 0;
   size_t background_in_flight_ = 0;  // pieces of queue_ being run (guarded by mu_)
+  size_t op_in_flight_[2] = {0, 0};  // pieces being run by direction (guarded by mu_)
   bool stop_ = false;
   std::atomic<int> fault_op_{-1};
   std::atomic<int> fault_err_{0};

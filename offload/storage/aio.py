@@ -9,8 +9,9 @@ weights a fetch reads or a step writes back) goes ahead of every request that is
 optimizer state streaming behind it), which keeps its order among its own class; with
 `background_depth` > 0 that many places among the pieces in flight stay with the other queue
 while it has pieces (for a drive that reads and writes at once: the state's write-back beside
-the urgent reads). The engine orders nothing else: a caller that needs one request after
-another waits for the first.
+the urgent reads), and within each queue the direction with fewer pieces in flight goes first
+while both have pieces queued (the write-back beside reads ahead queued before it). The engine
+orders nothing else: a caller that needs one request after another waits for the first.
 
 Who owns what: from `submit_*` until the request completes, the tensor belongs to the
 engine (do not resize or write it). The engine keeps the tensor (and any fd it opened) in
