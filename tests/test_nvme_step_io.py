@@ -225,11 +225,27 @@ def _store_values(engine) -> dict:
     return values
 
 
+def _first_pieces(engine) -> list[tuple]:
+    """(unit, piece index) of the pieces the next step streams first, one per slot, in its order."""
+    order = [engine.units[i] for i in step_order(engine.forward_order.recorded, len(engine.units))]
+    pieces = [(unit, j) for unit in order for j in range(len(unit.state_pieces))]
+    assert len(pieces) > len(engine.store._slots)
+    return pieces
+
+
+def _prefetched(store) -> list[tuple]:
+    with store._slots_lock:
+        return [(unit, j) for unit, j, _ in store._prefetched]
+
+
 @pytest.mark.parametrize("overlap", ["none", "forward"])
-def test_the_boundary_backward_reads_the_first_pieces_of_the_step(swap_dir, overlap):
-    """During the window's last backward, one piece per slot (the first the step streams, in its
-    order) is read, master and moments: exactly those bytes; the step then reads only the rest,
-    and the run is exact."""
+@pytest.mark.parametrize("dropped", [False, True], ids=["read-by-the-last-step", "read-in-backward"])
+def test_the_next_steps_first_pieces_are_read_before_it(swap_dir, overlap, dropped):
+    """One piece per slot (the first the step streams, in its order), master and moments, is read
+    before the step: by the previous step's end, each as its slot's write-back completes, or,
+    where something else used the slots since (`dropped`: a read of the masters), during the
+    window's last backward. Exactly those bytes; the step then reads only the rest, and the run
+    is exact."""
     torch.manual_seed(0)
     model = TinyNet(width=WIDTH, depth=DEPTH)
     data = batches(3)
@@ -241,26 +257,26 @@ def test_the_boundary_backward_reads_the_first_pieces_of_the_step(swap_dir, over
         loss = mse(engine, x, y)
         engine.stepping.wait()  # overlap forward: the last step is done before the backward begins
         store = engine.store
+        pieces = _first_pieces(engine)
+        first = pieces[: len(store._slots)]
+        assert _prefetched(store) == first  # read by the last step's end
+        if dropped:
+            store.read_master(engine.units[0])  # uses slot 0: the reads ahead are dropped
+            assert _prefetched(store) == []
         before_backward = store.swap.bytes_read
         engine.backward(loss)
         engine.optimizer_worker.submit(lambda: None).result()  # the prefetch task has run
-        with store._slots_lock:
-            prefetched = [(unit.index, j) for unit, j, _ in store._prefetched]
-        order = [engine.units[i] for i in step_order(engine.forward_order.recorded, len(engine.units))]
-        pieces = [(unit, j) for unit in order for j in range(len(unit.state_pieces))]
-        assert len(pieces) > len(store._slots)
-        assert prefetched == [(unit.index, j) for unit, j in pieces[: len(store._slots)]]
+        assert _prefetched(store) == first
 
         def state_bytes(chosen):
             return sum(3 * pages(4 * (unit.state_pieces[j][1] - unit.state_pieces[j][0])) for unit, j in chosen)
 
-        assert store.swap.bytes_read - before_backward == state_bytes(pieces[: len(store._slots)])
+        assert store.swap.bytes_read - before_backward == (state_bytes(first) if dropped else 0)
         before_step = store.swap.bytes_read
         engine.step()
         engine.stepping.wait()
-        with store._slots_lock:
-            assert store._prefetched == []  # taken by the step's stream
-        assert store.swap.bytes_read - before_step == state_bytes(pieces[len(store._slots) :])
+        assert _prefetched(store) == first  # taken by the step's stream, and read again at its end
+        assert store.swap.bytes_read - before_step == state_bytes(pieces[len(store._slots) :]) + state_bytes(first)
         losses.append(loss.item())
         state = engine.consolidated_state_dict()
     finally:
@@ -268,6 +284,19 @@ def test_the_boundary_backward_reads_the_first_pieces_of_the_step(swap_dir, over
     reference, reference_losses = reference_run(model, data)
     assert max_weight_difference(state, reference) <= tolerance
     assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+
+
+def test_overlap_backward_reads_nothing_ahead_at_a_steps_end(swap_dir):
+    """With overlap 'backward' units step one by one as their gradients land, in no fixed
+    order of whole steps: a step's end reads nothing ahead."""
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, overlap="backward"))
+    try:
+        engine_run(engine, batches(2))
+        engine.stepping.wait()
+        assert _prefetched(engine.store) == []
+    finally:
+        engine.close()
 
 
 @pytest.fixture
@@ -296,6 +325,56 @@ def test_a_prefetch_in_another_order_is_waited_out_and_the_stream_reads_its_own(
     # and in the same order: used, with the same values
     engine.store.prefetch_optimizer_states(engine.units)
     got = _store_values(engine)
+    assert all(torch.equal(got[key], expected[key]) for key in expected)
+
+
+def test_the_stream_gives_its_first_piece_while_later_pieces_still_read(stepped):
+    """The reads ahead are waited for piece by piece as the stream reaches them, not all before
+    the first: the step works (and queues its write-back) while the later ones still read."""
+    engine, expected = stepped
+    store = engine.store
+    order = [engine.units[i] for i in step_order(engine.forward_order.recorded, len(engine.units))]
+    store.read_master(engine.units[0])  # drops the reads the last step's end made
+    store.swap.engine.set_delay(0.2)  # each read piece takes 0.2 s; 4 I/O threads
+    try:
+        store.prefetch_optimizer_states(order)
+        with store._slots_lock:
+            handles = [handle for _, _, piece_handles in store._prefetched for handle in piece_handles]
+        assert len(handles) > 4  # more reads than threads: the last start after the first end
+        stream = store.stream_optimizer_states(order, include_grad=False)
+        first = next(stream)
+        assert not all(handle.done() for handle in handles)
+        got = {(first.unit.index, first.index, kind): first.views[kind].clone() for kind in expected_kinds()}
+        for piece in stream:
+            for kind in expected_kinds():
+                got[(piece.unit.index, piece.index, kind)] = piece.views[kind].clone()
+    finally:
+        store.swap.engine.set_delay(0)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[key], expected[key]) for key in expected)
+
+
+def expected_kinds() -> tuple[str, ...]:
+    return ("master", "exp_avg", "exp_avg_sq")
+
+
+def test_a_failed_read_ahead_is_read_again_when_its_piece_is_reached(stepped, caplog):
+    engine, expected = stepped
+    store = engine.store
+    order = [engine.units[i] for i in step_order(engine.forward_order.recorded, len(engine.units))]
+    store.read_master(engine.units[0])
+    store.swap.engine.set_fault("read", errno.EIO, count=1)  # the first read ahead fails
+    try:
+        store.prefetch_optimizer_states(order)
+        assert _prefetched(store)
+    finally:
+        store.swap.engine.clear_fault()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        got = {}
+        for piece in store.stream_optimizer_states(order, include_grad=False):
+            for kind in expected_kinds():
+                got[(piece.unit.index, piece.index, kind)] = piece.views[kind].clone()
+    assert "ahead of the step failed; it is read again" in caplog.text
     assert all(torch.equal(got[key], expected[key]) for key in expected)
 
 

@@ -290,7 +290,7 @@ def _wire(model, config, groups, collectives, made, compute_dtype, ledger, units
     transfer = ThreadPoolExecutor(1, thread_name_prefix="offload-transfer")
     optimizer_worker = ThreadPoolExecutor(1, thread_name_prefix="offload-step")
     timings: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
-    stepper = UnitStepper(store, made, collectives.rank)
+    stepper = UnitStepper(store, made, collectives.rank, prefetch_next_step=not policy.steps_in_backward)
     stepping = Stepping(optimizer_worker, stepper)
     residency = Residency(
         units,

@@ -92,10 +92,15 @@ STEP_TIMING_KEYS = ("wait_read", "wait_write", "adam", "publish")
 
 
 class UnitStepper:
-    def __init__(self, store: TierStore, device: Device, rank: int) -> None:
+    def __init__(self, store: TierStore, device: Device, rank: int, *, prefetch_next_step: bool = False) -> None:
         self.store = store
         self.device = device
         self.rank = rank
+        # whether a step (StepMode.STEP) ends by reading the next step's first NVMe state pieces
+        # into the slots as their write-back completes (TierStore.stream_optimizer_states'
+        # prefetch_next): where each step streams the window's units in one order (overlap
+        # 'none' and 'forward'), so that the next step finds them read
+        self.prefetch_next_step = prefetch_next_step
         # optimizer-worker seconds since the last pop_timings(): waiting for state reads, for a
         # slot's writes before reusing it, in the Adam kernel, and sending 16-bit weights home
         self.timings: dict[str, float] = dict.fromkeys(STEP_TIMING_KEYS, 0.0)
@@ -118,7 +123,13 @@ class UnitStepper:
         self._settle_publish()  # a write left pending by an interrupted run
         current: _UnitStep | None = None
         try:
-            for piece in self.store.stream_optimizer_states(units, include_grad=True, timings=self.timings):
+            stream = self.store.stream_optimizer_states(
+                units,
+                include_grad=True,
+                timings=self.timings,
+                prefetch_next=self.prefetch_next_step and mode is StepMode.STEP,
+            )
+            for piece in stream:
                 unit = piece.unit
                 if piece.start == 0:
                     current = self._begin(unit, mode)

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -140,6 +140,9 @@ class TierStore:
         # the next stream, which uses those that match its own first pieces and waits out the
         # rest; dropped (waited out) by anything else that uses the slots. Under _slots_lock.
         self._prefetched: list[tuple[UnitState, int, list[SwapHandle]]] = []
+        # the slot of a stream's (and its prefetch's) first piece; each stream moves it on by its
+        # piece count: the next step's first pieces go into the slots written back first. Under _slots_lock.
+        self._first_slot = 0
         self._nvme_bytes_recorded = 0  # what this store put in the ledger's nvme tier
         try:
             if self.streamed_units or self.param_tier is ParamTier.NVME:
@@ -363,15 +366,25 @@ class TierStore:
         checkpoint load writes it, and the load drops these reads first). Best effort: a piece whose
         read failed is read again by the step (a lasting error is met there)."""
         with self._slots_lock:
+            wanted = self._streamed_pieces(units)[: len(self._slots)]
+            if [(unit, j) for unit, j, _ in self._prefetched] == wanted:
+                return  # already read ahead, by the last step's end (_prefetch_into_freed_slots)
             self._drop_prefetch()
-            try:
-                for position, (unit, j) in enumerate(self._streamed_pieces(units)[: len(self._slots)]):
-                    slot = self._slots[position]
-                    slot.wait_writes()
-                    self._prefetched.append((unit, j, self._load_piece(unit, j, slot, STEPPED_KINDS, urgent=False)))
-            except Exception:
-                logger.debug("offload: prefetching the next step's optimizer state failed", exc_info=True)
-                self._drop_prefetch()
+            self._prefetch_pieces(wanted, range(len(wanted)))
+
+    def _prefetch_pieces(self, wanted: list[tuple[UnitState, int]], positions: Iterable[int]) -> None:
+        """Reads the master and moments of `wanted[p]` into the slot of position p for each p of
+        `positions` (in order, after `_prefetched`'s), once the slot's writes are done. Best
+        effort, as `prefetch_optimizer_states`. Under _slots_lock."""
+        try:
+            for position in positions:
+                unit, j = wanted[position]
+                slot = self._slot_at(position)
+                slot.wait_writes()
+                self._prefetched.append((unit, j, self._load_piece(unit, j, slot, STEPPED_KINDS, urgent=False)))
+        except Exception:
+            logger.debug("offload: prefetching the next step's optimizer state failed", exc_info=True)
+            self._drop_prefetch()
 
     def _drop_prefetch(self) -> None:
         """Waits out the prefetched reads (their slots are about to be used otherwise) and forgets
@@ -381,7 +394,12 @@ class TierStore:
             _wait_quietly(handles)
 
     def stream_optimizer_states(
-        self, units: list[UnitState], *, include_grad: bool, timings: dict[str, float] | None = None
+        self,
+        units: list[UnitState],
+        *,
+        include_grad: bool,
+        timings: dict[str, float] | None = None,
+        prefetch_next: bool = False,
     ) -> Iterator[StatePiece]:
         """Yields each unit's optimizer state in order, piece by piece, wherever it lives: a
         resident unit (host or device) as one piece of its own buffers (slot None); an
@@ -391,13 +409,16 @@ class TierStore:
         the next slot; a slot is refilled only after the writes queued on it
         (`store_optimizer_state`) completed. The consumer may modify the views and queue writes
         before asking for the next piece. `timings`, if given, accumulates the seconds spent in
-        `wait_read` and `wait_write`."""
+        `wait_read` and `wait_write`. `prefetch_next` (a step whose next step streams the same
+        pieces in the same order): once every piece was consumed, the end of the stream, which
+        waits for the slots' writes, reads the first pieces of that next stream into the slots as
+        their writes complete (`prefetch_optimizer_states` then finds them read)."""
         if not any(unit.optimizer_tier.streamed for unit in units):
             for unit in units:
                 yield StatePiece(unit, 0, 0, unit.resident_state, None, last=True)
             return
         with self._slots_lock:
-            yield from self._stream_through_slots(units, include_grad, timings)
+            yield from self._stream_through_slots(units, include_grad, timings, prefetch_next)
 
     def stream_optimizer_states_on_host(self, units: list[UnitState]) -> Iterator[StatePiece]:
         """As `stream_optimizer_states` (without the gradient), with the states of DEVICE-tier
@@ -408,8 +429,12 @@ class TierStore:
                 piece = StatePiece(piece.unit, 0, 0, views, None, last=True)
             yield piece
 
+    def _slot_at(self, position: int) -> OptimizerSlot:
+        """The slot of a stream's piece `position` (and of its prefetched read). Under _slots_lock."""
+        return self._slots[(self._first_slot + position) % len(self._slots)]
+
     def _stream_through_slots(
-        self, all_units: list[UnitState], include_grad: bool, timings: dict[str, float] | None
+        self, all_units: list[UnitState], include_grad: bool, timings: dict[str, float] | None, prefetch_next: bool
     ) -> Iterator[StatePiece]:
         slots = self._slots
         pieces = self._streamed_pieces(all_units)
@@ -419,33 +444,34 @@ class TierStore:
             if timings is not None:
                 timings[key] += time.perf_counter() - started
 
-        # the prefetched reads of pieces 0, 1, ... (one per slot) that are this stream's own and
-        # succeeded; a failed one is read again below, like any piece not prefetched
+        # the reads ahead of pieces 0, 1, ... that are this stream's own are waited for as the
+        # stream reaches each (not all before the first: the first pieces' writes then go out while
+        # the later ones read); the others are waited out now (their slots are about to be refilled)
         started = time.perf_counter()
         prefetched, self._prefetched = self._prefetched, []
+        own: dict[int, list[SwapHandle]] = {}
         for position, (unit, j, handles) in enumerate(prefetched):
-            if not _wait_quietly(handles):
-                logger.warning(
-                    "offload: reading unit %s's optimizer state ahead of the step failed; it is read again", unit.spec.name
-                )
-            elif position < len(pieces) and pieces[position] == (unit, j):
-                reads[position] = []
+            if position < len(pieces) and pieces[position] == (unit, j):
+                own[position] = handles
+            else:
+                _wait_quietly(handles)
         timed("wait_read", started)
 
         kinds = STATE_KINDS if include_grad else STEPPED_KINDS
 
         def start_read(i: int) -> None:
-            slot = slots[i % len(slots)]
+            slot = self._slot_at(i)
             unit, j = pieces[i]
-            if i in reads:
+            if i in own:
                 # prefetched (master and moments); the gradient, when wanted, is read now
-                reads[i] += self._load_piece(unit, j, slot, ("grad32",) if include_grad else (), urgent=True)
+                reads[i] = self._load_piece(unit, j, slot, ("grad32",) if include_grad else (), urgent=True)
                 return
             started = time.perf_counter()
             slot.wait_writes()
             timed("wait_write", started)
             reads[i] = self._load_piece(unit, j, slot, kinds, urgent=True)
 
+        consumed = False
         try:
             if pieces:
                 start_read(0)
@@ -458,22 +484,50 @@ class TierStore:
                     if i + 1 < len(pieces):
                         start_read(i + 1)
                     started = time.perf_counter()
+                    prefetched_reads = own.pop(i, None)
+                    if prefetched_reads is not None and not _wait_quietly(prefetched_reads):
+                        logger.warning(
+                            "offload: reading unit %s's optimizer state ahead of the step failed; it is read again",
+                            unit.spec.name,
+                        )
+                        reads[i] += self._load_piece(unit, j, self._slot_at(i), STEPPED_KINDS, urgent=True)
                     for handle in reads.pop(i):
                         handle.wait()
                     timed("wait_read", started)
-                    slot = slots[i % len(slots)]
+                    slot = self._slot_at(i)
                     views = slot.views(end - start)
                     if unit.gradient_in_ram:
                         views["grad32"] = unit.resident_state["grad32"][start:end]
                     yield StatePiece(unit, j, start, views, slot, last=j == len(unit.state_pieces) - 1)
                     i += 1
+            consumed = True
         finally:
             # reads still in flight when the consumer stops early, or fails, finish before their
             # slots can be reused; an error already propagating is the one raised
-            for pending in reads.values():
+            for pending in (*reads.values(), *own.values()):
                 _wait_quietly(pending)
-            for slot in slots:
-                slot.wait_writes()
+            self._first_slot = (self._first_slot + len(pieces)) % len(slots)
+            if not consumed:
+                for slot in slots:
+                    slot.wait_writes()
+        self._wait_writes_then_prefetch(pieces[: len(slots)] if prefetch_next else [])
+
+    def _wait_writes_then_prefetch(self, wanted: list[tuple[UnitState, int]]) -> None:
+        """The end of a stream consumed to its last piece: waits for every slot's writes, oldest
+        first, reading `wanted[position]` into the slot of `position` as soon as it is free
+        (beside the later writes, on a drive that does both at once). The first write failure is
+        raised once every slot's writes are done, with no read left in flight. Under _slots_lock."""
+        failure: BaseException | None = None
+        for position in range(len(self._slots)):
+            try:
+                self._slot_at(position).wait_writes()
+            except Exception as error:  # noqa: BLE001 (raised once every slot is waited for)
+                failure = failure or error
+            if failure is None and position < len(wanted):
+                self._prefetch_pieces(wanted, [position])
+        if failure is not None:
+            self._drop_prefetch()
+            raise failure
 
     def overwrite_optimizer_states(self, units: list[UnitState]) -> Iterator[StatePiece]:
         """Yields each unit's master, exp_avg and exp_avg_sq piece by piece (views without the
