@@ -21,7 +21,7 @@ Method
    that the root unit is as large relative to a layer as at the target) on the checked device
    (offload/platform/checked_device.py, `record=True`): the CPU standing in for an asynchronous
    accelerator, whose copy and optimizer streams are threads. It runs 1 warm-up step and
-   `--steps` (3) recorded ones, in bf16 with the placement and overlap asked. Recorded: the
+   `--steps` (4) recorded ones, in bf16 with the placement and overlap asked. Recorded: the
    device timeline (each copy and launch with its stream, bytes, the events the stream waited
    on before it and when it was queued; each event recorded and each host wait, with its
    thread), the engine's EventLog (pre_forward / post_forward / pre_backward / grads_final /
@@ -85,12 +85,16 @@ Method
    weights and gradients 2 bytes per parameter, swap files 4 (fp32) or 2 (16-bit), Adam P_u
    elements per unit (a device-tier Adam P_u, a gradient added on the device P_u / 4).
 4. Replay with `pipeline_model.replay` under `--machine` with the rate flags in place of its
-   numbers. The predicted step is the steady-state period: from the start of the second
-   recorded step's first compute op to the start of the third's (the second step is the first
-   that overlaps a previous one as it does in a long run; with more steps recorded, the later
-   periods replay the same: to the microsecond for none/cpu, within 0.2% for nvme/nvme). The floor, hidden shares and
-   busy times are those of the second step's ops (hidden under any compute of the replay); the
-   critical path is the chain ending at the third step's first compute op, cut to the period:
+   numbers. The predicted step is the steady-state period: from the start of the last but one
+   recorded step's first compute op to the start of the last's (with the default 4 recorded
+   steps, the third period. The second step is the first that overlaps a previous one as it
+   does in a long run, but with optimizer NVMe its period can still be short: a step streams
+   its first piece as soon as that piece is read, so the second forward starts before the
+   write-back's backlog is in steady state; tiny nvme/nvme on this-cpu replays 0.92x its floor
+   there, then exactly the floor from the third period on. The later periods replay the same).
+   The floor, hidden shares and busy times are those of that step's ops (hidden under any
+   compute of the replay); the critical path is the chain ending at the last step's first
+   compute op, cut to the period:
    its shares per resource add up to the step time.
 
 Calibration (h100-pcie5: 270 TFLOPS, PCIe 48 GB/s each way, CPU Adam 2.5 Gparams/s)
@@ -900,12 +904,12 @@ class Prediction:
 
 def predict(graph: Graph, machine: Machine, background_depth: int = 0) -> Prediction:
     """Replays `graph` on `machine` with the I/O engine's `io.background_depth` (`replay`); the
-    step is the period between the first compute ops of the second and third recorded steps
-    (module docstring, step 4)."""
+    step is the period between the first compute ops of the last two recorded steps (module
+    docstring, step 4)."""
     if len(graph.steps) < 3:
-        raise ValueError("need at least 3 recorded steps (the second is measured, up to the third's start)")
+        raise ValueError("need at least 3 recorded steps (the last but one is measured, up to the last one's start)")
     r = replay(graph.ops, machine, background_depth=background_depth)
-    measured, following = graph.steps[1], graph.steps[2]
+    measured, following = graph.steps[-2], graph.steps[-1]
     begin = r.spans[graph.first_compute[measured]][0]
     end = r.spans[graph.first_compute[following]][0]
     ids = graph.step_ops[measured]
@@ -1004,7 +1008,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--overlap", default="forward", choices=("none", "forward", "backward"))
     parser.add_argument("--batch", type=int, default=8, help="the target workload's batch")
     parser.add_argument("--seq", type=int, default=1024, help="the target workload's sequence length")
-    parser.add_argument("--steps", type=int, default=3, help="recorded steps after the warm-up (at least 3)")
+    parser.add_argument("--steps", type=int, default=4, help="recorded steps after the warm-up (at least 3)")
     parser.add_argument("--machine", default="h100-pcie5", choices=sorted(MACHINES))
     parser.add_argument("--device-tflops", type=float, help="achieved dense 16-bit TFLOPS")
     parser.add_argument("--h2d-gbps", type=float, help="host-to-device GB/s")
