@@ -142,6 +142,9 @@ class DiskSampler:
         self.samples.append((time.perf_counter(), *disk_bytes()))
 
     def start(self) -> DiskSampler:
+        """Takes the first sample before returning (the thread may start late on a busy machine:
+        what the caller does next must fall after a sample), then samples on the thread."""
+        self.samples.append((time.perf_counter(), *disk_bytes()))
         self._thread.start()
         return self
 
