@@ -158,7 +158,7 @@ class IOConfig(ReadOnlyOnceFrozen):
     threads: int = 4
     """Swap I/O worker threads."""
     background_depth: int = 0
-    """Places among the swap requests in flight kept for I/O that nothing waits on yet (the optimizer state's write-back and reads ahead) while such I/O is queued; 0: I/O that compute waits on (weights, a step's state reads) always goes first. On a drive that reads and writes at once (`offload bench-io` says how much faster it serves both together) a place or two lets the write-back run beside the step's reads instead of after them (the pipeline replay predicts 1.4-1.8x faster NVMe steps; `offload bench-io` times the depths on your drive and puts the one to use in its io section); on one that does not (this project's VM) 2 cost nothing measurable. Less than min(threads, queue_depth)."""
+    """Places among the swap requests in flight kept for I/O that nothing waits on yet (the optimizer state's write-back and reads ahead) while such I/O is queued, and above 0 both directions served at once within each queue (the one with fewer requests in flight first); 0: I/O that compute waits on (weights, a step's state reads) always goes first, and each queue in submission order. For a drive that reads and writes at once (`offload bench-io` says how much faster it serves both together, times the depths on your drive and puts the one to use in its io section): a place or two lets the write-back run beside the reads instead of after them (GPT-2 124M with its optimizer state on an emulated drive of 0.4 GB/s each way: 1.6x faster steps at 2 than at 0 with the weights in RAM, 1.1x with them on NVMe too). Less than min(threads, queue_depth)."""
 
 
 @dataclass
