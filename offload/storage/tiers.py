@@ -523,7 +523,7 @@ class TierStore:
                 self._slot_at(position).wait_writes()
             except Exception as error:  # noqa: BLE001 (raised once every slot is waited for)
                 failure = failure or error
-            if failure is None and position < len(wanted):
+            if failure is None and position < len(wanted) and len(self._prefetched) == position:
                 self._prefetch_pieces(wanted, [position])
         if failure is not None:
             self._drop_prefetch()
