@@ -368,7 +368,7 @@ class TierStore:
         with self._slots_lock:
             wanted = self._streamed_pieces(units)[: len(self._slots)]
             if [(unit, j) for unit, j, _ in self._prefetched] == wanted:
-                return  # already read ahead, by the last step's end (_prefetch_into_freed_slots)
+                return  # already read ahead, by the last step's end (_wait_writes_then_prefetch)
             self._drop_prefetch()
             self._prefetch_pieces(wanted, range(len(wanted)))
 
