@@ -35,7 +35,8 @@ import torch
 from offload.errors import OffloadError
 from offload.model.unit_state import UnitState
 from offload.platform.collectives import Collectives
-from offload.storage.tiers import TierStore, squared_norm
+from offload.storage.grad_sum import squared_norm
+from offload.storage.tiers import TierStore
 
 aten = torch.ops.aten
 

@@ -28,7 +28,6 @@ from offload.config.sizes import format_bytes, parse_size
 from offload.config.state_layout import FP32_STATE, StateBytes
 from offload.errors import OffloadError
 from offload.model.unit_state import STATE_KINDS, STEPPED_KINDS, UnitState
-from offload.optim import kernels
 from offload.plan.budgets import host_budget_bytes, pool_page_slack
 from offload.plan.optimizer_plan import (
     piece_bounds,
@@ -37,6 +36,7 @@ from offload.plan.optimizer_plan import (
 )
 from offload.plan.room import host_cap, nvme_path_for_rank
 from offload.storage.buffers import BufferRing, OptimizerSlot, StatePiece
+from offload.storage.grad_sum import accumulate_gradient, squared_norm
 from offload.storage.memory import HostBufferPool, TierLedger
 from offload.storage.param16 import HostParam16, NvmeParam16, Param16Home, Param16WriteBack
 from offload.storage.state_codec import StateCodec, make_codec
@@ -45,14 +45,6 @@ if TYPE_CHECKING:
     from offload.storage.swap import SwapHandle, SwapStore
 
 logger = logging.getLogger(__name__)
-
-
-def squared_norm(values: torch.Tensor) -> float:
-    """Sum of squares of an fp32 gradient, accumulated in fp64: the C++ kernel on host memory,
-    torch's reduction for a DEVICE-tier gradient on an accelerator."""
-    if values.device.type == "cpu":
-        return kernels.sq_norm(values)
-    return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
 
 
 class TierStore:
@@ -143,6 +135,9 @@ class TierStore:
         # the slot of a stream's (and its prefetch's) first piece; each stream moves it on by its
         # piece count: the next step's first pieces go into the slots written back first. Under _slots_lock.
         self._first_slot = 0
+        # a stream consumed with leave_writes: the pieces to read ahead once its writes are waited
+        # for (settle_stream); None when nothing is left. Under _slots_lock.
+        self._unsettled: list[tuple[UnitState, int]] | None = None
         self._nvme_bytes_recorded = 0  # what this store put in the ledger's nvme tier
         try:
             if self.streamed_units or self.param_tier is ParamTier.NVME:
@@ -366,6 +361,7 @@ class TierStore:
         checkpoint load writes it, and the load drops these reads first). Best effort: a piece whose
         read failed is read again by the step (a lasting error is met there)."""
         with self._slots_lock:
+            self._settle_unsettled()
             wanted = self._streamed_pieces(units)[: len(self._slots)]
             if [(unit, j) for unit, j, _ in self._prefetched] == wanted:
                 return  # already read ahead, by the last step's end (_wait_writes_then_prefetch)
@@ -400,25 +396,35 @@ class TierStore:
         include_grad: bool,
         timings: dict[str, float] | None = None,
         prefetch_next: bool = False,
+        leave_writes: bool = False,
     ) -> Iterator[StatePiece]:
-        """Yields each unit's optimizer state in order, piece by piece, wherever it lives: a
-        resident unit (host or device) as one piece of its own buffers (slot None); an
-        NVMe-resident one as the pieces of `state_pieces`, each read into a slot.
-
-        Piece i is read into slot i % (slot count) while piece i + 1 is already being read into
-        the next slot; a slot is refilled only after the writes queued on it
+        """Yields each unit's optimizer state in order, piece by piece: a resident unit (host or
+        device) as one piece of its own buffers (slot None); an NVMe one as the pieces of
+        `state_pieces`, piece i read into the slot of position i (`_slot_at`) while piece i + 1
+        is already being read, a slot refilled only after its queued writes
         (`store_optimizer_state`) completed. The consumer may modify the views and queue writes
-        before asking for the next piece. `timings`, if given, accumulates the seconds spent in
-        `wait_read` and `wait_write`. `prefetch_next` (a step whose next step streams the same
-        pieces in the same order): once every piece was consumed, the end of the stream, which
-        waits for the slots' writes, reads the first pieces of that next stream into the slots as
-        their writes complete (`prefetch_optimizer_states` then finds them read)."""
+        before asking for the next piece. `timings`: seconds in `wait_read` and `wait_write`.
+        Once every piece was consumed the stream's end waits for the slots' writes, oldest
+        first, and with `prefetch_next` (the next step streams the same pieces) reads the next
+        stream's first pieces into the slots as they free; `leave_writes` leaves that end to
+        `settle_stream` or the next user of the slots, so the consumer goes on meanwhile."""
         if not any(unit.optimizer_tier.streamed for unit in units):
             for unit in units:
                 yield StatePiece(unit, 0, 0, unit.resident_state, None, last=True)
             return
         with self._slots_lock:
-            yield from self._stream_through_slots(units, include_grad, timings, prefetch_next)
+            self._settle_unsettled()
+            yield from self._stream_through_slots(units, include_grad, timings, prefetch_next, leave_writes)
+
+    def settle_stream(self) -> None:
+        """The end of a stream consumed with `leave_writes`, if not done yet (a write failure raised)."""
+        with self._slots_lock:
+            self._settle_unsettled()
+
+    def _settle_unsettled(self) -> None:  # under _slots_lock, before any other use of the slots
+        if self._unsettled is not None:
+            wanted, self._unsettled = self._unsettled, None
+            self._wait_writes_then_prefetch(wanted)
 
     def stream_optimizer_states_on_host(self, units: list[UnitState]) -> Iterator[StatePiece]:
         """As `stream_optimizer_states` (without the gradient), with the states of DEVICE-tier
@@ -434,7 +440,12 @@ class TierStore:
         return self._slots[(self._first_slot + position) % len(self._slots)]
 
     def _stream_through_slots(
-        self, all_units: list[UnitState], include_grad: bool, timings: dict[str, float] | None, prefetch_next: bool
+        self,
+        all_units: list[UnitState],
+        include_grad: bool,
+        timings: dict[str, float] | None,
+        prefetch_next: bool,
+        leave_writes: bool,
     ) -> Iterator[StatePiece]:
         slots = self._slots
         pieces = self._streamed_pieces(all_units)
@@ -510,7 +521,9 @@ class TierStore:
             if not consumed:
                 for slot in slots:
                     slot.wait_writes()
-        self._wait_writes_then_prefetch(pieces[: len(slots)] if prefetch_next else [])
+        self._unsettled = pieces[: len(slots)] if prefetch_next else []
+        if not leave_writes:
+            self._settle_unsettled()
 
     def _wait_writes_then_prefetch(self, wanted: list[tuple[UnitState, int]]) -> None:
         """The end of a stream consumed to its last piece: waits for every slot's writes, oldest
@@ -534,6 +547,7 @@ class TierStore:
         gradient), for the caller to fill completely (a checkpoint load); what it wrote is
         stored on the unit's tier before the next piece's slot is reused. Nothing is read first."""
         with self._slots_lock:
+            self._settle_unsettled()
             self._drop_prefetch()
             try:
                 streamed = 0
@@ -612,7 +626,7 @@ class TierStore:
         if not first_in_window:
             self.refuse_gradient_sum(f"a second gradient landed in unit {unit.spec.name}'s window")
         if "grad32" not in unit.swap_kinds:
-            return _accumulate(unit.resident_state["grad32"], 0, pieces, first_in_window, compute_norm)
+            return accumulate_gradient(unit.resident_state["grad32"], 0, pieces, first_in_window, compute_norm)
         swap = self._require_swap()
         norm = 0.0
         for j, (start, end) in enumerate(unit.state_pieces):
@@ -621,7 +635,7 @@ class TierStore:
             # urgent: backward waits for its gradients' landings (at most GRADS_IN_FLIGHT units)
             if not first_in_window:
                 swap.read_into(name, target, urgent=True).wait()
-            piece_norm = _accumulate(target, start, pieces, first_in_window, compute_norm)
+            piece_norm = accumulate_gradient(target, start, pieces, first_in_window, compute_norm)
             norm += piece_norm or 0.0
             swap.write_from(name, target, urgent=True).wait()
         return norm if compute_norm else None
@@ -706,6 +720,7 @@ class TierStore:
         shard = torch.empty(unit.optimizer_numel, dtype=torch.float32)
         swap = self._require_swap()
         with self._slots_lock:
+            self._settle_unsettled()
             self._drop_prefetch()
             buffer = self._slots[0].master
             for piece, (start, end) in enumerate(unit.state_pieces):
@@ -747,6 +762,7 @@ class TierStore:
             self._nvme_bytes_recorded = 0
         if self.swap is not None:
             with self._slots_lock:
+                self._unsettled = None  # the swap store's close completes the writes
                 self._drop_prefetch()
             self.swap.close()
             self.swap = None
@@ -773,28 +789,3 @@ def default_run_name() -> str:
     import uuid
 
     return f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-
-
-def _accumulate(
-    target: torch.Tensor, start: int, pieces: list[tuple[int, torch.Tensor]], first_in_window: bool, compute_norm: bool
-) -> float | None:
-    """Into `target`, the gradient of the state's elements [start, start + target.numel()): the
-    parts of `pieces` ((offset, 1-D gradient), sorted, disjoint) that fall there are added, or,
-    first in the window, written with zeros between them. Returns the squared norm of `target`
-    when `compute_norm`."""
-    end = start + target.numel()
-    cursor = start
-    for offset, grad in pieces:
-        low, high = max(offset, start), min(offset + grad.numel(), end)
-        if low >= high:
-            continue
-        values = grad[low - offset : high - offset]
-        if first_in_window:
-            target[cursor - start : low - start].zero_()
-            target[low - start : high - start].copy_(values)
-            cursor = high
-        else:
-            target[low - start : high - start].add_(values)
-    if first_in_window:
-        target[cursor - start :].zero_()
-    return squared_norm(target) if compute_norm else None
