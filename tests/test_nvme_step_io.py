@@ -117,9 +117,11 @@ def _steady_step_bytes(swap_dir, gradient_memory) -> tuple[int, int]:
     try:
         data = batches(3)
         engine_run(engine, data[:1])
+        engine.stepping.wait()  # step() returns before the state's write-back is done
         swap = engine.store.swap
         read, written = swap.bytes_read, swap.bytes_written
         engine_run(engine, data[1:])
+        engine.stepping.wait()
         return swap.bytes_read - read, swap.bytes_written - written
     finally:
         engine.close()

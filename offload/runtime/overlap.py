@@ -33,21 +33,26 @@ from offload.runtime.stepper import StepMode, UnitStepper
 
 class Stepping:
     """The optimizer worker's queue: steps submitted (from the main thread at `step()`, or from
-    the transfer worker during backward), waited for, their failures re-raised."""
+    the transfer worker during backward), waited for, their failures re-raised. Each step is
+    followed on the worker by the settling of its write-back (`UnitStepper.settle_writes`, a
+    task of its own): `wait` waits for both, `wait_steps` for the steps only, so that a
+    backward or the next `step()` goes on while the last step's state is still being written."""
 
     def __init__(self, worker: Executor, stepper: UnitStepper) -> None:
         self.worker = worker
         self.stepper = stepper
-        self._futures: list[Future] = []
+        # in submission order: (future, whether it is a write-back's settling)
+        self._futures: list[tuple[Future, bool]] = []
         self._lock = threading.Lock()
 
     def submit(self, units: list[UnitState], hypers: Sequence[StepHyper], mode: StepMode = StepMode.STEP) -> None:
         """Steps `units` in this order (each param with its group's `hypers[g]`; `mode` says
         how); each unit's `step_done` is set as it finishes. The caller has called
         `begin_step()` on each (their weights now change)."""
-        future = self.worker.submit(self.stepper.run, units, tuple(hypers), mode)
+        step = self.worker.submit(self.stepper.run, units, tuple(hypers), mode)
+        writes = self.worker.submit(self.stepper.settle_writes)
         with self._lock:
-            self._futures.append(future)
+            self._futures += [(step, False), (writes, True)]
 
     @property
     def pending(self) -> bool:
@@ -55,24 +60,36 @@ class Stepping:
             return bool(self._futures)
 
     def wait(self) -> None:
-        """Waits for every step submitted; re-raises the first failure. A step is forgotten only
-        once done: after an interrupt (Ctrl-C in `step()`), the next wait still waits for it."""
+        """Waits for every step submitted and its write-back; re-raises the first failure. A
+        step is forgotten only once done: after an interrupt (Ctrl-C in `step()`), the next wait
+        still waits for it."""
+        self._wait(writes_too=True)
+
+    def wait_steps(self) -> None:
+        """Waits for every step submitted, not for the write-backs still running (a backward
+        needs the steps to have read the gradients it overwrites; a step streams after the
+        write-back before it on the same worker, and each slot is reused only once its writes
+        are done); re-raises the first failure among those done, in submission order."""
+        self._wait(writes_too=False)
+
+    def _wait(self, writes_too: bool) -> None:
         with self._lock:
-            futures = list(self._futures)
-        concurrent.futures.wait(futures)
+            waited = [future for future, is_writes in self._futures if writes_too or not is_writes]
+        concurrent.futures.wait(waited)
         with self._lock:
-            del self._futures[: len(futures)]
-        for future in futures:
+            done = [entry for entry in self._futures if entry[0].done()]
+            self._futures = [entry for entry in self._futures if not entry[0].done()]
+        for future, _ in done:
             future.result()
 
     def raise_if_failed(self) -> None:
-        """Without waiting: a step that already failed is raised in the main thread."""
+        """Without waiting: a step (or write-back) that already failed is raised in the main thread."""
         with self._lock:
-            failed = [f for f in self._futures if f.done() and f.exception() is not None]
-            for future in failed:
-                self._futures.remove(future)
+            failed = [entry for entry in self._futures if entry[0].done() and entry[0].exception() is not None]
+            for entry in failed:
+                self._futures.remove(entry)
         if failed:
-            error = failed[0].exception()
+            error = failed[0][0].exception()
             raise OffloadError(f"offload: the optimizer step failed: {error}") from error
 
 
@@ -91,8 +108,9 @@ class OverlapPolicy:
         return False
 
     def on_window_end(self, stepping: Stepping) -> None:
-        """`step()`, after the window's steps were submitted."""
-        stepping.wait()
+        """`step()`, after the window's steps were submitted: the weights are updated when it
+        returns (the state's write-back may go on)."""
+        stepping.wait_steps()
 
 
 class StepAfterBackward(OverlapPolicy):

@@ -111,6 +111,12 @@ class UnitStepper:
         # run's end)
         self._pending_publish: Param16WriteBack | None = None
 
+    def settle_writes(self) -> None:
+        """After `run`: the write-back of the state it streamed, waited for (the optimizer worker,
+        as its own task, so that a backward waiting for the step's gradient reads does not also
+        wait for its writes: `Stepping.wait_steps`)."""
+        self.store.settle_stream()
+
     def pop_timings(self) -> dict[str, float]:
         timings, self.timings = self.timings, dict.fromkeys(STEP_TIMING_KEYS, 0.0)
         return timings
@@ -128,6 +134,7 @@ class UnitStepper:
                 include_grad=True,
                 timings=self.timings,
                 prefetch_next=self.prefetch_next_step and mode is StepMode.STEP,
+                leave_writes=True,
             )
             for piece in stream:
                 unit = piece.unit

@@ -236,7 +236,7 @@ class GradientWindow:
 
     def _agree_on_backward(self, nonfinite: bool, loss_value: float | None) -> None:
         """Several ranks: one exchange (non-finite losses, units used; schedule.py); then the
-        steps still in flight finish (they read the fp32 gradients this backward writes)."""
+        steps in flight finish (they read the gradients this backward writes; not their write-back)."""
         if self.schedule.agree_on_backward(nonfinite):
             bad_ranks = self.collectives.ranks_with(nonfinite, what="the non-finite loss check")
             self.schedule.abort_backward()
@@ -249,7 +249,7 @@ class GradientWindow:
                 "was not run and no state changed; check the data and the learning rate, or use precision 'fp16' "
                 "whose overflow skips the step"
             )
-        self.stepping.wait()
+        self.stepping.wait_steps()
 
     def _prefetch_step_states(self, boundary: bool) -> None:
         """The window's last backward begins (the steps in flight are done): the optimizer worker
@@ -404,7 +404,8 @@ class GradientWindow:
         if self.micro_steps == self._stepped_at_micro:
             return False
         self.hyper.check_untouched()
-        self.drain()
+        self.gradients.wait_all()  # and the last step (not its write-back: the next one streams after it)
+        self.stepping.wait_steps()
         # what user code's clip_grad_norm_ multiplied the window's gradients by (an error, before
         # anything changes, when it scaled some and not others)
         user_factor = self.handles.factor()
@@ -683,12 +684,11 @@ class GradientWindow:
         Dropped exactly where nothing was applied yet: speculative steps (overlap 'backward' with
         clipping or fp16) are taken back. Units stepped in place during the backward that ended
         the window (overlap 'backward' without clipping or fp16) cannot be: refused, naming them,
-        before anything changes.
-
-        With the config's gradient_accumulation_steps, `step(); zero_grad()` on every micro-batch
-        is accelerate's loop: a zero_grad() right after a step() that applied nothing because the
-        window is still open keeps the window's gradients, as accelerate's optimizer does while it
-        accumulates (a zero_grad() with no step() since the last backward drops them)."""
+        before anything changes. With the config's gradient_accumulation_steps, `step();
+        zero_grad()` on every micro-batch is accelerate's loop: a zero_grad() right after a step()
+        that applied nothing because the window is still open keeps the window's gradients, as
+        accelerate's optimizer does while it accumulates (a zero_grad() with no step() since the
+        last backward drops them)."""
         self.check_open()
         self._finish_abandoned_backward()
         self.refuse_partly_stepped()

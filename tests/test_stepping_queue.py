@@ -1,0 +1,65 @@
+"""The optimizer worker's queue (`offload.runtime.overlap.Stepping`): each step is followed by
+its write-back's settling, a task of its own, so that a backward (which needs the step to have
+read the gradients it overwrites) does not wait for the state to be written too; everything
+else waits for both, and a failure of either is raised, in the order they were submitted."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from offload.runtime.overlap import Stepping
+
+
+class FakeStepper:
+    """`run` returns at once; `settle_writes` blocks until `release` is set (or fails)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.write_error: Exception | None = None
+        self.ran = 0
+
+    def run(self, units, hypers, mode) -> None:
+        self.ran += 1
+
+    def settle_writes(self) -> None:
+        self.release.wait(10)
+        if self.write_error is not None:
+            raise self.write_error
+
+
+@pytest.fixture
+def queue():
+    worker = ThreadPoolExecutor(1)
+    stepper = FakeStepper()
+    yield Stepping(worker, stepper), stepper
+    stepper.release.set()
+    worker.shutdown(wait=True)
+
+
+def test_wait_steps_does_not_wait_for_the_write_back_and_wait_does(queue):
+    stepping, stepper = queue
+    stepping.submit([], [])
+    stepping.wait_steps()  # returns while settle_writes still blocks
+    assert stepper.ran == 1 and stepping.pending
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (stepping.wait(), done.set()))
+    waiter.start()
+    assert not done.wait(0.2)  # wait() waits for the write-back
+    stepper.release.set()
+    waiter.join(10)
+    assert done.is_set() and not stepping.pending
+
+
+def test_a_failed_write_back_is_raised_by_the_next_wait_of_either_kind(queue):
+    stepping, stepper = queue
+    stepper.write_error = OSError(5, "the write-back failed")
+    stepping.submit([], [])
+    stepper.release.set()
+    stepping.worker.submit(lambda: None).result()  # the write-back task has failed by now
+    with pytest.raises(OSError, match="the write-back failed"):
+        stepping.wait_steps()
+    stepping.wait_steps()  # raised once, then forgotten
+    assert not stepping.pending
