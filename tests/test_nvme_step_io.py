@@ -288,6 +288,38 @@ def test_the_next_steps_first_pieces_are_read_before_it(swap_dir, overlap, dropp
     assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("overlap", ["none", "forward"])
+def test_the_write_back_runs_beside_the_next_forward_and_backward_and_the_run_is_exact(swap_dir, overlap):
+    """step() and the next backward wait for the steps (the gradients read), not for the state's
+    write-back: with every swap piece slowed, step() returns while a slot's writes are still in
+    flight, and the training that goes on meanwhile matches AdamW."""
+    torch.manual_seed(0)
+    model = TinyNet(width=WIDTH, depth=DEPTH)
+    data = batches(4)
+    engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, overlap=overlap, gradient_memory=None))
+    try:
+        tolerance = fp32_weight_tolerance(engine)
+        losses = engine_run(engine, data[:1])
+        engine.stepping.wait()
+        engine.store.swap.engine.set_delay(0.02)
+        x, y = data[1]
+        loss = mse(engine, x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        engine.stepping.wait_steps()
+        slots = engine.store._slots
+        assert any(not handle.done() for slot in slots for handle in slot.pending_writes)  # still writing
+        losses += engine_run(engine, data[2:])
+        engine.store.swap.engine.set_delay(0)
+        state = engine.consolidated_state_dict()
+    finally:
+        engine.close()
+    reference, reference_losses = reference_run(model, data)
+    assert max_weight_difference(state, reference) <= tolerance
+    assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+
+
 def test_overlap_backward_reads_nothing_ahead_at_a_steps_end(swap_dir):
     """With overlap 'backward' units step one by one as their gradients land, in no fixed
     order of whole steps: a step's end reads nothing ahead."""
