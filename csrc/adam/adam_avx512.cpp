@@ -465,9 +465,11 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
   const CompactArgs c = args;  // a local copy (see adam_range)
   const bool lerp_small = __builtin_fabsf(c.step.beta1_weight) < 0.5f;
   const __m512 lerp_coeff = _mm512_set1_ps(lerp_small ? c.step.beta1_weight : c.step.beta1_weight - 1.0f);
-  for (size_t i = begin; i < end; i += kGroupBlocks * kInt8Block)
-    int8_group<GradType, OutType, Traffic>(c, i, min_size(kGroupBlocks * kInt8Block, end - i), lerp_small,
-                                           lerp_coeff);
+  constexpr size_t kGroup = kGroupBlocks * kInt8Block;
+  for (size_t i = begin; i < end; i += kGroup) {
+    if (i + 2 * kGroup <= end) prefetch_int8_group(c, i + kGroup, kGroup, GradType == kF32 ? 4 : 2);
+    int8_group<GradType, OutType, Traffic>(c, i, min_size(kGroup, end - i), lerp_small, lerp_coeff);
+  }
 }
 
 template <int Moment, int GradType, int OutType, bool Traffic>

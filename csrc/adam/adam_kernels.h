@@ -97,6 +97,36 @@ struct CompactArgs {
 // (std::min would be an inline function with external linkage; see the note at the top.)
 static inline size_t min_size(size_t a, size_t b) { return a < b ? a : b; }
 
+// One cache line at p fetched into every cache level ahead of its use. An asm statement, not
+// __builtin_prefetch: GCC 12 dropped every __builtin_prefetch of prefetch_int8_group below from
+// the kernels (with the 2-byte gradients always, with the fp32 ones in some layouts).
+static inline void prefetch_line(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// Software prefetch of what an int8 group of `count` elements from element j reads (weights,
+// gradient of `grad_bytes` each, both moments' codes), issued one group ahead by the int8
+// kernels. Unlike the fp32 kernel's (whose plain streams the hardware prefetchers keep up
+// with), the int8 kernel's compute between loads left its memory time unhidden: on a 2-vCPU
+// AVX-512 VM at 30M elements it ran at 1.38 Gparam/s against 2.54 in cache, and 2.30 with this.
+// Changes no result.
+static inline void prefetch_int8_group(const CompactArgs& c, size_t j, size_t count, size_t grad_bytes) {
+  const char* param = reinterpret_cast<const char*>(c.step.param_in + j);
+  const char* grad = static_cast<const char*>(c.step.grad) + j * grad_bytes;
+  const char* m = static_cast<const char*>(c.exp_avg_in) + j;
+  const char* v = static_cast<const char*>(c.exp_avg_sq_in) + j;
+  for (size_t b = 0; b < 4 * count; b += 64) prefetch_line(param + b);
+  for (size_t b = 0; b < grad_bytes * count; b += 64) prefetch_line(grad + b);
+  for (size_t b = 0; b < count; b += 64) {
+    prefetch_line(m + b);
+    prefetch_line(v + b);
+  }
+}
+
 struct IsaKernels {
   const char* name;
   void (*adam)(const AdamArgs& args, size_t begin, size_t end);
