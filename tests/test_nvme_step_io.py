@@ -240,6 +240,20 @@ def _prefetched(store) -> list[tuple]:
         return [(unit, j) for unit, j, _ in store._prefetched]
 
 
+def _assert_matches_adamw(model, data, state, losses, tolerance) -> None:
+    reference, reference_losses = reference_run(model, data)
+    assert max_weight_difference(state, reference) <= tolerance
+    assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+
+
+def _tiny_engine(swap_dir, overlap: str):
+    """A TinyNet (seed 0) and an engine over a copy of it, optimizer state on NVMe in pieces,
+    gradients in RAM."""
+    torch.manual_seed(0)
+    model = TinyNet(width=WIDTH, depth=DEPTH)
+    return model, offload.initialize(copy.deepcopy(model), make_config(swap_dir, overlap=overlap, gradient_memory=None))
+
+
 @pytest.mark.parametrize("overlap", ["none", "forward"])
 @pytest.mark.parametrize("dropped", [False, True], ids=["read-by-the-last-step", "read-in-backward"])
 def test_the_next_steps_first_pieces_are_read_before_it(swap_dir, overlap, dropped):
@@ -248,10 +262,8 @@ def test_the_next_steps_first_pieces_are_read_before_it(swap_dir, overlap, dropp
     where something else used the slots since (`dropped`: a read of the masters), during the
     window's last backward. Exactly those bytes; the step then reads only the rest, and the run
     is exact."""
-    torch.manual_seed(0)
-    model = TinyNet(width=WIDTH, depth=DEPTH)
+    model, engine = _tiny_engine(swap_dir, overlap)
     data = batches(3)
-    engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, overlap=overlap, gradient_memory=None))
     try:
         tolerance = fp32_weight_tolerance(engine)
         losses = engine_run(engine, data[:2])  # the forward order is recorded; the moments are on disk
@@ -283,9 +295,7 @@ def test_the_next_steps_first_pieces_are_read_before_it(swap_dir, overlap, dropp
         state = engine.consolidated_state_dict()
     finally:
         engine.close()
-    reference, reference_losses = reference_run(model, data)
-    assert max_weight_difference(state, reference) <= tolerance
-    assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+    _assert_matches_adamw(model, data, state, losses, tolerance)
 
 
 @pytest.mark.parametrize("overlap", ["none", "forward"])
@@ -293,10 +303,8 @@ def test_the_write_back_runs_beside_the_next_forward_and_backward_and_the_run_is
     """step() and the next backward wait for the steps (the gradients read), not for the state's
     write-back: with every swap piece slowed, step() returns while a slot's writes are still in
     flight, and the training that goes on meanwhile matches AdamW."""
-    torch.manual_seed(0)
-    model = TinyNet(width=WIDTH, depth=DEPTH)
+    model, engine = _tiny_engine(swap_dir, overlap)
     data = batches(4)
-    engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, overlap=overlap, gradient_memory=None))
     try:
         tolerance = fp32_weight_tolerance(engine)
         losses = engine_run(engine, data[:1])
@@ -315,9 +323,7 @@ def test_the_write_back_runs_beside_the_next_forward_and_backward_and_the_run_is
         state = engine.consolidated_state_dict()
     finally:
         engine.close()
-    reference, reference_losses = reference_run(model, data)
-    assert max_weight_difference(state, reference) <= tolerance
-    assert losses == pytest.approx(reference_losses, rel=1e-5, abs=1e-6)
+    _assert_matches_adamw(model, data, state, losses, tolerance)
 
 
 def test_overlap_backward_reads_nothing_ahead_at_a_steps_end(swap_dir):
