@@ -642,9 +642,7 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
   while (i + kInt8Block <= end) {
     const size_t block = i / kInt8Block;
     const size_t blocks = min_size(kGroupBlocks, (end - i) / kInt8Block);
-    constexpr size_t kGroup = kGroupBlocks * kInt8Block;
-    if (i + (kPrefetchGroups + 1) * kGroup <= end)
-      prefetch_int8_group(c, i + kPrefetchGroups * kGroup, kGroup, GradType == kF32 ? 4 : 2);
+    prefetch_int8_ahead(c, i, end, kGroupBlocks * kInt8Block, GradType == kF32 ? 4 : 2);
     int8_group<GradType, OutType, Traffic>(c, arrays, i, uint32_t(c.position + i),
                                            c.exp_avg_exponents_in + block, c.exp_avg_sq_exponents_in + block,
                                            c.exp_avg_exponents + block, c.exp_avg_sq_exponents + block,

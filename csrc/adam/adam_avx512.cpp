@@ -467,8 +467,7 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
   const __m512 lerp_coeff = _mm512_set1_ps(lerp_small ? c.step.beta1_weight : c.step.beta1_weight - 1.0f);
   constexpr size_t kGroup = kGroupBlocks * kInt8Block;
   for (size_t i = begin; i < end; i += kGroup) {
-    if (i + (kPrefetchGroups + 1) * kGroup <= end)
-      prefetch_int8_group(c, i + kPrefetchGroups * kGroup, kGroup, GradType == kF32 ? 4 : 2);
+    prefetch_int8_ahead(c, i, end, kGroup, GradType == kF32 ? 4 : 2);
     int8_group<GradType, OutType, Traffic>(c, i, min_size(kGroup, end - i), lerp_small, lerp_coeff);
   }
 }

@@ -374,10 +374,11 @@ class GradientWindow:
         self._stepped_in_backward.append(unit)
         self.stepping.submit([unit], self._window_hypers)
 
-    def drain(self) -> None:
-        """Waits for every gradient transfer and optimizer step in flight; re-raises their errors."""
+    def drain(self, write_backs: bool = True) -> None:
+        """Waits for every gradient transfer and optimizer step in flight, and with `write_backs`
+        for the steps' state write-backs too (`Stepping.wait_steps`); re-raises their errors."""
         self.gradients.wait_all()
-        self.stepping.wait()
+        self.stepping.wait() if write_backs else self.stepping.wait_steps()
 
     def step(self) -> bool:
         """At the end of an accumulation window, updates the weights; returns True when it did.
@@ -404,8 +405,7 @@ class GradientWindow:
         if self.micro_steps == self._stepped_at_micro:
             return False
         self.hyper.check_untouched()
-        self.gradients.wait_all()  # and the last step (not its write-back: the next one streams after it)
-        self.stepping.wait_steps()
+        self.drain(write_backs=False)  # the next step streams after the last one's write-back
         # what user code's clip_grad_norm_ multiplied the window's gradients by (an error, before
         # anything changes, when it scaled some and not others)
         user_factor = self.handles.factor()

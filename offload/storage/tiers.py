@@ -518,18 +518,23 @@ class TierStore:
             for pending in (*reads.values(), *own.values()):
                 _wait_quietly(pending)
             self._first_slot = (self._first_slot + len(pieces)) % len(slots)
-            if not consumed:
-                for slot in slots:
-                    slot.wait_writes()
-        self._unsettled = pieces[: len(slots)] if prefetch_next else []
-        if not leave_writes:
-            self._settle_unsettled()
+            # the slots' writes waited for now, or by settle_stream (leave_writes); a stream
+            # consumed to its end reads the next one's first pieces ahead as they free
+            self._unsettled = pieces[: len(slots)] if consumed and prefetch_next else []
+            if not (consumed and leave_writes):
+                self._settle_unsettled()
+
+    def _claim_slots(self) -> None:
+        """Before a use of the slots other than a stream: a stream's end left to settle is done,
+        and the reads ahead are waited out and forgotten. Under _slots_lock."""
+        self._settle_unsettled()
+        self._drop_prefetch()
 
     def _wait_writes_then_prefetch(self, wanted: list[tuple[UnitState, int]]) -> None:
-        """The end of a stream consumed to its last piece: waits for every slot's writes, oldest
-        first, reading `wanted[position]` into the slot of `position` as soon as it is free
-        (beside the later writes, on a drive that does both at once). The first write failure is
-        raised once every slot's writes are done, with no read left in flight. Under _slots_lock."""
+        """The end of a stream: waits for every slot's writes, oldest first, reading
+        `wanted[position]` into the slot of `position` as soon as it is free (beside the later
+        writes, on a drive that does both at once). The first write failure is raised once every
+        slot's writes are done, with no read left in flight. Under _slots_lock."""
         failure: BaseException | None = None
         for position in range(len(self._slots)):
             try:
@@ -547,8 +552,7 @@ class TierStore:
         gradient), for the caller to fill completely (a checkpoint load); what it wrote is
         stored on the unit's tier before the next piece's slot is reused. Nothing is read first."""
         with self._slots_lock:
-            self._settle_unsettled()
-            self._drop_prefetch()
+            self._claim_slots()
             try:
                 streamed = 0
                 for unit in units:
@@ -720,8 +724,7 @@ class TierStore:
         shard = torch.empty(unit.optimizer_numel, dtype=torch.float32)
         swap = self._require_swap()
         with self._slots_lock:
-            self._settle_unsettled()
-            self._drop_prefetch()
+            self._claim_slots()
             buffer = self._slots[0].master
             for piece, (start, end) in enumerate(unit.state_pieces):
                 if end > start:
