@@ -466,10 +466,15 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
   const bool lerp_small = __builtin_fabsf(c.step.beta1_weight) < 0.5f;
   const __m512 lerp_coeff = _mm512_set1_ps(lerp_small ? c.step.beta1_weight : c.step.beta1_weight - 1.0f);
   constexpr size_t kGroup = kGroupBlocks * kInt8Block;
-  for (size_t i = begin; i < end; i += kGroup) {
+  // Whole groups pass a constant count: every lane mask folds to all ones and the masked loads,
+  // stores and moves become plain ones (single thread in cache: 1.50-1.54 to 1.78-1.83 Gparam/s
+  // on a Zen 5 VM). The last, partial group takes the masked form.
+  size_t i = begin;
+  for (; i + kGroup <= end; i += kGroup) {
     prefetch_int8_ahead(c, i, end, kGroup, GradType == kF32 ? 4 : 2);
-    int8_group<GradType, OutType, Traffic>(c, i, min_size(kGroup, end - i), lerp_small, lerp_coeff);
+    int8_group<GradType, OutType, Traffic>(c, i, kGroup, lerp_small, lerp_coeff);
   }
+  if (i < end) int8_group<GradType, OutType, Traffic>(c, i, end - i, lerp_small, lerp_coeff);
 }
 
 template <int Moment, int GradType, int OutType, bool Traffic>
