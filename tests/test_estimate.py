@@ -431,6 +431,27 @@ def test_cli_says_what_the_engine_takes_from_the_ram_left_over(tmp_path, capsys)
     assert "spare states for" in table and "16-bit gradients of" in table and "offload.gradient_memory caps it" in table
 
 
+def test_cli_names_activation_checkpointing_when_only_the_activations_do_not_fit(capsys):
+    """The issue's own command: 70B on a 24 GB GPU fits only once activation checkpointing
+    shrinks the activations, and the report says so instead of "use a smaller model"; with
+    --checkpointing it recommends that placement; where nothing fits either way it says so."""
+    args = ["estimate", "70B", "--gpu-memory", "24GB", "--ram", "128GiB", "--disk", "2TB", "--state-precision", "int8"]
+    assert cli_main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["recommended"] is None
+    fit = report["with_checkpointing"]
+    assert fit["activations_bytes"] < report["activations_bytes"]
+    assert cli_main([*args, "--checkpointing", "--json"]) == 0
+    checkpointed = json.loads(capsys.readouterr().out)
+    assert (checkpointed["recommended"]["param"], checkpointed["recommended"]["optimizer"]) == (fit["param"], fit["optimizer"])
+    assert "with_checkpointing" not in checkpointed
+    assert cli_main(args) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "with activation checkpointing" in last and f"param {fit['param']} / optimizer {fit['optimizer']} fits" in last
+    assert cli_main(["estimate", "70B", "--gpu-memory", "8GB", "--ram", "16GiB", "--disk", "20GB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["with_checkpointing"] is None
+
+
 def test_cli_errors_name_the_input(capsys):
     assert cli_main(["estimate", "seven-billion"]) == 2
     assert "neither a parameter count" in capsys.readouterr().err

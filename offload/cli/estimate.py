@@ -175,10 +175,40 @@ def build_report(args) -> dict:
     )
     shape = _shape(args)
     report = est.estimate_report(shape, machine, **settings)
+    if report["recommended"] is None and not args.checkpointing:
+        report["with_checkpointing"] = _checkpointing_fit(
+            est.estimate_report(shape, machine, **dict(settings, checkpointing=True))
+        )
     if args.state_precision is None:
         report["state_precisions"] = compare_state_precisions(shape, machine, report, **settings)
     report["machine"]["size_notes"] = notes
     return report
+
+
+def _checkpointing_fit(report: dict) -> dict | None:
+    """What fits once activation checkpointing shrinks the activations (`report`: the estimate
+    with checkpointing on), for a machine where nothing fits without it; None if nothing does."""
+    recommended = report["recommended"]
+    if recommended is None:
+        return None
+    return {
+        "param": recommended["param"],
+        "optimizer": recommended["optimizer"],
+        "activations_bytes": report["activations_bytes"],
+    }
+
+
+def _nothing_fits_line(report: dict) -> str:
+    fit = report.get("with_checkpointing")
+    if fit is None:
+        return "recommended: nothing fits; add GPUs (--world-size), RAM or disk, or use a smaller model"
+    f = est.format_bytes
+    return (
+        f"recommended: nothing fits with these activations ({f(report['activations_bytes'])} per GPU); with activation "
+        f"checkpointing (model.gradient_checkpointing_enable() in transformers) param {fit['param']} / optimizer "
+        f"{fit['optimizer']} fits, its activations about {f(fit['activations_bytes'])}: run again with --checkpointing "
+        f"for its config, or lower --micro-batch / --seq-len"
+    )
 
 
 def format_report(report: dict) -> str:
@@ -246,7 +276,7 @@ def format_report(report: dict) -> str:
     )
     recommended = report["recommended"]
     if recommended is None:
-        lines.append("recommended: nothing fits; add GPUs (--world-size), RAM or disk, or use a smaller model")
+        lines.append(_nothing_fits_line(report))
     else:
         lines.append(f"recommended: param {recommended['param']}, optimizer {recommended['optimizer']}; config:")
         lines.append(json.dumps(recommended["config"], indent=2))
