@@ -20,15 +20,18 @@ inline __m512 load_grad(const void* grad, size_t i, __mmask16 mask) {
   return _mm512_cvtph_ps(h);
 }
 
-// Round to nearest even like c10::BFloat16, NaN -> 0x7fc0.
+// Round to nearest even like c10::BFloat16, NaN -> 0x7fc0: bits + 0x7fff, plus 1 where bit 16
+// (the kept part's last bit) is set; each lane's high half gathered by one word permutation.
 inline __m256i to_bf16(__m512 p) {
-  __m512i u = _mm512_castps_si512(p);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  __mmask16 is_nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(rounded);
+  const __m512i u = _mm512_castps_si512(p);
+  __m512i rounded = _mm512_add_epi32(u, _mm512_set1_epi32(0x7fff));
+  rounded = _mm512_mask_add_epi32(rounded, _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x10000)), rounded,
+                                  _mm512_set1_epi32(1));
+  rounded =
+      _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  const __m512i high_words = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31,
+                                              29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_words, rounded));
 }
 
 // AdamW on one vector, the operations of torch's single-tensor AdamW in its order: updates
