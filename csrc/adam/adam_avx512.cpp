@@ -12,11 +12,27 @@
 namespace offload_adam {
 namespace {
 
+// 16 bf16 values as fp32: each word moved to the high half of its lane, the low half zeroed, by
+// one word permutation (not a widening and a shift).
+inline __m512 widen_bf16(__m256i h) {
+  const __m512i into_high_halves = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7,
+                                                    0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+  return _mm512_castsi512_ps(
+      _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, into_high_halves, _mm512_castsi256_si512(h)));
+}
+
+// The high half of each lane, as 16 words.
+inline __m256i high_halves(__m512i x) {
+  const __m512i high_words = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31,
+                                              29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_words, x));
+}
+
 template <int GradType>
 inline __m512 load_grad(const void* grad, size_t i, __mmask16 mask) {
   if (GradType == kF32) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(grad) + i);
   __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(grad) + i);
-  if (GradType == kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  if (GradType == kBF16) return widen_bf16(h);
   return _mm512_cvtph_ps(h);
 }
 
@@ -29,9 +45,7 @@ inline __m256i to_bf16(__m512 p) {
                                   _mm512_set1_epi32(1));
   rounded =
       _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-  const __m512i high_words = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31,
-                                              29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  return _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_words, rounded));
+  return high_halves(rounded);
 }
 
 // AdamW on one vector, the operations of torch's single-tensor AdamW in its order: updates
@@ -148,16 +162,14 @@ inline __m512i random_words(uint32_t key, uint32_t first) {
 }
 
 inline __m512 load_bf16(const uint16_t* src, __mmask16 mask) {
-  const __m256i h = _mm256_maskz_loadu_epi16(mask, src);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return widen_bf16(_mm256_maskz_loadu_epi16(mask, src));
 }
 
 // bf16 with stochastic rounding: r (< 2^16) added below the kept bits; NaN -> 0x7fc0.
 inline __m256i encode_bf16_vector(__m512 x, __m512i r) {
-  __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
+  const __m512i h = _mm512_add_epi32(_mm512_castps_si512(x), r);
   const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  h = _mm512_mask_mov_epi32(h, is_nan, _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(h);
+  return high_halves(_mm512_mask_mov_epi32(h, is_nan, _mm512_set1_epi32(0x7fc00000)));
 }
 
 // 16 codes (bytes) widened to 32-bit lanes, masked-off lanes zero: zero-extended (E4M4),
