@@ -248,7 +248,7 @@ def test_8bit_adamw_optims_store_int8_moments(tmp_path, caplog):
     with int8 moments, said at INFO; the torch AdamWs keep the config's precision (fp32 by
     default); a config that says otherwise is a contradiction naming both. The Trainer
     accumulates across the engine's window of 1, so `auto` gives the gradient fp32 then."""
-    for optim in ("adamw_torch_8bit", "adamw_bnb_8bit", "adamw_8bit"):
+    for optim in ("adamw_torch_8bit", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit"):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="offload.integrations.trainer_config"):
             config = trainer_config(training_args(tmp_path, optim=optim), None)
@@ -257,12 +257,27 @@ def test_8bit_adamw_optims_store_int8_moments(tmp_path, caplog):
         assert any(f"optim={optim!r}" in r.getMessage() and "int8" in r.getMessage() for r in caplog.records)
     one = trainer_config(training_args(tmp_path, optim="adamw_8bit", gradient_accumulation_steps=1), None, report=False)
     assert one.optimizer.gradient_precision == "auto"
-    for optim in ("adamw_torch", "adamw_torch_fused"):
+    for optim in ("adamw_torch", "adamw_torch_fused", "paged_adamw_32bit"):
         assert trainer_config(training_args(tmp_path, optim=optim), None).optimizer.state_precision == "fp32"
     bf16 = {"optimizer": {"state_precision": "bf16"}}
     assert trainer_config(training_args(tmp_path), bf16).optimizer.state_precision == "bf16"
     with pytest.raises(ConfigError, match=r"optimizer.state_precision='bf16' but TrainingArguments.optim='adamw_8bit'"):
         trainer_config(training_args(tmp_path, optim="adamw_8bit"), bf16)
+
+
+def test_paged_adamws_run_as_the_engines_adamw_and_say_who_pages(tmp_path, caplog):
+    """bitsandbytes' paged AdamWs (the QLoRA recipes' optim) are AdamW whose state pages between
+    GPU and CPU memory: they run as the engine's AdamW (8-bit: int8 moments), and the log says
+    that the engine's placement does the paging."""
+    for optim, precision in (("paged_adamw_32bit", "fp32"), ("paged_adamw_8bit", "int8")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="offload.integrations.trainer_config"):
+            config = trainer_config(training_args(tmp_path, optim=optim), {"offload": {"optimizer": "cpu"}})
+        assert (config.optimizer.type, config.optimizer.state_precision) == ("adamw", precision)
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(f"optim={optim!r}" in m and "paged by the engine's placement (offload.optimizer cpu)" in m for m in messages)
+    with pytest.raises(ConfigError, match="paged_adamw_8bit"):
+        trainer_config(training_args(tmp_path, optim="paged_lion_8bit"), None)
 
 
 def test_deepspeed_config_from_the_hf_docs_runs_unchanged(tmp_path):

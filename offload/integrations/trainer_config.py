@@ -21,10 +21,13 @@ logger = logging.getLogger(__name__)
 
 # TrainingArguments.optim values that mean AdamW (what the engine's CPU Adam computes); the state
 # precision is offload_config's (optimizer.state_precision, fp32 by default).
-ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "paged_adamw_32bit")
 # AdamW with 8-bit moments (torchao's, bitsandbytes'): the engine's AdamW with int8 moments
 # (optimizer.state_precision int8, docs/compact_state.md; its own blockwise format).
-ADAMW_8BIT_OPTIMS = ("adamw_torch_8bit", "adamw_bnb_8bit", "adamw_8bit")
+ADAMW_8BIT_OPTIMS = ("adamw_torch_8bit", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")
+# bitsandbytes' AdamWs whose state pages between GPU and CPU memory (QLoRA's recipes use them):
+# the same AdamW, the paging being what the engine's placement does (offload.optimizer).
+PAGED_ADAMW_OPTIMS = ("paged_adamw_32bit", "paged_adamw_8bit")
 
 
 # ---- the config: TrainingArguments decide what the Trainer owns ------------------------------
@@ -365,6 +368,13 @@ def trainer_config(args, offload_config=None, max_steps: int | None = None, repo
         # what `auto` means then (state_layout.gradient_bytes_for) is an fp32 gradient
         _set(mapping, "optimizer.gradient_precision", "fp32")
     config = load_config(mapping)
+    if optim in PAGED_ADAMW_OPTIMS and report:
+        logger.info(
+            "offload: TrainingArguments.optim=%r runs as the engine's AdamW; its state is paged by the engine's placement "
+            "(offload.optimizer %s), not by bitsandbytes",
+            optim,
+            config.offload.optimizer,
+        )
     if optim in ADAMW_8BIT_OPTIMS and report:
         logger.info(
             "offload: TrainingArguments.optim=%r -> optimizer.state_precision int8: the engine's AdamW keeps the Adam "
