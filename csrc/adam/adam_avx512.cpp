@@ -482,7 +482,7 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
   const __m512 lerp_coeff = _mm512_set1_ps(lerp_small ? c.step.beta1_weight : c.step.beta1_weight - 1.0f);
   constexpr size_t kGroup = kGroupBlocks * kInt8Block;
   // Whole groups pass a constant count: every lane mask folds to all ones and the masked loads,
-  // stores and moves become plain ones (single thread in cache: 1.50-1.54 to 1.78-1.83 Gparam/s
+  // stores and moves become plain ones (single thread in cache: 1.52-1.57 to 1.78-1.83 Gparam/s
   // on a Zen 5 VM). The last, partial group takes the masked form.
   size_t i = begin;
   for (; i + kGroup <= end; i += kGroup) {
