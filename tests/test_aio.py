@@ -1,5 +1,6 @@
 import errno
 import os
+import time
 
 import pytest
 import torch
@@ -302,6 +303,34 @@ def test_background_depth_keeps_places_for_the_other_queue(tmp_path, pool):
         assert long_read.wait() is True
     assert torch.equal(target, urgent_source)
     assert (tmp_path / "background.bin").read_bytes() == background.numpy().tobytes()
+
+
+def test_a_kept_place_goes_only_to_a_direction_with_no_urgent_piece_queued(tmp_path, pool):
+    """Two pieces in flight, one kept for the non-urgent queue, each piece slowed: behind a long
+    urgent read (the weights compute waits on) a non-urgent write (the write-back) takes the
+    kept place and completes early, but a non-urgent read (the next step's state read ahead)
+    does not take it after the write: on a drive that reads and writes at once it would only
+    take the urgent read's own direction's bandwidth. It runs once the urgent pieces have all
+    started. Everything completes whole."""
+    urgent_source = random_bytes(pool, 24 * 4096, seed=9)
+    (tmp_path / "urgent.bin").write_bytes(urgent_source.numpy().tobytes())
+    ahead_source = random_bytes(pool, 4096, seed=10)
+    (tmp_path / "ahead.bin").write_bytes(ahead_source.numpy().tobytes())
+    target = pool.alloc(24 * 4096, torch.uint8)
+    ahead_target = pool.alloc(4096, torch.uint8)
+    written = random_bytes(pool, 4096, seed=11)
+    with AioEngine(4096, 2, 2, background_depth=1) as eng:
+        eng.set_delay(0.02)
+        long_read = eng.submit_read(str(tmp_path / "urgent.bin"), target, urgent=True)
+        ahead = eng.submit_read(str(tmp_path / "ahead.bin"), ahead_target)
+        write = eng.submit_write(str(tmp_path / "write.bin"), written)
+        assert write.wait() is True
+        time.sleep(0.1)  # five more pieces' time: the read ahead would have had the kept place
+        assert not ahead.done() and not long_read.done()
+        assert long_read.wait() is True
+        assert ahead.wait() is True
+    assert torch.equal(target, urgent_source) and torch.equal(ahead_target, ahead_source)
+    assert (tmp_path / "write.bin").read_bytes() == written.numpy().tobytes()
 
 
 @pytest.mark.parametrize("background_depth", [0, 1])

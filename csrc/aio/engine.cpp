@@ -159,9 +159,18 @@ std::shared_ptr<Request> Engine::submit(Op op, int fd, char* buf, uint64_t offse
   return req;
 }
 
-Engine::Piece Engine::take(Queue& queue) {
+int Engine::kept_place_direction() const {
+  if (background_in_flight_ >= background_depth_) return -1;
+  for (int op = 0; op < 2; ++op)
+    if (!queue_.by_op[op].empty() && urgent_queue_.by_op[op].empty()) return op;
+  return -1;
+}
+
+Engine::Piece Engine::take(Queue& queue, int only_op) {
   int op = queue.by_op[0].empty() ? 1 : 0;
-  if (!queue.by_op[0].empty() && !queue.by_op[1].empty()) {
+  if (only_op >= 0) {
+    op = only_op;
+  } else if (!queue.by_op[0].empty() && !queue.by_op[1].empty()) {
     if (background_depth_ > 0 && op_in_flight_[0] != op_in_flight_[1])
       op = op_in_flight_[0] < op_in_flight_[1] ? 0 : 1;
     else
@@ -182,12 +191,13 @@ void Engine::worker() {
         const bool empty = urgent_queue_.empty() && queue_.empty();
         return (stop_ && empty) || (!empty && in_flight_ < queue_depth_);
       });
-      // the other queue's piece goes first while the urgent queue is empty, or while fewer of
-      // its pieces than background_depth are in flight
-      background = !queue_.empty() && (urgent_queue_.empty() || background_in_flight_ < background_depth_);
+      // the other queue's piece goes first while the urgent queue is empty, or takes one of
+      // the background_depth places kept for it, in a direction with no urgent piece queued
+      const int kept = urgent_queue_.empty() ? -1 : kept_place_direction();
+      background = !queue_.empty() && (urgent_queue_.empty() || kept >= 0);
       Queue& queue = background ? queue_ : urgent_queue_;
       if (queue.empty()) return;  // stop_ and drained
-      piece = take(queue);
+      piece = take(queue, background ? kept : -1);
       ++in_flight_;
       ++op_in_flight_[static_cast<int>(piece.req->op_)];
       if (background) ++background_in_flight_;

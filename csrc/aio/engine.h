@@ -6,8 +6,10 @@
 //   it never blocks on I/O.
 // - `threads` workers pop pieces, the urgent queue's first (a piece of the other queue waits
 //   while any urgent one is queued, unless fewer than `background_depth` of its pieces are in
-//   flight: those places are kept for it, so that on a drive that reads and writes at once the
-//   state's write-back goes on beside the urgent reads); at most `queue_depth` pieces execute
+//   flight and its direction has no urgent piece queued: those places are kept for it, so that
+//   on a drive that reads and writes at once the state's write-back goes on beside the urgent
+//   reads, while the next step's reads ahead never take the urgent reads' bandwidth, their own
+//   direction's); at most `queue_depth` pieces execute
 //   at once (so the number of pieces in flight is min(threads, queue_depth)). Within a queue,
 //   pieces go in submission order; with background_depth > 0 (that drive), the direction with
 //   fewer pieces in flight goes first while both have pieces queued, so that a long run of reads
@@ -124,10 +126,15 @@ class Engine {
     bool empty() const { return by_op[0].empty() && by_op[1].empty(); }
   };
   void worker();
-  // Under mu_: the next piece of `queue` (not empty). In submission order; with
-  // background_depth_ > 0 (a drive that reads and writes at once), the front piece of the
-  // direction with fewer pieces in flight when both directions have pieces queued.
-  Piece take(Queue& queue);
+  // Under mu_: the next piece of `queue` (not empty); of direction `only_op` when it is >= 0.
+  // Otherwise in submission order; with background_depth_ > 0 (a drive that reads and writes at
+  // once), the front piece of the direction with fewer pieces in flight when both directions
+  // have pieces queued.
+  Piece take(Queue& queue, int only_op);
+  // Under mu_, while urgent pieces are queued: the direction (Op) in which the non-urgent queue
+  // may take a kept place now (fewer than background_depth_ of its pieces in flight, a piece of
+  // that direction queued and none of the urgent queue's), or -1.
+  int kept_place_direction() const;
   void run_piece(const Piece& p);
   bool take_fault(Op op, uint64_t end);
 

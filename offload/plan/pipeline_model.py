@@ -359,9 +359,10 @@ def replay(ops: Sequence[Op], machine: Machine, *, background_depth: int = 0) ->
     a duplex drive, a non-urgent NVMe op does not start while an urgent one of the other
     direction runs, even though the drive could serve both (it starts when that one ends, and
     then runs to its end: the engine would hold its remaining pieces back for a later urgent
-    op, which this model does not). Above 0 the engine keeps places for the non-urgent queue,
-    modelled as directions that never wait for each other. A drive that is not duplex has one
-    queue either way.
+    op, which this model does not). Above 0 the engine keeps places for the non-urgent queue in
+    a direction with no urgent piece queued, modelled as directions that never wait for each
+    other (and, within a direction, urgent ops first). A drive that is not duplex has one queue
+    either way.
 
     Decided in time order (a discrete-event schedule): the next op to start is the one that
     can start earliest, so an op whose deps have not all started yet, which cannot start
