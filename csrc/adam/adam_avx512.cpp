@@ -21,11 +21,14 @@ inline __m512 widen_bf16(__m256i h) {
       _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, into_high_halves, _mm512_castsi256_si512(h)));
 }
 
-// The high half of each lane, as 16 words.
-inline __m256i high_halves(__m512i x) {
+// The bf16 of x from `rounded` (x's bits with the rounding already added below the kept 16):
+// each lane's high half, as 16 words, by one word permutation; NaN -> 0x7fc0.
+inline __m256i bf16_high_halves(__m512 x, __m512i rounded) {
   const __m512i high_words = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31,
                                               29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  return _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_words, x));
+  rounded =
+      _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_words, rounded));
 }
 
 template <int GradType>
@@ -37,15 +40,13 @@ inline __m512 load_grad(const void* grad, size_t i, __mmask16 mask) {
 }
 
 // Round to nearest even like c10::BFloat16, NaN -> 0x7fc0: bits + 0x7fff, plus 1 where bit 16
-// (the kept part's last bit) is set; each lane's high half gathered by one word permutation.
+// (the kept part's last bit) is set.
 inline __m256i to_bf16(__m512 p) {
   const __m512i u = _mm512_castps_si512(p);
   __m512i rounded = _mm512_add_epi32(u, _mm512_set1_epi32(0x7fff));
   rounded = _mm512_mask_add_epi32(rounded, _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x10000)), rounded,
                                   _mm512_set1_epi32(1));
-  rounded =
-      _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-  return high_halves(rounded);
+  return bf16_high_halves(p, rounded);
 }
 
 // AdamW on one vector, the operations of torch's single-tensor AdamW in its order: updates
@@ -167,9 +168,7 @@ inline __m512 load_bf16(const uint16_t* src, __mmask16 mask) {
 
 // bf16 with stochastic rounding: r (< 2^16) added below the kept bits; NaN -> 0x7fc0.
 inline __m256i encode_bf16_vector(__m512 x, __m512i r) {
-  const __m512i h = _mm512_add_epi32(_mm512_castps_si512(x), r);
-  const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return high_halves(_mm512_mask_mov_epi32(h, is_nan, _mm512_set1_epi32(0x7fc00000)));
+  return bf16_high_halves(x, _mm512_add_epi32(_mm512_castps_si512(x), r));
 }
 
 // 16 codes (bytes) widened to 32-bit lanes, masked-off lanes zero: zero-extended (E4M4),

@@ -194,7 +194,7 @@ void Engine::worker() {
       // the other queue's piece goes first while the urgent queue is empty, or takes one of
       // the background_depth places kept for it, in a direction with no urgent piece queued
       const int kept = urgent_queue_.empty() ? -1 : kept_place_direction();
-      background = !queue_.empty() && (urgent_queue_.empty() || kept >= 0);
+      background = urgent_queue_.empty() ? !queue_.empty() : kept >= 0;
       Queue& queue = background ? queue_ : urgent_queue_;
       if (queue.empty()) return;  // stop_ and drained
       piece = take(queue, background ? kept : -1);
