@@ -19,7 +19,11 @@ per round and their median). Issue 34's target: int8 at least 1.5x faster than f
 nvme/nvme, where the optimizer step reads and writes about 12 bytes per parameter instead of 24
 (master and moments, each way) besides the weights' traffic:
 
-    python benchmarks/bench_step.py --runs nvme/nvme --state-precisions fp32,int8 --rounds 3
+    python benchmarks/bench_step.py --runs nvme/nvme --state-precisions fp32,int8 --precision bf16 --rounds 3
+
+at 16-bit compute, as the issue's byte targets are (fp32 compute moves 4-byte weights each way,
+traffic the moments' precision does not change); the last line gives the whole step's median
+against 1.5x.
 
 Plain PyTorch runs before the first engine run and again after each one: each engine run's
 ratio is against the mean of the two plain runs around it, so a machine whose speed drifts
@@ -376,6 +380,24 @@ def print_state_speedups(ratios: dict[str, list[float]], runs: list[str], args, 
             )
 
 
+def issue34_verdict(seconds_per_step: dict[str, list[float]], args) -> str:
+    """Issue 34's line: int8 state at least 1.5x faster than fp32 with weights and state on NVMe,
+    the median over rounds of the whole step, at the 16-bit compute its byte targets assume."""
+    target = "target (issue 34): state=int8 at least 1.5x faster than state=fp32 with param nvme / optimizer nvme"
+    overlap = args.overlap
+    fp32 = seconds_per_step.get(run_name("nvme", "nvme", overlap, "fp32"))
+    int8 = seconds_per_step.get(run_name("nvme", "nvme", overlap, "int8"))
+    if not fp32 or not int8:
+        return f"{target}: not measured (add nvme/nvme to --runs)"
+    median = statistics.median(a / b for a, b in zip(fp32, int8))
+    verdict = f"{target}: median {median:.2f}x, {'met' if median >= 1.5 else 'not met'}"
+    if args.precision != "bf16":
+        # the issue's bytes (fp32 <= 28, int8 <= 16 per parameter) assume 16-bit weights; fp32
+        # compute moves 4 bytes of weights each way, which do not shrink with the moments
+        verdict += " (the issue measures it at --precision bf16: with fp32 compute the weights' traffic doubles)"
+    return verdict
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -484,7 +506,7 @@ def main(argv=None) -> int:
                 "disk-bound (the disk bytes at the measured bandwidths)",
             )
         if "int8" in args.state_precisions and "fp32" in args.state_precisions:
-            print("target (issue 34): state=int8 at least 1.5x faster than state=fp32 with param nvme / optimizer nvme")
+            print(issue34_verdict(seconds_per_step, args))
     return 0
 
 

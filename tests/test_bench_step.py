@@ -87,3 +87,19 @@ def test_io_option_gives_the_config_io_section(bench):
     for bad in ("threads", "thread=8", "threads=-1", "threads=eight"):
         with pytest.raises(ValueError, match="not KEY=VALUE"):
             bench.parse_io(bad)
+
+
+def test_issue34_verdict_is_the_median_whole_step_ratio(bench):
+    """The issue-34 line: fp32 s over int8 s per round, their median against 1.5x; fp32 compute
+    is named as not the issue's setting, and a run list without nvme/nvme says so."""
+    from types import SimpleNamespace
+
+    fp32, int8 = (bench.run_name("nvme", "nvme", "forward", state) for state in ("fp32", "int8"))
+    seconds = {fp32: [1.0, 1.2, 1.1], int8: [0.5, 0.9, 0.7]}  # 2.0x, 1.33x, 1.57x
+    bf16 = SimpleNamespace(overlap="forward", precision="bf16")
+    assert bench.issue34_verdict(seconds, bf16).endswith(": median 1.57x, met")
+    seconds[int8] = [0.8, 0.9, 0.7]  # 1.25x, 1.33x, 1.57x
+    assert bench.issue34_verdict(seconds, bf16).endswith(": median 1.33x, not met")
+    fp32_compute = SimpleNamespace(overlap="forward", precision="fp32")
+    assert "--precision bf16" in bench.issue34_verdict(seconds, fp32_compute)
+    assert bench.issue34_verdict({}, bf16).endswith("not measured (add nvme/nvme to --runs)")
