@@ -99,7 +99,9 @@ def test_recording_shape_and_flops(bench):
 
 def test_state_precisions_record_each_and_mark_urgent_io(bench, tmp_path, capsys):
     """--state-precisions fp32,int8: a line per precision, int8's NVMe bytes below fp32's, the
-    predicted speed-up line; the graph's weight fetches are urgent and the state write-back is not."""
+    predicted speed-up line; the graph's weight fetches are urgent and the state write-back is not.
+    The graph is 1.3b's (25 units, recorded narrow): tiny's 3 units fit the staging ring, whose
+    buffers keep lending every unit's new weights, so nothing reads a weights file there."""
     argv = ["--sizes", "tiny", "--placements", "nvme/nvme", "--batch", "2", "--seq", "32", "--machine", "h100-pcie5"]
     lines = bench.main([*argv, "--state-precisions", "fp32,int8", "--nvme-path", str(tmp_path)])
     assert lines == capsys.readouterr().out.splitlines()
@@ -110,7 +112,7 @@ def test_state_precisions_record_each_and_mark_urgent_io(bench, tmp_path, capsys
     ratio = [line for line in lines if "state int8 against fp32, predicted step" in line]
     assert len(ratio) == 1 and float(re.search(r"([0-9.]+)x$", ratio[0]).group(1)) > 1.0, lines
     _, graph, _ = bench.run(
-        "tiny",
+        "1.3b",
         "nvme/nvme",
         overlap="forward",
         machine=MACHINES["h100-pcie5"],

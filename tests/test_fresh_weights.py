@@ -3,7 +3,9 @@ staging buffer the step wrote them to, instead of reading back the file being wr
 
 `FreshWeights` directly (lending, versions, a withdraw that waits for the borrows out), then the
 engine: the fetches do borrow, and training equals plain PyTorch AdamW bit for bit against the
-same run with every weight read back from its swap file.
+same run with every weight read back from its swap file. Then the 16-bit home with a stand-in
+swap store: the weights stay lent after their write-back settled, until the ring hands their
+buffer to another use, which waits for the borrow out.
 """
 
 from __future__ import annotations
@@ -125,3 +127,102 @@ def test_fetches_borrow_the_new_weights_and_train_exactly(swap_dir, overlap, mon
     assert not_borrowed == 0
     assert all(torch.equal(borrowed_state[k], read_state[k]) for k in read_state)
     assert max_weight_difference(borrowed_state, reference) <= tolerance
+
+
+class _Done:
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+
+    def wait(self):
+        if self.error is not None:
+            raise self.error
+
+
+class _FakeSwap:
+    """Records the param16 files read; writes succeed unless `fail_writes`."""
+
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+        self.fail_writes = False
+
+    def write_from(self, name, tensor, urgent=False):
+        return _Done(OSError("disk full") if self.fail_writes else None)
+
+    def read_into(self, name, tensor, urgent=False):
+        self.reads.append(name)
+        tensor.fill_(-1.0)
+        return _Done()
+
+
+class _Unit(FakeUnit):
+    def __init__(self, index: int, numel: int = 4) -> None:
+        super().__init__(index)
+        self.shard_numel = numel
+
+    def swap_name(self, kind: str) -> str:
+        return f"unit{self.index}.{kind}"
+
+
+def _stepped(home, unit, value: float):
+    """A step of `unit`: its new weights (all `value`) written into a staging buffer and
+    published; returns the write-back, not yet settled."""
+    unit.weights_version += 1
+    out = home.target(unit)
+    out.fill_(value)
+    return home.publish(unit, out)
+
+
+def test_settled_weights_stay_lent_until_the_ring_hands_their_buffer_out():
+    """After its write-back settled, a unit's new weights are still borrowed, not read back
+    from the file, until the ring (oldest free buffer first) gives that buffer to another
+    use; a write that failed withdraws them at once."""
+    from offload.storage.param16 import NvmeParam16
+
+    swap = _FakeSwap()
+    home = NvmeParam16([torch.zeros(4), torch.zeros(4)], lambda: swap)
+    a, b, c = _Unit(0), _Unit(1), _Unit(2)
+    _stepped(home, a, 1.0).wait()  # a's buffer back in the ring, behind the other one
+    weights, staged = home.read(a)
+    assert staged and torch.equal(weights, torch.full((4,), 1.0)) and swap.reads == []
+    home.give_back(weights)
+    _stepped(home, b, 2.0).wait()  # takes the other buffer: a's stays lent
+    weights, _ = home.read(a)
+    assert torch.equal(weights, torch.full((4,), 1.0)) and swap.reads == []
+    home.give_back(weights)
+    write_c = _stepped(home, c, 3.0)  # the ring's oldest free buffer is a's: no longer lent
+    weights, _ = home.read(a)  # read from the file into the other buffer, b's: b's lent no more
+    assert swap.reads == ["unit0.param16"]
+    home.give_back(weights)
+    write_c.wait()
+    weights, _ = home.read(c)
+    assert torch.equal(weights, torch.full((4,), 3.0)) and swap.reads == ["unit0.param16"]
+    home.give_back(weights)
+    home.give_back(home.read(b)[0])
+    assert swap.reads == ["unit0.param16", "unit1.param16"]
+    swap.fail_writes = True
+    failed = _stepped(home, a, 4.0)
+    with pytest.raises(OSError, match="disk full"):
+        failed.wait()
+    home.read(a)  # the file may hold anything: read, not lent
+    assert swap.reads == ["unit0.param16", "unit1.param16", "unit0.param16"]
+
+
+def test_taking_a_lent_buffer_from_the_ring_waits_for_its_borrow():
+    """A buffer back in the ring but still lent is handed to another use only once the borrow
+    out has ended (the borrower's device copy may still read it)."""
+    from offload.storage.param16 import NvmeParam16
+
+    swap = _FakeSwap()
+    home = NvmeParam16([torch.zeros(4)], lambda: swap)
+    a, b = _Unit(0), _Unit(1)
+    _stepped(home, a, 1.0).wait()
+    lent, _ = home.read(a)
+    taken = threading.Event()
+    thread = threading.Thread(target=lambda: (home.target(b), taken.set()), daemon=True)
+    thread.start()
+    time.sleep(0.05)
+    assert not taken.is_set()  # the only buffer is still borrowed
+    assert torch.equal(lent, torch.full((4,), 1.0))
+    home.give_back(lent)
+    thread.join(timeout=5)
+    assert taken.is_set()

@@ -525,6 +525,11 @@ def test_what_compute_waits_on_is_urgent_and_the_state_write_back_is_not(swap_di
         engine.backward(mse(engine, x, y))
         engine.step()
         engine.stepping.wait()
+        # the new weights stay lent from their staging buffers until the ring hands those out
+        # again (FreshWeights): drop the copies, as a long model's ring turns do, so that the next
+        # forward reads every unit's file
+        for unit in engine.units:
+            engine.store._param16.fresh.clear(unit)
         engine_run(engine, [data[0]])  # the next forward fetches the new weights
         engine.stepping.wait()
         swap.read_into, swap.write_from = read_into, write_from

@@ -19,10 +19,12 @@
   reused once its device copy has completed), and the optimizer worker's step writes a unit's
   new weights into before their write-back (`Param16WriteBack`).
 - fresh 16-bit weights (`param: nvme`, `FreshWeights`): the staging buffer a step wrote a
-  unit's new weights into, offered by the optimizer worker while their write-back is in flight.
-  A fetch (transfer worker) borrows it instead of reading back the file being written; the
-  optimizer worker withdraws it once the write is settled, waiting until no borrow is out, and
-  only then gives the buffer back to the ring.
+  unit's new weights into, offered by the optimizer worker from their publication until the
+  ring hands that buffer out again. A fetch (transfer worker) or a weights read borrows it
+  instead of reading the file: while the write-back is in flight, and after it (the ring gives
+  out its oldest free buffer first, so a late fetch or the backward's fetch of a unit stepped
+  last still finds it). Whoever takes the buffer from the ring withdraws the offer first,
+  waiting until no borrow is out (`NvmeParam16._take`).
 - gradient staging ring (a device with memory of its own): two host buffers of the largest
   shard; the transfer worker borrows one per gradient copy off the device
   (`TierStore.grad_staging_buffer`) and gives it back once it has added the gradient in.
@@ -76,8 +78,9 @@ class _Fresh:
 
 class FreshWeights:
     """Units' new 16-bit weights still in the staging buffers their steps wrote them to (see the
-    module docstring). `offer` and `withdraw`: the optimizer worker; `borrow` and `give_back`:
-    any reader (the transfer worker's fetches, a weights reader). One condition guards it all."""
+    module docstring). `offer`: the optimizer worker; `withdraw`: whoever takes a staging buffer
+    from the ring; `borrow` and `give_back`: any reader (the transfer worker's fetches, a weights
+    reader). One condition guards it all."""
 
     def __init__(self) -> None:
         self._by_unit: dict[int, _Fresh] = {}
@@ -85,8 +88,11 @@ class FreshWeights:
         self.borrowed = 0  # borrows so far (how many reads of the swap file they saved)
 
     def offer(self, unit: UnitState, buffer: torch.Tensor) -> None:
-        """`buffer` holds `unit`'s weights of its current version (its step just wrote them)."""
+        """`buffer` holds `unit`'s weights of its current version (its step just wrote them). An
+        older copy still offered is withdrawn first (its borrows waited out)."""
         with self._changed:
+            if unit.index in self._by_unit:
+                self._end(unit.index)
             self._by_unit[unit.index] = _Fresh(buffer, unit.weights_version)
 
     def borrow(self, unit: UnitState) -> torch.Tensor | None:
@@ -118,12 +124,16 @@ class FreshWeights:
                 self._end(index)
 
     def _end(self, index: int) -> None:
-        """(Condition held.) Lends the unit's copy no more, waits for its borrows, forgets it."""
+        """(Condition held.) Lends the unit's copy no more, waits for its borrows, forgets it. Two
+        threads may end one copy at once (the next step's `offer` and a `withdraw` of its buffer
+        taken from the ring): each returns once the borrows are over, and only the copy itself is
+        forgotten, never one offered meanwhile."""
         fresh = self._by_unit[index]
         fresh.withdrawn = True
         while fresh.borrows:
             self._changed.wait()
-        del self._by_unit[index]
+        if self._by_unit.get(index) is fresh:
+            del self._by_unit[index]
 
     def clear(self, unit: UnitState) -> None:
         """The unit's weights were replaced by other means (a checkpoint load): no fresh copy."""

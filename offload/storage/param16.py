@@ -8,11 +8,15 @@
   staged, read back or written back.
 - `NvmeParam16` (param `nvme`): the home is the unit's `param16` swap file. A step writes the new
   weights into a staging buffer of the ring (optimizer worker: `target`), and `publish` starts
-  their write to the file and offers the buffer to fetches (`FreshWeights`) while it is in flight;
-  the optimizer worker settles that write (`Param16WriteBack.wait`) before it takes the next
-  staging buffer, which withdraws the offer and gives the buffer back. Fetches (transfer worker)
-  and weight reads (main thread) `read` a unit's weights: the fresh buffer if still offered,
-  else the file read into a staging buffer; they give it back with `give_back`.
+  their write to the file and offers the buffer to fetches (`FreshWeights`); the optimizer worker
+  settles that write (`Param16WriteBack.wait`) before it takes the next staging buffer, which
+  gives the buffer back to the ring still offered. The offer ends when the ring hands that buffer
+  out again (`_take` withdraws it, waiting out the borrows) or the unit's next step offers
+  another. Fetches (transfer worker) and weight reads (main thread) `read` a unit's weights: the
+  fresh buffer if still offered, else the file read into a staging buffer; they give it back
+  with `give_back`. The ring hands out its oldest free buffer, so the copy of the unit stepped
+  last stays longest: a fetch delayed behind a loaded CPU, or the backward's fetch of the last
+  units stepped, borrows it instead of reading the file again.
 """
 
 from __future__ import annotations
@@ -41,20 +45,20 @@ class Param16WriteBack:
         self._settled = False
 
     def wait(self) -> None:
-        """Settles the write: waits for it, then withdraws the buffer from fetches (once no
-        borrow is out) and gives it back to the ring; a failed write gives it back too, and
-        raises. An interrupt during the wait leaves it pending (the write may still read the
-        buffer): wait again. Once settled, a wait returns at once."""
+        """Settles the write: waits for it, then gives the buffer back to the ring, still lent
+        to fetches (the file now holds the same weights); a failed write withdraws it from
+        fetches, gives it back too, and raises. An interrupt during the wait leaves it pending
+        (the write may still read the buffer): wait again. Once settled, a wait returns at once."""
         if self._settled:
             return
         try:
             self._handle.wait()
         except Exception:
             self._settled = True
-            self._home.give_back_published(self._buffer)
+            self._home.give_back_published(self._buffer, written=False)
             raise
         self._settled = True
-        self._home.give_back_published(self._buffer)
+        self._home.give_back_published(self._buffer, written=True)
 
 
 class Param16Home:
@@ -133,9 +137,16 @@ class NvmeParam16(Param16Home):
         self.fresh = FreshWeights()
         self._swap = swap
 
+    def _take(self) -> torch.Tensor:
+        """A staging buffer from the ring (blocks while all are in use), no longer lent to
+        fetches: an offer of the weights it still holds is withdrawn, its borrows waited out."""
+        buffer = self.staging.take()
+        self.fresh.withdraw(buffer)
+        return buffer
+
     def target(self, unit: UnitState) -> torch.Tensor:
         """A staging buffer of the ring, the unit's size (blocks while all are in use)."""
-        return self.staging.take()[: unit.shard_numel]
+        return self._take()[: unit.shard_numel]
 
     def read_into(self, unit: UnitState, out: torch.Tensor) -> None:
         """The unit's current weights, read from their file into `out`."""
@@ -166,7 +177,7 @@ class NvmeParam16(Param16Home):
         if fresh is not None:
             # the step's staging buffer still holds them: no read back of the file being written
             return fresh, True
-        staging = self.staging.take()
+        staging = self._take()
         try:
             self._swap().read_into(unit.swap_name("param16"), staging[: unit.shard_numel], urgent=True).wait()
         except BaseException:
@@ -176,24 +187,31 @@ class NvmeParam16(Param16Home):
 
     def store_values(self, unit: UnitState, values32: torch.Tensor) -> None:
         self.fresh.clear(unit)
-        staging = self.staging.take()
+        staging = self._take()
         try:
             staging[: unit.shard_numel].copy_(values32)
             self._swap().write_from(unit.swap_name("param16"), staging[: unit.shard_numel]).wait()
         finally:
             self.staging.give(staging)
 
-    def give_back_published(self, buffer: torch.Tensor) -> None:
-        """The staging buffer a step's new weights were written from, its write settled: lent to
-        fetches no more (once the borrows out have ended), then free for the ring."""
-        self.fresh.withdraw(buffer)
-        self.give_back(buffer)
+    def give_back_published(self, buffer: torch.Tensor, *, written: bool) -> None:
+        """The staging buffer a step's new weights were written from, its write settled: free
+        for the ring. `written`: the file holds them, so the buffer stays lent to fetches until
+        the ring hands it out again (`_take`); else it is withdrawn first (the borrows out
+        ended), as the file may hold anything. Straight into the ring, not through `give_back`,
+        which would take it for the end of a borrow still out."""
+        if not written:
+            self.fresh.withdraw(buffer)
+        self.staging.give(self._staging_buffer(buffer))
+
+    def _staging_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole ring buffer `tensor` (a unit-sized view of it) begins."""
+        for buffer in self.staging.buffers:
+            if buffer.data_ptr() == tensor.data_ptr():
+                return buffer
+        raise RuntimeError("give_back_staging: the tensor is not a staging buffer")
 
     def give_back(self, tensor: torch.Tensor) -> None:
         if self.fresh.give_back(tensor):
             return
-        for buffer in self.staging.buffers:
-            if buffer.data_ptr() == tensor.data_ptr():
-                self.staging.give(buffer)
-                return
-        raise RuntimeError("give_back_staging: the tensor is not a staging buffer")
+        self.staging.give(self._staging_buffer(tensor))
