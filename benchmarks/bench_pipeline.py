@@ -92,9 +92,12 @@ Method
    its first piece as soon as that piece is read, so the second forward starts before the
    write-back's backlog is in steady state; tiny nvme/nvme on this-cpu replays 0.92x its floor
    there, then exactly the floor from the third period on. The later periods replay the same).
-   The floor, hidden shares and busy times are those of that step's ops (hidden under any
-   compute of the replay); the critical path is the chain ending at the last step's first
-   compute op, cut to the period:
+   The floor and the busy times and bytes are per step, the mean over the recorded steps (the
+   step an op is recorded in moves with the recording's timing: a step's reads ahead of the
+   next are sometimes issued after the next began; the work of all the steps does not); the
+   hidden shares are those of the measured step's ops (hidden under any compute of the
+   replay); the critical path is the chain ending at the last step's first compute op, cut
+   to the period:
    its shares per resource add up to the step time.
 
 Calibration (h100-pcie5: 270 TFLOPS, PCIe 48 GB/s each way, CPU Adam 2.5 Gparams/s)
@@ -914,12 +917,16 @@ def predict(graph: Graph, machine: Machine, background_depth: int = 0) -> Predic
     end = r.spans[graph.first_compute[following]][0]
     ids = graph.step_ops[measured]
     by_id = {op.id: op for op in graph.ops}
+    # per step, the mean over the recorded steps: which step a piece of work lands in moves with
+    # the recording's timing (a step's reads ahead of the next are sometimes issued after the
+    # next has begun), the work of all of them together does not
     busy = dict.fromkeys(RESOURCES, 0.0)
     nbytes = dict.fromkeys(RESOURCES, 0)
-    for i in ids:
+    for i in set().union(*(graph.step_ops[step] for step in graph.steps)):
         s, e = r.spans[i]
-        busy[by_id[i].resource] += e - s
+        busy[by_id[i].resource] += (e - s) / len(graph.steps)
         nbytes[by_id[i].resource] += by_id[i].nbytes
+    nbytes = {resource: total // len(graph.steps) for resource, total in nbytes.items()}
     floor, floor_resource = floor_of(busy, machine.nvme_duplex)
     path = dict.fromkeys(RESOURCES, 0.0)
     for op in r.critical_path(end=graph.first_compute[following]):
