@@ -760,8 +760,8 @@ class SwapStore:
     def __exit__(self, *exc):
         self.close()
 
-    def __del__(self):
+    def __del__(self, _log=log):  # the logger bound here: at interpreter teardown the module's globals may be None
         try:
             self.close()
         except (OSError, RuntimeError, AttributeError) as e:  # a half-made store, or interpreter teardown
-            log.debug("closing a dropped swap store failed: %s", e)
+            _log.debug("closing a dropped swap store failed: %s", e)
