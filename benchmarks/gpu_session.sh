@@ -72,7 +72,9 @@ lease)
   echo "setup done at $SECONDS s" >>"$out/machine.txt"
   # the compact kernels against fp32 on the host's cores (and DeepSpeed's CPUAdam, JIT-built
   # first: about a minute)
-  part 180 adam.log python3 benchmarks/bench_adam.py --sizes 30e6 100e6 --repeats 5 --bnb-rounds 0
+  # (9 rounds: with 5, the fp32 kernel at 100M measured 4.68 Gparam/s on 2026-11-27 against 5.65 a
+  # day before with the same code, 0.91x DeepSpeed's CPUAdam where it had been ahead)
+  part 200 adam.log python3 benchmarks/bench_adam.py --sizes 30e6 100e6 --repeats 9 --bnb-rounds 0
   # io.background_depth on this machine's drive (it reads and writes at once): the state's
   # write-back beside the step's urgent reads (2 places of 8), against urgent-first (0)
   for depth in 0 2; do

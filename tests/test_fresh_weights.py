@@ -74,6 +74,32 @@ def test_withdraw_waits_for_the_borrows_out():
     assert withdrawn.is_set()
 
 
+def test_a_copy_ended_by_two_threads_at_once_leaves_the_next_offer_lent():
+    """The next step's `offer` and a `withdraw` of the old buffer (taken from the ring) may end
+    one copy at once: both wait for the borrow out, and the new copy stays lent."""
+    fresh = FreshWeights()
+    unit = FakeUnit(0)
+    old, new = torch.zeros(4), torch.ones(4)
+    fresh.offer(unit, old)
+    lent = fresh.borrow(unit)
+    unit.weights_version += 1  # the unit's next step
+    threads = [
+        threading.Thread(target=fresh.withdraw, args=(old,), daemon=True),
+        threading.Thread(target=fresh.offer, args=(unit, new), daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.05)
+    assert all(thread.is_alive() for thread in threads)  # both wait for the borrow of `old`
+    assert fresh.give_back(lent)
+    for thread in threads:
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+    again = fresh.borrow(unit)
+    assert again is new
+    assert fresh.give_back(again)
+
+
 class _SlowHandle:
     def __init__(self, handle) -> None:
         self.handle = handle
