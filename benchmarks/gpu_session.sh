@@ -8,7 +8,7 @@
 #                                                     fp32 on the host's cores, bench_step cpu/nvme and
 #                                                     nvme/nvme with and without places kept for the
 #                                                     write-back (io.background_depth), tests/test_cuda.py
-#                                                     and the compact-state tests, the same under the
+#                                                     and the compact-state tests, those on CUDA under the
 #                                                     stream sanitizer, then, if time is left, bench_step
 #                                                     nvme/nvme with fp32, bf16 and int8 state (issue 34's
 #                                                     1.5x); each part stops in time (on 2026-11-27:
