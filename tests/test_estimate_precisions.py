@@ -69,6 +69,38 @@ def test_disk_traffic_per_step_is_the_nvme_units_state(shape):
     assert report["settings"]["state"] == {"state_precision": "fp32", "gradient_bytes": 4, "bytes_per_param": 16.0}
 
 
+def test_weights_on_nvme_count_their_own_disk_traffic(shape):
+    """param nvme: each unit's 16-bit shard written once per step and read by its backward fetch,
+    by its forward fetch too unless overlap forward lends the step's buffer; no weights traffic
+    with the weights on the device or in RAM. The per-precision table adds it to every row and
+    says so."""
+    machine = Machine(gpu_bytes=None, ram_bytes=64 * GiB, disk_bytes=10**13, device="cpu")
+    once = sum(-(-n * 2 // 4096) * 4096 for n in shape.shard_numels())
+    for overlap, reads in (("forward", once), ("none", 2 * once), ("backward", 2 * once)):
+        rows = rows_of(est.estimate_report(shape, machine, precision="bf16", overlap=overlap))
+        for (param, _), row in rows.items():
+            expected = {"read": reads, "written": once} if param == "nvme" else {"read": 0, "written": 0}
+            assert row["weights_disk_per_step"] == expected, (param, overlap)
+    assert est.weights_disk_traffic(shape.shard_numels(), 2, "forward") == est.DiskTraffic(once, once)
+
+
+def test_cli_counts_the_weights_disk_traffic_of_param_nvme(capsys, tmp_path):
+    """The issue's 70B machine: the recommended placement keeps the weights on nvme; its line and
+    the per-precision table's disk column count their traffic, in every precision alike."""
+    args = ["estimate", "70B", "--gpu-memory", "24GB", "--ram", "128GiB", "--disk", "2TB", "--checkpointing"]
+    assert cli_main([*args, "--nvme-path", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["recommended"]["param"], report["recommended"]["optimizer"]) == ("nvme", "auto")
+    weights = rows_of(report)[("nvme", "auto")]["weights_disk_per_step"]
+    assert weights["read"] == weights["written"] > 130 * 10**9  # 2 bytes of 70B params each way
+    for row in report["state_precisions"]["rows"]:
+        assert row["weights_disk_per_step"] == weights
+    assert cli_main([*args, "--nvme-path", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "disk traffic of the 16-bit weights per step: up to 130 GiB read + 130 GiB written" in out
+    assert "the 16-bit weights' on nvme, up to 130 GiB read + 130 GiB written in every precision)" in out
+
+
 def test_each_precision_side_by_side(shape):
     """compare_state_precisions: fp32, bf16, int8 for the recommended placement; the row of the
     report's own precision is the report's; each precision takes less than the one before."""

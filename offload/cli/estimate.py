@@ -254,6 +254,12 @@ def format_report(report: dict) -> str:
             lines.append(
                 f"{'':<18} disk traffic of the optimizer state per step: {f(disk['read'])} read + {f(disk['written'])} written"
             )
+        weights = row.get("weights_disk_per_step")
+        if weights and weights["read"] + weights["written"]:
+            lines.append(
+                f"{'':<18} disk traffic of the 16-bit weights per step: up to {f(weights['read'])} read + "
+                f"{f(weights['written'])} written (each unit's fetches and its step's write-back)"
+            )
         files = row.get("swap_files", 0)
         if files:
             shortfall = hard_limit_shortfall(files)
@@ -297,9 +303,13 @@ def precision_lines(table: dict, chosen: str) -> list[str]:
         f"{'precision':<12} {'B/param':>7} {'device':>10} {'host':>10} {'nvme':>10} {'disk per step (read + written)':>32}  "
         "fits  recommended",
     ]
+    weights = None
     for row in table["rows"]:
         name = row["state_precision"] + (" *" if row["state_precision"] == chosen else "")
         disk = row["disk_per_step"]
+        weights = row.get("weights_disk_per_step") or weights
+        if disk is not None and weights:
+            disk = {way: disk[way] + weights[way] for way in ("read", "written")}
         traffic = "-" if disk is None else f"{f(disk['read'])} + {f(disk['written'])}"
         recommended = "nothing fits" if row["recommended"] is None else " / ".join(row["recommended"])
         lines.append(
@@ -311,6 +321,11 @@ def precision_lines(table: dict, chosen: str) -> list[str]:
     lines.append(
         "(* the precision the placement rows above count; every precision keeps fp32 master weights and fp32 checkpoints)"
     )
+    if weights and weights["read"] + weights["written"]:
+        lines.append(
+            f"(disk per step: the optimizer state's, and the 16-bit weights' on nvme, up to {f(weights['read'])} read + "
+            f"{f(weights['written'])} written in every precision)"
+        )
     return lines
 
 

@@ -23,7 +23,7 @@ Each kind of optimizer state is as wide as a `StateBytes` says (`state=`; defaul
 and gradient: 16 bytes per element; `state_layout.state_bytes_for` gives a config's), so every
 figure follows `optimizer.state_precision` and `optimizer.gradient_precision`;
 `compare_state_precisions` puts them side by side. `step_disk_bytes` is what the optimizer
-state moves over the disk per step.
+state moves over the disk per step, `weights_disk_traffic` what the weights on `nvme` move.
 
 Activations are not in the engine's ledger: `activation_bytes` is a separate, rough figure (it
 depends on the model's code, attention kernel, sequence length and checkpointing).
@@ -63,6 +63,7 @@ from offload.plan.optimizer_plan import (
     step_disk_traffic,
     swap_bytes_for_state,
     swap_file_bytes,
+    weights_disk_traffic,
 )
 
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -680,6 +681,9 @@ def estimate_report(
         traffic = step_disk_bytes(
             shape, estimate, taken.gradients_in_ram, world_size=world_size, accumulation_steps=accumulation_steps
         )
+        weights = DiskTraffic()
+        if placement[0] == "nvme":
+            weights = weights_disk_traffic(shape.shard_numels(world_size), COMPUTE_BYTES[precision], overlap)
         rows.append(
             {
                 **estimate.as_dict(),
@@ -687,6 +691,7 @@ def estimate_report(
                 "problems": problems,
                 "leftover_ram": {**asdict(leftover), "host": leftover.host},
                 "disk_per_step": {"read": traffic.read, "written": traffic.written},
+                "weights_disk_per_step": {"read": weights.read, "written": weights.written},
                 "swap_files": swap_file_count(shape, estimate, taken.gradients_in_ram, world_size=world_size),
             }
         )

@@ -263,6 +263,16 @@ def step_disk_traffic(
     return DiskTraffic(read=read, written=written)
 
 
+def weights_disk_traffic(shard_numels: list[int], compute_bytes: int, overlap: str) -> DiskTraffic:
+    """What the 16-bit weights of param `nvme` move over the disk per step, at most: each unit's
+    new weights written once by its step; each unit read by its backward fetch, and by its
+    forward fetch too unless `overlap` is "forward", where that fetch borrows the staging buffer
+    the step has just written them into (storage.param16). The units stepped last can still be
+    lent when the backward reaches them, so the reads can be a little less."""
+    once = sum(round_up(numel * compute_bytes, PAGE) for numel in shard_numels)
+    return DiskTraffic(read=once if overlap == "forward" else 2 * once, written=once)
+
+
 def spare_state_bytes(numel: int, state: StateBytes = FP32_STATE) -> int:
     """Host bytes of one unit's spare state (overlap 'backward' with clipping or fp16): its
     master and moments once more (`STEPPED_KINDS`), each buffer in whole pages."""

@@ -41,7 +41,8 @@ def compare_state_precisions(shape: ModelShape, machine: Machine, report: dict, 
     """What each `optimizer.state_precision` takes for the placement `report` (an
     `estimate_report` of `shape` on `machine` with `settings`, its keyword arguments) is shown for
     (`shown_placement`): per precision, bytes per param, per tier, the optimizer state's disk
-    traffic per step (`step_disk_bytes`), whether it fits, and that precision's own
+    traffic per step (`step_disk_bytes`) and the weights' (`weights_disk_traffic`, the same in
+    every precision), whether it fits, and that precision's own
     recommendation. The gradient keeps the width `settings["state"]` gives it."""
     placement, why = shown_placement(report)
     base = settings.pop("state", FP32_STATE)
@@ -56,6 +57,7 @@ def compare_state_precisions(shape: ModelShape, machine: Machine, report: dict, 
                 **state_settings(state),
                 **{tier: row[tier]["total"] for tier in ("device", "host", "nvme")},
                 "disk_per_step": row.get("disk_per_step"),
+                "weights_disk_per_step": row.get("weights_disk_per_step"),
                 "plan": row.get("plan"),
                 "fits": row["fits"],
                 "recommended": None if recommended is None else [recommended["param"], recommended["optimizer"]],
