@@ -303,11 +303,11 @@ def precision_lines(table: dict, chosen: str) -> list[str]:
         f"{'precision':<12} {'B/param':>7} {'device':>10} {'host':>10} {'nvme':>10} {'disk per step (read + written)':>32}  "
         "fits  recommended",
     ]
-    weights = None
+    # the weights' traffic is the placement's, the same in every precision's row
+    weights = table["rows"][0].get("weights_disk_per_step") if table["rows"] else None
     for row in table["rows"]:
         name = row["state_precision"] + (" *" if row["state_precision"] == chosen else "")
         disk = row["disk_per_step"]
-        weights = row.get("weights_disk_per_step") or weights
         if disk is not None and weights:
             disk = {way: disk[way] + weights[way] for way in ("read", "written")}
         traffic = "-" if disk is None else f"{f(disk['read'])} + {f(disk['written'])}"
