@@ -7,11 +7,17 @@ with only the sqrt taken in double (correctly rounded). The comparison with
 torch.optim.AdamW itself, to a few ulps, is in test_cpu_adam.py.
 """
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from offload.config.state_layout import NORM_BLOCK
 from offload.errors import OffloadError
 from offload.optim import kernels
 
@@ -380,6 +386,57 @@ def test_sq_norm_same_on_every_isa():
     assert len(values) == 1
 
 
+def _norm_in_pieces(t: torch.Tensor, bounds: list[int]) -> float:
+    """sq_norm of `t` cut at `bounds`, each piece carrying the previous one's result."""
+    norm = 0.0
+    for start, end in zip([0, *bounds], [*bounds, t.numel()]):
+        norm = kernels.sq_norm(t[start:end], norm)
+    return norm
+
+
+def test_sq_norm_in_whole_blocks_is_the_whole_vectors_sum_on_every_isa():
+    """The engine sums a streamed unit's gradient norm piece by piece (pieces are whole
+    NORM_BLOCKs: plan.optimizer_plan.whole_blocks) and a resident one in one call: the two must be
+    the same bits on any CPU, whatever the values. Summing each piece on its own and adding the
+    results (the order before 2026-11-28) differs in the last bit for some of these vectors,
+    which is how `make test` failed on an AMX Xeon whose GEMMs gave other gradients than ours."""
+    naive_differs = 0
+    sizes = [10 * NORM_BLOCK + 7, 100 * NORM_BLOCK + 3]  # the second: several threads, whole
+    for seed in range(24):
+        n = sizes[seed % 2]
+        t = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * (1 + seed)
+        cuts = list(range(NORM_BLOCK * (1 + seed % 3), n, NORM_BLOCK * (1 + seed % 3)))
+        values = set()
+        try:
+            for name in kernels.available_isas():
+                kernels.force_isa(name)
+                values.add(kernels.sq_norm(t))
+                values.add(_norm_in_pieces(t, cuts))
+        finally:
+            kernels.force_isa(None)
+        assert len(values) == 1, (seed, values)
+        naive = sum(kernels.sq_norm(t[a:b]) for a, b in zip([0, *cuts], [*cuts, n]))
+        naive_differs += naive != values.pop()
+    assert naive_differs, "no vector here tells the canonical order from per-piece sums: the test proves nothing"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    blocks=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    tail=st.integers(0, NORM_BLOCK - 1),
+    seed=st.integers(0, 2**16),
+    carried=st.sampled_from([0.0, 1.5, 1e30]),
+)
+def test_sq_norm_carried_through_any_whole_block_cut(blocks, tail, seed, carried):
+    n = sum(blocks) * NORM_BLOCK + tail
+    t = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    cuts = [NORM_BLOCK * sum(blocks[: i + 1]) for i in range(len(blocks) - 1)]
+    norm = carried
+    for start, end in zip([0, *cuts], [*cuts, n]):
+        norm = kernels.sq_norm(t[start:end], norm)
+    assert norm == kernels.sq_norm(t, carried)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_has_nonfinite(isa, dtype, bad):
@@ -439,9 +496,23 @@ def test_isa_selection():
             with pytest.raises(OffloadError, match=name):
                 kernels.force_isa(name)
     kernels.force_isa(None)
-    assert kernels.active_isa() == available[0]
+    assert kernels.active_isa() == (os.environ.get("OFFLOAD_CPU_ISA") or available[0])
     with pytest.raises(ValueError, match="sse"):
         kernels.force_isa("sse")
+
+
+@pytest.mark.parametrize("isa_name", ["portable", "sse"])
+def test_cpu_isa_from_the_environment(isa_name):
+    """OFFLOAD_CPU_ISA rules the whole process's kernels (the suite runs under each), and
+    force_isa(None) returns to it; an unknown name fails at import, naming the variable."""
+    code = "from offload.optim import kernels; kernels.force_isa(None); print(kernels.active_isa())"
+    env = {**os.environ, "OFFLOAD_CPU_ISA": isa_name}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if isa_name == "sse":
+        assert done.returncode != 0 and "OFFLOAD_CPU_ISA: unknown instruction set 'sse'" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == isa_name
 
 
 def test_thread_count_validation():

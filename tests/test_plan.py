@@ -203,16 +203,17 @@ def test_slot_shape_properties(numels, buffer_count, sub_group_size):
 def test_a_small_sub_group_size_keeps_more_units_in_ram():
     """Whole-unit slots take RAM that smaller pieces leave to resident units: with pieces of a
     tenth of a unit, the same RAM holds two more units' state, and two fewer stream from NVMe."""
-    numels = [10**6] * 10
+    unit = 1024 * 1000  # pieces are whole norm blocks (1024 elements): a tenth of a unit is one
+    numels = [unit] * 10
     order = list(range(10))
-    host = 4 * 16 * 10**6 + slot_bytes_for(10**6, 3, WHOLE)  # four units beside whole-unit slots
+    host = 4 * 16 * unit + slot_bytes_for(unit, 3, WHOLE)  # four units beside whole-unit slots
     capacity = Capacity(device=0, host=host, nvme=10**12)
     whole = plan_optimizer_tiers(numels, order, capacity, buffer_count=3, sub_group_size=WHOLE)
-    pieces = plan_optimizer_tiers(numels, order, capacity, buffer_count=3, sub_group_size=10**5)
+    pieces = plan_optimizer_tiers(numels, order, capacity, buffer_count=3, sub_group_size=unit // 10)
     assert whole.tiers == [OptimizerTier.HOST] * 4 + [OptimizerTier.NVME] * 6
-    # 116e6 bytes: 52e6 of whole-unit slots + 4 units, or 5.2e6 of slots + 6 units (16e6 each)
+    # 116 unit-elements' bytes: 52 of whole-unit slots + 4 units, or 5.2 of slots + 6 units (16 each)
     assert pieces.tiers == [OptimizerTier.HOST] * 6 + [OptimizerTier.NVME] * 4
-    assert whole.slot_bytes == 52 * 10**6 and pieces.slot_bytes == 52 * 10**5
+    assert whole.slot_bytes == 52 * unit and pieces.slot_bytes == 52 * unit // 10
     assert pieces.bytes_by_tier["cpu"] + pieces.slot_bytes <= host
     assert pieces.bytes_by_tier["nvme"] < whole.bytes_by_tier["nvme"]
 

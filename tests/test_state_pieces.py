@@ -147,12 +147,12 @@ def test_accumulation_and_clipping_in_pieces_equal_whole_units(swap_dir, param, 
     and the global norm, summed over the pieces' squared norms. Overlap 'backward' with clipping
     steps NVMe units after the norm (only units with their state in RAM speculate).
 
-    Tolerance: none. The squared norm of a unit in pieces is a sum of per-piece fp64 sums where
-    whole units make one fp64 sum, so the norm could in principle differ in its last fp64 bit;
-    measured here, the norms (2.3..5.1), the losses and every weight are bit-identical to the
-    whole-unit run, and an fp64 last-bit difference would also have to survive the rounding of
-    the clip factor to fp32 to reach the weights. So everything is compared exactly; against
-    AdamW with clip_grad_norm_ the usual fp32 tolerance."""
+    Tolerance: none, by construction. Pieces are whole norm blocks (NORM_BLOCK elements) and each
+    piece's squared norm continues the previous piece's sum in the kernel's canonical block order
+    (offload.optim.kernels.sq_norm), so the norm in pieces is the whole unit's, bit for bit, on
+    any CPU (before, per-piece sums added afterwards differed in the last fp64 bit on an AMX Xeon,
+    whose gradients differ from ours). Against AdamW with clip_grad_norm_ the usual fp32
+    tolerance."""
     torch.manual_seed(0)
     model = TinyNet(width=WIDTH, depth=DEPTH)
     data = batches(2 * STEPS, batch=8)

@@ -24,9 +24,13 @@ namespace {
 
 // Below this many elements a call runs on the calling thread: waking workers costs more.
 constexpr size_t kSerialElements = size_t(1) << 15;
-// Reductions split into blocks of this fixed size; partial sums are combined in block
-// order, so the result does not depend on the number of threads.
+// has_nonfinite splits into blocks of this fixed size, run on any thread.
 constexpr size_t kReduceBlock = size_t(1) << 16;
+// sq_norm's canonical blocks (see sq_norm): offload.plan.optimizer_plan.NORM_BLOCK, the unit
+// every streamed piece of optimizer state is a multiple of, is this number.
+constexpr size_t kNormBlock = 1024;
+// Blocks a thread takes at a time from sq_norm's shared counter (128 KiB of fp32).
+constexpr size_t kNormGrab = 32;
 // Per-thread ranges of the elementwise kernel start at multiples of this many elements
 // (256 bytes of fp32, 128 of 16-bit): no two threads write the same cache line.
 constexpr size_t kSplitAlign = 64;
@@ -380,29 +384,36 @@ void compact_traffic(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr
   parallel_ranges(n, [&](size_t begin, size_t end) { k.compact_traffic(args, begin, end); });
 }
 
-double sq_norm(uintptr_t data, size_t n, int type) {
+// The sum of squares in its canonical order, continued from `carried`: blocks of kNormBlock
+// elements from the start of `data`, each summed by the kernel table's sum_squares (16 lanes in
+// a fixed order, the same bits on every ISA), added to the running total one block at a time in
+// block order. Because the order depends only on the element positions, a vector cut into
+// pieces that are whole blocks (every piece but the last a multiple of kNormBlock) gives, with
+// each piece continuing from the previous piece's result, the same bits as the vector in one
+// call: the engine's gradient norm is the same whether a unit's state streams in pieces or
+// stays whole, on any CPU and thread count.
+double sq_norm(uintptr_t data, size_t n, int type, double carried) {
   check_type("sq_norm", "tensor", type, false);
-  if (n == 0) return 0.0;
+  if (n == 0) return carried;
   check_pointer("sq_norm", "tensor", data);
   const void* ptr = reinterpret_cast<const void*>(data);
   const IsaKernels& k = kernels();
-  const size_t blocks = (n + kReduceBlock - 1) / kReduceBlock;
-  std::vector<double> partial(blocks, 0.0);  // one slot per block, written by whichever thread ran it
-  auto run_block = [&](size_t b) {
-    partial[b] = k.sum_squares(ptr, type, b * kReduceBlock, std::min(n, (b + 1) * kReduceBlock));
+  const size_t blocks = (n + kNormBlock - 1) / kNormBlock;
+  auto block_sum = [&](size_t b) {
+    return k.sum_squares(ptr, type, b * kNormBlock, std::min(n, (b + 1) * kNormBlock));
   };
-  if (blocks == 1) {
-    run_block(0);
-  } else {
-    std::atomic<size_t> next{0};
-    pool().run([&](int, int) {
-      for (size_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) run_block(b);
-    });
+  if (n <= kSerialElements) {
+    for (size_t b = 0; b < blocks; ++b) carried += block_sum(b);
+    return carried;
   }
-  // pairwise combination in a fixed tree over block order
-  for (size_t width = 1; width < blocks; width *= 2)
-    for (size_t b = 0; b + width < blocks; b += 2 * width) partial[b] += partial[b + width];
-  return partial[0];
+  std::vector<double> partial(blocks, 0.0);  // one slot per block, written by whichever thread ran it
+  std::atomic<size_t> next{0};
+  pool().run([&](int, int) {
+    for (size_t first = next.fetch_add(kNormGrab); first < blocks; first = next.fetch_add(kNormGrab))
+      for (size_t b = first; b < std::min(blocks, first + kNormGrab); ++b) partial[b] = block_sum(b);
+  });
+  for (double sum : partial) carried += sum;  // the calling thread, in block order
+  return carried;
 }
 
 bool has_nonfinite(uintptr_t data, size_t n, int type) {
@@ -465,6 +476,7 @@ PYBIND11_MODULE(_adam_ext, m) {
       "CPU Adam/AdamW kernel, squared norm and non-finite check over raw buffers (offload.optim.kernels "
       "wraps it)";
   using release = py::call_guard<py::gil_scoped_release>;
+  m.attr("NORM_BLOCK") = kNormBlock;
   m.attr("F32") = int(kF32);
   m.attr("BF16") = int(kBF16);
   m.attr("F16") = int(kF16);
@@ -498,7 +510,7 @@ PYBIND11_MODULE(_adam_ext, m) {
   m.def("set_streaming_threshold", &set_streaming_threshold, py::arg("n"));
   m.def("streaming_threshold", [] { return g_stream_elements.load(); });
   m.attr("DEFAULT_STREAMING_THRESHOLD") = kDefaultStreamElements;
-  m.def("sq_norm", &sq_norm, release(), py::arg("data"), py::arg("n"), py::arg("type"));
+  m.def("sq_norm", &sq_norm, release(), py::arg("data"), py::arg("n"), py::arg("type"), py::arg("carried"));
   m.def("has_nonfinite", &has_nonfinite, release(), py::arg("data"), py::arg("n"), py::arg("type"));
   m.def("set_num_threads", &set_num_threads, release(), py::arg("n"));
   m.def("get_num_threads", [] { return pool().num_threads(); }, release());

@@ -140,7 +140,7 @@ class OffloadConfig(ReadOnlyOnceFrozen):
     buffer_count: int | None = None
     """Host slots that stream NVMe-resident optimizer state, a piece per slot (master, moments and gradient: 16 bytes per element with fp32 moments and gradient, fewer with `optimizer.state_precision` bf16 / int8) read ahead, stepped and written back, at least 2; default: as many as fit in the RAM of 3 slots of the largest piece (at most 32)."""
     sub_group_size: int | None = None
-    """Elements of one unit's optimizer state streamed from NVMe and stepped as one piece (DeepSpeed's `zero_optimization.sub_group_size`), at least 1024; a piece smaller than the unit's state is cut down to whole blocks of 32 elements (so that an int8 moment's block never spans two pieces), a larger one holds the whole state; default: a typical streamed unit, so most units are one piece (at most 2^26 elements, 1 GiB of fp32 state)."""
+    """Elements of one unit's optimizer state streamed from NVMe and stepped as one piece (DeepSpeed's `zero_optimization.sub_group_size`), at least 1024; a piece smaller than the unit's state is cut down to whole blocks of 1024 elements (so that an int8 moment's block never spans two pieces, and the gradient norm summed piece by piece is the whole unit's, bit for bit), a larger one holds the whole state; default: a typical streamed unit, so most units are one piece (at most 2^26 elements, 1 GiB of fp32 state)."""
 
 
 @dataclass

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from offload.config.schema import Config
 
 INT8_BLOCK = 32  # elements sharing one exponent byte (a block never holds two parameters: units.PARAM_ALIGN_ELEMENTS)
+# The gradient norm's canonical block (offload.optim.kernels.sq_norm; the C++ kNormBlock): a
+# unit's squared norm is summed block by block in this order, so a streamed piece of optimizer
+# state is always a whole number of these (plan.optimizer_plan.whole_blocks) and the norm in
+# pieces is the norm of the whole unit, bit for bit. A multiple of INT8_BLOCK.
+NORM_BLOCK = 1024
 # The int8 code formats (docs/compact_state.md), as checkpoints record them: values a checkpoint
 # holds re-encode to themselves only under the codes that produced them. Before 2026-11-26 the
 # first moment was E4M3 (INT8_CODES_BEFORE, what an int8 checkpoint without the record used).

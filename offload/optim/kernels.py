@@ -16,9 +16,11 @@ identical to torch's to the last bit.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from offload.config.state_layout import INT8_BLOCK
+from offload.config.state_layout import INT8_BLOCK, NORM_BLOCK
 from offload.errors import OffloadError
 from offload.optim.moments import MomentView
 
@@ -42,6 +44,9 @@ __all__ = [
     "set_streaming_threshold",
     "streaming_threshold",
 ]
+
+if NORM_BLOCK != _ext.NORM_BLOCK:  # pragma: no cover - a stale build
+    raise OffloadError(f"offload._adam_ext sums norms in blocks of {_ext.NORM_BLOCK}, offload expects {NORM_BLOCK}: rebuild it")
 
 _TYPE_CODES = {torch.float32: _ext.F32, torch.bfloat16: _ext.BF16, torch.float16: _ext.F16}
 _ISA_NAMES = ("avx512", "avx2", "portable")
@@ -427,13 +432,18 @@ def _check_reduce_input(op: str, t: torch.Tensor) -> None:
     _check_dtype(op, "t", t, (torch.float32, torch.bfloat16, torch.float16))
 
 
-def sq_norm(t: torch.Tensor) -> float:
-    """Sum of squares of t (fp32, bf16 or fp16), accumulated in double.
+def sq_norm(t: torch.Tensor, carried: float = 0.0) -> float:
+    """Sum of squares of t (fp32, bf16 or fp16), accumulated in double, added to `carried`.
 
-    Fixed-size blocks combined in a fixed order: the same value for any thread count.
+    The order is canonical: blocks of NORM_BLOCK elements from t's start, each summed in 16
+    lanes combined in a fixed order (the same bits on every instruction set), added one by one
+    in block order to `carried`. So the result depends only on the values, never on the thread
+    count or the CPU; and a vector cut into pieces whose lengths (all but the last) are
+    multiples of NORM_BLOCK gives the same bits, piece by piece with each call carrying the
+    previous one's result, as the whole vector in one call.
     """
     _check_reduce_input("sq_norm", t)
-    return _ext.sq_norm(t.data_ptr(), t.numel(), _TYPE_CODES[t.dtype])
+    return _ext.sq_norm(t.data_ptr(), t.numel(), _TYPE_CODES[t.dtype], float(carried))
 
 
 def has_nonfinite(t: torch.Tensor) -> bool:
@@ -466,15 +476,29 @@ def available_isas() -> list[str]:
 
 
 def force_isa(name: str | None) -> None:
-    """Run the kernels with instruction set `name`; None returns to the best available.
+    """Run the kernels with instruction set `name`; None returns to the default: the one
+    OFFLOAD_CPU_ISA names when set, else the best available.
 
     Raises OffloadError when this CPU lacks it, ValueError for an unknown name.
     """
     if name is None:
-        _ext.force_isa("")
+        _ext.force_isa(_DEFAULT_ISA or "")
         return
-    if name not in _ISA_NAMES:
-        raise ValueError(f"force_isa: unknown instruction set {name!r}; expected one of {_ISA_NAMES} or None")
-    if name not in available_isas():
-        raise OffloadError(f"force_isa: this CPU does not support {name!r} (available: {available_isas()})")
+    _check_isa(name, "force_isa")
     _ext.force_isa(name)
+
+
+def _check_isa(name: str, where: str) -> None:
+    if name not in _ISA_NAMES:
+        raise ValueError(f"{where}: unknown instruction set {name!r}; expected one of {_ISA_NAMES}")
+    if name not in available_isas():
+        raise OffloadError(f"{where}: this CPU does not support {name!r} (available: {available_isas()})")
+
+
+# OFFLOAD_CPU_ISA=avx2 (or portable, avx512) runs every kernel of this process with that
+# instruction set: the suite runs so to show that no exact comparison depends on this CPU's
+# vector width, and a user can rule the kernels' ISA in or out of a numerical question.
+_DEFAULT_ISA = os.environ.get("OFFLOAD_CPU_ISA") or None
+if _DEFAULT_ISA is not None:
+    _check_isa(_DEFAULT_ISA, "OFFLOAD_CPU_ISA")
+    _ext.force_isa(_DEFAULT_ISA)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from offload.config.placement import OptimizerTier
 from offload.config.sizes import MIN_SUB_GROUP_SIZE, format_bytes, round_up
-from offload.config.state_layout import FP32_STATE, INT8_BLOCK, STATE_KINDS, STEPPED_KINDS, StateBytes
+from offload.config.state_layout import FP32_STATE, NORM_BLOCK, STATE_KINDS, STEPPED_KINDS, StateBytes
 
 # Swap files (a header page, then the data in whole pages: swap.py) and host pool buffers
 # (memory.py) come in whole pages of this size.
@@ -122,8 +122,9 @@ DEFAULT_BUFFER_COUNT = 3
 DEFAULT_SUB_GROUP_SIZE = 1 << 26
 # The most slots the engine makes on its own: each is four pool buffers and one read ahead.
 MAX_AUTO_SLOTS = 32
-# Pieces the engine chooses are whole multiples of this many elements (a 4 KiB page of fp32).
-PIECE_ALIGN = 1024
+# Pieces the engine chooses are whole multiples of this many elements (a 4 KiB page of fp32,
+# and whole norm blocks).
+PIECE_ALIGN = NORM_BLOCK
 
 
 @dataclass(frozen=True)
@@ -148,12 +149,14 @@ def weighted_median(numels: list[int]) -> int:
 
 
 def whole_blocks(piece: int, largest: int) -> int:
-    """`piece` (at most `largest`, the largest streamed state) cut down to whole int8 moment blocks
-    (config.state_layout.INT8_BLOCK), so that every piece starts at a block: a streamed piece's
-    moments encode and decode on their own. A piece as large as the largest state stays whole."""
+    """`piece` (at most `largest`, the largest streamed state) cut down to whole gradient-norm
+    blocks (config.state_layout.NORM_BLOCK, a multiple of the int8 moments' INT8_BLOCK), so that
+    every piece starts at a block of both: a streamed piece's moments encode and decode on their
+    own, and the gradient's squared norm summed piece by piece is the whole unit's, bit for bit
+    (optim.kernels.sq_norm). A piece as large as the largest state stays whole."""
     if piece >= largest:
         return largest
-    return max(INT8_BLOCK, piece - piece % INT8_BLOCK)
+    return max(NORM_BLOCK, piece - piece % NORM_BLOCK)
 
 
 def shape_slots(streamed_numels: list[int], *, buffer_count: int | None, sub_group_size: int | None) -> SlotShape:

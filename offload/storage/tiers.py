@@ -620,7 +620,8 @@ class TierStore:
         self, unit: UnitState, pieces: list[tuple[int, torch.Tensor]], first_in_window: bool, compute_norm: bool
     ) -> float | None:
         """Adds this micro-batch's gradient into the fp32 gradient; returns the squared norm of the
-        accumulated gradient when `compute_norm`, else None.
+        accumulated gradient when `compute_norm`, else None: the same bits whether the gradient
+        is resident or streams in pieces (grad_sum.squared_norm carries it piece to piece).
 
         `pieces` are (offset in the shard, 1-D gradient) pairs, all within the shard's trainable
         part (`optimizer_numel`); the elements they do not cover had no gradient in this
@@ -630,19 +631,18 @@ class TierStore:
         if not first_in_window:
             self.refuse_gradient_sum(f"a second gradient landed in unit {unit.spec.name}'s window")
         if "grad32" not in unit.swap_kinds:
-            return accumulate_gradient(unit.resident_state["grad32"], 0, pieces, first_in_window, compute_norm)
+            return accumulate_gradient(unit.resident_state["grad32"], 0, pieces, first_in_window, 0.0 if compute_norm else None)
         swap = self._require_swap()
-        norm = 0.0
+        norm: float | None = 0.0 if compute_norm else None
         for j, (start, end) in enumerate(unit.state_pieces):
             target = self._grad_slot[: end - start]
             name = unit.swap_name("grad32", j)
             # urgent: backward waits for its gradients' landings (at most GRADS_IN_FLIGHT units)
             if not first_in_window:
                 swap.read_into(name, target, urgent=True).wait()
-            piece_norm = accumulate_gradient(target, start, pieces, first_in_window, compute_norm)
-            norm += piece_norm or 0.0
+            norm = accumulate_gradient(target, start, pieces, first_in_window, norm)
             swap.write_from(name, target, urgent=True).wait()
-        return norm if compute_norm else None
+        return norm
 
     def refuse_gradient_sum(self, what: str) -> None:
         """Raises, saying `what` happened, when gradients are kept in their 16-bit arrival dtype
@@ -665,7 +665,7 @@ class TierStore:
         for j, (start, end) in enumerate(unit.state_pieces):
             target = self._grad_slot[: end - start]
             self._require_swap().read_into(unit.swap_name("grad32", j), target).wait()
-            norm += squared_norm(target)
+            norm = squared_norm(target, norm)
         return norm
 
     def read_grad(self, unit: UnitState) -> Iterator[tuple[int, torch.Tensor]]:
