@@ -189,12 +189,12 @@ def test_state_and_gradient_precision_keys():
 
 
 def test_sub_group_size_doc_says_pieces_are_whole_blocks():
-    from offload.config.state_layout import INT8_BLOCK
+    from offload.config.state_layout import NORM_BLOCK
     from offload.plan.optimizer_plan import whole_blocks
 
     doc = field_docs(OffloadConfig)["sub_group_size"]
-    assert f"whole blocks of {INT8_BLOCK} elements" in doc
-    assert whole_blocks(5000, 10**6) == 4992 and whole_blocks(5000, 4000) == 4000  # what it describes
+    assert f"whole blocks of {NORM_BLOCK} elements" in doc
+    assert whole_blocks(5000, 10**6) == 4096 and whole_blocks(5000, 4000) == 4000  # what it describes
 
 
 def test_overlap_backward_is_accepted_with_clipping_and_fp16():

@@ -293,10 +293,11 @@ def test_streamed_state_is_sized_in_pieces_of_sub_group_size():
     whole = est.estimate_tiers(shape, "none", "nvme", precision="bf16", buffer_count=3, device="cpu")
     assert whole.host["optimizer_slots"] == 3 * 4 * pages(4 * 10_240) and whole.host["grad_slot"] == pages(4 * 10_240)
     assert whole.nvme["swap"] == 4 * sum(4096 + pages(4 * n) for n in (10_240, 4096, 4096))
-    pieces = est.estimate_tiers(shape, "none", "nvme", precision="bf16", buffer_count=3, device="cpu", sub_group_size=3000)
-    assert pieces.host["optimizer_slots"] == 3 * 4 * pages(4 * 3000) and pieces.host["grad_slot"] == pages(4 * 3000)
-    # 10,240 = 3 x 3000 + 1240 and 4096 = 3000 + 1096: eight swap files per state kind
-    files = [3000, 3000, 3000, 1240, 3000, 1096, 3000, 1096]
+    # 3100 is cut down to whole norm blocks of 1024 elements (plan.optimizer_plan.whole_blocks): 3072
+    pieces = est.estimate_tiers(shape, "none", "nvme", precision="bf16", buffer_count=3, device="cpu", sub_group_size=3100)
+    assert pieces.host["optimizer_slots"] == 3 * 4 * pages(4 * 3072) and pieces.host["grad_slot"] == pages(4 * 3072)
+    # 10,240 = 3 x 3072 + 1024 and 4096 = 3072 + 1024: eight swap files per state kind
+    files = [3072, 3072, 3072, 1024, 3072, 1024, 3072, 1024]
     assert pieces.nvme["swap"] == 4 * sum(4096 + pages(4 * n) for n in files)
     with pytest.raises(ConfigError, match="sub_group_size must be >= 1024"):
         est.estimate_tiers(shape, "none", "nvme", sub_group_size=1000)

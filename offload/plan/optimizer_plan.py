@@ -173,7 +173,8 @@ def shape_slots(streamed_numels: list[int], *, buffer_count: int | None, sub_gro
     are read while backward runs: tiers.TierStore.prefetch_optimizer_states)."""
     largest = max(streamed_numels, default=0)
     cap = DEFAULT_SUB_GROUP_SIZE if sub_group_size is None else sub_group_size
-    footprint = DEFAULT_BUFFER_COUNT * min(largest, cap)
+    # what DEFAULT_BUFFER_COUNT slots of the largest piece take (slot_bytes_for's pieces: whole blocks)
+    footprint = DEFAULT_BUFFER_COUNT * whole_blocks(min(largest, cap), largest)
     if sub_group_size is not None:
         piece = min(largest, sub_group_size)
     else:
