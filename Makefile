@@ -1,6 +1,7 @@
 # The two commands a fresh machine needs (Python 3.11 and a C++ compiler, nothing else):
 #   make demo   set everything up and run the main job
 #   make test   set everything up and run the whole test suite
+#   make docs   build the documentation site into site/ (strict)
 # And on a GPU machine that reaches no package registry (torch and the test packages already
 # installed there, see the README):
 #   make test-here   install the package into the Python at hand, run the whole test suite
@@ -9,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup demo lint test test-isas test-here clean
+.PHONY: setup demo lint docs test test-isas test-here clean
 
 # torch is pinned first and alone: this exact version is the CPU build available locally;
 # any other request would pull several GB of CUDA packages.
@@ -17,7 +18,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard csrc/*/*.cpp csrc/*/*.h c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,docs]'
 	touch $@
 
 setup: $(VENV)/.installed
@@ -50,7 +51,12 @@ CHECKED_ENV := OFFLOAD_DEVICE=checked OFFLOAD_CHECKED_H2D_GBPS=0.1 OFFLOAD_CHECK
 # a module with a module-scoped fixture stay on one worker (tests/conftest.py).
 PYTEST_WORKERS ?= 2
 
-test: lint
+# The documentation site (mkdocs.yml): a broken link or anchor, a page left out of the nav or a
+# stale generated table (docs/generate.py) fails the build; it needs no network.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+test: lint docs
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
 	$(CHECKED_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) $(CHECKED_TESTS)
 
@@ -71,4 +77,4 @@ test-here:
 	$(CHECKED_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider $(XDIST_HERE) $(CHECKED_TESTS)
 
 clean:
-	rm -rf build $(VENV) offload/*.so *.egg-info
+	rm -rf build site $(VENV) offload/*.so *.egg-info

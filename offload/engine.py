@@ -52,7 +52,7 @@ def initialize(
 
     model: the nn.Module to train, as built (on the CPU, or on the meta device for large models).
     config: where each byte lives and how it trains: a dict, an `offload.Config`, or the path of
-        an offload or DeepSpeed JSON file or an accelerate YAML (README, "Config keys");
+        an offload or DeepSpeed JSON file or an accelerate YAML (docs/reference/config.md);
         default: every key's default.
     param_groups: torch-style groups, a list of dicts with "params" (parameters or their names)
         and any of lr, weight_decay, betas, eps; `offload.param_groups_no_decay(model, wd)` gives

@@ -598,12 +598,10 @@ def test_saving_to_an_existing_tag_writes_nothing_or_replaces_it_whole(tmp_path,
     fresh.close()
 
 
-def test_the_readme_checkpoint_snippet_runs_as_written(tmp_path, swap_dir, monkeypatch):
-    import re
+def test_the_guides_checkpoint_snippet_runs_as_written(tmp_path, swap_dir, monkeypatch):
+    from doc_blocks import marked_block
 
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme[readme.index("## Checkpoints") :]
-    snippet = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    snippet = marked_block("checkpoint-snippet")
     torch.manual_seed(0)
     engine = offload.initialize(TinyNet(), make_config(swap_dir))
     engine_run(engine, batches(1))

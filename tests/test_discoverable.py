@@ -1,6 +1,6 @@
 """What a newcomer finds without reading the source: `help(offload.initialize)` describes every
-argument, `dir(offload)` and `offload.__all__` list the public API, the README's `offload export`
-commands are ones the command accepts, and the examples pass no deprecated arguments."""
+argument, `dir(offload)` and `offload.__all__` list the public API, the `offload export` commands
+the pages show are ones the command accepts, and the examples pass no deprecated arguments."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from doc_blocks import shell_lines
 
 import offload
 from offload.cli import export as export_command
@@ -44,14 +45,8 @@ def test_all_lists_the_public_api_and_dir_shows_it():
     assert {"initialize", "CPUAdamW", "OffloadError"} <= set(namespace)
 
 
-def test_the_readme_export_commands_parse():
-    readme = (ROOT / "README.md").read_text()
-    commands = [
-        line.split("#")[0]
-        for block in re.findall(r"```sh\n(.*?)```", readme, flags=re.S)
-        for line in block.splitlines()
-        if line.startswith("offload export")
-    ]
+def test_the_export_commands_of_the_pages_parse():
+    commands = [line.split("#")[0] for line in shell_lines("offload export")]
     assert len(commands) >= 2
     parser = argparse.ArgumentParser(prog="offload export", exit_on_error=False)
     export_command.add_arguments(parser)

@@ -531,3 +531,21 @@ def test_super_offload_with_accumulation_names_the_deepspeed_key(tmp_path):
         trainer_config(training_args(tmp_path), deepspeed)  # the Trainer accumulates 2
     assert error.value.key == "zero_optimization.offload_optimizer.super_offload"
     assert trainer_config(training_args(tmp_path, gradient_accumulation_steps=1), deepspeed).overlap == "backward"
+
+
+def test_the_guides_trainer_snippet_runs_as_written(tmp_path, monkeypatch):
+    """docs/guides/trainer.md: the snippet as written (before, it named a config file whose
+    precision, lr and weight decay the arguments contradict: refused); `save_model` writes what
+    `from_pretrained` loads, the model's final weights, and `end()` leaves them in the model."""
+    from doc_blocks import marked_block
+
+    monkeypatch.chdir(tmp_path)
+    model = tiny_llama()
+    before = weights(model.state_dict())
+    args = training_args(tmp_path / "run", max_steps=2, eval_strategy="no")
+    namespace = {"model": model, "training_args": args, "train": dataset(), "val": dataset()[:8]}
+    exec(marked_block("trainer-snippet"), namespace)
+    saved = weights(LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).state_dict())
+    assert max_difference(saved, weights(model.state_dict())) == 0.0
+    assert max_difference(saved, before) > 0.0
+    assert namespace["trainer"].state.global_step == 2

@@ -1,5 +1,6 @@
-"""The README as a new user reads it: the quick start runs as written, its commands work, and its
-config-key table is the one generated from the config dataclasses."""
+"""The README and the documentation pages as a new user reads them: the quick start runs as
+written, the `offload estimate` commands the pages show work, and the config-key table of the
+config reference (docs/reference/config.md) is the one generated from the config dataclasses."""
 
 from __future__ import annotations
 
@@ -12,21 +13,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from doc_blocks import marked_block, pages, shell_lines
 
 from offload.cli import main as cli_main
 from offload.config import docs as config_docs
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-
-
-def code_blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+CONFIG_REFERENCE = (ROOT / "docs" / "reference" / "config.md").read_text()
 
 
 def quick_start() -> str:
-    marker = README.index("<!-- quick-start")
-    return re.search(r"```python\n(.*?)```", README[marker:], flags=re.S).group(1)
+    return marked_block("quick-start")
 
 
 def test_quick_start_is_ten_lines_and_runs_as_written(tmp_path):
@@ -42,8 +40,8 @@ def test_quick_start_is_ten_lines_and_runs_as_written(tmp_path):
 
 
 def test_config_key_table_is_current():
-    start, end = README.index(config_docs.BEGIN), README.index(config_docs.END) + len(config_docs.END)
-    assert README[start:end] == config_docs.render_block(), "regenerate it: python -m offload.config.docs"
+    start, end = CONFIG_REFERENCE.index(config_docs.BEGIN), CONFIG_REFERENCE.index(config_docs.END) + len(config_docs.END)
+    assert CONFIG_REFERENCE[start:end] == config_docs.render_block(), "regenerate it: python docs/generate.py"
 
 
 def test_config_key_table_covers_every_key():
@@ -78,10 +76,10 @@ def test_the_gpu_machine_command_uses_the_python_at_hand():
     # then the engine-equivalence tests again, on the checked stand-in device
     assert checked_run.startswith("OFFLOAD_DEVICE=checked ") and f"{python} -m pytest" in checked_run
     assert ".venv" not in dry_run.stdout and "torch" not in dry_run.stdout
-    assert "make test-here" in README
+    assert "make test-here" in README and "make test-here" in (ROOT / "docs" / "guides" / "gpu-machine.md").read_text()
 
 
-def test_readme_estimate_commands_work(tmp_path, capsys):
+def test_the_pages_estimate_commands_work(tmp_path, capsys):
     llama = tmp_path / "config.json"
     llama.write_text(
         json.dumps(
@@ -104,8 +102,10 @@ def test_readme_estimate_commands_work(tmp_path, capsys):
             }
         )
     )
-    commands = [line for block in code_blocks("sh") for line in block.splitlines() if line.startswith("offload estimate")]
-    assert len(commands) >= 3
+    commands = shell_lines("offload estimate") + [
+        line.removeprefix(".venv/bin/") for line in shell_lines(".venv/bin/offload estimate")
+    ]
+    assert len(commands) >= 6
     for command in commands:
         command = command.replace("path/to/config.json", str(llama)).replace("ds_config.json", str(ds))
         command = command.replace("/local_nvme", str(tmp_path))
@@ -114,6 +114,7 @@ def test_readme_estimate_commands_work(tmp_path, capsys):
         assert "recommended" in capsys.readouterr().out
 
 
-def test_readme_names_existing_example_files():
-    for path in re.findall(r"(examples/[\w/.-]+\.(?:py|json))", README):
-        assert (ROOT / path).is_file(), path
+def test_the_pages_name_existing_example_files():
+    for page in pages():
+        for path in re.findall(r"(examples/[\w/.-]+\.(?:py|json))", page.read_text()):
+            assert (ROOT / path).is_file(), (page, path)

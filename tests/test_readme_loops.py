@@ -1,32 +1,26 @@
-"""The README's training loops run as written and train like their plain-PyTorch counterparts
-(issue 31, item 1; issue 33, "Porting a plain PyTorch loop"): each block marked by an HTML
-comment is executed verbatim, in fp32, on a tiny model and tiny data, and compared with the same
-model, data, accumulation, clipping and schedule under torch.optim.AdamW."""
+"""The guides' training loops run as written and train like their plain-PyTorch counterparts
+(issue 31, item 1; issue 33; docs/guides/fine-tuning.md and docs/guides/porting.md): each block
+marked by an HTML comment is executed verbatim, in fp32, on a tiny model and tiny data, and
+compared with the same model, data, accumulation, clipping and schedule under torch.optim.AdamW."""
 
 from __future__ import annotations
 
 import copy
 import json
 import math
-import re
 from pathlib import Path
 
 import pytest
 import torch
+from doc_blocks import marked_block
 from torch import nn
 
 import offload
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
 
 
-def readme_block(marker: str) -> str:
-    start = README.index(f"<!-- {marker}")
-    return re.search(r"```python\n(.*?)```", README[start:], flags=re.S).group(1)
-
-
-# ---- "Fine-tuning surface": a Hugging Face model, accumulation 8 and a warmup schedule -------------
+# ---- the fine-tuning guide: a Hugging Face model, accumulation 8 and a warmup schedule -------------
 def test_fine_tuning_loop_trains_like_plain_pytorch_with_its_schedule(tmp_path, monkeypatch):
     """The loop with the config it names (examples/configs/7b_on_24gb.json: accumulation 8,
     clipping 1.0, lr 2e-5, overlap forward), in fp32: 3 updates over 24 micro-batches, the cosine
@@ -56,7 +50,7 @@ def test_fine_tuning_loop_trains_like_plain_pytorch_with_its_schedule(tmp_path, 
         ids = torch.randint(0, 64, (2, 8), generator=generator)
         loader.append({"input_ids": ids, "labels": ids.clone()})
     monkeypatch.chdir(tmp_path)
-    exec(readme_block("fine-tuning-loop"), {"loader": loader})
+    exec(marked_block("fine-tuning-loop"), {"loader": loader})
 
     def load(path):
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -80,7 +74,7 @@ def test_fine_tuning_loop_trains_like_plain_pytorch_with_its_schedule(tmp_path, 
     assert apart <= 0.05 * moved, (apart, moved)
 
 
-# ---- "Porting a plain PyTorch loop" ---------------------------------------------------------------
+# ---- the porting guide ---------------------------------------------------------------
 class TinyLM(nn.Module):
     """A nanoGPT-shaped model: embeddings, a ModuleList of blocks, a head; forward(x, y) gives
     (logits, loss)."""
@@ -107,7 +101,7 @@ ITERS, ACCUM = 4, 3
 
 
 def script_names(model) -> dict:
-    """What the README's porting loop takes from the script around it."""
+    """What the guide's porting loop takes from the script around it."""
     generator = torch.Generator().manual_seed(2)
     data = [[torch.randint(0, 32, (4, 8), generator=generator) for _ in range(2)] for _ in range(ITERS * ACCUM)]
 
@@ -146,7 +140,7 @@ def test_porting_loop_trains_like_the_plain_loop_and_resumes_its_optimizer_state
     theirs = plain_loop(reference, script_names(reference))
     monkeypatch.chdir(tmp_path)
     names = {"__name__": "porting", **script_names(model)}
-    exec(readme_block("porting-loop"), names)
+    exec(marked_block("porting-loop"), names)
     expected = reference.state_dict()
     assert max(float((model.state_dict()[k] - expected[k]).abs().max()) for k in expected) <= 1e-5
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
@@ -155,7 +149,7 @@ def test_porting_loop_trains_like_the_plain_loop_and_resumes_its_optimizer_state
         assert float(saved["optimizer"]["state"][index]["step"]) == ITERS
 
     names["model"] = TinyLM()
-    exec(readme_block("porting-resume"), names)
+    exec(marked_block("porting-resume"), names)
     engine = names["engine"]
     resumed = engine.optimizer.state_dict()
     assert [unit.step_count for unit in engine.units] == [ITERS] * len(engine.units)

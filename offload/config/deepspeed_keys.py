@@ -4,7 +4,8 @@ For each section, the keys offload maps (the `_*_HANDLED` tuples, read by the se
 translators in `offload.config.deepspeed`) and, for every other key, a `_Rule` saying why it is
 ignored (it only tunes speed or memory, logs, or is read by another tool) or refused (a feature
 offload cannot honour), maybe by its value; what `"auto"` and absent values become; DeepSpeed's
-schedulers with their parameters' defaults; accelerate's inline keys. Also the result,
+schedulers with their parameters' defaults; accelerate's inline keys; `key_rows`, the same tables
+as rows for the documentation's key table (`offload.config.docs`). Also the result,
 `Translation` (plain data), and `_Builder`, which collects it and judges each key a translator
 does not map against these tables. Nothing here logs or reads the machine; like the
 translators, it imports nothing of `offload.config.schema`."""
@@ -12,7 +13,8 @@ translators, it imports nothing of `offload.config.schema`."""
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -372,6 +374,58 @@ _ACCEL_INLINE_RULES = {
     ),
 }
 _MIXED_PRECISIONS = ("no", "fp16", "bf16")
+
+
+# ---- the tables as rows, for the documentation --------------------------------------------
+class KeyVerdict(enum.Enum):
+    """What offload does with a DeepSpeed or accelerate key it meets."""
+
+    READ = "read"
+    """Translated onto an offload key."""
+    IGNORED = "ignored"
+    """Accepted and listed once in the log: it only tunes, logs or belongs to another tool."""
+    REFUSED_UNLESS_OFF = "refused unless off"
+    """Accepted while its feature is off (or its value is one offload honours); refused otherwise."""
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    """One key of one section: what offload does with it, and why (empty for a key it reads)."""
+
+    section: str
+    key: str
+    verdict: KeyVerdict
+    why: str = ""
+
+
+SECTIONS: tuple[tuple[str, tuple[str, ...], dict[str, _Rule]], ...] = (
+    ("", _TOP_HANDLED, _TOP_RULES),
+    ("zero_optimization", _ZERO_HANDLED, _ZERO_RULES),
+    ("zero_optimization.offload_param", _OFFLOAD_HANDLED, _OFFLOAD_RULES),
+    ("zero_optimization.offload_optimizer", _OFFLOAD_HANDLED, _OFFLOAD_RULES),
+    ("aio", _AIO_HANDLED, _AIO_RULES),
+    ("fp16", _FP16_HANDLED, _FP16_RULES),
+    ("bf16", _BF16_HANDLED, _BF16_RULES),
+    ("optimizer.params", _OPT_PARAMS_HANDLED, _OPT_PARAMS_RULES),
+    ("accelerate: deepspeed_config", (*_ACCEL_INLINE, "deepspeed_config_file"), _ACCEL_INLINE_RULES),
+)
+"""(section, the keys its translator reads, the rules for the others), as the translators judge
+them (`_Builder.sort_section`); `offload_optimizer` also reads `deepspeed_offload`'s keys."""
+
+
+def key_rows(sections: Sequence[tuple[str, Sequence[str], dict[str, _Rule]]] = SECTIONS) -> list[KeyRow]:
+    """Every key of `sections`, section by section: the keys read in the translator's order, then
+    the others sorted by name, each with its verdict and the reason the log or the error gives."""
+    rows: list[KeyRow] = []
+    for section, handled, rules in sections:
+        rows.extend(KeyRow(section, key, KeyVerdict.READ) for key in handled)
+        for key in sorted(rules):
+            rule = rules[key]
+            if rule.ok is None:
+                rows.append(KeyRow(section, key, KeyVerdict.IGNORED, rule.why))
+            else:
+                rows.append(KeyRow(section, key, KeyVerdict.REFUSED_UNLESS_OFF, rule.why_not))
+    return rows
 
 
 def _nearest(key: str, known) -> str:
