@@ -12,15 +12,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import json
 import re
+import signal
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from offload.cli import main as cli_main
 from offload.config.schema import load_config
+from offload.config.sizes import round_up
+from offload.config.state_layout import FP32_STATE, STATE_KINDS, STEPPED_KINDS
 from offload.errors import ConfigError
+from offload.plan.optimizer_plan import PAGE, piece_bounds, step_disk_traffic, swap_bytes_for_state, swap_file_bytes
 
 
 # ---- 11: the config ----------------------------------------------------------------------------
@@ -90,3 +97,74 @@ def test_a_suggestion_is_an_alias_a_misplaced_key_or_spelt_close(key, section):
         ratio = difflib.SequenceMatcher(None, key, name).ratio()
         same = name in sections[section] and suggested == name
         assert ratio >= (SAME_SECTION_CUTOFF if same else OTHER_SECTION_CUTOFF), (key, section, hint)
+
+
+# ---- 12: offload estimate of an absurd model ----------------------------------------------------
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """Raises TimeoutError in the main thread after `seconds` (the estimate is pure Python: the
+    signal lands between two of its bytecodes)."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+MACHINE = ["--ram", "128GB", "--disk", "2TB", "--gpu-memory", "80GB"]
+
+
+def test_estimate_of_1e15_parameters_returns(capsys):
+    """Before: a loop over every piece of every unit's state, 15 million per NVMe placement and
+    state precision (1e13, a hundredth of them, took 22 s). Now about half a second of work (a
+    minute allowed on a loaded machine)."""
+    with time_limit(60):
+        assert cli_main(["estimate", "1e15", "--json", *MACHINE]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["params"] == pytest.approx(1e15, rel=1e-6) and report["recommended"] is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(numel=st.integers(0, 20_000), piece=st.integers(1, 5_000), in_ram=st.booleans(), accumulation=st.integers(1, 4))
+def test_the_closed_forms_count_what_the_pieces_hold(numel, piece, in_ram, accumulation):
+    """The swap bytes and the step's disk traffic of a unit, as they were summed piece by piece."""
+    pieces = piece_bounds(numel, piece)
+    listed = sum(swap_file_bytes(FP32_STATE.kind_bytes(kind, end - start)) for start, end in pieces for kind in STATE_KINDS)
+    assert swap_bytes_for_state(numel, piece) == listed
+    traffic = step_disk_traffic(numel, piece, gradient_in_ram=in_ram, accumulation_steps=accumulation)
+    each_way = sum(
+        sum(round_up(FP32_STATE.kind_bytes(kind, end - start), PAGE) for kind in STEPPED_KINDS)
+        + (0 if in_ram else accumulation * round_up(FP32_STATE.kind_bytes("grad32", end - start), PAGE))
+        for start, end in pieces
+    )
+    assert traffic.read == traffic.written == each_way
+
+
+@pytest.mark.parametrize(
+    "model, extra, said",
+    [
+        ("1e17", [], "7,983 units"),  # the guessed depth of 1e17 parameters
+        ("7B", ["--layers", "100000"], "100,001 units"),
+        ("1e19", [], "at most 1e+18"),
+        ("1e400", [], "neither a parameter count"),
+        ("1.2.3", [], "neither a parameter count"),
+    ],
+)
+def test_estimate_refuses_an_absurd_model_at_once(capsys, model, extra, said):
+    with time_limit(60):
+        assert cli_main(["estimate", model, *extra, *MACHINE]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_estimate_refuses_a_config_json_of_a_billion_layers_before_listing_them(tmp_path, capsys):
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**9, "vocab_size": 300}))
+    with time_limit(60):
+        assert cli_main(["estimate", str(tmp_path / "config.json"), *MACHINE]) == 2
+    assert "1,000,000,001 units" in capsys.readouterr().err
