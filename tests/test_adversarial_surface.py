@@ -15,18 +15,22 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
+import logging
 import re
 import signal
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import TinyNet, batches, mse
 
+import offload
 from offload.cli import main as cli_main
 from offload.config.schema import load_config
 from offload.config.sizes import round_up
 from offload.config.state_layout import FP32_STATE, STATE_KINDS, STEPPED_KINDS
-from offload.errors import ConfigError
+from offload.errors import ConfigError, OffloadError
 from offload.plan.optimizer_plan import PAGE, piece_bounds, step_disk_traffic, swap_bytes_for_state, swap_file_bytes
 
 
@@ -168,3 +172,24 @@ def test_estimate_refuses_a_config_json_of_a_billion_layers_before_listing_them(
     with time_limit(60):
         assert cli_main(["estimate", str(tmp_path / "config.json"), *MACHINE]) == 2
     assert "1,000,000,001 units" in capsys.readouterr().err
+
+
+# ---- 14: nothing to train -------------------------------------------------------------------
+@pytest.mark.parametrize("frozen_at", ["initialize", "later"])
+def test_a_model_with_nothing_to_train_says_so(swap_dir, caplog, frozen_at):
+    """Before: 'was the forward run under torch.no_grad?' for a forward that was not."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    if frozen_at == "initialize":
+        model.requires_grad_(False)
+    (x, y), config = batches(1)[0], {"precision": "fp32", "offload": {"nvme_path": swap_dir}}
+    with offload.initialize(model, config) as engine:
+        model.requires_grad_(False)
+        with pytest.raises(OffloadError, match=r"no parameter of the model requires grad \(\d+ parameters, ") as error:
+            engine.backward(mse(engine, x, y))
+        said = str(error.value)
+        assert "no_grad?" not in said and ("since offload.initialize" in said) == (frozen_at == "later")
+        assert engine.micro_steps == 0
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            assert engine.step() is False
+        assert "nothing to apply and returns False: no parameter of the model requires grad" in caplog.text
