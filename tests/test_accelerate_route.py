@@ -182,6 +182,24 @@ def test_accelerate_launch_precision_is_followed_unless_the_config_names_one(swa
         OffloadAccelerator(offload_config={**without, "precision": "bf16"})
 
 
+def test_load_state_of_a_plain_accelerate_save_state_says_what_to_do(swap_dir, tmp_path):
+    """Before: only "neither index.json nor a latest file", from deep inside the engine's load."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    data = batches(2)
+    accelerate_loop(Accelerator(), copy.deepcopy(model), data, save_to=tmp_path / "plain")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = OffloadAccelerator(offload_config=offload_config(swap_dir))
+    with pytest.raises(OffloadError) as error:
+        accelerate_loop(accelerator, copy.deepcopy(model), data, state=tmp_path / "plain")
+    said = str(error.value)
+    assert f"has no offload engine checkpoint ({ENGINE_CHECKPOINT_DIR}/)" in said and "model.safetensors" in said
+    assert "load_state_dict" in said and "before accelerator.prepare" in said
+    assert accelerator.engine.global_steps == 0
+    accelerator.end_training()
+
+
 def test_accumulation_without_accumulate_is_refused_at_the_first_backward(swap_dir):
     model = TinyNet()
     accelerator = OffloadAccelerator(offload_config=offload_config(swap_dir, gradient_accumulation_steps=2))

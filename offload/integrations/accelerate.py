@@ -37,7 +37,8 @@ clips and the engine steps; a backward outside it is refused then). `backward(lo
 it (as accelerate does) and calls `engine.backward`; `clip_grad_norm_` is `engine.clip_grad_norm_` (the global norm over
 all units, tiers and ranks); `save_state` / `load_state` write and read the engine's
 checkpoint (weights, moments, counters) beside accelerate's files (optimizer groups, scheduler,
-RNG, data loader positions), and `unwrap_model(model)` is the Hugging Face model (its
+RNG, data loader positions; a plain accelerate save_state is refused by load_state, saying how
+to start from its weights), and `unwrap_model(model)` is the Hugging Face model (its
 `state_dict` and `save_pretrained` give the fp32 weights while the engine is open). Under
 `accelerate launch` with several processes the engine shards its state over the ranks and
 reduces the gradients itself (no DDP). `accelerator.end_training()` closes the engine.
@@ -314,6 +315,8 @@ class OffloadAccelerator(Accelerator):
         engine = self._require_engine()
         if input_dir is None:
             raise OffloadError("OffloadAccelerator.load_state needs the directory save_state wrote")
+        if not os.path.isdir(os.path.join(input_dir, ENGINE_CHECKPOINT_DIR)):
+            raise OffloadError(_not_offload_state(os.fspath(input_dir)))
         engine.load_checkpoint(os.path.join(input_dir, ENGINE_CHECKPOINT_DIR))
         super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
 
@@ -321,3 +324,24 @@ class OffloadAccelerator(Accelerator):
         super().end_training()
         if self.engine is not None:
             self.engine.close()
+
+
+def _not_offload_state(input_dir: str) -> str:
+    """load_state's error for a directory without the engine's checkpoint: none at all, or a
+    plain accelerate save_state's (its model weights beside its optimizer, scheduler and RNG)."""
+    if not os.path.isdir(input_dir):
+        kind = " (it is a file)" if os.path.exists(input_dir) else ""
+        return f"OffloadAccelerator.load_state: {input_dir!r} does not exist{kind}; pass the directory save_state wrote"
+    weights = sorted(
+        name
+        for name in os.listdir(input_dir)
+        if name.startswith(("model", "pytorch_model")) and name.endswith((".safetensors", ".bin"))
+    )
+    found = f" (its {', '.join(weights)}: a plain accelerate save_state's model weights)" if weights else ""
+    return (
+        f"OffloadAccelerator.load_state: {input_dir!r} has no offload engine checkpoint ({ENGINE_CHECKPOINT_DIR}/): "
+        f"OffloadAccelerator.save_state did not write it{found}. Nothing was loaded. To start from its weights, load "
+        "them into the model before accelerator.prepare (model.load_state_dict(safetensors.torch.load_file(path)) "
+        "for a .safetensors file) and train without load_state; the optimizer moments and the scheduler of that "
+        "run do not carry over"
+    )
