@@ -427,28 +427,28 @@ def run_label(run: str, overlap: str) -> str:
 
 def recommend(args) -> dict:
     """The placement `offload estimate` recommends for this model (its Hugging Face config),
-    batch, sequence and checkpointing on this machine: {"param", "optimizer", "config"}; None
-    for each when nothing fits."""
+    batch, sequence and checkpointing on this machine: {"param", "optimizer", "config"}, each
+    None when nothing fits."""
+    import contextlib
+    import io
+
+    from offload import cli
+
     with tempfile.TemporaryDirectory(prefix="bench-gpu-estimate-") as folder:
         config = os.path.join(folder, "config.json")
         llama_config(args.size, args.seq).to_json_file(config)
-        command = [sys.executable, "-m", "offload.cli", "estimate", config, "--json"]
-        command += [
-            "--micro-batch",
-            str(args.batch),
-            "--seq-len",
-            str(args.seq),
-            "--nvme-path",
-            args.nvme_path or tempfile.gettempdir(),
-        ]
+        command = ["estimate", config, "--json", "--micro-batch", str(args.batch), "--seq-len", str(args.seq)]
+        command += ["--nvme-path", args.nvme_path or tempfile.gettempdir()]
         if args.checkpointing:
             command.append("--checkpointing")
         if args.ram:
             command += ["--ram", args.ram]
-        finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if finished.returncode != 0:
-        raise SystemExit(f"offload estimate failed: {finished.stderr.strip()[-500:]}")
-    recommended = json.loads(finished.stdout)["recommended"] or {"param": None, "optimizer": None, "config": None}
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = cli.main(command)
+    if code != 0:
+        raise SystemExit(f"offload estimate {' '.join(command)} failed (exit {code})")
+    recommended = json.loads(printed.getvalue())["recommended"] or {}
     return {key: recommended.get(key) for key in ("param", "optimizer", "config")}
 
 
