@@ -104,35 +104,36 @@ Method
    to the period:
    its shares per resource add up to the step time.
 
-Calibration (h100-pcie5: 270 TFLOPS, PCIe 48 GB/s each way, CPU Adam 2.5 Gparams/s)
--------------------------------------------------------------------------------------
-The one GPU measurement: 1.35B Llama, bf16, 8 x 1024 tokens, one H100, param none / optimizer
-cpu, overlap forward (older code than this): 0.585 s/step; plain PyTorch 0.247 s/step.
-`--sizes 1.3b --placements none/cpu --machine h100-pcie5` prints:
+Calibration (h100-pcie5: 270 TFLOPS, PCIe 48 GB/s each way, CPU Adam 5.0 Gparams/s, host 2.5 ms per unit)
+-----------------------------------------------------------------------------------------------------
+The GPU measurements (records in benchmarks/results/): 1.35B Llama, bf16, 8 x 1024 tokens, one
+H100, param none / optimizer cpu, overlap forward, at 41527b1 (older code than this): 0.585 s/step;
+plain PyTorch 0.247 s/step; the host's CPU Adam 5.4 Gparams/s on the engine's workload (bench_gpu)
+and 4.7-5.65 (bench_adam, fp32 workload, 16 threads, since). At this commit
+`--sizes 1.3b,7b,13b --placements none/cpu,cpu/cpu --machine h100-pcie5` prints (8 x 1024):
 
-    1.3b: 1.364B params (...), 8x1024 tokens, 68.8 TFLOP/step; plain PyTorch (compute only): 0.2548 s/step
-    1.3b none/cpu forward: step 0.7327 s, floor 0.5457 s (cpu_adam), 1.34x floor; hidden h2d 0%
-      d2h 87% cpu_adam 14% nvme_r - nvme_w -; critical path compute 24% h2d 1% d2h 1% cpu_adam 74%
+    1.3b none/cpu forward: step 0.4611 s, floor 0.2729 s (cpu_adam), 1.69x floor; ...; critical path compute 38% h2d 2% d2h 2% cpu_adam 58%
+    7b none/cpu forward: step 2.232 s, floor 1.348 s (cpu_adam), 1.66x floor
+    13b none/cpu forward: step 4.285 s, floor 2.603 s (cpu_adam), 1.65x floor    (cpu/cpu: 0.4645, 2.242, 4.3 s)
+
+(h200-pcie5: 1.3b 0.4489 s, 13b 4.172 s.)
 
 - Plain compute: 0.255 s against 0.247 s measured, 3% over: the preset's 270 TFLOPS was taken
   as 6 x 1.35e9 x 8192 / 0.247 s, while this count leaves the embedding out and adds the
   attention scores (6.88e13 flop per step against 6.64e13); `--device-tflops 278` gives 0.247.
-- The step: 0.733 s predicted against 0.585 s measured, 25% over. The replayed step is the
-  whole CPU Adam (1.364e9 parameters at 2.5 Gparams/s: 0.546 s), the backward (0.170 s) and
-  about 15 ms of forward tail and copies in series, because in the recorded schedule only the
-  next forward can hide the Adam: each unit's forward waits for its own step (overlap forward),
-  and the next backward waits for every step (they read the fp32 gradients it writes); the
-  critical path is 74% CPU Adam, 24% compute. With that schedule, 0.585 s needs a CPU Adam of
-  3.4 Gparams/s (`--cpu-adam-gparams 3.4` predicts 0.588 s): the preset's 2.5 is an estimate
-  for a 2-socket server, not a measurement of the machine that ran the 0.585 s, whose code may
-  also have scheduled differently. What differs cannot be told apart without a GPU run of this
-  code that also measures its CPU Adam (bench_gpu.py prints the rate).
-- Over 1.3x the floor: none/cpu and cpu/cpu (1.34x at 1.3b, 1.33x at 7b) lose the backward to
-  the Adam as above; `--overlap backward` (each unit steps as its gradients land) replays at
-  1.20x (1.3b) and 1.18x (7b). nvme/nvme at 1.3b (1.35x) has the drive's writes on 73% of its
-  critical path and the Adam and state reads on the rest: the optimizer worker waits for a
-  unit's 16-bit write-back (queued behind that unit's state writes) before the next unit's
-  Adam, so Adam, reads and writes run in series; without that wait the replay gives 1.22x.
+- The step: 0.461 s predicted against 0.585 s measured at 41527b1, 21% under. With the CPU Adam
+  at 2.5 Gparams/s (the preset's estimate before the GPU hosts were measured) the replay gave
+  0.733 s, 25% over. The replayed step is the whole CPU Adam (0.273 s) and the backward in
+  series, because in the recorded schedule only the next forward can hide the Adam: each unit's
+  forward waits for its own step (overlap forward), and the next backward waits for every step.
+  The host's own time (2.5 ms per unit, 0.0625 s per step) hides under compute but for the first
+  unit. What the replay leaves out (the transfer worker's gradient work, the worker threads'
+  Python, the Adam's memory bandwidth shared with the copies) is in the measured 0.585, and so
+  is whatever the older code did differently; the next GPU session measures this code beside
+  the prediction (gpu_session.sh prints the two side by side).
+- Over 1.3x the floor: none/cpu and cpu/cpu (1.65-1.70x) lose the backward to the Adam as above;
+  `--overlap backward` (each unit steps as its gradients land) replays 1.3b none/cpu at 0.382 s,
+  1.40x its floor.
 
 Not modelled: the transfer worker's host-side work on gradients (adding the staged 16-bit
 gradient into the fp32 one, its squared norm), the worker threads' own Python (the host's
