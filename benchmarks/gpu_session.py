@@ -37,6 +37,7 @@ so that the script cannot rot between GPU runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import importlib.util
@@ -242,7 +243,8 @@ class Session:
 
     def finish(self, part: Part, process: subprocess.Popen, stopped: bool) -> None:
         if stopped:
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # its whole group: the workers it started too
+                os.killpg(process.pid, signal.SIGKILL)
         code = process.wait()
         part.seconds = time.time() - process.began  # type: ignore[attr-defined]
         process.log.write(f"\n[exit {code} after {part.seconds:.0f} s{', stopped at its box' if stopped else ''}]\n")  # type: ignore[attr-defined]
