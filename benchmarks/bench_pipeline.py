@@ -104,7 +104,7 @@ Method
    to the period:
    its shares per resource add up to the step time.
 
-Calibration (h100-pcie5: 270 TFLOPS, PCIe 48 GB/s each way, CPU Adam 5.0 Gparams/s, host 2.5 ms per unit)
+Calibration (h100-pcie5: 270 TFLOPS, PCIe 48 GB/s each way, CPU Adam 5.0 Gparams/s, host 3.0 ms per unit)
 -----------------------------------------------------------------------------------------------------
 The GPU measurements (records in benchmarks/results/): 1.35B Llama, bf16, 8 x 1024 tokens, one
 H100, param none / optimizer cpu, overlap forward, at 41527b1 (older code than this): 0.585 s/step;
@@ -112,11 +112,11 @@ plain PyTorch 0.247 s/step; the host's CPU Adam 5.4 Gparams/s on the engine's wo
 and 4.7-5.65 (bench_adam, fp32 workload, 16 threads, since). At this commit
 `--sizes 1.3b,7b,13b --placements none/cpu,cpu/cpu --machine h100-pcie5` prints (8 x 1024):
 
-    1.3b none/cpu forward: step 0.4611 s, floor 0.2729 s (cpu_adam), 1.69x floor; ...; critical path compute 38% h2d 2% d2h 2% cpu_adam 58%
+    1.3b none/cpu forward: step 0.4613 s, floor 0.2729 s (cpu_adam), 1.69x floor; ...; critical path compute 38% h2d 2% d2h 2% cpu_adam 58%
     7b none/cpu forward: step 2.232 s, floor 1.348 s (cpu_adam), 1.66x floor
     13b none/cpu forward: step 4.285 s, floor 2.603 s (cpu_adam), 1.65x floor    (cpu/cpu: 0.4645, 2.242, 4.3 s)
 
-(h200-pcie5: 1.3b 0.4489 s, 13b 4.172 s.)
+(h200-pcie5: 1.3b 0.4491 s, 13b 4.172 s.)
 
 - Plain compute: 0.255 s against 0.247 s measured, 3% over: the preset's 270 TFLOPS was taken
   as 6 x 1.35e9 x 8192 / 0.247 s, while this count leaves the embedding out and adds the
@@ -126,7 +126,7 @@ and 4.7-5.65 (bench_adam, fp32 workload, 16 threads, since). At this commit
   0.733 s, 25% over. The replayed step is the whole CPU Adam (0.273 s) and the backward in
   series, because in the recorded schedule only the next forward can hide the Adam: each unit's
   forward waits for its own step (overlap forward), and the next backward waits for every step.
-  The host's own time (2.5 ms per unit, 0.0625 s per step) hides under compute but for the first
+  The host's own time (3.0 ms per unit, 0.075 s per step) hides under compute but for the first
   unit. What the replay leaves out (the transfer worker's gradient work, the worker threads'
   Python, the Adam's memory bandwidth shared with the copies) is in the measured 0.585, and so
   is whatever the older code did differently; the next GPU session measures this code beside
