@@ -460,36 +460,40 @@ class Session:
 
 
 def measured_beside_predicted(folder: str) -> list[str]:
-    """bench_gpu's offload rows beside bench_pipeline's prediction of the same size and placement
-    (the replay's figure printed next to the GPU's), and each run's losses."""
+    """bench_gpu's offload rows beside bench_pipeline's prediction of the same size, batch and
+    placement (the replay's figure printed next to the GPU's), and each run's losses."""
     records = [record for _, record in load_all(folder)]
-    predicted: dict[tuple[str, str], float] = {}
+    predicted: dict[tuple[str, str, str], float] = {}  # (size, bBATCHxSEQ, placement): s/step
     for record in records:
         if record["benchmark"] == "bench_pipeline":
             for row in record["rows"]:
-                found = re.match(r"^(\S+) b\d+x\d+ (\S+?)@", row["case"])
+                found = re.match(r"^(\S+) (b\d+x\d+) (\S+?)@", row["case"])
                 if found and row["metric"] == "s/step (predicted)":
-                    predicted[(found.group(1), found.group(2))] = row["value"]
+                    predicted[found.groups()] = row["value"]
     lines = ["step (s/step; x peer: >1 offload ahead; replay: bench_pipeline's prediction here):"]
     for record in records:
         if record["benchmark"] != "bench_gpu":
             continue
-        size = record["settings"].get("size", "")
+        settings = record["settings"]
+        size = settings.get("size", "")
+        label = size + (f" b{settings.get('batch')} checkpointing" if settings.get("checkpointing") else "")
         for row in record["rows"]:
             if row["metric"] != "s/step":
                 continue
             run = row["case"].split()[-1]
             placement = run.split("@")[0]
             ratio = f" x{(row['peer_value'] / row['value']):.2f} vs {row['peer']}" if row.get("peer_value") else ""
-            guess = predicted.get((size, placement))
+            # the replay models no activation checkpointing: no prediction for such a run
+            workload = "" if settings.get("checkpointing") else f"b{settings.get('batch')}x{settings.get('seq')}"
+            guess = predicted.get((size, workload, placement))
             beside = f"; replay {guess:.3f} ({guess / row['value']:.2f}x the measured)" if guess and "/" in placement else ""
-            lines.append(f"  {size} {run:<22} {row['value']:.3f}{ratio}{beside}")
+            lines.append(f"  {label} {run:<22} {row['value']:.3f}{ratio}{beside}")
         for row in record["rows"]:
             losses = row["figures"].get("losses")
             if losses and row.get("peer") in (None, "plain PyTorch"):
-                lines.append(f"  losses {size} {row['case'].split()[-1]}: " + " ".join(f"{v:.4f}" for v in losses))
+                lines.append(f"  losses {label} {row['case'].split()[-1]}: " + " ".join(f"{v:.4f}" for v in losses))
         if record["notes"]:
-            lines += [f"  {size}: {note}" for note in record["notes"].splitlines()]
+            lines += [f"  {label}: {note}" for note in record["notes"].splitlines()]
     return lines
 
 

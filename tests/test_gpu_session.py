@@ -77,6 +77,8 @@ def test_dry_run_brings_back_three_files_and_a_record_per_part(session, dry_run)
     summary = (out / "summary.txt").read_text()
     assert summary in output  # also the call's last output
     assert "zenflow    skipped" in summary and "deepspeed not installed" in summary
+    # the replay's prediction beside the step's offload runs (not the big run: it checkpoints, the replay does not)
+    assert [line.split()[1] for line in summary.splitlines() if "; replay " in line] == ["none/cpu@default", "cpu/cpu@default"]
     with tarfile.open(out / "logs.tar.gz") as archive:
         names = archive.getnames()
     assert {"suite.log", "suite.xml", "sanitizer.log", "host.log", "replay.log", "step.log", "big.log"} <= set(names)
