@@ -27,13 +27,12 @@ override, and they are exactly where its DeepSpeed branch differs from the plain
   `optimizer.step()` once per window; clipping is the engine's, on the global norm.
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler` write and read the engine's
   checkpoint inside the Trainer's `checkpoint-N/` (`offload_engine/`), beside the scheduler,
-  RNG and trainer state the Trainer writes as usual; `save_model` writes the fp32 weights from
-  `engine.consolidated_state_dict()` with `save_pretrained`, so `from_pretrained` loads them.
+  RNG and trainer state the Trainer writes as usual; `save_model` writes the fp32 weights with
+  `engine.save_pretrained` (streamed, unit by unit), so `from_pretrained` loads them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -405,18 +404,38 @@ class OffloadTrainer(Trainer):
 
     # -- the trained model out -----------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Writes the fp32 weights (`engine.consolidated_state_dict()`) with `save_pretrained`, so
-        `from_pretrained(output_dir)` loads the trained model. Every rank must call it."""
+        """Writes the trained model where `from_pretrained(output_dir)` loads it: the fp32 weights
+        with `engine.save_pretrained` (transformers' layout, config.json saying float32, streamed
+        unit by unit), then the tokenizer and the training arguments as the Trainer's own save
+        does. A PEFT model's adapter goes through PEFT's save (which picks it out of the
+        consolidated weights). Every rank must call it."""
         if self.offload_engine is None:
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = self.offload_engine.consolidated_state_dict()  # a collective: every rank
-        dtypes = {tensor.dtype for tensor in state_dict.values() if tensor.is_floating_point()}
-        self._save(output_dir, state_dict=state_dict)  # save_pretrained empties state_dict as it writes
-        if self.args.should_save and output_dir is not None:  # TrainingArguments' output_dir has a default
-            _write_config_dtype(output_dir, dtypes)
+        engine = self.offload_engine
+        if getattr(engine.model, "peft_config", None):
+            # adapter_model.safetensors and adapter_config.json (no config.json)
+            state_dict = engine.consolidated_state_dict()  # a collective: every rank
+            self._save(output_dir, state_dict=state_dict)  # save_pretrained empties state_dict as it writes
+        else:
+            assert output_dir is not None  # TrainingArguments' output_dir has a default
+            engine.save_pretrained(output_dir)  # a collective: every rank; rank 0 writes
+            if self.args.should_save:
+                self._save_beside_weights(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))
+
+    def _save_beside_weights(self, output_dir: str) -> None:
+        """What `Trainer._save` writes after the model: the tokenizer (or processor) and the
+        training arguments."""
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif collator_tokenizer is not None:
+            collator_tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def end(self) -> None:
         """Closes the engine (the model keeps the final fp32 weights, on the CPU), then what
@@ -448,25 +467,6 @@ def _release_accelerator_precision() -> None:
             state.get("_mixed_precision"),
         )
         AcceleratorState._reset_state()
-
-
-def _write_config_dtype(output_dir: str, dtypes: set[torch.dtype]) -> None:
-    """`save_pretrained` writes the dtype of the model's first parameter into config.json (bf16
-    while the engine computes in bf16), and `from_pretrained` loads that dtype by default; the
-    weights written are the fp32 master weights (and frozen ones in their own dtype): config.json
-    gets the widest of them (`dtypes`: those of the state dict written), so `from_pretrained(output_dir)`
-    loads what training produced."""
-    if not dtypes:
-        return
-    widest = max(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
-    path = os.path.join(output_dir, "config.json")
-    if not os.path.isfile(path):
-        return
-    with open(path) as file:
-        config = json.load(file)
-    config["dtype"] = str(widest).removeprefix("torch.")
-    with open(path, "w") as file:
-        file.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _group_hyper(group: dict) -> dict:
