@@ -262,6 +262,22 @@ def test_bad_arguments_change_nothing(tmp_path, swap_dir):
     engine.close()
 
 
+class WithExtraState(TinyNet):
+    def get_extra_state(self):
+        return {"version": 2}
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+
+def test_a_state_dict_entry_that_is_no_tensor_is_refused_naming_it(tmp_path, swap_dir):
+    engine = offload.initialize(WithExtraState(), config(swap_dir))
+    with pytest.raises(OffloadError, match="'_extra_state', a dict"):
+        engine.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    engine.close(restore_weights=False)
+
+
 def test_a_full_disk_leaves_the_earlier_set(tmp_path, swap_dir):
     """RLIMIT_FSIZE fails the write of a shard (EFBIG) as a full disk would: the error names
     the file, the earlier save is untouched and the temporary directory is gone."""
@@ -435,15 +451,22 @@ def _two_ranks_save(rank, world_size, swap, out):
         engine.step()
     entry = engine.save_pretrained(out, max_shard_size=2000)
     state = engine.consolidated_state_dict()
+    failure = None
+    try:  # rank 0 cannot write there: every rank hears of it
+        engine.save_pretrained(os.path.join(out, "model.safetensors.index.json"))
+    except OffloadError as error:
+        failure = str(error)
     engine.close(restore_weights=False)
-    return {"entry": entry, "state": state if rank == 0 else None}
+    return {"entry": entry, "state": state if rank == 0 else None, "failure": failure}
 
 
-def test_two_ranks_save_once(tmp_path, swap_dir):
+def test_two_ranks_save_once_and_fail_together(tmp_path, swap_dir):
     from distributed_worker import launch
 
     results = launch(_two_ranks_save, 2, swap_dir, str(tmp_path / "out"), deadline_s=240)
     assert all(result.get("ok") for result in results), [result.get("traceback") for result in results]
     values = [result["value"] for result in results]
     assert values[0]["entry"] == values[1]["entry"] == str(tmp_path / "out" / "model.safetensors.index.json")
+    assert "is a file, not a directory" in values[0]["failure"]
+    assert "failed on rank 0" in values[1]["failure"]
     assert_equal_state(load_set(tmp_path / "out"), values[0]["state"])

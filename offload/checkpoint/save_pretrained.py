@@ -205,6 +205,11 @@ def save_pretrained(
     specs, buffers = [], {}
     per_unit: dict[int, list[tuple[str, int]]] = {}
     for key, tensor in saved_keys(model):
+        if not isinstance(tensor, torch.Tensor):
+            raise OffloadError(
+                f"the model's state_dict holds {key!r}, a {type(tensor).__name__} (a module's extra state), which "
+                "safetensors cannot store: save it yourself, or save the weights with engine.consolidated_state_dict()"
+            )
         specs.append(TensorSpec(key, _saved_dtype(tensor, dtype), tuple(tensor.shape)))
         if id(tensor) in home:
             unit, index = home[id(tensor)]
