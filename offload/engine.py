@@ -307,7 +307,7 @@ class Engine:
     def save_pretrained(self, out_dir, max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None) -> str:
         """The consolidated weights (fp32, or `dtype` bf16 / fp16) in the Hugging Face layout, with
         config.json, written unit by unit; every rank calls it, rank 0 writes. Returns the path
-        from_pretrained opens. See offload.checkpoint.save_pretrained."""
+        from_pretrained opens. See offload.checkpoint.pretrained_out."""
         from offload.checkpoint.engine_state import save_pretrained
 
         self._check_open()

@@ -9,6 +9,7 @@ kill or a full disk leaves the earlier set loadable."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import signal
@@ -28,7 +29,7 @@ from torch import nn
 
 import offload
 from offload.checkpoint.files import CheckpointError
-from offload.checkpoint.save_pretrained import first_of_each, save_pretrained, tied_keys_to_drop, weights_dtype
+from offload.checkpoint.pretrained_out import first_of_each, save_pretrained, tied_keys_to_drop, weights_dtype
 from offload.checkpoint.shard_writer import TEMP_PREFIX, ShardSetWriter, TensorSpec, plan_shards, shard_size, split_into_shards
 from offload.errors import ConfigError, InsufficientSpaceError, OffloadError
 
@@ -315,7 +316,7 @@ KILLED_SAVE = textwrap.dedent("""
     sys.path.insert(0, {here!r})
     import offload
     from reference import TinyNet, batches, engine_run
-    from offload.checkpoint.save_pretrained import save_pretrained
+    from offload.checkpoint.pretrained_out import save_pretrained
 
     engine = offload.initialize(TinyNet(), {config!r})
     engine_run(engine, batches(1))
@@ -419,16 +420,21 @@ def test_weights_are_read_and_written_one_unit_at_a_time(tmp_path, swap_dir):
 
 
 # ---- from a checkpoint -------------------------------------------------------------------------
-def test_export_writes_the_files_save_pretrained_writes(tmp_path, swap_dir):
+def test_export_writes_the_files_save_pretrained_writes(tmp_path, swap_dir, monkeypatch, caplog):
+    """Byte for byte (but config.json), and a long export says how far it is."""
     engine = trained(tiny_llama(), swap_dir)
     engine.save_checkpoint(tmp_path / "ckpt")
     engine.save_pretrained(tmp_path / "saved", max_shard_size="30KB", dtype="bf16")
     engine.close()
+    from offload.checkpoint import pretrained_out as module
     from offload.cli import main
 
-    assert (
-        main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported"), "--max-shard-size", "30KB", "--dtype", "bf16"]) == 0
-    )
+    monkeypatch.setattr(module, "PROGRESS_SECONDS", -1.0)  # every tensor is "long" here
+    command = ["export", str(tmp_path / "ckpt"), str(tmp_path / "exported"), "--max-shard-size", "30KB", "--dtype", "bf16"]
+    with caplog.at_level(logging.INFO, logger="offload"):
+        assert main(command) == 0
+    tensors = len(json.loads((tmp_path / "exported" / "model.safetensors.index.json").read_text())["weight_map"])
+    assert f"1 of {tensors} tensors written" in caplog.text and f"{tensors} of {tensors} tensors written" in caplog.text
     names = sorted(os.listdir(tmp_path / "exported"))
     assert names == sorted(set(os.listdir(tmp_path / "saved")) - {"generation_config.json"})  # a checkpoint has none
     for name in names:

@@ -1,7 +1,7 @@
 """Checkpoints: the file format with no engine in sight (`format`, over `files`: writing and reading
 single files safely, and the errors) and the engine's side (`engine_state`: which slices each rank
 saves, reading them back into any placement); the weights out as a Hugging Face model directory
-(`save_pretrained`, over `shard_writer`)."""
+(`pretrained_out`, over `shard_writer`)."""
 
 from offload.checkpoint.engine_state import load, save
 from offload.checkpoint.files import CheckpointCorruptError, CheckpointError
@@ -10,7 +10,7 @@ from offload.checkpoint.format import (
     CheckpointReader,
     list_checkpoints,
 )
-from offload.checkpoint.save_pretrained import export, save_pretrained
+from offload.checkpoint.pretrained_out import export, save_pretrained
 
 __all__ = [
     "LATEST",

@@ -65,7 +65,7 @@ from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's
     set_rng_state,
     tensor_bytes,
 )
-from offload.checkpoint.save_pretrained import export, save_pretrained  # noqa: F401 (re-exported: the engine's one import)
+from offload.checkpoint.pretrained_out import export, save_pretrained  # noqa: F401 (re-exported: the engine's one import)
 from offload.checkpoint.verify import VerifiedCheckpoint, frozen_piece, model_names, verify
 from offload.config.schema import Config
 from offload.config.sizes import format_bytes

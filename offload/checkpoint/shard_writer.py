@@ -1,6 +1,6 @@
 """Weights out in the Hugging Face sharded layout, written tensor by tensor: the plan of the
 shards, and a writer that never leaves a set `from_pretrained` would take half written. No
-engine and no model here (offload.checkpoint.save_pretrained says which tensors, from where).
+engine and no model here (offload.checkpoint.pretrained_out says which tensors, from where).
 
 Layout (what transformers' `save_pretrained` writes): one `model.safetensors` when the tensors
 fit in one shard; else `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`

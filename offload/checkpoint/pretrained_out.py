@@ -180,6 +180,24 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(_saved_dtype(tensor, dtype))
 
 
+class _Progress:
+    """Counts a save's steps (units, or tensors); calls the caller's `progress(done, total)` after
+    each, and logs an INFO line at most every PROGRESS_SECONDS (long saves show they move)."""
+
+    def __init__(self, what: str, total: int, callback: Callable[[int, int], None] | None) -> None:
+        self.what, self.total, self.callback = what, total, callback
+        self.done = 0
+        self.logged = time.monotonic()
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.callback is not None:
+            self.callback(self.done, self.total)
+        if time.monotonic() - self.logged > PROGRESS_SECONDS:
+            self.logged = time.monotonic()
+            logger.info("offload: %d of %d %s written", self.done, self.total, self.what)
+
+
 # ---- from an engine --------------------------------------------------------------------------
 def save_pretrained(
     engine: WeightsSource,
@@ -244,8 +262,8 @@ def _open_with_buffers(writer: ShardSetWriter, buffers: dict[str, torch.Tensor],
 def _stream_units(engine: WeightsSource, writer, per_unit, dtype, progress) -> None:
     """Each unit's weights gathered (every rank) and written (rank 0), one unit at a time."""
     units = [unit for unit in engine.units if unit.index in per_unit]
-    logged = time.monotonic()
-    for done, unit in enumerate(units, 1):
+    counter = _Progress("units", len(units), progress)
+    for unit in units:
         full = engine.weights.full_weights(unit)
 
         def write(w: ShardSetWriter, unit=unit, full=full) -> None:
@@ -255,11 +273,7 @@ def _stream_units(engine: WeightsSource, writer, per_unit, dtype, progress) -> N
 
         _on_rank0(engine.collectives, writer, write, f"the weights of unit {unit.spec.name}")
         del full, write
-        if progress is not None:
-            progress(done, len(units))
-        if time.monotonic() - logged > PROGRESS_SECONDS:
-            logged = time.monotonic()
-            logger.info("offload: save_pretrained: %d of %d units written", done, len(units))
+        counter.advance()
 
 
 def _on_rank0(collectives: Collectives, writer: ShardSetWriter | None, action, what: str):
@@ -313,7 +327,8 @@ def export(
         total = sum(info["numel"] for info in params.values())
         with ShardSetWriter(os.path.abspath(os.fspath(out_dir)), plan, files, total) as writer:
             read: tuple[str | None, torch.Tensor | None] = (None, None)
-            for done, (key, what) in enumerate(keys, 1):
+            counter = _Progress("tensors", len(keys), progress)
+            for key, what in keys:
                 if what == "buffer":
                     writer.write(key, _cast(buffers[key], dtype))
                 else:
@@ -321,8 +336,7 @@ def export(
                         read = (what, reader.read_param(what.split(":", 1)[1]).to(dtype))
                     assert read[1] is not None
                     writer.write(key, read[1])
-                if progress is not None:
-                    progress(done, len(keys))
+                counter.advance()
             entry = writer.commit()
     logger.info("offload: exported %s (%s)", entry, dtype)
     return entry
