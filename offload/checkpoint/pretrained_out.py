@@ -11,8 +11,9 @@ as regular expressions) are dropped while another key of the tensor remains, and
 every key (each its own copy), so that `model.load_state_dict(safetensors.torch.load_file(...))`
 loads it strictly. A checkpoint does not record the model's tied keys: a Hugging Face one keeps
 the first key of each tied parameter in state_dict order (the embedding, registered before the
-head in transformers' models). Models whose weights transformers converts on load (MoE experts
-fused since transformers 5) are written with the model's own keys, not reverted.
+head in transformers' models). Weights transformers converts on load (MoE experts, fused since
+transformers 5) are written under the model's own keys, not converted back: from_pretrained
+takes those as they are (a test saves a Mixtral).
 
 Values. Parameters in `dtype` (fp32 by default, the fp32 master weights; bf16 or fp16 cast from
 them), floating-point buffers likewise, other buffers as they are. config.json says `dtype`.

@@ -16,8 +16,9 @@ tensor's bytes go straight to their place (`pwrite`) whenever the caller has the
 is held beyond the tensor being written.
 
 Safe. Everything is written into a temporary directory inside `out_dir`
-(`.tmp-offload-save-<pid>-<random>`, flock'ed while in use; same filesystem, so the moves are
-renames), each file fsynced. A save that fails removes it; one killed leaves it, and the next
+(`.tmp-offload-save-<pid>-<random>`, flock'ed while in use; inside rather than beside it, so that
+the moves are renames on one filesystem even where `out_dir` is a mount point, and a sweep for
+dead saves looks only into the directory being saved to), each file fsynced. A save that fails removes it; one killed leaves it, and the next
 save into that directory removes it (its lock died with the process). `commit` then, in order:
 removes the files `from_pretrained` looks for (`model.safetensors`, the index), so that from
 here until the end the directory holds no set it would load; removes shards of an earlier save
@@ -333,8 +334,8 @@ class ShardSetWriter:
             fsync_dir(out)
         except OSError as e:
             raise CheckpointError(
-                f"cannot move the saved weights into {out}: {e.strerror} ({e.filename}); the directory holds no loadable "
-                "set now: save again"
+                f"cannot move the saved weights into {out}: {e.strerror} ({e.filename}); the directory may hold no "
+                "loadable set now (never a mixture of two saves): fix that and save again"
             ) from None
         self._committed = True
         self.abort()
