@@ -407,15 +407,18 @@ class OffloadTrainer(Trainer):
         """Writes the trained model where `from_pretrained(output_dir)` loads it: the fp32 weights
         with `engine.save_pretrained` (transformers' layout, config.json saying float32, streamed
         unit by unit), then the tokenizer and the training arguments as the Trainer's own save
-        does. A PEFT model's adapter goes through PEFT's save (which picks it out of the
-        consolidated weights). Every rank must call it."""
+        does. A PEFT model's adapter goes through PEFT's save, given only the weights PEFT picks
+        (`_adapter_state_dict`). Every rank must call it."""
         if self.offload_engine is None:
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         engine = self.offload_engine
         if getattr(engine.model, "peft_config", None):
-            # adapter_model.safetensors and adapter_config.json (no config.json)
-            state_dict = engine.consolidated_state_dict()  # a collective: every rank
+            # adapter_model.safetensors and adapter_config.json (no config.json); a collective: every rank
+            state_dict = _adapter_state_dict(engine)
+            if state_dict is None:
+                logger.info("offload: PEFT's choice of weights could not be made from their names: reading them all")
+                state_dict = engine.consolidated_state_dict()
             self._save(output_dir, state_dict=state_dict)  # save_pretrained empties state_dict as it writes
         else:
             assert output_dir is not None  # TrainingArguments' output_dir has a default
@@ -467,6 +470,45 @@ def _release_accelerator_precision() -> None:
             state.get("_mixed_precision"),
         )
         AcceleratorState._reset_state()
+
+
+def _adapter_state_dict(engine: Engine) -> dict[str, torch.Tensor] | None:
+    """The entries PEFT's save picks out of a state dict (every adapter's weights), read alone:
+    PEFT picks among stand-ins (meta tensors of each entry's shape), and only what it picked is
+    read from the engine, one unit's weights at a time, never the frozen base in fp32. None when
+    PEFT's choice cannot be made so (it picked something not given, or picks otherwise from the
+    entries it picked): the caller reads them all. The same reads on every rank (a collective)."""
+    import warnings
+
+    from peft.utils import get_peft_model_state_dict
+
+    model = engine.model
+    adapters = list(getattr(model, "peft_config", {}))
+    entries = model.state_dict(keep_vars=True)
+    stand_ins = {
+        key: torch.empty(value.shape, dtype=value.dtype, device="meta")
+        for key, value in entries.items()
+        if isinstance(value, torch.Tensor)
+    }
+    key_of = {id(tensor): key for key, tensor in stand_ins.items()}
+
+    def picked(state: dict) -> dict:
+        chosen: dict = {}
+        with warnings.catch_warnings():  # PEFT's notes are for the real save, which follows
+            warnings.simplefilter("ignore")
+            for adapter in adapters:
+                chosen.update({f"{adapter}/{k}": v for k, v in get_peft_model_state_dict(model, state, adapter).items()})
+        return chosen
+
+    chosen = picked(stand_ins)
+    keys = {key_of.get(id(value)) for value in chosen.values()}
+    if None in keys or picked({key: stand_ins[key] for key in stand_ins if key in keys}).keys() != chosen.keys():
+        return None
+    return {
+        key: engine.weights.param_weight(value) if isinstance(value, nn.Parameter) else value.detach().cpu()
+        for key, value in entries.items()
+        if key in keys
+    }
 
 
 def _group_hyper(group: dict) -> dict:
