@@ -35,6 +35,7 @@ TITLES: dict[str, str] = {
     "bench_io": "Swap I/O (`bench_io.py`): against fio on the same path",
     "bench_quality": "Training quality (`bench_quality.py`): final loss against torch AdamW",
     "bench_state_memory": "Host bytes per trainable parameter (`bench_state_memory.py`): against fp32 state",
+    "bench_save_pretrained": "Weights out (`bench_save_pretrained.py`): engine.save_pretrained against the disk and the whole-state-dict route",
     "scale": "Scale proof (`scale.py`): a model whose state is twice the RAM, on NVMe",
     "gpu_session.suite": "The test suite on a GPU machine (`gpu_session.sh`)",
     "gpu_session.sanitizer": "The CUDA tests under PyTorch's stream sanitizer (`gpu_session.sh`)",

@@ -128,6 +128,33 @@ def test_save_state_and_load_state_resume_exactly(swap_dir, tmp_path):
     second.end_training()
 
 
+def test_save_model_streams_the_weights(swap_dir, tmp_path):
+    """accelerator.save_model writes accelerate's layout through engine.save_pretrained: the
+    weights unit by unit, never the model's whole state dict."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    accelerator = OffloadAccelerator(offload_config=offload_config(swap_dir))
+    trained, _, _ = accelerate_loop(accelerator, TinyNet(), batches(2))
+    whole = trained.state_dict
+
+    def keys_only(*args, keep_vars=False, **kwargs):
+        assert keep_vars, "save_model built the model's whole state dict"
+        return whole(*args, keep_vars=keep_vars, **kwargs)
+
+    trained.state_dict = keys_only
+    accelerator.save_model(trained, tmp_path / "weights", max_shard_size="4KB")
+    del trained.state_dict
+    files = sorted(p.name for p in (tmp_path / "weights").iterdir())
+    assert len(files) > 2 and files[-1] == "model.safetensors.index.json"
+    saved = {}
+    for name in files[:-1]:
+        saved.update(load_file(tmp_path / "weights" / name))
+    expected = accelerator.engine.consolidated_state_dict()
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
+    accelerator.end_training()
+
+
 def test_what_the_engine_cannot_honour_is_refused_at_prepare(swap_dir):
     model = TinyNet()
     accelerator = OffloadAccelerator(offload_config=offload_config(swap_dir))

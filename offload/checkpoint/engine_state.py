@@ -1,6 +1,6 @@
 """Checkpoints of an engine: save / resume on any world size and placement.
 
-The file format (directory layout, atomic writes, verified reads, export) is
+The file format (directory layout, atomic writes, verified reads) is
 offload.checkpoint.format; this module is the engine's side: which slices of which parameters
 each rank writes from wherever its optimizer state lives (host buffers, or NVMe swap files
 streamed through the slots), and how a rank reads the ranges of its new shard back into any
@@ -55,7 +55,6 @@ from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's
     check_tag,
     checkpoints_to_remove,
     chunk_bounds,
-    export,
     is_format_file,
     json_with_checksum,
     list_checkpoints,
@@ -66,6 +65,7 @@ from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's
     set_rng_state,
     tensor_bytes,
 )
+from offload.checkpoint.pretrained_out import export, save_pretrained  # noqa: F401 (re-exported: the engine's one import)
 from offload.checkpoint.verify import VerifiedCheckpoint, frozen_piece, model_names, verify
 from offload.config.schema import Config
 from offload.config.sizes import format_bytes

@@ -70,10 +70,8 @@ from offload.checkpoint.files import (
     CheckpointError,
     _open_regular,
     _read_exactly,
-    fsync_dir,
     open_dir,
     read_small,
-    write_replacing,
 )
 from offload.storage.aio import crc32c
 
@@ -620,59 +618,3 @@ class CheckpointReader:
 
     def __exit__(self, *exc):
         self.close()
-
-
-# ---- loading into an engine ------------------------------------------------------------------
-def export(checkpoint, out_dir, *, dtype: torch.dtype = torch.float32, tag: str | None = None) -> str:
-    """Writes `out_dir/model.safetensors`: the full weights (fp32 master, cast to `dtype`) and
-    buffers under the model's state_dict keys (tied weights under every key), streamed one
-    tensor at a time, plus `config.json` when the checkpoint recorded a Hugging Face config.
-    Each file is written to a new temporary file (O_EXCL), fsynced and renamed into place.
-    Returns the safetensors path."""
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise CheckpointError(
-            f"cannot export to {out_dir}: it is a file, not a directory; pass a directory path "
-            "(it is created if missing; model.safetensors goes inside)"
-        )
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(
-            f"cannot create the export directory {out_dir}: {e.strerror}; choose a directory you can write to"
-        ) from None
-    with CheckpointReader(checkpoint, tag) as reader:
-        buffers = reader.buffers()
-        params = reader.index["params"]
-        entries, sources = [], []
-        for key, what in reader.index["state_dict_keys"]:
-            if what == "buffer":
-                tensor = buffers[key]
-                if tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                entries.append(
-                    (key, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), tensor.numel() * tensor.element_size())
-                )
-                sources.append(tensor)
-            else:
-                name = what.split(":", 1)[1]
-                info = params[name]
-                entries.append(
-                    (key, SAFETENSORS_DTYPES[dtype], info["shape"], info["numel"] * torch.empty(0, dtype=dtype).element_size())
-                )
-                sources.append(name)
-        prefix, _ = safetensors_header(entries, {"format": "pt"})
-
-        def tensors():
-            yield prefix
-            for source in sources:
-                tensor = source if isinstance(source, torch.Tensor) else reader.read_param(source).to(dtype)
-                yield tensor_bytes(tensor)
-
-        path = write_replacing(os.path.join(out_dir, "model.safetensors"), tensors())
-        config = reader.hf_config()
-        if config is not None:
-            write_replacing(os.path.join(out_dir, "config.json"), [config])
-        fsync_dir(out_dir)
-    logger.info("offload: exported %s (%s)", path, dtype)
-    return path

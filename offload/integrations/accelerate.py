@@ -38,8 +38,10 @@ it (as accelerate does) and calls `engine.backward`; `clip_grad_norm_` is `engin
 all units, tiers and ranks); `save_state` / `load_state` write and read the engine's
 checkpoint (weights, moments, counters) beside accelerate's files (optimizer groups, scheduler,
 RNG, data loader positions; a plain accelerate save_state is refused by load_state, saying how
-to start from its weights), and `unwrap_model(model)` is the Hugging Face model (its
-`state_dict` and `save_pretrained` give the fp32 weights while the engine is open). Under
+to start from its weights); `save_model(model, dir)` writes the weights with
+`engine.save_pretrained` (streamed, unit by unit), and `unwrap_model(model)` is the Hugging Face
+model (its `state_dict` and `save_pretrained` give the fp32 weights while the engine is open, but
+build them whole in RAM). Under
 `accelerate launch` with several processes the engine shards its state over the ranks and
 reduces the gradients itself (no DDP). `accelerator.end_training()` closes the engine.
 """
@@ -290,6 +292,17 @@ class OffloadAccelerator(Accelerator):
         if isinstance(model, OffloadedModule):
             return model.module
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
+
+    def save_model(self, model, save_directory, max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
+        """`engine.save_pretrained`: the fp32 weights in accelerate's (and transformers') layout,
+        plus config.json for a transformers model, streamed unit by unit where accelerate would
+        build the whole state dict. Every process calls it; the main one writes."""
+        engine = self._require_engine()
+        if model is not engine.model and not (isinstance(model, OffloadedModule) and model.engine is engine):
+            return super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+        if not safe_serialization:
+            raise OffloadError("OffloadAccelerator.save_model writes safetensors only: drop safe_serialization=False")
+        engine.save_pretrained(save_directory, max_shard_size=max_shard_size)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
