@@ -31,15 +31,27 @@ unit's state is read from its swap files into a slot buffer and written on, neve
 whole in RAM. Every byte read back is checked: size, header checksum, per-chunk checksums, and
 a mismatch names the file and the tensor.
 
-Atomicity. Files are written into `<root>/.tmp-<tag>-<pid>/`, each fsynced, the directory
-fsynced and renamed to `<root>/<tag>`, and only then is `<root>/latest` replaced (temp file
-made with O_EXCL, fsync, rename). A process killed at any moment, or a full disk, leaves the
-previous checkpoint and `latest` as they were; a save that fails removes its temporary
-directory, and a later save removes those left by dead saves. A save in progress holds a
-flock on its temporary directory (and on its `latest` temp file), so "dead" is judged by the
-lock (which the kernel drops with the process), not by whether a pid is alive on this host. `keep_last=N` removes older checkpoints after `latest`
-points to the new one (renamed to `.trash-*` first, so a half-removed one is never taken for
-a checkpoint). With several ranks the root must be a filesystem every rank sees.
+Atomicity: a save is complete when `latest` names it. Files are written into
+`<root>/.tmp-<tag>-<pid>/`, each fsynced, the index last (it records the save's `generation`:
+one more than that of the checkpoint `latest` named when the save began), the directory
+fsynced and renamed to `<root>/<tag>`, and only then is `<root>/latest` replaced (temp file made
+with O_EXCL, fsync, rename): that rename is the commit. A save that fails before it (a full
+disk, an error, Ctrl-C) takes its directory back, leaving the root as it was. A process killed
+before it leaves the previous checkpoint and `latest` as they were, and perhaps a complete
+directory `latest` does not name, of a higher generation than `latest`'s checkpoint: an
+unfinished save (so is one left newer by a `latest` set back by hand). A load through `latest`
+loads `latest`'s checkpoint and warns of each unfinished one it passes over (which loads by its
+tag); a save to an unfinished one's tag replaces it, as `overwrite` would, where another
+existing tag is refused. A later save removes the temporary directories and files of dead saves.
+A save in progress holds a flock on its temporary directory (and on its `latest` temp file), so
+"dead" is judged by the lock (which the kernel drops with the process), not by whether a pid is
+alive on this host. `overwrite` (and the replacement of an unfinished save) writes the new
+checkpoint beside the old one, hard-links the old one's files the format never writes into it,
+exchanges the two directories atomically and removes the old one once `latest` is replaced: a
+kill leaves the old or the new one at the tag, with those files. `keep_last=N` removes older
+checkpoints after `latest` points to the new one (renamed to `.trash-*` first, so a half-removed
+one is never taken for a checkpoint); a failure of that tidying is a warning, the save being
+complete. With several ranks the root must be a filesystem every rank sees.
 
 Reading a checkpoint trusts nothing in it: checksums catch damage, not crafting. Only the file
 names the format writes are read (`index.json`, `latest`, `rank<r>.json`,
@@ -76,6 +88,7 @@ from offload.checkpoint.files import (
     write_replacing,
 )
 from offload.checkpoint.root import (  # noqa: F401 (re-exported: the format's names, kept where they were)
+    GENERATION,
     INDEX,
     LATEST,
     MAX_INDEX_BYTES,
