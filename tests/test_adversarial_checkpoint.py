@@ -7,11 +7,15 @@
   over; the same save, retried, succeeds and leaves the root tidy. The kill is simulated in
   process (`FileSystemSteps`: from the kill on, no file system change happens, so cleanup code
   that still runs changes nothing, as after a SIGKILL), and done for real once, in a child.
+- Crafted indexes (checksums recomputed): every field, removed or of a wrong type, is loaded
+  whole or refused before the engine changes, never half applied.
 """
 
 from __future__ import annotations
 
+import copy
 import errno
+import json
 import logging
 import os
 import shutil
@@ -345,3 +349,72 @@ def test_sigkill_between_the_rename_and_latest_resumes_and_saves_again(tmp_path,
     got = engine.consolidated_state_dict()
     engine.close()
     assert same(got, expected)
+
+
+# ---- crafted indexes --------------------------------------------------------------------------------
+def field_paths(index: dict) -> list[tuple]:
+    """Every field of the index down to the leaves: of `params` the first parameter's, of the
+    engine's parameter groups the first group's, of lists their first item."""
+    paths = []
+
+    def walk(value, path):
+        paths.append(path)
+        if isinstance(value, dict):
+            keys = list(value)[:1] if path in (("params",), ("files",)) else list(value)
+            for key in keys:
+                walk(value[key], (*path, key))
+        elif isinstance(value, list) and value and isinstance(value[0], dict | list):
+            walk(value[0], (*path, 0))
+
+    for key in index:
+        walk(index[key], (key,))
+    return paths
+
+
+def crafted(index: dict, path: tuple, how: str) -> dict:
+    index = copy.deepcopy(index)
+    parent = index
+    for key in path[:-1]:
+        parent = parent[key]
+    if how == "removed" and isinstance(parent, dict):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = "x" if isinstance(parent[path[-1]], list) else ["x"]
+    return index
+
+
+def test_no_crafted_index_field_fails_while_applied(tmp_path, swap_dir):
+    """A field of index.json removed, or of a wrong type, with the checksum recomputed: the load
+    applies whole or is refused before the engine changes; never a failure while applied (a
+    part-loaded engine, or a bare KeyError after a complete load)."""
+    engine = new_engine(swap_dir)
+    engine_run(engine, batches(2))
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="good")
+    good = tmp_path / "ckpt" / "good"
+    index = json.loads((good / "index.json").read_bytes())
+    index.pop("checksum")
+    engine.load_checkpoint(str(good))
+    loaded = engine.consolidated_state_dict()
+    outcomes = {}
+    for path in field_paths(index):
+        for how in ("removed", "wrong type"):
+            directory = tmp_path / "crafted"
+            shutil.rmtree(directory, ignore_errors=True)
+            shutil.copytree(good, directory)
+            (directory / "index.json").write_bytes(checkpoint.json_with_checksum(crafted(index, path, how)))
+            try:
+                engine.load_checkpoint(str(directory))
+                outcomes[(path, how)] = "loaded"
+            except CheckpointError as error:
+                assert "passed every check" not in str(error), (path, how, str(error))
+                outcomes[(path, how)] = "refused"
+            except Exception as error:  # noqa: BLE001  (what the test is after)
+                raise AssertionError(f"index field {path} {how}: {type(error).__name__}: {error}") from error
+            engine.window.refuse_partly_stepped()  # raises if the engine says it is part loaded
+    assert same(engine.consolidated_state_dict(), loaded)
+    for field in ("world_size", "placement", "state_precision"):
+        assert outcomes[((field,), "wrong type")] == "refused"
+    assert outcomes[(("world_size",), "removed")] == "refused" and outcomes[(("placement",), "removed")] == "refused"
+    assert outcomes[(("state_precision",), "removed")] == "loaded"  # checkpoints before compact state: fp32
+    engine_run(engine, batches(1))
+    engine.close()
