@@ -9,6 +9,8 @@
   that still runs changes nothing, as after a SIGKILL), and done for real once, in a child.
 - Crafted indexes (checksums recomputed): every field, removed or of a wrong type, is loaded
   whole or refused before the engine changes, never half applied.
+- Ctrl-C inside a load reaches the caller as KeyboardInterrupt, the engine part loaded and
+  refusing to train until a load succeeds.
 """
 
 from __future__ import annotations
@@ -418,3 +420,89 @@ def test_no_crafted_index_field_fails_while_applied(tmp_path, swap_dir):
     assert outcomes[(("state_precision",), "removed")] == "loaded"  # checkpoints before compact state: fp32
     engine_run(engine, batches(1))
     engine.close()
+
+
+# ---- Ctrl-C during a load ---------------------------------------------------------------------------
+def test_ctrl_c_during_a_load_reaches_the_caller_as_itself(tmp_path, swap_dir, monkeypatch):
+    """Ctrl-C in the first pass: KeyboardInterrupt, the engine unchanged; in the second pass:
+    KeyboardInterrupt, the engine part loaded (it refuses to train) until a load succeeds, after
+    which it trains as if never interrupted."""
+    data = batches(6)
+    with new_engine(swap_dir) as straight:
+        engine_run(straight, data)
+        expected = straight.consolidated_state_dict()
+    engine = new_engine(swap_dir)
+    engine_run(engine, data[:2])
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine_run(engine, data[2:3])
+    before = engine.consolidated_state_dict()
+    real_scan, real_read = CheckpointReader.scan_range, CheckpointReader.read_range
+    reads = []
+
+    def interrupted(real):
+        def read(self, *args, **kwargs):
+            reads.append(args)
+            if len(reads) == 3:
+                raise KeyboardInterrupt
+            return real(self, *args, **kwargs)
+
+        return read
+
+    monkeypatch.setattr(CheckpointReader, "scan_range", interrupted(real_scan))
+    with pytest.raises(KeyboardInterrupt):
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+    assert same(engine.consolidated_state_dict(), before) and engine.global_steps == 3
+    monkeypatch.setattr(CheckpointReader, "scan_range", real_scan)
+    reads.clear()
+    monkeypatch.setattr(CheckpointReader, "read_range", interrupted(real_read))
+    with pytest.raises(KeyboardInterrupt):
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+    monkeypatch.setattr(CheckpointReader, "read_range", real_read)
+    x, y = data[3]
+    with pytest.raises(OffloadError, match="was interrupted.*part loaded"):
+        engine.backward(((engine(x) - y) ** 2).mean())
+    engine.load_checkpoint(str(tmp_path / "ckpt"))
+    engine_run(engine, data[2:])
+    got = engine.consolidated_state_dict()
+    engine.close()
+    assert same(got, expected)
+
+
+# ---- two ranks: an interrupt on one rank does not hang the other ---------------------------------
+def _interrupted_on_rank_1(rank, world, root, swap_root):
+    from distributed_worker import RANK_DEVICE
+
+    swap = os.path.join(swap_root, f"r{rank}")
+    os.makedirs(swap, exist_ok=True)
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyNet(), config(swap), device=RANK_DEVICE)
+    engine_run(engine, batches(2))
+    engine.save_checkpoint(root, tag="t")
+    if rank == 1:
+        real = CheckpointReader.scan_range
+
+        def interrupted(self, *args, **kwargs):
+            raise KeyboardInterrupt
+
+        CheckpointReader.scan_range = interrupted
+    try:
+        engine.load_checkpoint(root, tag="t")
+        outcome = "loaded"
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    except CheckpointError as error:
+        outcome = f"CheckpointError: {error}"
+    if rank == 1:
+        CheckpointReader.scan_range = real
+    engine.load_checkpoint(root, tag="t")  # both ranks still agree on the next load
+    engine.close()
+    return outcome
+
+
+def test_ctrl_c_on_one_rank_while_checking_fails_the_load_on_both(tmp_path):
+    from distributed_worker import launch
+
+    results = launch(_interrupted_on_rank_1, 2, str(tmp_path / "ckpt"), str(tmp_path), deadline_s=90)
+    assert all(r["ok"] for r in results), results
+    assert results[1]["value"] == "KeyboardInterrupt"
+    assert results[0]["value"].startswith("CheckpointError") and "rank 1" in results[0]["value"], results[0]["value"]

@@ -588,12 +588,17 @@ def load(engine: CheckpointedEngine, path, *, tag: str | None = None, load_rng: 
             error = e
         failed = engine.collectives.ranks_with(error is not None, "whether the checkpoint was applied")
         if failed:
-            reason = (
-                f"load_checkpoint: {reader.directory} passed every check, but applying it failed on rank(s) {failed} "
-                f"({type(error).__name__}: {error})"
-                if error is not None
-                else f"on rank(s) {failed} (see their log)"
-            )
+            if error is None:
+                reason = f"on rank(s) {failed} (see their log)"
+            elif isinstance(error, Exception):
+                reason = (
+                    f"load_checkpoint: {reader.directory} passed every check, but applying it failed on rank(s) {failed} "
+                    f"({type(error).__name__}: {error})"
+                )
+            else:  # Ctrl-C or SystemExit: it reaches the caller as itself, the engine part loaded as after a failure
+                reason = f"load_checkpoint: applying {reader.directory} was interrupted ({type(error).__name__})"
+                engine.load_failed(f"{reason}; the engine's state is part loaded")
+                raise error
             engine.load_failed(f"{reason}; the engine's state is part loaded")
             if error is not None:
                 raise CheckpointError(
@@ -624,12 +629,12 @@ def _agree_on_verification(engine: CheckpointedEngine, error: BaseException | No
     failed = collectives.ranks_with(error is not None, "whether the checkpoint passed its checks")
     if not failed:
         return
-    if error is not None and not isinstance(error, CheckpointError):
-        raise error  # Ctrl-C, or a bug: not the checkpoint's fault
     reason = collectives.broadcast_object(
         f"{type(error).__name__}: {error}" if error is not None else "", src=failed[0], what="why the checkpoint was refused"
     )
-    if error is not None and collectives.rank == failed[0]:
+    # this rank's own error: Ctrl-C or a bug (not the checkpoint's fault) as itself, after the
+    # broadcast every other rank waits in
+    if error is not None and (collectives.rank == failed[0] or not isinstance(error, CheckpointError)):
         raise error
     raise CheckpointError(
         f"load_checkpoint refused on every rank: rank {failed[0]}'s part failed its checks ({reason}); nothing was loaded"

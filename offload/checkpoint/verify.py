@@ -22,6 +22,8 @@ small parts (buffers, counters, RNG, client_state) are kept from this pass to th
 A checkpoint that passes here can fail in the second pass only if its files change under the
 load (they are held open, so a rename or a replacement does not count; a write into them does)
 or the disk fails a read; the engine then says so and refuses to train until a load succeeds.
+An interrupt (Ctrl-C: KeyboardInterrupt, or SystemExit) leaves the engine as a failure would,
+part loaded if it came in the second pass, and reaches the caller as itself.
 """
 
 from __future__ import annotations
