@@ -11,6 +11,7 @@
   whole or refused before the engine changes, never half applied.
 - Ctrl-C inside a load reaches the caller as KeyboardInterrupt, the engine part loaded and
   refusing to train until a load succeeds.
+- Checkpoint files and directories follow the umask.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -466,6 +468,31 @@ def test_ctrl_c_during_a_load_reaches_the_caller_as_itself(tmp_path, swap_dir, m
     got = engine.consolidated_state_dict()
     engine.close()
     assert same(got, expected)
+
+
+# ---- permissions ----------------------------------------------------------------------------------
+def test_checkpoint_files_and_directories_follow_the_umask(tmp_path, swap_dir):
+    """Every file and directory of a checkpoint, and `latest`, has the umask's permissions
+    (0644 / 0755 under 022, 0600 / 0700 under 077), on a new save and an overwrite alike."""
+    engine = new_engine(swap_dir)
+    engine_run(engine, batches(1))
+    for umask in (0o022, 0o077):
+        root = tmp_path / f"ckpt{umask:o}"
+        previous = os.umask(umask)
+        try:
+            engine.save_checkpoint(str(root), client_state={"epoch": 1})
+            engine.save_checkpoint(str(root), tag="global_step1", overwrite=True, client_state={"epoch": 2})
+        finally:
+            os.umask(previous)
+        modes = {}
+        for directory, _dirs, files in os.walk(root):
+            for name in [directory, *(os.path.join(directory, f) for f in files)]:
+                modes[os.path.relpath(name, root)] = stat.S_IMODE(os.stat(name).st_mode)
+        assert modes.pop("global_step1") == modes.pop(".") == 0o777 & ~umask, (umask, modes)
+        assert set(modes) == {"latest", *(f"global_step1/{f}" for f in os.listdir(root / "global_step1"))}
+        assert "global_step1/client_state.pt" in modes
+        assert set(modes.values()) == {0o666 & ~umask}, (umask, modes)
+    engine.close()
 
 
 # ---- two ranks: an interrupt on one rank does not hang the other ---------------------------------

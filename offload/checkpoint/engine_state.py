@@ -334,7 +334,7 @@ def save(
 
     if rank == 0:
         try:
-            os.mkdir(temp, 0o700)
+            os.mkdir(temp)  # the umask's permissions, as every file and directory of a checkpoint
             lock_fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             lock_held(lock_fd)
         except BaseException as e:  # noqa: BLE001  (every rank must learn of any failure, Ctrl-C included)

@@ -53,6 +53,10 @@ checkpoints after `latest` points to the new one (renamed to `.trash-*` first, s
 one is never taken for a checkpoint); a failure of that tidying is a warning, the save being
 complete. With several ranks the root must be a filesystem every rank sees.
 
+Permissions. Checkpoints are the user's output: every file and directory of one (and `latest`)
+is created with the umask's permissions (files 0666, directories 0777, less the umask), like
+any file the user writes; swap files stay private (0600 in a 0700 directory: offload.storage).
+
 Reading a checkpoint trusts nothing in it: checksums catch damage, not crafting. Only the file
 names the format writes are read (`index.json`, `latest`, `rank<r>.json`,
 `rank<r>.safetensors`, and the three small files above), each opened relative to the
