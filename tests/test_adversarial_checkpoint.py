@@ -12,6 +12,7 @@
 - Ctrl-C inside a load reaches the caller as KeyboardInterrupt, the engine part loaded and
   refusing to train until a load succeeds.
 - Checkpoint files and directories follow the umask.
+- A compact CPUAdamW refuses a bad state dict without changing.
 """
 
 from __future__ import annotations
@@ -493,6 +494,70 @@ def test_checkpoint_files_and_directories_follow_the_umask(tmp_path, swap_dir):
         assert "global_step1/client_state.pt" in modes
         assert set(modes.values()) == {0o666 & ~umask}, (umask, modes)
     engine.close()
+
+
+# ---- CPUAdamW with compact moments ------------------------------------------------------------------
+def compact_optimizer(precision: str):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (40, 70, 33)]
+    return params, offload.CPUAdamW(params, lr=1e-2, state_precision=precision)
+
+
+def step(params, opt, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+    opt.step()
+
+
+def optimizer_snapshot(params, opt) -> list:
+    state = [{k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()} for p in params]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return [[p.detach().clone() for p in params], state, groups]
+
+
+def snapshots_equal(a, b) -> bool:
+    def equal(x, y):
+        if torch.is_tensor(x):
+            return torch.is_tensor(y) and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(equal(x[k], y[k]) for k in x)
+        if isinstance(x, list):
+            return isinstance(y, list) and len(x) == len(y) and all(equal(u, v) for u, v in zip(x, y))
+        return x == y
+
+    return equal(a, b)
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_a_refused_compact_state_dict_changes_nothing(precision):
+    """A state dict whose last parameter's moment has the wrong size (or whose step is no count)
+    is refused with a ValueError before anything changes: the optimizer is bit-identical, and its
+    next step equals that of a twin that never tried the load."""
+    params, opt = compact_optimizer(precision)
+    twin_params, twin = compact_optimizer(precision)
+    for seed in (1, 2):
+        step(params, opt, seed)
+        step(twin_params, twin, seed)
+    other_params, other = compact_optimizer(precision)
+    for seed in (5, 6, 7):
+        step(other_params, other, seed)
+    saved = other.state_dict()
+    wrong_size = copy.deepcopy(saved)
+    wrong_size["state"][2]["exp_avg"] = torch.zeros(5)
+    wrong_step = copy.deepcopy(saved)
+    wrong_step["state"][1]["step"] = torch.tensor(float("nan"))
+    for bad, words in ((wrong_size, "parameter 2's exp_avg has 5 elements"), (wrong_step, "parameter 1's step is nan")):
+        before = optimizer_snapshot(params, opt)
+        with pytest.raises(ValueError) as refused:
+            opt.load_state_dict(bad)
+        assert snapshots_equal(optimizer_snapshot(params, opt), before)
+        assert words in str(refused.value)
+    step(params, opt, 3)
+    step(twin_params, twin, 3)
+    assert snapshots_equal(optimizer_snapshot(params, opt), optimizer_snapshot(twin_params, twin))
+    opt.load_state_dict(saved)  # and a good one still loads, to the saved moments exactly
+    assert snapshots_equal(opt.state_dict()["state"], saved["state"])
 
 
 # ---- two ranks: an interrupt on one rank does not hang the other ---------------------------------
