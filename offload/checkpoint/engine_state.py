@@ -552,8 +552,9 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
     _log_precision_change(
         reader.index, engine.store.codec.precision.value, reader.index["world_size"], engine.collectives.world_size
     )
-    # fp32 moments for the files' values, encoded into the engine's precision as each chunk is done
-    for piece in store.overwrite_fp32_states(engine.units):
+    # fp32 moments for the files' values, encoded into the engine's precision as each chunk is
+    # done, rounded with the key of the saved step (not the engine's count, which changes below)
+    for piece in store.overwrite_fp32_states(engine.units, verified.step_counts):
         unit, targets = piece.unit, piece.views
         if piece.start == 0:
             start, end = unit.layout.shard_range(rank)

@@ -208,8 +208,9 @@ def _unit_steps(units: list[UnitState], steps: dict[int, int]) -> dict[int, int]
 def write(units: list[UnitState], store: TierStore, rank: int, moments: dict[int, dict], steps: dict[int, int]) -> None:
     """Each unit's shard of the moments (checked by `check`) into its tier, the masters kept;
     then the step counts. The caller has waited for the steps in flight."""
-    # moments as fp32 values, encoded back into the stored precision and stored piece by piece
-    for piece in store.update_fp32_moments(units):
+    # moments as fp32 values, encoded back into the stored precision and stored piece by piece,
+    # rounded with the key of the loaded step counts (set on the units after the stream)
+    for piece in store.update_fp32_moments(units, steps):
         unit = piece.unit
         start, end = unit.layout.shard_range(rank)
         for kind in MOMENTS:

@@ -16,7 +16,7 @@ its slots lock or on the main thread with the steps waited for (as every consume
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -66,7 +66,9 @@ class StateCodec:
         `buffer` (a moment's buffer of that piece)."""
         return moments.moment_view(self.precision.value, buffer, piece_numel, start, end)
 
-    def fp32_pieces(self, pieces: Iterator[StatePiece], *, decode: bool, encode: bool) -> Iterator[StatePiece]:
+    def fp32_pieces(
+        self, pieces: Iterator[StatePiece], *, decode: bool, encode_steps: Sequence[int] | Mapping[int, int] | None
+    ) -> Iterator[StatePiece]:
         """`pieces` as fp32 values: here the pieces themselves."""
         yield from pieces
 
@@ -88,11 +90,19 @@ class CompactCodec(StateCodec):
             buffer = self._scratch[kind] = torch.empty(min(max(numel, 1), CHUNK_ELEMENTS), dtype=torch.float32)
         return buffer[:numel]
 
-    def fp32_pieces(self, pieces: Iterator[StatePiece], *, decode: bool, encode: bool) -> Iterator[StatePiece]:
+    def fp32_pieces(
+        self, pieces: Iterator[StatePiece], *, decode: bool, encode_steps: Sequence[int] | Mapping[int, int] | None
+    ) -> Iterator[StatePiece]:
         """Each piece of `pieces` as chunks whose moments are fp32 scratch: decoded from the
-        stored form first when `decode`, encoded into it after the consumer is done when `encode`
-        (before the next chunk, and so before the source stores the piece). The master is the
-        stored fp32 view itself. A chunk is the piece's `last` only if it ends the piece."""
+        stored form first when `decode`, encoded into it after the consumer is done when
+        `encode_steps` is given (before the next chunk, and so before the source stores the
+        piece). The master is the stored fp32 view itself. A chunk is the piece's `last` only if
+        it ends the piece.
+
+        `encode_steps[u]` is the step count of unit u's state as written (a checkpoint's, a state
+        dict's): its rounding key rounds the values, so that the stored bits depend only on the
+        values and that step, not on the tier's pieces or on the engine's own count, which the
+        caller updates at some point of the stream."""
         for piece in pieces:
             numel = piece.end - piece.start
             for low in range(0, max(numel, 1), CHUNK_ELEMENTS):
@@ -104,8 +114,8 @@ class CompactCodec(StateCodec):
                     if decode:
                         moments.decode(self.precision.value, kind, stored[kind], out=views[kind])
                 yield StatePiece(piece.unit, piece.index, piece.start + low, views, piece.slot, last=piece.last and high == numel)
-                if encode:
-                    key = self.rounding_key(piece.unit.index, piece.unit.step_count)
+                if encode_steps is not None:
+                    key = self.rounding_key(piece.unit.index, encode_steps[piece.unit.index])
                     for kind in MOMENT_KINDS:
                         # values read back (a checkpoint, a state dict) re-encode to themselves
                         moments.encode(
