@@ -8,6 +8,7 @@ compact routes tests/test_compact_state.py."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -15,8 +16,27 @@ from reference import TinyNet, batches, engine_run
 
 import offload
 from offload import checkpoint
+from offload.optim import kernels
+from offload.optim import moments as M
+from offload.optim.adam_bound import first_moment_bound, update_bound
 
 COMPACT = ["bf16", "int8"]
+
+
+def compact_views(precision: str, n: int) -> tuple[M.MomentView, M.MomentView]:
+    """Zeroed exp_avg and exp_avg_sq views of n elements, each its own buffer."""
+    numel, dtype = M.moment_storage(precision, n)
+    return tuple(M.moment_view(precision, torch.zeros(numel, dtype=dtype), n, 0, n) for _ in range(2))
+
+
+def each_isa():
+    """Every instruction set this CPU has, forced in turn (the kernel's choice restored after)."""
+    try:
+        for isa in kernels.available_isas():
+            kernels.force_isa(isa)
+            yield isa
+    finally:
+        kernels.force_isa(None)
 
 
 def make_config(swap_dir, precision: str, *, optimizer: str = "cpu") -> dict:
@@ -97,3 +117,62 @@ def test_a_state_dict_load_rounds_with_its_own_step_not_the_engines(swap_dir):
     for index, entry in loaded[0].items():
         for kind in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(entry[kind], loaded[1][index][kind]), (index, kind)
+
+
+# ---- finding 5: no int8 step larger than AdamW's own bound -----------------------------------
+
+
+def test_int8_steps_keep_adamws_single_step_bound_on_every_isa():
+    """Blocks with one element at 1 and the others spread down to 2^-20 of it, gradients of a
+    steady sign: AdamW's |Δw| / lr stays near 1, within its bound B_t sqrt(1 - beta2^t) /
+    (1 - beta1^t) (adam_bound: 1.16 at step 20). Before the tail and the bound, int8 stored a
+    small element's first moment as 0 or 2^-10 of its block while its root kept its size, and
+    stepped it by up to 241 lr here; now no step exceeds the bound, on any instruction set and
+    in the torch twin, and the bound is reached only where rounding would have passed it."""
+    n = 32 * 64
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.exp2(torch.empty(n).uniform_(-20, 0, generator=gen))
+    scale[::32] = 1.0
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    grads = [(scale * sign * (1 + 0.1 * torch.randn(n, generator=gen))).float() for _ in range(20)]
+    lr = 1e-3
+    hyper = dict(lr=lr, beta1=0.9, beta2=0.999, eps=1e-30, weight_decay=0.0)
+
+    def check(step_fn, what: str) -> None:
+        p = torch.zeros(n)
+        m, v = compact_views("int8", n)
+        for t, g in enumerate(grads, 1):
+            before = p.clone()
+            step_fn(p, g, m, v, precision="int8", position=0, rounding_key=M.rounding_key(0, 0, t), step=t, **hyper)
+            largest = float(((p - before).abs() / lr).max())
+            assert largest <= update_bound(t, 0.9, 0.999) * (1 + 1e-6), (what, t, largest)
+
+    for isa in each_isa():
+        check(kernels.adam_step_compact, isa)
+    check(M.adam_step_torch, "torch twin")
+
+
+def test_adamws_bound_holds_for_any_gradients_and_is_reached():
+    """adam_bound.first_moment_bound is AdamW's own largest |m_t| / sqrt(v_t) (Cauchy-Schwarz):
+    float64 AdamW moments over random gradient sequences stay below it, and gradients growing as
+    (beta2 / beta1)^k reach it."""
+    gen = torch.Generator().manual_seed(3)
+    for beta1, beta2 in ((0.9, 0.999), (0.9, 0.95), (0.5, 0.9), (0.0, 0.99)):
+        for t in (1, 2, 7, 40, 300):
+            g = torch.randn(64, t, generator=gen, dtype=torch.float64) * torch.exp(
+                3 * torch.randn(64, 1, generator=gen, dtype=torch.float64)
+            )
+            growing = (beta2 / beta1) ** torch.arange(t, dtype=torch.float64) if beta1 > 0 else torch.ones(t, dtype=torch.float64)
+            if beta1 == 0:
+                growing = torch.zeros(t, dtype=torch.float64)
+                growing[-1] = 1.0
+            g = torch.cat([g, growing[None]])
+            weights1 = (1 - beta1) * beta1 ** torch.arange(t - 1, -1, -1, dtype=torch.float64)
+            weights2 = (1 - beta2) * beta2 ** torch.arange(t - 1, -1, -1, dtype=torch.float64)
+            ratio = (g @ weights1).abs() / ((g * g) @ weights2).sqrt()
+            bound = first_moment_bound(t, beta1, beta2)
+            assert float(ratio.max()) <= bound, (beta1, beta2, t)
+            assert float(ratio[-1]) >= bound * (1 - 1e-6), (beta1, beta2, t)
+    assert first_moment_bound(1, 0.9, 0.999) == pytest.approx(0.1 / 0.001**0.5)
+    assert math.isinf(first_moment_bound(5, 0.9, 0.0))
+    assert update_bound(1, 0.9, 0.999) == pytest.approx(1.0)
