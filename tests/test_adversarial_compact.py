@@ -8,6 +8,7 @@ compact routes tests/test_compact_state.py."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import pytest
@@ -117,6 +118,124 @@ def test_a_state_dict_load_rounds_with_its_own_step_not_the_engines(swap_dir):
     for index, entry in loaded[0].items():
         for kind in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(entry[kind], loaded[1][index][kind]), (index, kind)
+
+
+# ---- finding 8: finite moments near the fp32 maximum ---------------------------------------------
+
+FP32_MAX = torch.finfo(torch.float32).max
+BF16_MAX = torch.finfo(torch.bfloat16).max
+# int8's largest second moment: its root's largest code below 2^64 ((31/16) 2^63), squared
+INT8_V_MAX = (31 * 2.0**59) ** 2
+
+
+def test_finite_values_beyond_the_format_saturate_instead_of_becoming_infinite():
+    """bf16's stochastic rounding of a finite value above its largest finite (3.39e38) rounded
+    up to infinity with a probability up to 1 - 2^-16; int8's first moment above 2^126 stayed at
+    its top code. Both now saturate at their largest value, keeping the sign; infinities and NaN
+    stay what they are."""
+    n = 4096
+    x = torch.linspace(BF16_MAX, FP32_MAX, n)
+    x[1::2] *= -1
+    x[-3:] = torch.tensor([math.inf, -math.inf, math.nan])
+    for key in range(4):
+        for kind in ("exp_avg", "exp_avg_sq"):
+            values = x.abs() if kind == "exp_avg_sq" else x
+            (view, _) = compact_views("bf16", n)
+            M.encode("bf16", kind, values, view, position=0, key=key)
+            back = M.decode("bf16", kind, view)
+            assert torch.equal(back[:-3].abs(), torch.full((n - 3,), BF16_MAX)), (kind, key)
+            assert torch.equal(back[:-3].sign(), values[:-3].sign())
+            assert back[-3].item() == math.inf and back[-1].isnan()
+    (m, v) = compact_views("int8", 64)
+    big = torch.cat([torch.linspace(2.0**126, FP32_MAX, 32), torch.full((32,), -FP32_MAX)])
+    M.encode("int8", "exp_avg", big, m, position=0, key=5, reload=True)
+    assert torch.equal(M.decode("int8", "exp_avg", m), big.sign() * 2.0**126)
+    # a root rounded up to 2^64 would square to infinity: the second moment saturates below it
+    for reload in (False, True):
+        for key in range(4):
+            v_values = torch.cat([torch.linspace(INT8_V_MAX, FP32_MAX, 32), torch.linspace(1e38, FP32_MAX, 32)])
+            M.encode("int8", "exp_avg_sq", v_values, v, position=0, key=key, reload=reload)
+            back = M.decode("int8", "exp_avg_sq", v)
+            assert bool(torch.isfinite(back).all()) and back.max().item() == INT8_V_MAX, (reload, key)
+            assert torch.equal(back[:32], torch.full((32,), INT8_V_MAX))
+
+
+def test_a_bf16_step_near_the_fp32_maximum_stays_finite_on_every_isa():
+    """A step whose second moment lands between bf16's largest finite and fp32's maximum stores
+    the largest finite bf16 on every instruction set, as the torch twin does; before, the vector
+    and portable kernels rounded it up to infinity (and the element never moved again)."""
+    n = 1000
+    g = torch.full((n,), 5.8e20)  # (1 - beta2) g^2 = 3.364e38 on top of v
+    for isa in each_isa():
+        results = []
+        for step_fn in (kernels.adam_step_compact, M.adam_step_torch):
+            p = torch.zeros(n)
+            m, v = compact_views("bf16", n)
+            M.encode("bf16", "exp_avg_sq", torch.full((n,), 3.0e36), v, position=0, key=1)
+            step_fn(
+                p,
+                g,
+                m,
+                v,
+                precision="bf16",
+                position=0,
+                rounding_key=M.rounding_key(0, 0, 2),
+                step=2,
+                lr=1e-3,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.0,
+            )
+            results.append(M.decode("bf16", "exp_avg_sq", v))
+        assert torch.equal(results[0], results[1]), isa
+        assert torch.equal(results[0], torch.full((n,), BF16_MAX)), isa
+
+
+def fp32_state_with_huge_moments(swap_dir, path, model, data) -> tuple[str, str]:
+    """An fp32 checkpoint at `path` whose first parameter holds a first moment of -3.4e38 and a
+    second of 3.4e38 (finite, beyond bf16's and int8's largest); returns the parameter's name."""
+    engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, "fp32"))
+    try:
+        engine_run(engine, data)
+        state = copy.deepcopy(engine.optimizer.state_dict())
+        state["state"][0]["exp_avg"].view(-1)[0] = -3.4e38
+        state["state"][0]["exp_avg_sq"].view(-1)[1] = 3.4e38
+        engine.optimizer.load_state_dict(state)
+        engine.save_checkpoint(path)
+    finally:
+        engine.close()
+    return "inp.weight"
+
+
+@pytest.mark.parametrize("precision", COMPACT)
+def test_a_load_of_moments_beyond_the_format_saturates_them_and_names_the_parameter(swap_dir, tmp_path, caplog, precision):
+    """fp32 moments near the fp32 maximum loaded into bf16 (beyond its 3.39e38) or int8 (beyond
+    2^126 and 3.19e38): stored as the largest value of their sign, never infinite, and one
+    warning names the parameter and what to do."""
+    torch.manual_seed(0)
+    model = TinyNet(depth=2)
+    data = batches(3)
+    name = fp32_state_with_huge_moments(swap_dir, tmp_path / "fp32", model, data)
+    engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, precision))
+    try:
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            engine.load_checkpoint(tmp_path / "fp32")
+        state = engine.optimizer.state_dict()["state"][0]
+        largest_m = BF16_MAX if precision == "bf16" else 2.0**126
+        assert state["exp_avg"].view(-1)[0].item() == -largest_m
+        assert state["exp_avg_sq"].view(-1)[1].item() == (BF16_MAX if precision == "bf16" else INT8_V_MAX)
+        assert all(bool(torch.isfinite(entry[kind]).all()) for entry in [state] for kind in ("exp_avg", "exp_avg_sq"))
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "saturated" in r.getMessage()]
+        assert len(warnings) == 1, caplog.text
+        assert f"{name} exp_avg: 1 value up to 3.4e+38" in warnings[0] and "'fp32' keeps them exactly" in warnings[0]
+        assert f"{name} exp_avg_sq: 1 value up to 3.4e+38" in warnings[0]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            engine.optimizer.load_state_dict(engine.optimizer.state_dict())  # values it holds: nothing beyond
+        assert "saturated" not in caplog.text
+    finally:
+        engine.close()
 
 
 # ---- finding 5: no int8 step larger than AdamW's own bound -----------------------------------

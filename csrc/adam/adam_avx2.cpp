@@ -185,9 +185,14 @@ inline __m256 load_bf16(const uint16_t* src) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// bf16 with stochastic rounding: r (< 2^16) added below the kept bits; NaN -> 0x7fc0.
+// bf16 with stochastic rounding: r (< 2^16) added below the kept bits, a finite x saturating
+// at the largest finite bf16 (encode_bf16 in adam_kernels.h); NaN -> 0x7fc0.
 inline __m128i encode_bf16_vector(__m256 x, __m256i r) {
-  __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i magnitude = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i limit = _mm256_max_epu32(magnitude, _mm256_set1_epi32(int(kBF16SumLimit)));
+  const __m256i sum = _mm256_min_epu32(_mm256_add_epi32(magnitude, r), limit);
+  __m256i h = _mm256_srli_epi32(_mm256_or_si256(sum, _mm256_andnot_si256(magnitude, u)), 16);
   const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7fc0), is_nan);
   return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
@@ -411,9 +416,10 @@ inline void encode_e3m4t_block(const float* x, uint32_t e, const __m256i (&words
 
 // The codes of a block of roots (32 at root, each >= +0: sqrt of a v that is never -0; NaN only
 // in a non-finite block, whose codes are 0) with exponent byte e into dst. Up to 240 unless the
-// exponent is 253 (limited to 255). A root above zero takes at least code 1 (its bits, a
-// positive int, limited to 1, as a floor); in the scaled form with no root below the subnormal
-// end every code is at least 16.
+// exponent is 253, limited to root_code_limit(e) (255, or 239 where code 240 would square to
+// infinity). A root above zero takes at least code 1 (its bits, a positive int, limited to 1,
+// as a floor); in the scaled form with no root below the subnormal end every code is at least
+// 16 and at most 240.
 inline void encode_e4m4_block(const float* root, uint32_t e, const __m256i (&words)[4], uint8_t* dst) {
   if (e == 255) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_setzero_si256());
@@ -422,7 +428,7 @@ inline void encode_e4m4_block(const float* root, uint32_t e, const __m256i (&wor
   __m256i codes[4];
   __m256i bits[4];
   for (size_t k = 0; k < 4; ++k) bits[k] = _mm256_load_si256(reinterpret_cast<const __m256i*>(root + 8 * k));
-  if (scaled_exponent(e)) {
+  if (scaled_root_encode(e)) {
     // roots are >= +0: their bits order like their values
     const __m256i smallest =
         _mm256_min_epu32(_mm256_min_epu32(bits[0], bits[1]), _mm256_min_epu32(bits[2], bits[3]));
@@ -441,7 +447,7 @@ inline void encode_e4m4_block(const float* root, uint32_t e, const __m256i (&wor
     const __m256i c = encode_roots_unbiased_square<false>(
         root_position_vector(_mm256_castsi256_ps(bits[k]), inverse),
         _mm256_srli_epi32(words[k], 13));
-    codes[k] = _mm256_max_epi32(_mm256_min_epi32(c, _mm256_set1_epi32(255)),
+    codes[k] = _mm256_max_epi32(_mm256_min_epi32(c, _mm256_set1_epi32(int(root_code_limit(e)))),
                                 _mm256_min_epi32(bits[k], _mm256_set1_epi32(1)));
   }
   store_packed(dst, pack_codes(codes));

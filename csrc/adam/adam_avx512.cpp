@@ -176,9 +176,15 @@ inline __m512 load_bf16(const uint16_t* src, __mmask16 mask) {
   return widen_bf16(_mm256_maskz_loadu_epi16(mask, src));
 }
 
-// bf16 with stochastic rounding: r (< 2^16) added below the kept bits; NaN -> 0x7fc0.
+// bf16 with stochastic rounding: r (< 2^16) added below the kept bits, a finite x saturating
+// at the largest finite bf16 (encode_bf16 in adam_kernels.h); NaN -> 0x7fc0.
 inline __m256i encode_bf16_vector(__m512 x, __m512i r) {
-  return bf16_high_halves(x, _mm512_add_epi32(_mm512_castps_si512(x), r));
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __m512i limit = _mm512_max_epu32(magnitude, _mm512_set1_epi32(int(kBF16SumLimit)));
+  const __m512i sum = _mm512_min_epu32(_mm512_add_epi32(magnitude, r), limit);
+  // the sign bit back: u ^ magnitude
+  return bf16_high_halves(x, _mm512_or_si512(sum, _mm512_xor_si512(magnitude, u)));
 }
 
 // 16 codes (bytes) widened to 32-bit lanes, masked-off lanes zero: zero-extended (E4M4),
@@ -437,7 +443,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
         int(m_scaled ? ((127u - m_e) << 19) - (kE3M4TTailBase << 19) : 0u - (kE3M4TTailBase << 19)));
     // scaled and, per vector, no root below the subnormal end: the normal formula only, every
     // code at least 16 (a partial block's masked-off lanes are zero roots: the general form)
-    const bool v_scaled = scaled_exponent(v_e);
+    const bool v_scaled = scaled_root_encode(v_e);
     const __m512i v_end = _mm512_set1_epi32(int(kTwoPowM14Bits + scale_bits(v_e)));
     const __m512i v_offset = _mm512_set1_epi32(int(scale_bits(254u - v_e) - (1792u << 19)));
     for (size_t k = 0; k < 2; ++k) {
@@ -465,7 +471,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
                                                      _mm512_srli_epi32(word, 13));
       } else {
         v_codes = encode_e4m4_vector(_mm512_load_ps(roots + e), v_inverse, word);
-        if (v_e == 253) v_codes = _mm512_min_epi32(v_codes, _mm512_set1_epi32(255));
+        v_codes = _mm512_min_epi32(v_codes, _mm512_set1_epi32(int(root_code_limit(v_e))));
       }
       if (m_e == 255) m_codes = _mm512_setzero_si512();
       if (v_e == 255) v_codes = _mm512_setzero_si512();

@@ -287,6 +287,15 @@ static inline float exponent_inverse(uint32_t e) { return bits_float((e >= 254 ?
 static inline bool scaled_exponent(uint32_t e) { return e >= 16 && e <= 252; }
 static inline bool scaled_exponent_e3m4t(uint32_t e) { return e >= 23 && e <= 252; }
 
+// The root codes that square to a finite v: all but code 240 (2^64, v = 2^128 = infinity) of a
+// block of exponent 191, whose roots lie in [2^63, 2^64) (v from 2^126 to the fp32 maximum): a v
+// there saturates at code 239 ((31/16) 2^63, v = 3.19e38). Finite roots never reach a higher
+// block (sqrt of the fp32 maximum is below 2^64).
+constexpr uint32_t kRootOverflowExponent = 191;
+static inline uint32_t root_code_limit(uint32_t e) { return e == kRootOverflowExponent ? 239 : 255; }
+// The scaled form of the root's encode: its blocks but that one (the general form limits codes).
+static inline bool scaled_root_encode(uint32_t e) { return scaled_exponent(e) && e != kRootOverflowExponent; }
+
 // The bits of x * 2^(e - 127) minus those of x, mod 2^32 (x and the product normal).
 static inline uint32_t scale_bits(uint32_t e) { return (e - 127u) << 23; }
 
@@ -354,20 +363,27 @@ static inline uint32_t encode_e3m4t(float x, float inverse, uint32_t word) {
 }
 
 // The root's code, rounded so that v = root^2 is unbiased (root_rounds_up; r the word's top 19
-// bits). A root above zero never rounds to code 0 (docs/compact_state.md: a zero second moment
-// under a nonzero first one would step by m / eps).
-static inline uint32_t encode_e4m4(float root, float inverse, uint32_t word) {
+// bits), at most `limit` (root_code_limit of the block). A root above zero never rounds to code
+// 0 (docs/compact_state.md: a zero second moment under a nonzero first one would step by m / eps).
+static inline uint32_t encode_e4m4(float root, float inverse, uint32_t word, uint32_t limit) {
   const uint32_t position = root_position(root, inverse);
   const uint32_t rounded = (position >> 19) + root_rounds_up(position, word >> 13);
-  const uint32_t code = rounded < 255 ? rounded : 255;
+  const uint32_t code = rounded < limit ? rounded : limit;
   return code == 0 && float_bits(root) != 0 ? 1 : code;
 }
 
-// bf16 with stochastic rounding: r added below the kept 16 bits; NaN -> 0x7fc0.
+// bf16 with stochastic rounding: r (< 2^16) added below the kept 16 bits of |x|, the sum
+// limited to the larger of |x|'s bits and 0x7f7fffff: a finite x saturates at the largest
+// finite bf16 (0x7f7f, sign kept) instead of rounding to infinity, an infinity stays one;
+// NaN -> 0x7fc0.
+constexpr uint32_t kBF16SumLimit = 0x7f7fffffu;
 static inline uint16_t encode_bf16(float x, uint32_t r) {
   const uint32_t u = float_bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return uint16_t((u + r) >> 16);
+  const uint32_t magnitude = u & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return 0x7fc0;
+  const uint32_t limit = magnitude > kBF16SumLimit ? magnitude : kBF16SumLimit;
+  const uint32_t sum = magnitude + r < limit ? magnitude + r : limit;
+  return uint16_t((sum | (u & 0x80000000u)) >> 16);
 }
 
 // ---- reductions, written once, compiled per instruction set by each variant ------------

@@ -169,11 +169,12 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
     const uint32_t v_exponent = block_exponent(root_largest);
     const float m_inverse = exponent_inverse(m_exponent);
     const float v_inverse = exponent_inverse(v_exponent);
+    const uint32_t v_limit = root_code_limit(v_exponent);
     for (size_t j = 0; j < count; ++j) {
       const size_t i = start + j;
       const uint32_t word = fmix32(c.key ^ uint32_t(c.position + i));
       m_out[i] = m_exponent == 255 ? 0 : uint8_t(encode_e3m4t(ms[j], m_inverse, word));
-      v_out[i] = v_exponent == 255 ? 0 : uint8_t(encode_e4m4(roots[j], v_inverse, word));
+      v_out[i] = v_exponent == 255 ? 0 : uint8_t(encode_e4m4(roots[j], v_inverse, word, v_limit));
     }
     c.exp_avg_exponents[block] = uint8_t(m_exponent);
     c.exp_avg_sq_exponents[block] = uint8_t(v_exponent);

@@ -73,6 +73,7 @@ from offload.config.state_layout import INT8_CODES, INT8_CODES_BEFORE
 from offload.errors import InsufficientSpaceError, OffloadError
 from offload.model.unit_state import UnitState
 from offload.model.units import shard_pieces
+from offload.optim.moment_limits import SaturationReport
 from offload.platform.collectives import Collectives
 from offload.storage.aio import crc32c
 from offload.storage.tiers import TierStore
@@ -552,6 +553,8 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
     _log_precision_change(
         reader.index, engine.store.codec.precision.value, reader.index["world_size"], engine.collectives.world_size
     )
+    # values beyond what the engine's moments hold are stored saturated, and named
+    saturated = SaturationReport(store.codec.precision.value)
     # fp32 moments for the files' values, encoded into the engine's precision as each chunk is
     # done, rounded with the key of the saved step (not the engine's count, which changes below)
     for piece in store.overwrite_fp32_states(engine.units, verified.step_counts):
@@ -575,7 +578,10 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
             for kind, target in targets.items():
                 # a param saved frozen has no moments: they start at zero, as for a new one
                 if kind == "master" or (name, kind) in reader.stored:
-                    reader.read_range(name, kind, a + low - pos, a + high - pos, target[low - piece.start : high - piece.start])
+                    values = target[low - piece.start : high - piece.start]
+                    reader.read_range(name, kind, a + low - pos, a + high - pos, values)
+                    if kind != "master":
+                        saturated.check(name, kind, values)
         if weights.data_ptr() != targets["master"].data_ptr():
             weights[piece.start : piece.end].copy_(targets["master"])
         if not piece.last:
@@ -589,6 +595,9 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
             # a backward interrupted (Ctrl-C) or failed before these gradients left the device
             # leaves them in .grad, where the next backward would add to them
             param.grad = None
+    message = saturated.message(f"load_checkpoint {reader.directory}")
+    if message is not None:
+        logger.warning("offload: %s", message)
     _load_buffers(engine, verified.buffers, verified.keys)
     engine.load_training_state(verified.training_state)
     if verified.rng is not None:

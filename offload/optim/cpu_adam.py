@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from offload.config.state_layout import StatePrecision
 from offload.errors import OffloadError
 from offload.optim import kernels, moments
+from offload.optim.moment_limits import SaturationReport
+
+logger = logging.getLogger(__name__)
 
 _STATE_PRECISIONS = tuple(precision.value for precision in StatePrecision)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -214,6 +219,11 @@ class CPUAdamW(torch.optim.Optimizer):
                     if values.numel() != n:
                         raise ValueError(f"CPUAdamW: {kind} has {values.numel()} elements but its parameter has {n}")
                     step = int(float(state["step"])) if "step" in state else 0
+                    saturated = SaturationReport(precision)
+                    saturated.check(f"parameter {index} (shape {list(p.shape)})", kind, values.detach().float())
+                    message = saturated.message("CPUAdamW.load_state_dict")
+                    if message is not None:
+                        logger.warning("offload: %s", message)
                     moments.encode(
                         precision,
                         kind,

@@ -201,9 +201,16 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
 
 # ---- bf16 -----------------------------------------------------------------------------------
 
+_BF16_SUM_LIMIT = 0x7F7FFFFF  # the largest finite bf16's bits, with every dropped bit set
+
 
 def _encode_bf16(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    h = (_bits(x) + r) >> 16
+    """bf16 bits of x rounded with r (< 2^16) added below the kept half. A finite x saturates at
+    the largest finite bf16 (its magnitude's sum limited to 0x7F7FFFFF) instead of rounding to
+    infinity; infinities stay, NaN is 0x7FC0 (adam_kernels.h, encode_bf16)."""
+    u = _bits(x)
+    magnitude = u & 0x7FFFFFFF
+    h = (torch.minimum(magnitude + r, torch.clamp(magnitude, min=_BF16_SUM_LIMIT)) | (u & 0x80000000)) >> 16
     h = torch.where(torch.isnan(x), 0x7FC0, h)
     return ((h ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16)
 
@@ -225,6 +232,10 @@ _ROOT_SUBNORMAL_BASE = 1808
 _ROOT_NORMAL_BASE = 1792
 _ROOT_SUBNORMAL_END = 2.0**-14
 _ROOT_TOP = 255
+# in the block of exponent 191 (roots in [2^63, 2^64)) code 240 is 2^64, whose square overflows:
+# a v there saturates at code 239, (31/16) 2^63 (adam_kernels.h, root_code_limit)
+_ROOT_OVERFLOW_EXPONENT = 191
+_ROOT_TOP_BELOW_OVERFLOW = 239
 
 
 def _block_exponents(magnitude_bits: torch.Tensor, reload: bool) -> torch.Tensor:
@@ -278,7 +289,8 @@ def _encode_int8(x: torch.Tensor, r: torch.Tensor, kind: str, reload: bool):
         # x^2 unbiased; a root above zero never rounds to code 0: a zero second moment under a
         # nonzero first one would step by m / eps (docs/compact_state.md)
         position = _root_position(y)
-        c = torch.clamp((position >> 19) + _root_rounds_up(position, r), max=_ROOT_TOP)
+        limit = torch.where(e == _ROOT_OVERFLOW_EXPONENT, _ROOT_TOP_BELOW_OVERFLOW, _ROOT_TOP).repeat_interleave(INT8_BLOCK)[:n]
+        c = torch.minimum((position >> 19) + _root_rounds_up(position, r), limit)
         c = torch.maximum(c, (u > 0).to(c.dtype))
     c = torch.where((e == 255).repeat_interleave(INT8_BLOCK)[:n], 0, c)
     return c.to(torch.uint8), e.to(torch.uint8)
