@@ -120,6 +120,41 @@ def test_a_state_dict_load_rounds_with_its_own_step_not_the_engines(swap_dir):
             assert torch.equal(entry[kind], loaded[1][index][kind]), (index, kind)
 
 
+# ---- finding 7: a load's log says what the conversion did ----------------------------------------
+
+
+def test_an_int8_to_bf16_load_says_which_values_it_rounded(swap_dir, tmp_path, caplog):
+    """int8 moments are exact fp32 numbers, but not all fit bf16: the second moment is stored as
+    a root of 5 significant bits, and its square has up to 10 (bf16 keeps 8). The load measures
+    and logs what it rounded (the count equals the values bf16 cannot hold) instead of claiming
+    an exact conversion, and says the first moments came through exactly."""
+    torch.manual_seed(0)
+    model = TinyNet(depth=2)
+    saved = offload.initialize(copy.deepcopy(model), make_config(swap_dir, "int8"))
+    try:
+        engine_run(saved, batches(3))
+        saved.save_checkpoint(tmp_path / "int8")
+        state = saved.optimizer.state_dict()["state"]
+    finally:
+        saved.close()
+    unrepresentable = {}
+    for kind in ("exp_avg", "exp_avg_sq"):
+        values = torch.cat([entry[kind].reshape(-1) for entry in state.values()])
+        unrepresentable[kind] = int((values != values.bfloat16().float()).sum())
+    assert unrepresentable["exp_avg"] == 0 and unrepresentable["exp_avg_sq"] > 1000
+    narrow = offload.initialize(copy.deepcopy(model), make_config(swap_dir, "bf16"))
+    try:
+        with caplog.at_level(logging.INFO, logger="offload"):
+            narrow.load_checkpoint(tmp_path / "int8")
+    finally:
+        narrow.close()
+    lines = [r.getMessage() for r in caplog.records if "stored in int8" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert "exactly" not in lines[0].split("exp_avg_sq:")[1]
+    assert f"exp_avg_sq: {unrepresentable['exp_avg_sq']:,} of " in lines[0]
+    assert "exp_avg: every one of" in lines[0] and "kept exactly" in lines[0]
+
+
 # ---- finding 8: finite moments near the fp32 maximum ---------------------------------------------
 
 FP32_MAX = torch.finfo(torch.float32).max
