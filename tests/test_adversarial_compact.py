@@ -330,3 +330,31 @@ def test_adamws_bound_holds_for_any_gradients_and_is_reached():
     assert first_moment_bound(1, 0.9, 0.999) == pytest.approx(0.1 / 0.001**0.5)
     assert math.isinf(first_moment_bound(5, 0.9, 0.0))
     assert update_bound(1, 0.9, 0.999) == pytest.approx(1.0)
+
+
+def test_the_int8_limit_without_a_bound_matches_the_twin_on_every_isa():
+    """With beta2 = 0 AdamW has no bound (B_t infinite): the kernels multiply sqrt(v') by fp32's
+    largest value instead, so an element with v' = 0 (a zero gradient) and m' != 0 gets a limit
+    of 0, not 0 * inf = NaN, on every instruction set as in the torch twin."""
+    n = 256
+    gen = torch.Generator().manual_seed(9)
+    m_values = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen)
+    g[::3] = 0.0
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.0, eps=1e-8, weight_decay=0.0)
+    results = []
+    runs = [(kernels.adam_step_compact, isa) for isa in kernels.available_isas()] + [(M.adam_step_torch, None)]
+    try:
+        for step_fn, isa in runs:
+            kernels.force_isa(isa)
+            p = torch.zeros(n)
+            m, v = compact_views("int8", n)
+            M.encode("int8", "exp_avg", m_values, m, position=0, key=1)
+            step_fn(p, g, m, v, precision="int8", position=0, rounding_key=7, step=3, **hyper)
+            results.append((isa or "twin", p))
+    finally:
+        kernels.force_isa(None)
+    for isa, p in results:
+        assert bool(torch.isfinite(p).all()), isa
+        assert torch.equal(p, results[-1][1]), isa
+    assert bool((results[-1][1][::3] == 0).all())  # v' = 0: those elements do not move

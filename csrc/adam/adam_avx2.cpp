@@ -34,7 +34,7 @@ inline __m128i to_bf16(__m256 p) {
 // p, m, v and returns sqrt(v') (before bias correction). Compact: the compact steps' bias
 // correction (a multiplication by bias_correction2_rsqrt instead of torch's division). BoundM:
 // the int8 step's bound, the update's m limited in magnitude to m_bound * sqrt(v') (min keeps
-// |m| where the limit is NaN).
+// |m| where the limit is NaN: a NaN v', whose weight is NaN whatever m is).
 template <bool Compact, bool BoundM = false>
 inline __m256 adamw_math(const AdamArgs& a, __m256 g, __m256& p, __m256& m, __m256& v, bool lerp_small,
                          __m256 lerp_coeff) {

@@ -71,12 +71,9 @@ inline __m512 adamw_math(const AdamArgs& a, __m512 g, __m512& p, __m512& m, __m5
   __m512 denom = _mm512_add_ps(root, _mm512_set1_ps(a.eps));
   __m512 m_step = m;
   if (BoundM) {
-    const __m512i sign = _mm512_set1_epi32(int(0x80000000u));
-    const __m512 limit = _mm512_mul_ps(sqrt_v, _mm512_set1_ps(a.m_bound));
-    const __m512i bits = _mm512_castps_si512(m);
-    const __m512 magnitude = _mm512_castsi512_ps(_mm512_andnot_si512(sign, bits));
-    m_step = _mm512_castsi512_ps(
-        _mm512_or_si512(_mm512_castps_si512(_mm512_min_ps(limit, magnitude)), _mm512_and_si512(sign, bits)));
+    // VRANGEPS, imm 0b0010: of m and the limit the one of smaller magnitude, with m's sign (a
+    // limit >= +0 or NaN: a NaN limit gives NaN, as does the step it comes with: a NaN v')
+    m_step = _mm512_range_ps(m, _mm512_mul_ps(sqrt_v, _mm512_set1_ps(a.m_bound)), 0x2);
   }
   p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(a.neg_step_size), m_step), denom));
   return sqrt_v;
@@ -220,10 +217,12 @@ inline __m512 decode_e3m4t_vector(__m512i code, __m512i normal_base, __m512i tai
   const __m512i c = _mm512_and_si512(code, _mm512_set1_epi32(127));
   const __m512 normal = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(c, normal_base), 19));
   const __m512i tail_exponent = _mm512_min_epu32(_mm512_add_epi32(c, tail_base), _mm512_set1_epi32(254));
-  const __m512 tail = _mm512_castsi512_ps(_mm512_slli_epi32(tail_exponent, 23));
-  const __m512 magnitude = _mm512_maskz_mov_ps(_mm512_test_epi32_mask(c, c), _mm512_min_ps(normal, tail));
-  const __m512i sign = _mm512_and_si512(code, _mm512_set1_epi32(int(0x80000000u)));
-  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(magnitude), sign));
+  // code 0: a tail of +0 (a masked shift), the smaller of the two
+  const __m512 tail = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(_mm512_test_epi32_mask(c, c), tail_exponent, 23));
+  const __m512i magnitude = _mm512_castps_si512(_mm512_min_ps(normal, tail));
+  // magnitude | (code & sign bit), one ternary-logic instruction
+  return _mm512_castsi512_ps(
+      _mm512_ternarylogic_epi32(magnitude, code, _mm512_set1_epi32(int(0x80000000u)), 0xF8));
 }
 
 // The general form's value: the magnitude in units of the scale, times the scale, signed.
@@ -277,8 +276,10 @@ inline __m512i encode_roots_unbiased_square(__m512i position, __m512i r) {
   return _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
 }
 
-inline __m512i e3m4t_signs(__m512 x) {
-  return _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 24), _mm512_set1_epi32(0x80));
+// codes | the sign of x in bit 7: x's bits shifted down by 24, then one ternary-logic
+// instruction (codes | (shifted & 0x80))
+inline __m512i with_e3m4t_signs(__m512i codes, __m512 x) {
+  return _mm512_ternarylogic_epi32(codes, _mm512_srli_epi32(_mm512_castps_si512(x), 24), _mm512_set1_epi32(0x80), 0xF8);
 }
 
 // E4M4 codes of a root (>= +0; see adam_avx2.cpp).
@@ -463,7 +464,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
                                                           m_normal_offset, m_tail_offset, r),
                                    _mm512_set1_epi32(127));
       }
-      m_codes = _mm512_or_si512(m_codes, e3m4t_signs(m));
+      m_codes = with_e3m4t_signs(m_codes, m);
       __m512i v_codes;
       const __m512i root_bits = _mm512_load_si512(roots + e);
       if (v_scaled && _mm512_cmpgt_epi32_mask(v_end, root_bits) == 0) {

@@ -57,7 +57,8 @@ struct AdamArgs {
   float neg_step_size;  // -lr / bias_correction1
   // The int8 step's bound on the first moment it steps with (docs/compact_state.md, "The
   // single-step bound"): |m'| taken as at most m_bound * sqrt(v'), AdamW's own largest
-  // |m_t| / sqrt(v_t) at this step (+inf: none). m' is stored as it is.
+  // |m_t| / sqrt(v_t) at this step (finite: fp32's largest where there is none, so that the
+  // limit is NaN only for a NaN v'). m' is stored as it is.
   float m_bound;
   // Large arrays (far beyond the last-level cache): write param_out16 with non-temporal
   // stores (no read-for-ownership of lines that are only written; it will not be re-read

@@ -19,8 +19,8 @@ inline float load_grad(const void* grad, size_t i) {
 // AdamW on one element, the operations of torch's single-tensor AdamW in its order (the fused
 // multiply-adds explicit): updates p, m, v and returns sqrt(v') (before bias correction).
 // Compact: the compact steps' bias correction (multiplied by bias_correction2_rsqrt). BoundM:
-// the int8 step's bound, the update's m limited in magnitude to m_bound * sqrt(v') (the limit
-// where it is NaN: 0 * inf leaves m, as the vector kernels' min does).
+// the int8 step's bound, the update's m limited in magnitude to m_bound * sqrt(v') (a NaN
+// limit, from a NaN v', leaves m: that step's weight is NaN whatever m is).
 template <bool Compact, bool BoundM = false>
 inline float adamw_element(const AdamArgs& a, float g, float& p, float& m, float& v, bool lerp_small,
                            float lerp_coeff) {

@@ -21,7 +21,9 @@ import math
 
 import numpy as np
 
-__all__ = ["first_moment_bound", "update_bound"]
+__all__ = ["first_moment_bound", "update_bound", "step_limit_factor"]
+
+_FP32_LARGEST = float(np.finfo(np.float32).max)
 
 
 def _sum_of_powers(ratio: float, count: int) -> float:
@@ -59,3 +61,10 @@ def update_bound(step: int, beta1: float, beta2: float, bias_correction: bool = 
     if not bias_correction:
         return bound
     return bound * math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+
+
+def step_limit_factor(step: int, beta1: float, beta2: float) -> float:
+    """The fp32 factor the int8 step multiplies sqrt(v') by to limit |m'|: B_t, or fp32's
+    largest finite value where B_t is infinite (so that the limit is never 0 * inf = NaN: with
+    v' = 0 it is 0, and the step, as with a finite B_t, does not move that element)."""
+    return min(first_moment_bound(step, beta1, beta2), _FP32_LARGEST)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from offload.config.state_layout import INT8_BLOCK, StatePrecision, int8_moment_bytes
-from offload.optim.adam_bound import first_moment_bound
+from offload.optim.adam_bound import step_limit_factor
 
 __all__ = [
     "MomentView",
@@ -584,8 +584,8 @@ def adam_step_torch(
     m_step = m
     if p_ is StatePrecision.INT8:
         # |m'| taken as at most B_t sqrt(v'), AdamW's own bound (adam_bound); where the limit
-        # is NaN (0 * inf, a NaN v') |m'| is kept, as the kernels' min keeps its second operand
-        limit = root * first_moment_bound(int(step), float(beta1), float(beta2))
+        # is NaN (a NaN v', whose step is NaN anyway) |m'| is kept
+        limit = root * step_limit_factor(int(step), float(beta1), float(beta2))
         magnitude = torch.where(limit < m.abs(), limit, m.abs())
         m_step = _float(_bits(magnitude) | (_bits(m) & 0x80000000))
     p = p + (m_step * s.neg_step_size) / denom  # param.addcdiv_(exp_avg, denom, value=-step_size)
