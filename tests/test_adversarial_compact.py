@@ -358,3 +358,34 @@ def test_the_int8_limit_without_a_bound_matches_the_twin_on_every_isa():
         assert bool(torch.isfinite(p).all()), isa
         assert torch.equal(p, results[-1][1]), isa
     assert bool((results[-1][1][::3] == 0).all())  # v' = 0: those elements do not move
+
+
+def test_state_dict_loads_of_moments_beyond_the_format_warn_by_name(swap_dir, caplog):
+    """engine.optimizer.load_state_dict and CPUAdamW.load_state_dict saturate the same way and
+    say so, naming the parameter (CPUAdamW knows it by index and shape)."""
+    torch.manual_seed(0)
+    model = TinyNet(depth=2)
+    engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, "int8"))
+    try:
+        engine_run(engine, batches(2))
+        state = copy.deepcopy(engine.optimizer.state_dict())
+        state["state"][0]["exp_avg"].view(-1)[3] = 3.0e38
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            engine.optimizer.load_state_dict(state)
+        assert engine.optimizer.state_dict()["state"][0]["exp_avg"].view(-1)[3].item() == 2.0**126
+    finally:
+        engine.close()
+    assert "engine.optimizer.load_state_dict: 1 finite Adam moment value" in caplog.text
+    assert "inp.weight exp_avg: 1 value up to 3e+38" in caplog.text
+    caplog.clear()
+    p = torch.nn.Parameter(torch.zeros(40))
+    optimizer = offload.CPUAdamW([p], state_precision="bf16")
+    p.grad = torch.ones(40)
+    optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    saved["state"][0]["exp_avg_sq"][5] = FP32_MAX
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        optimizer.load_state_dict(saved)
+        loaded = optimizer.state_dict()["state"][0]["exp_avg_sq"]
+    assert loaded[5].item() == BF16_MAX and bool(torch.isfinite(loaded).all())
+    assert "CPUAdamW.load_state_dict" in caplog.text and "parameter 0 (shape [40]) exp_avg_sq" in caplog.text

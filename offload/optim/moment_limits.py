@@ -3,14 +3,15 @@
 bf16 holds magnitudes up to 3.39e38 (fp32 reaches 3.40e38); int8's first moment up to 2^126
 (8.5e37: the largest code of the largest block exponent), its second moment up to 3.19e38 (the
 square of the largest root code below 2^64, whose own square overflows: docs/compact_state.md).
-A finite value beyond that is stored as
-the largest value of its sign: it saturates, in the step and in a load, instead of becoming
-infinity (bf16 stochastic rounding would round it up to infinity with some probability, an int8
-root rounded up to 2^64 squares to infinity, and an element whose second moment is infinite
-never moves again). The saturation moves a value by less than one bf16 step (0.4%), an int8
-second moment by at most 6.5%, an int8 first moment by up to 4x, in a state that AdamW's own
-arithmetic cannot produce (|m| above 2^126 needs gradients whose squares overflow v). A load that saturates values says so, naming each parameter, rather than refusing: the
-checkpoint stays usable in the narrower precision, and fp32 moments keep the values exactly.
+A finite value beyond that is stored as the largest value of its sign: it saturates, in the
+step and in a load, instead of becoming infinity (bf16 stochastic rounding would round it up to
+infinity with some probability, an int8 root rounded up to 2^64 squares to infinity, and an
+element whose second moment is infinite never moves again). The saturation moves a value by
+less than one bf16 step (0.4%), an int8 second moment by at most 6.5%, an int8 first moment by
+up to 4x, in a state that AdamW's own arithmetic cannot produce (|m| above 2^126 needs
+gradients whose squares overflow v). A load that saturates values says so, naming each
+parameter, rather than refusing: the checkpoint stays usable in the narrower precision, and
+fp32 moments keep the values exactly.
 """
 
 from __future__ import annotations
