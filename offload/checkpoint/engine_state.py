@@ -75,8 +75,10 @@ from offload.config.state_layout import INT8_CODES, INT8_CODES_BEFORE
 from offload.errors import InsufficientSpaceError, OffloadError
 from offload.model.unit_state import UnitState
 from offload.model.units import shard_pieces
+from offload.optim.moment_limits import SaturationReport
 from offload.platform.collectives import Collectives
 from offload.storage.aio import crc32c
+from offload.storage.state_codec import RoundingTally
 from offload.storage.tiers import TierStore
 
 logger = logging.getLogger(__name__)
@@ -654,11 +656,15 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
     # weights (the masters, then the frozen params' with no optimizer state)
     param_pieces: list[tuple[int, int, int, int]] = []
     weights = torch.empty(0)
-    _log_precision_change(
-        reader.index, engine.store.codec.precision.value, reader.index["world_size"], engine.collectives.world_size
-    )
-    # fp32 moments for the files' values, encoded into the engine's precision as each chunk is done
-    for piece in store.overwrite_fp32_states(engine.units):
+    precision = store.codec.precision.value
+    conversion = precision_change(reader.index, precision, reader.index["world_size"], engine.collectives.world_size)
+    # a conversion into compact moments is measured (what each value became), and values beyond
+    # what they hold are named
+    tally = RoundingTally() if conversion is not None and store.codec.compact else None
+    saturated = SaturationReport(precision)
+    # fp32 moments for the files' values, encoded into the engine's precision as each chunk is
+    # done, rounded with the key of the saved step (not the engine's count, which changes below)
+    for piece in store.overwrite_fp32_states(engine.units, verified.step_counts, tally):
         unit, targets = piece.unit, piece.views
         if piece.start == 0:
             start, end = unit.layout.shard_range(rank)
@@ -679,7 +685,10 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
             for kind, target in targets.items():
                 # a param saved frozen has no moments: they start at zero, as for a new one
                 if kind == "master" or (name, kind) in reader.stored:
-                    reader.read_range(name, kind, a + low - pos, a + high - pos, target[low - piece.start : high - piece.start])
+                    values = target[low - piece.start : high - piece.start]
+                    reader.read_range(name, kind, a + low - pos, a + high - pos, values)
+                    if kind != "master":
+                        saturated.check(name, kind, values)
         if weights.data_ptr() != targets["master"].data_ptr():
             weights[piece.start : piece.end].copy_(targets["master"])
         if not piece.last:
@@ -693,6 +702,12 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
             # a backward interrupted (Ctrl-C) or failed before these gradients left the device
             # leaves them in .grad, where the next backward would add to them
             param.grad = None
+    if conversion is not None:
+        measured = tally.summary() if tally is not None else "fp32 moments hold every value: converted exactly"
+        logger.info("offload: %s: %s", conversion, measured)
+    message = saturated.message(f"load_checkpoint {reader.directory}")
+    if message is not None:
+        logger.warning("offload: %s", message)
     _load_buffers(engine, verified.buffers, verified.keys)
     engine.load_training_state(verified.training_state)
     if verified.rng is not None:
@@ -708,34 +723,22 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
         set_rng_state(verified.rng)
 
 
-def _log_precision_change(index: dict, precision: str, saved_world: int, world: int) -> None:
-    """Says when the moments change precision on the way in: exact from bf16 or int8 into a
-    wider precision or into the same one on as many ranks (the files hold the stored values,
-    which re-encode to themselves), rounded into a narrower one, or into int8 blocks that
-    regroup on another number of ranks."""
+def precision_change(index: dict, precision: str, saved_world: int, world: int) -> str | None:
+    """What a load does to the moments on the way in, or None when the files hold the values
+    of this engine's own stored form (the same precision and int8 codes, and for int8 the same
+    blocks: as many ranks), which re-encode to themselves. The load measures the others
+    (state_codec.RoundingTally) and logs this with what it measured: whether a conversion is
+    exact depends on the values (a bf16 value fits int8 codes only if few of its bits are set,
+    an int8 second moment root^2 has up to 10 significant bits, bf16 keeps 8)."""
     saved = index.get("state_precision", "fp32")
-    # int8 values from other codes (a checkpoint of the E4M3 first moment) are rounded like a narrower precision's
-    same_codes = saved != "int8" or index.get("int8_codes", INT8_CODES_BEFORE) == INT8_CODES
-    if saved == precision and same_codes and (precision != "int8" or saved_world == world):
-        return
-    if not same_codes and precision == "int8":
-        logger.info(
-            "offload: the checkpoint's int8 Adam moments were stored in other codes (%s; this engine: %s): they are "
-            "re-encoded with rounding",
-            index.get("int8_codes", INT8_CODES_BEFORE),
-            INT8_CODES,
-        )
-        return
-    order = {"int8": 0, "bf16": 1, "fp32": 2}
-    exact = saved in order and order[saved] <= order[precision] and (precision != "int8" or saved_world == world)
-    logger.info(
-        "offload: the checkpoint's Adam moments were stored in %s (by %d ranks), this engine stores them in %s (on %d "
-        "ranks): they are converted %s",
-        saved,
-        saved_world,
-        precision,
-        world,
-        "exactly" if exact else "with rounding (optimizer.state_precision " + precision + ")",
+    codes = index.get("int8_codes", INT8_CODES_BEFORE) if saved == "int8" else None
+    if saved == precision and (codes is None or codes == INT8_CODES) and (precision != "int8" or saved_world == world):
+        return None
+    if codes is not None and codes != INT8_CODES and precision == "int8":
+        return f"the checkpoint's int8 Adam moments were stored in other codes ({codes}; this engine: {INT8_CODES}): re-encoded"
+    return (
+        f"the checkpoint's Adam moments were stored in {saved} (by {saved_world} ranks), this engine stores them in "
+        f"{precision} (optimizer.state_precision, on {world} ranks)"
     )
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from offload.config.state_layout import StatePrecision
 from offload.errors import OffloadError
 from offload.optim import kernels, moments
+from offload.optim.moment_limits import SaturationReport
+
+logger = logging.getLogger(__name__)
 
 _STATE_PRECISIONS = tuple(precision.value for precision in StatePrecision)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -221,7 +226,7 @@ class CPUAdamW(torch.optim.Optimizer):
             key = f"{kind}_{precision}"
             if key not in state:
                 if kind in state:
-                    state[key] = self._encoded(kind, state.pop(kind), n, index, _loaded_step(state.get("step", 0), index))
+                    state[key] = self._encoded(kind, state.pop(kind), p, index, _loaded_step(state.get("step", 0), index))
                 else:
                     state[key] = torch.zeros(numel, dtype=dtype)
             buffer = state[key]
@@ -233,12 +238,19 @@ class CPUAdamW(torch.optim.Optimizer):
             views.append(moments.moment_view(precision, buffer, n, 0, n))
         return views
 
-    def _encoded(self, kind: str, values, n: int, index: int, step: int) -> torch.Tensor:
-        """A new buffer holding fp32 moment `values` (of parameter `index`, `n` elements, `step`
-        steps in) in this optimizer's precision; a ValueError naming what is wrong with them."""
+    def _encoded(self, kind: str, values, p: torch.Tensor, index: int, step: int) -> torch.Tensor:
+        """A new buffer holding fp32 moment `values` (of parameter `p`, index `index`, `step`
+        steps in) in this optimizer's precision; a ValueError naming what is wrong with them, a
+        warning naming the parameter for values beyond what the precision holds (saturated)."""
+        n = p.numel()
         if not isinstance(values, torch.Tensor) or not values.is_floating_point() or values.numel() != n:
             what = f"{values.numel()} elements" if isinstance(values, torch.Tensor) else type(values).__name__
             raise ValueError(f"CPUAdamW: parameter {index}'s {kind} has {what}, its parameter {n} fp32 elements")
+        saturated = SaturationReport(self.state_precision)
+        saturated.check(f"parameter {index} (shape {list(p.shape)})", kind, values.detach().float())
+        message = saturated.message("CPUAdamW.load_state_dict")
+        if message is not None:
+            logger.warning("offload: %s", message)
         numel, dtype = moments.moment_storage(self.state_precision, n)
         buffer = torch.zeros(numel, dtype=dtype)
         moments.encode(
@@ -285,7 +297,7 @@ class CPUAdamW(torch.optim.Optimizer):
                     buffers[key] = state[key].clone()
                     moments.moment_view(self.state_precision, buffers[key], p.numel(), 0, p.numel())
                 elif kind in state:
-                    buffers[key] = self._encoded(kind, state[kind], p.numel(), index, step)
+                    buffers[key] = self._encoded(kind, state[kind], p, index, step)
             encoded[p] = buffers
         return encoded
 
