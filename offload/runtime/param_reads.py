@@ -140,13 +140,23 @@ def describe_call(func) -> str:
 class ParamReads:
     """One engine's parameters, watched while it is open: a call reading one calls
     `on_read(unit_index, param_name, func)` first (on the calling thread), which waits, holds
-    or raises. Inside the engine's own walks over the parameters (`suspend` / `resume`: the
-    model's state_dict, whose `detach()` of each parameter is replaced by fp32 weights) reads
-    are not checked."""
+    or raises; then, on a device that checks orderings, `checked_read(param, what)` declares
+    the read (the checked device raises `OrderingError` if a copy into the parameter's memory
+    was not waited for). `on_read` None: the engine needs no read watched (param none, overlap
+    none, one rank: step() returns with its new weights current), and only the checked device
+    looks. Inside the engine's own walks over the parameters (`suspend` / `resume`: the model's
+    state_dict, whose `detach()` of each parameter is replaced by fp32 weights) reads are not
+    checked."""
 
-    def __init__(self, params: dict[int, tuple[int, str]], on_read: Callable[[int, str, object], None]) -> None:
+    def __init__(
+        self,
+        params: dict[int, tuple[int, str]],
+        on_read: Callable[[int, str, object], None] | None,
+        checked_read: Callable[[torch.Tensor, str], None] | None = None,
+    ) -> None:
         self.params = params
         self.on_read = on_read
+        self.checked_read = checked_read
         self.suspended = 0
 
     def open(self) -> None:
@@ -180,8 +190,12 @@ class ParamReads:
 
     def check(self, func, tensor: torch.Tensor) -> None:
         found = self.params.get(id(tensor))
-        if found is not None and not self.suspended:
+        if found is None or self.suspended:
+            return
+        if self.on_read is not None:
             self.on_read(found[0], found[1], func)
+        if self.checked_read is not None:
+            self.checked_read(tensor, f"parameter {found[1]!r} ({describe_call(func)})")
 
 
 # id(parameter) -> its engine's ParamReads, held weakly: an engine collected without close()

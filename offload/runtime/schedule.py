@@ -445,13 +445,16 @@ class Schedule:
         context.schedules = [(RootSchedule if unit.index == 0 else UnitSchedule)(unit, context) for unit in context.units]
         # Reads of a parameter outside its unit's forward and backward are seen (param_reads.py)
         # when they could otherwise read freed storage (params offloaded), weights a step is
-        # still writing (overlap), or a shard not yet gathered (several ranks).
+        # still writing (overlap), or a shard not yet gathered (several ranks); on the checked
+        # device every read of a parameter is declared to it, watched or not.
+        device = context.residency.device
         self.reads = (
             ParamReads(
                 {id(p): (unit.index, name) for unit in context.units for name, p in zip(unit.spec.param_names, unit.spec.params)},
-                self.on_param_read,
+                self.on_param_read if watch_external_reads else None,
+                device.compute_reads if device.checks_orderings else None,
             )
-            if watch_external_reads
+            if watch_external_reads or device.checks_orderings
             else None
         )
         self.hooks: list = []
