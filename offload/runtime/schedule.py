@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,9 +47,10 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from offload.errors import ConcurrentUseError
 from offload.model.unit_state import UnitState
 from offload.platform.collectives import Collectives
-from offload.platform.process import OwningProcess
+from offload.platform.process import DrivingThread, OwningProcess
 from offload.platform.rank_order import MISMATCH_HINT, Op, ReduceOrder
 from offload.platform.rank_order import describe as describe_op
 from offload.runtime.events import EntryKind, EventLog, Phase
@@ -436,11 +438,21 @@ class Schedule:
     """The model's hooks, the forward and backward of the model as a whole, and the unit
     schedules they drive."""
 
-    def __init__(self, model: nn.Module, context: ScheduleContext, *, watch_external_reads: bool, process: OwningProcess) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        context: ScheduleContext,
+        *,
+        watch_external_reads: bool,
+        process: OwningProcess,
+        driver: DrivingThread,
+    ) -> None:
         self.model = model
         self.context = context
         # the process the engine was built in: the model's forward anywhere else fails at once
         self.process = process
+        # the thread inside an engine call: a forward on another thread meanwhile fails at once
+        self.driver = driver
         context.trainable = [{i for i, p in enumerate(unit.spec.params) if p.requires_grad} for unit in context.units]
         context.schedules = [(RootSchedule if unit.index == 0 else UnitSchedule)(unit, context) for unit in context.units]
         # Reads of a parameter outside its unit's forward and backward are seen (param_reads.py)
@@ -471,7 +483,7 @@ class Schedule:
         hooks = self.hooks
         for schedule in self.schedules:
             module = self.model if schedule.index == 0 else schedule.unit.spec.module
-            hooks.append(module.register_forward_pre_hook(_call(schedule.pre_forward, module, self.process)))
+            hooks.append(module.register_forward_pre_hook(_call(schedule.pre_forward, module, self.process, self.driver)))
             if schedule.has_frozen and schedule.index != 0:  # the root is held for all of backward
                 hooks.append(module.register_forward_pre_hook(_inputs(schedule.watch_inputs, module), with_kwargs=True))
             hooks.append(module.register_forward_hook(_post(schedule.post_forward, module), always_call=True))
@@ -630,15 +642,24 @@ class Schedule:
 # modules' hook dicts, and its forward, over weights of its own, must not drive the engine's units.
 
 
-def _call(transition, owner: nn.Module, process: OwningProcess):
+def _call(transition, owner: nn.Module, process: OwningProcess, driver: DrivingThread):
     """A forward pre-hook: returns None, so the module's inputs are left as they are. A forward
-    in a process forked from the engine's fails at once (offload.platform.process)."""
+    in a process forked from the engine's fails at once, and so does one on a thread while
+    another is inside an engine call (`model(x)` called directly is no call of the engine;
+    autograd's recompute of a checkpointed block, on its own thread on CUDA, is the backward's)
+    (offload.platform.process)."""
 
     what = f"a forward of {type(owner).__name__} under an offload engine"
 
     def hook(module, args) -> None:
         if module is owner:
             process.check(what)
+            if torch._C._current_graph_task_id() == -1:
+                try:
+                    driver.check_free(what)
+                except ConcurrentUseError:
+                    _refused_here()[id(owner)] += 1  # its always-called post-hook then does nothing
+                    raise
             transition()
 
     return hook
@@ -655,13 +676,30 @@ def _inputs(watch, owner: nn.Module):
 
 
 def _post(transition, owner: nn.Module):
-    """A forward hook: returns None, so the module's output is left as it is."""
+    """A forward hook: returns None, so the module's output is left as it is. After a pre-hook
+    that refused the forward (another thread inside an engine call), nothing: the unit's
+    entries are that thread's."""
 
     def hook(module, args, output) -> None:
         if module is owner:
+            refused = _refused_here()
+            if refused[id(owner)]:
+                refused[id(owner)] -= 1
+                return
             transition(output)
 
     return hook
+
+
+# per thread, id(module) -> its forward pre-hooks that refused and whose post-hook has not run yet
+_REFUSED = threading.local()
+
+
+def _refused_here() -> collections.Counter:
+    counts = getattr(_REFUSED, "counts", None)
+    if counts is None:
+        counts = _REFUSED.counts = collections.Counter()
+    return counts
 
 
 def _grad(transition, index: int):
