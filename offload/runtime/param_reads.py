@@ -192,12 +192,11 @@ class WatchedParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _OWNERS and not getattr(_THREAD, "has_mode", False) and not returns_itself(func, args, kwargs):
+        if _OWNERS and not getattr(_THREAD, "has_mode", False) and not returns_itself(func, args, kwargs or {}):
             _check_call(func, args)
             if kwargs:
                 _check_call(func, tuple(kwargs.values()))
-        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
     def __deepcopy__(self, memo):
         if id(self) not in memo:
