@@ -6,8 +6,8 @@ A thin face. `offload.runtime.build` wires the parts (`Runtime`); the gradient w
 `offload.checkpoint`. Each method here is the user's call, delegated.
 
 Threads, and what each owns:
-- the main thread runs forward and backward, every hook, every collective, and all residency
-  bookkeeping (acquire / release / storage resize);
+- the thread inside a call (one at a time: each call here is `@driven`, a second thread's is
+  refused) runs forward and backward, every hook, every collective, and all residency bookkeeping;
 - the transfer worker (one thread) runs fetches of 16-bit weights to the device and the
   gradient path off the device (copy, accumulate into the fp32 gradient, squared norm), in
   the order they were submitted;
@@ -31,7 +31,7 @@ from offload.config.schema import Config, freeze, load_config
 from offload.errors import ConfigError, OffloadError, at_users_call, name_config_file
 from offload.model.owned import OPEN_ENGINES, RELEASED, StateDictHooks
 from offload.platform.device import Device
-from offload.runtime.build import Runtime, build
+from offload.runtime.build import Runtime, build, driven
 from offload.runtime.param_access import held_on_device
 
 logger = logging.getLogger(__name__)
@@ -138,6 +138,8 @@ class Engine:
         self._frozen_dtypes = {name: p.dtype for name, p in frozen if not p.requires_grad and p.is_floating_point()}
         runtime = build(model, self.config, groups, process_group=process_group, device=device, run_name=run_name)
         self._runtime: Runtime = runtime
+        # the thread inside one of the calls below (`@driven`): one engine, one thread at a time
+        self.driver = runtime.driver
         # the parts, by name (tests, checkpoints and integrations reach them so)
         self.collectives, self.device, self.compute_dtype = runtime.collectives, runtime.device, runtime.compute_dtype
         self.units, self.store, self.ledger, self.timings = runtime.units, runtime.store, runtime.ledger, runtime.timings
@@ -197,6 +199,7 @@ class Engine:
         return self.window.speculation_counts
 
     # ---- forward and backward ----------------------------------------------------------
+    @driven("engine(...)")
     def __call__(self, *args, **kwargs):
         self._check_open()
         self.window.settle_before_use()
@@ -216,10 +219,11 @@ class Engine:
         refused when the block ends. With several ranks, every rank enters it with the same
         module (the weights are gathered). A large model can be read block by block:
         `for layer in model.layers: with engine.params_on_device(layer): ...`."""
-        self._check_open()
-        self.window.settle_before_use()
-        with held_on_device(self.schedule.context, self.model if module is None else module, self._runtime.undo_write):
-            yield
+        with self.driver.entered("engine.params_on_device()"):
+            self._check_open()
+            self.window.settle_before_use()
+            with held_on_device(self.schedule.context, self.model if module is None else module, self._runtime.undo_write):
+                yield
 
     @property
     def forward_order(self):
@@ -229,6 +233,7 @@ class Engine:
     def backward_order(self):
         return self.schedule.context.backward_order
 
+    @driven("engine.backward()")
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` / gradient_accumulation_steps (times the loss scale in fp16)."""
         self._check_open()
@@ -269,23 +274,28 @@ class Engine:
         optimizer.step()
         return optimizer.applied
 
+    @driven("engine.step()")
     def _apply_step(self) -> bool:
         self._check_open()
         return self.window.step()
 
     # ---- engine.optimizer's state and zero_grad (offload.runtime.optimizer_state, window) --------
+    @driven("engine.optimizer.state_dict()")
     def _optimizer_state(self, params: list) -> dict:
         self._check_open()
         return self.window.optimizer_state(params)
 
+    @driven("engine.optimizer.load_state_dict()")
     def _load_optimizer_state(self, params: list, state, check_groups) -> None:
         self._check_open()
         self.window.load_optimizer_state(params, state, check_groups)
 
+    @driven("engine.optimizer.zero_grad()")
     def _zero_grad(self) -> None:
         self._check_open()
         self.window.zero_grad()
 
+    @driven("engine.clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """After the backward that ends a window, before step(): the global gradient norm (all
         units, tiers and ranks; p-norms and inf), and the coming step clips by torch's factor
@@ -294,11 +304,13 @@ class Engine:
         return self.window.clip_grad_norm(max_norm, norm_type)
 
     # ---- weights out (offload.runtime.weights_out reads them) ------------------------------
+    @driven("model.state_dict()")
     def _fp32_weight(self, param: nn.Parameter) -> torch.Tensor:
         """The fp32 weights of one parameter (the model's state_dict hooks)."""
         self._check_open()
         return self.weights.param_weight(param)
 
+    @driven("engine.consolidated_state_dict()")
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (and the model's buffers) under model.state_dict()'s keys, on the CPU."""
         self._check_open()
@@ -321,6 +333,7 @@ class Engine:
         return timings
 
     # ---- checkpoints (offload.checkpoint does the work) ------------------------------------
+    @driven("engine.save_checkpoint()")
     def save_checkpoint(self, path, client_state: dict | None = None, **kwargs):
         """Saves everything needed to resume exactly; see offload.checkpoint.engine_state.save."""
         from offload.checkpoint import engine_state as checkpoint
@@ -330,6 +343,7 @@ class Engine:
         self.window.drain()
         return checkpoint.save(self._runtime, path, client_state=client_state, **kwargs)
 
+    @driven("engine.load_checkpoint()")
     def load_checkpoint(self, path, **kwargs) -> dict:
         """Restores a checkpoint saved by any world size and placement; returns its client_state.
         All or nothing: a checkpoint that fails a check changes nothing (offload.checkpoint.verify)."""
@@ -365,6 +379,7 @@ class Engine:
         self._runtime.process.check("an engine call")
         self.window.check_open()
 
+    @driven("engine.close()")
     def close(self, restore_weights: bool = True) -> None:
         """Finishes pending work, frees host buffers and removes swap files.
 

@@ -73,6 +73,11 @@ class OrderingError(OffloadError, RuntimeError):
         return type(self), (str(self), self.rule, self.stream, self.what)
 
 
+class ConcurrentUseError(OffloadError, RuntimeError):
+    """An engine called from a second thread while another thread is inside one of its calls
+    (or a parameter it watches read there): one engine is driven by one thread at a time."""
+
+
 class ForkedProcessError(OffloadError, RuntimeError):
     """An engine used in a process forked from the one that built it (a DataLoader worker, a
     multiprocessing task with the 'fork' start method): its I/O threads, copy streams and swap

@@ -153,6 +153,13 @@ class Device:
     def pin_host_memory(self) -> bool:
         return self.is_cuda
 
+    @property
+    def checks_orderings(self) -> bool:
+        """Whether the declarations below are checked (the checked stand-in): the engine then
+        also declares each read of a parameter its user makes (param_reads.py), whatever it
+        watches otherwise."""
+        return False
+
     def record_compute_event(self):
         """An event completed when the work issued so far on the compute stream is done."""
         if not self.is_cuda:

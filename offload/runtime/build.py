@@ -35,7 +35,8 @@ from offload.plan.room import plan_optimizer
 from offload.platform.choose import device_choice, make_device
 from offload.platform.collectives import Collectives
 from offload.platform.device import Device
-from offload.platform.process import OwningProcess
+from offload.platform.process import DrivingThread, OwningProcess
+from offload.platform.process import driven as driven  # for the engine's calls, which enter Runtime.driver
 from offload.runtime.gradients import GradientOffload
 from offload.runtime.overlap import OverlapPolicy, Stepping, overlap_policy
 from offload.runtime.residency import Residency
@@ -110,10 +111,14 @@ class Runtime:
     schedule: Schedule | None = None
     # what parts made early call on parts made later
     later: _Later = field(default_factory=_Later)
-    # the process all of this exists in (offload.platform.process)
+    # the process all of this exists in, and the thread inside an engine call (offload.platform.process)
     process: OwningProcess = field(default_factory=OwningProcess)
+    driver: DrivingThread = field(init=False)
     # module buffers moved to the device, and where they were (close() puts them back)
     buffer_homes: list[tuple[nn.Module, str, torch.device]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.driver = DrivingThread(self.process)
 
     # ---- what a checkpoint reaches (offload.checkpoint.engine_state.CheckpointedEngine) ----
     @property
@@ -358,6 +363,7 @@ def _install_schedule(runtime: Runtime) -> None:
         context,
         watch_external_reads=offloaded or runtime.config.overlap != "none" or distributed,
         process=runtime.process,
+        driver=runtime.driver,
     )
     runtime.stepper.events = context.events
     runtime.later.context = context
