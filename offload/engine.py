@@ -46,6 +46,8 @@ def initialize(
     process_group=None,
     run_name: str | None = None,
     strict: bool = True,
+    weights: str | os.PathLike | None = None,
+    weights_strict: bool = True,
 ) -> Engine:
     """Wraps `model` for offloaded training and returns the `Engine` (also a context manager
     that closes it): `out = engine(**batch); engine.backward(out.loss); engine.step()`.
@@ -65,6 +67,11 @@ def initialize(
     run_name: this run's swap directory under offload.nvme_path (default: a unique name).
     strict: False drops, with one warning, DeepSpeed or accelerate keys offload cannot honour,
         instead of refusing the config.
+    weights: pretrained weights to start from: a .safetensors file, or a directory with
+        model.safetensors or the Hugging Face sharded layout; streamed unit by unit into the
+        tiers, so `model` may be built on the meta device (docs/pretrained.md).
+    weights_strict: False drops, with one warning, keys of `weights` that fill nothing in the
+        model, instead of refusing them (named apart from `strict`, which is about the config).
 
     A mistake in these (a config key, a placement that does not fit) raises an
     `offload.OffloadError` subclass here, naming the config file, the key and what to do.
@@ -79,6 +86,8 @@ def initialize(
             process_group=process_group,
             run_name=run_name,
             strict=strict,
+            weights=weights,
+            weights_strict=weights_strict,
         )
     except OffloadError as error:
         if isinstance(config, (str, os.PathLike)):
@@ -117,6 +126,8 @@ class Engine:
         run_name: str | None = None,
         strict: bool = True,
         param_groups: list[dict] | None = None,
+        weights: str | os.PathLike | None = None,
+        weights_strict: bool = True,
     ) -> None:
         # strict=False: a DeepSpeed / accelerate key whose meaning cannot be honoured is dropped
         # with a warning instead of refused
@@ -136,7 +147,11 @@ class Engine:
         # parameters frozen at initialize are handed back by close() in the dtype they came in
         frozen = model.named_parameters(remove_duplicate=False)
         self._frozen_dtypes = {name: p.dtype for name, p in frozen if not p.requires_grad and p.is_floating_point()}
-        runtime = build(model, self.config, groups, process_group=process_group, device=device, run_name=run_name)
+        runtime = build(
+            model, self.config, groups, process_group=process_group, device=device, run_name=run_name, weights=weights,
+            weights_strict=weights_strict,
+        )  # fmt: skip
+        self._frozen_dtypes.update(runtime.frozen_file_dtypes)
         self._runtime: Runtime = runtime
         # the parts, by name (tests, checkpoints and integrations reach them so)
         self.collectives, self.device, self.compute_dtype = runtime.collectives, runtime.device, runtime.compute_dtype
