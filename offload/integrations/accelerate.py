@@ -138,9 +138,12 @@ class OffloadAccelerator(Accelerator):
     engine (see the module docstring). `offload_config`: the engine's config (dict, path, or
     offload.Config); every other argument is accelerate's. `mixed_precision`, when given, must
     agree with the config's `precision` (the engine computes in it and scales the fp16 loss
-    itself, so accelerate's autocast and GradScaler stay off)."""
+    itself, so accelerate's autocast and GradScaler stay off). `offload_weights`,
+    `offload_weights_strict`: pretrained weights `prepare` streams into the engine for a model
+    built on the meta device (`offload.initialize`'s `weights`, `weights_strict`)."""
 
-    def __init__(self, *args, offload_config=None, **kwargs) -> None:
+    def __init__(self, *args, offload_config=None, offload_weights=None, offload_weights_strict=True, **kwargs) -> None:
+        self.offload_weights, self.offload_weights_strict = offload_weights, offload_weights_strict
         # a copy: prepare writes into it (the optimizer type, the accumulation moved to accelerate)
         self.offload_config = copy.deepcopy(load_config(offload_config))
         asked = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION")
@@ -206,7 +209,10 @@ class OffloadAccelerator(Accelerator):
             )
             config.optimizer.type = kind
         device = self.device if self.device.type == "cuda" else None
-        self.engine = offload.initialize(model, config, param_groups=groups, device=device)
+        self.engine = offload.initialize(
+            model, config, param_groups=groups, device=device, weights=self.offload_weights,
+            weights_strict=self.offload_weights_strict,
+        )  # fmt: skip
         self._offloaded_optimizer = OffloadedOptimizer(optimizer, self.engine)
         self._optimizers.append(self._offloaded_optimizer)
 
