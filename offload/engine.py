@@ -147,10 +147,8 @@ class Engine:
         # parameters frozen at initialize are handed back by close() in the dtype they came in
         frozen = model.named_parameters(remove_duplicate=False)
         self._frozen_dtypes = {name: p.dtype for name, p in frozen if not p.requires_grad and p.is_floating_point()}
-        runtime = build(
-            model, self.config, groups, process_group=process_group, device=device, run_name=run_name, weights=weights,
-            weights_strict=weights_strict,
-        )  # fmt: skip
+        runtime = build(model, self.config, groups, process_group=process_group, device=device, run_name=run_name,
+                        weights=weights, weights_strict=weights_strict)  # fmt: skip
         self._frozen_dtypes.update(runtime.frozen_file_dtypes)
         self._runtime: Runtime = runtime
         # the parts, by name (tests, checkpoints and integrations reach them so)

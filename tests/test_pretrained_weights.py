@@ -141,7 +141,7 @@ def _two_ranks(rank, world, path, swaps, cases):
     for param, optimizer in cases:
         # one Adam thread per rank: the ranks share the machine's cores
         engine = offload.initialize(meta_model(path), config(swaps[rank], param, optimizer, 1), weights=path, device=RANK_DEVICE)
-        read = engine._runtime.weights_read_bytes
+        read = engine._runtime.weights_load.bytes
         engine.model.eval()
         for ids in batches():
             half = ids[rank : rank + 1]

@@ -121,7 +121,7 @@ def _two_ranks(rank, world, directory, swaps, cases):
     for param, optimizer in cases:
         torch.manual_seed(100 + rank)  # each rank would draw other values for the missing params
         engine = offload.initialize(meta_net(), config(swaps[rank], param, optimizer, 1), weights=directory, device=RANK_DEVICE)
-        read = engine._runtime.weights_read_bytes
+        read = engine._runtime.weights_load.bytes
         start = engine.consolidated_state_dict()
         for x, y in batches(3, inputs=8):
             engine.backward(mse(engine, x[rank * 8 : rank * 8 + 8], y[rank * 8 : rank * 8 + 8]))  # half of 16

@@ -46,7 +46,7 @@ from offload.runtime.overlap import OverlapPolicy, Stepping, overlap_policy
 from offload.runtime.residency import Residency
 from offload.runtime.schedule import Schedule, ScheduleContext
 from offload.runtime.stepper import UnitStepper
-from offload.runtime.weights_in import PretrainedWeights, ShardValues, open_pretrained
+from offload.runtime.weights_in import LoadStats, PretrainedWeights, ShardValues, open_pretrained
 from offload.runtime.weights_out import WeightsReader
 from offload.runtime.window import GradientWindow
 from offload.storage.memory import TierLedger
@@ -123,8 +123,8 @@ class Runtime:
     # frozen parameters filled from pretrained weights, by name: the file's dtype (close() hands
     # them back in it)
     frozen_file_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
-    # bytes of pretrained weights this rank read at start (its shards' byte ranges and the buffers)
-    weights_read_bytes: int = 0
+    # what this rank read of pretrained weights at start (its shards' byte ranges and the buffers)
+    weights_load: LoadStats | None = None
 
     # ---- what a checkpoint reaches (offload.checkpoint.engine_state.CheckpointedEngine) ----
     @property
@@ -285,10 +285,13 @@ def build(
     (offload.runtime.weights_in), checked whole against the model before anything is made."""
     pretrained = open_pretrained(weights, model, strict=weights_strict, io=config.io) if weights is not None else None
     try:
-        return _build(model, config, groups, process_group=process_group, device=device, run_name=run_name, pretrained=pretrained)
+        runtime = _build(
+            model, config, groups, process_group=process_group, device=device, run_name=run_name, pretrained=pretrained
+        )
     finally:
-        if pretrained is not None:
-            pretrained.close()
+        stats = pretrained.close() if pretrained is not None else None
+    runtime.weights_load = stats
+    return runtime
 
 
 def _build(model, config, groups, *, process_group, device, run_name, pretrained: PretrainedWeights | None) -> Runtime:
@@ -407,19 +410,21 @@ def _adopt_all(runtime: Runtime, pretrained: PretrainedWeights | None = None) ->
         pretrained.load_buffers(model)
         runtime.frozen_file_dtypes = pretrained.frozen_dtypes(model)
 
-    def make(unit: UnitState) -> torch.Tensor | ShardValues:
-        return _unit_values(model, unit) if pretrained is None else pretrained.unit_values(model, unit, rank)
+    units = runtime.units
+
+    def make(i: int) -> torch.Tensor | ShardValues:
+        if pretrained is None:
+            return _unit_values(model, units[i])
+        return pretrained.unit_values(model, units[i], rank, units[i + 1] if i + 1 < len(units) else None)
 
     with ThreadPoolExecutor(1, thread_name_prefix="offload-materialize") as maker:
-        upcoming = maker.submit(make, runtime.units[0])
-        for i, unit in enumerate(runtime.units):
+        upcoming = maker.submit(make, 0)
+        for i, unit in enumerate(units):
             values = upcoming.result()
-            if i + 1 < len(runtime.units):
-                upcoming = maker.submit(make, runtime.units[i + 1])
+            if i + 1 < len(units):
+                upcoming = maker.submit(make, i + 1)
             _adopt(runtime, unit, values)
             del values  # unmapped here, before the next unit's is taken
-    if pretrained is not None:
-        runtime.weights_read_bytes = pretrained.read_bytes
 
 
 def _unit_values(model: nn.Module, unit: UnitState) -> torch.Tensor:
@@ -457,9 +462,11 @@ def _adopt(runtime: Runtime, unit: UnitState, values: torch.Tensor | ShardValues
     runtime.ledger.allocate("device", layout.padded_numel * unit.device_flat.element_size(), "param")
     if not isinstance(values, ShardValues):
         unit.device_flat.copy_(values)
+    elif runtime.residency.offloaded:
+        pass  # freed below, unwritten: the unit's first use fetches it from its home tier
     elif not collectives.is_distributed:
         unit.device_flat.copy_(shard)
-    elif not runtime.residency.offloaded:
+    else:
         # `param: none` keeps the whole unit on every rank's device: the ranks' shards, gathered
         unit.device_flat[start:end].copy_(shard)
         collectives.all_gather_flat(unit.device_flat, unit.device_flat[start:end].clone(), what=f"weights of {unit.spec.name}")

@@ -50,7 +50,7 @@ from offload.model.pretrained_keys import KeyMatch, key_rules, match_keys
 from offload.model.unit_state import UnitState
 from offload.model.units import shard_pieces
 from offload.platform.collectives import Collectives
-from offload.storage.weight_files import Segment, StoredTensor, WeightFiles, open_weight_files
+from offload.storage.weight_files import PendingRead, Segment, StoredTensor, WeightFiles, open_weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,17 @@ PROGRESS_EVERY_S = 10.0
 def _listed(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+@dataclass
+class LoadStats:
+    """What one rank's load read: bytes, seconds the load waited for its reads (reads run ahead,
+    beside the conversion and the placing: a load bound by its disk waits most of its time), and
+    seconds from the check to the last unit placed."""
+
+    bytes: int = 0
+    read_seconds: float = 0.0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -95,6 +106,19 @@ class ShardValues:
                 self.shard32[position : position + high - low].copy_(values[starts[index] + low : starts[index] + high])
 
 
+@dataclass
+class _UnitRead:
+    """What one unit's shard takes from the files: each param's stored tensor (None: the file
+    lacks it), those params' indices, the shard's pieces (units.shard_pieces), the pieces read
+    and their segments."""
+
+    stored: list[StoredTensor | None]
+    initialised: list[int]
+    pieces: list[tuple[int, int, int, int]]
+    read: list[tuple[int, int, int, int]]
+    segments: list[Segment]
+
+
 class PretrainedWeights:
     """An open, checked `weights=` source matched to one model (see the module docstring)."""
 
@@ -102,11 +126,21 @@ class PretrainedWeights:
         self.files = files
         self.io = io
         self.match = match
-        tensors = _model_tensors(model)
+        tensors, params = _model_tensors(model), _param_names(model)
         # id of each param or buffer the file fills -> its stored tensor
         self.source: dict[int, StoredTensor] = {id(tensors[name]): files.tensors[key] for name, key in match.sources.items()}
-        self._buffers = [(name, files.tensors[key]) for name, key in match.sources.items() if name not in _param_names(model)]
-        self.read_bytes = 0
+        self._buffers = [(name, files.tensors[key]) for name, key in match.sources.items() if name not in params]
+        # reused from unit to unit (a fresh mapping per unit is a page fault per 4 KiB, again and
+        # again), all filled and read by the materialize thread: two read buffers (the disk reads
+        # unit i + 1 into one while unit i is converted from the other) and two shard buffers (one
+        # filled while the main thread places the other: construction asks for unit i + 1's
+        # values only after unit i is placed)
+        self._raws: list[torch.Tensor | None] = [None, None]
+        self._raw_turn = 0
+        self._ahead: tuple[UnitState, PendingRead] | None = None
+        self._shards: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
+        self.stats = LoadStats()
         self.started = time.perf_counter()
         self._logged = self.started
 
@@ -130,36 +164,75 @@ class PretrainedWeights:
             for module, leaf in homes[name]:
                 module._buffers[leaf] = value.to(_buffer_dtype(module, leaf, value.dtype))
 
-    def unit_values(self, model: nn.Module, unit: UnitState, rank: int) -> ShardValues:
-        """The materialize thread: this rank's shard of the unit's start values (module docstring)."""
-        spec, layout = unit.spec, unit.layout
-        stored = [self.source.get(id(param)) for param in spec.params]
-        initialised = [i for i, tensor in enumerate(stored) if tensor is None]
-        if has_meta_state(model, spec, [spec.params[i] for i in initialised]):
-            materialize_unit_params(model, spec, [spec.params[i] for i in initialised])
-        start, end = layout.shard_range(rank)
-        pieces = shard_pieces(layout.offsets, layout.numels, start, end)
+    def unit_values(self, model: nn.Module, unit: UnitState, rank: int, upcoming: UnitState | None = None) -> ShardValues:
+        """The materialize thread: this rank's shard of the unit's start values (module docstring).
+        `upcoming`: the unit asked for next, whose reads start before this one's conversion, so
+        the disk reads on while this thread converts and the main thread places."""
+        plan = self._plan(unit, rank)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] is not unit:
+            ahead[1].wait()  # read ahead for another unit: its buffer is free once it landed
+            ahead = None
+        pending = ahead[1] if ahead is not None else self._submit(plan)
+        spec = unit.spec
+        if has_meta_state(model, spec, [spec.params[i] for i in plan.initialised]):
+            materialize_unit_params(model, spec, [spec.params[i] for i in plan.initialised])
+        waited = time.perf_counter()
+        raw, offsets = pending.wait()
+        self.stats.read_seconds += time.perf_counter() - waited
+        if upcoming is not None:
+            self._ahead = (upcoming, self._submit(self._plan(upcoming, rank)))
+        shard32 = self._shard_buffer(unit.layout.shard_numel)
+        with torch.no_grad():
+            for (_, low, high, at), segment, offset in zip(plan.read, plan.segments, offsets):
+                shard32[at : at + high - low].copy_(_as_dtype(raw, offset, segment.tensor, high - low))
+            for i, low, high, at in plan.pieces:
+                if plan.stored[i] is None:
+                    shard32[at : at + high - low].copy_(spec.params[i].detach().reshape(-1)[low:high])
+            covered = 0  # the padding between and after params is zero, as a fresh buffer's
+            for _, low, high, at in sorted(plan.pieces, key=lambda piece: piece[3]):
+                shard32[covered:at].zero_()
+                covered = at + high - low
+            shard32[covered:].zero_()
+        self._progress(unit)
+        return ShardValues(shard32, plan.initialised)
+
+    def _plan(self, unit: UnitState, rank: int) -> _UnitRead:
+        layout = unit.layout
+        stored = [self.source.get(id(param)) for param in unit.spec.params]
+        pieces = shard_pieces(layout.offsets, layout.numels, *layout.shard_range(rank))
         read = [(i, low, high, at) for i, low, high, at in pieces if stored[i] is not None]
         segments = []
         for i, low, high, _ in read:
             tensor = stored[i]
             assert tensor is not None  # `read` keeps the pieces of params the file fills
             segments.append(Segment(tensor, low, high))
-        raw, offsets = self._read(segments)
-        shard32 = mapped_zeros(layout.shard_numel, torch.float32)
-        with torch.no_grad():
-            for (_, low, high, at), segment, offset in zip(read, segments, offsets):
-                shard32[at : at + high - low].copy_(_as_dtype(raw, offset, segment.tensor, high - low))
-            for i, low, high, at in pieces:
-                if stored[i] is None:
-                    shard32[at : at + high - low].copy_(spec.params[i].detach().reshape(-1)[low:high])
-        self._progress(unit)
-        return ShardValues(shard32, initialised)
+        return _UnitRead(stored, [i for i, tensor in enumerate(stored) if tensor is None], pieces, read, segments)
+
+    def _submit(self, plan: _UnitRead) -> PendingRead:
+        """Starts the plan's reads into the read buffer whose turn it is (two: one being read
+        ahead while the other is converted)."""
+        io = self.io
+        pending = self.files.read_segments(plan.segments, io.block_size, io.queue_depth, io.threads, self._raws[self._raw_turn])
+        self._raws[self._raw_turn] = pending.buffer
+        self._raw_turn = 1 - self._raw_turn
+        self.stats.bytes += sum(s.file_range[1] - s.file_range[0] for s in plan.segments)
+        return pending
+
+    def _shard_buffer(self, numel: int) -> torch.Tensor:
+        buffer = self._shards[self._turn]
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._shards[self._turn] = mapped_zeros(numel, torch.float32)
+        self._turn = 1 - self._turn
+        return buffer[:numel]
 
     def _read(self, segments: list[Segment]) -> tuple[torch.Tensor, list[int]]:
+        """Reads `segments` at once (the buffers, before the units)."""
         io = self.io
-        raw, offsets = self.files.read_segments(segments, io.block_size, io.queue_depth, io.threads)
-        self.read_bytes += sum(s.file_range[1] - s.file_range[0] for s in segments)
+        started = time.perf_counter()
+        raw, offsets = self.files.read_segments(segments, io.block_size, io.queue_depth, io.threads).wait()
+        self.stats.read_seconds += time.perf_counter() - started
+        self.stats.bytes += sum(s.file_range[1] - s.file_range[0] for s in segments)
         return raw, offsets
 
     def _progress(self, unit: UnitState) -> None:
@@ -170,22 +243,24 @@ class PretrainedWeights:
                 "offload: loading weights: unit %d (%s), %s read, %.2f GB/s",
                 unit.index,
                 unit.spec.name,
-                format_bytes(self.read_bytes),
-                self.read_bytes / max(now - self.started, 1e-9) / 1e9,
+                format_bytes(self.stats.bytes),
+                self.stats.bytes / max(now - self.started, 1e-9) / 1e9,
             )
 
-    def close(self) -> None:
-        """Closes the files; logs what the load read, how fast."""
-        elapsed = time.perf_counter() - self.started
+    def close(self) -> LoadStats:
+        """Closes the files; logs and returns what the load read, how fast."""
+        self.stats.seconds = time.perf_counter() - self.started
         if self.files.files:
             logger.info(
-                "offload: read %s of weights from %s in %.1f s (%.2f GB/s on this rank)",
-                format_bytes(self.read_bytes),
+                "offload: read %s of weights from %s in %.1f s (%.2f GB/s; %.1f s of it waiting for the disk) on this rank",
+                format_bytes(self.stats.bytes),
                 self.files.source,
-                elapsed,
-                self.read_bytes / max(elapsed, 1e-9) / 1e9,
+                self.stats.seconds,
+                self.stats.bytes / max(self.stats.seconds, 1e-9) / 1e9,
+                self.stats.read_seconds,
             )
         self.files.close()
+        return self.stats
 
 
 def _as_dtype(raw: torch.Tensor, offset: int, tensor: StoredTensor, count: int | None = None) -> torch.Tensor:

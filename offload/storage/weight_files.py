@@ -17,10 +17,11 @@ before the caller places anything (a header is a few KB; at 70B, 30 shards: mill
   keys the index gives it; no key is in two files.
 
 Each file is opened once (O_NOFOLLOW) and kept open until `close()`, so replacing a file after
-the check cannot change what is read. Reads (`read_segments`) take byte ranges of tensors,
-merged where they touch, through the C++ I/O engine (offload.storage.aio: `threads` workers
-with `queue_depth` pieces of `block_size` bytes in flight, GIL released), buffered (a tensor's
-offset in a safetensors file is not 4 KiB-aligned, which O_DIRECT needs). Safetensors files
+the check cannot change what is read. Reads (`read_segments`, waited with `PendingRead.wait`)
+take byte ranges of tensors, merged where they touch, through the C++ I/O engine
+(offload.storage.aio: `threads` workers with `queue_depth` pieces of `block_size` bytes in
+flight, GIL released), buffered (a tensor's offset in a safetensors file is not 4 KiB-aligned,
+which O_DIRECT needs). Safetensors files
 carry no checksum: a flipped bit inside a tensor's bytes cannot be seen here; a file whose
 structure is damaged or cut short can.
 """
@@ -33,7 +34,7 @@ import os
 import stat
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -254,6 +255,24 @@ def _open_named(directory: str, name: str, blobs: str | None, named_by: str = ""
     return fd
 
 
+@dataclass
+class PendingRead:
+    """Reads in flight into `buffer` (WeightFiles.read_segments): `wait()` gives the buffer and
+    where each segment's bytes are in it. The buffer is the I/O engine's until then."""
+
+    buffer: torch.Tensor
+    positions: list[int]
+    handles: list = field(default_factory=list)  # (file, AioHandle)
+
+    def wait(self) -> tuple[torch.Tensor, list[int]]:
+        for file, handle in self.handles:
+            try:
+                handle.wait()
+            except SwapError as error:
+                raise _fail(file, f"reading it failed: {error} (was the file changed or cut during the load?)") from None
+        return self.buffer, self.positions
+
+
 class WeightFiles:
     """The tensors of one `weights=` source, every header checked (see the module docstring).
     `tensors`: key -> StoredTensor. Open until `close()` (also a context manager)."""
@@ -283,10 +302,13 @@ class WeightFiles:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
-    def read_segments(self, segments: Sequence[Segment], block_size: int, queue_depth: int, threads: int):
-        """Reads the segments' bytes into one new buffer; returns (buffer: uint8 tensor, offset of
-        each segment's bytes in it, in `segments`' order). Segments that touch in a file are read
-        by one request; the requests run on the I/O engine's workers at once."""
+    def read_segments(
+        self, segments: Sequence[Segment], block_size: int, queue_depth: int, threads: int, buffer: torch.Tensor | None = None
+    ) -> PendingRead:
+        """Starts reading the segments' bytes into `buffer` (a uint8 tensor, used when large
+        enough; else a new one); `wait()` on the result gives (the buffer, offset of each
+        segment's bytes in it, in `segments`' order). Segments that touch in a file are read by
+        one request; the requests run on the I/O engine's workers at once, the caller meanwhile."""
         order = sorted(range(len(segments)), key=lambda i: (segments[i].tensor.file, segments[i].file_range))
         requests: list[list[int]] = []  # [file index of the first, file start, file end, buffer start]
         positions = [0] * len(segments)
@@ -303,21 +325,17 @@ class WeightFiles:
             requests.append([i, start, end, cursor])
             positions[i] = cursor
             cursor += end - start
-        buffer = mapped_zeros(cursor, torch.uint8)
+        if buffer is None or buffer.numel() < cursor:
+            buffer = mapped_zeros(cursor, torch.uint8)
         engine = self._io(block_size, queue_depth, threads)
-        handles = []
+        pending = PendingRead(buffer, positions)
         for first, start, end, at in requests:
             if end > start:
                 file = segments[first].tensor.file
-                handles.append(
+                pending.handles.append(
                     (file, engine.submit_read(self._fds[file], buffer[at : at + end - start], start, path=file, urgent=True))
                 )
-        for file, handle in handles:
-            try:
-                handle.wait()
-            except SwapError as error:
-                raise _fail(file, f"reading it failed: {error} (was the file changed or cut during the load?)") from None
-        return buffer, positions
+        return pending
 
     def _io(self, block_size: int, queue_depth: int, threads: int) -> AioEngine:
         if self._engine is None:
