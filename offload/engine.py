@@ -30,7 +30,7 @@ from offload.config.param_groups import resolve_param_groups
 from offload.config.schema import Config, freeze, load_config
 from offload.errors import ConfigError, OffloadError, at_users_call, name_config_file
 from offload.model.owned import OPEN_ENGINES, RELEASED, StateDictHooks
-from offload.platform.device import Device
+from offload.platform.device import Device, to_device_inputs
 from offload.runtime.build import Runtime, build, driven
 from offload.runtime.param_access import held_on_device
 
@@ -46,6 +46,8 @@ def initialize(
     process_group=None,
     run_name: str | None = None,
     strict: bool = True,
+    weights: str | os.PathLike | None = None,
+    weights_strict: bool = True,
 ) -> Engine:
     """Wraps `model` for offloaded training and returns the `Engine` (also a context manager
     that closes it): `out = engine(**batch); engine.backward(out.loss); engine.step()`.
@@ -65,6 +67,9 @@ def initialize(
     run_name: this run's swap directory under offload.nvme_path (default: a unique name).
     strict: False drops, with one warning, DeepSpeed or accelerate keys offload cannot honour,
         instead of refusing the config.
+    weights: pretrained weights to start from (a .safetensors file, or a directory of Hugging Face
+        shards), streamed unit by unit into the tiers: `model` may be built on meta (docs/pretrained.md).
+    weights_strict: False drops, with one warning, keys of `weights` the model lacks, instead of refusing them.
 
     A mistake in these (a config key, a placement that does not fit) raises an
     `offload.OffloadError` subclass here, naming the config file, the key and what to do.
@@ -79,6 +84,8 @@ def initialize(
             process_group=process_group,
             run_name=run_name,
             strict=strict,
+            weights=weights,
+            weights_strict=weights_strict,
         )
     except OffloadError as error:
         if isinstance(config, (str, os.PathLike)):
@@ -117,9 +124,9 @@ class Engine:
         run_name: str | None = None,
         strict: bool = True,
         param_groups: list[dict] | None = None,
+        weights: str | os.PathLike | None = None,
+        weights_strict: bool = True,
     ) -> None:
-        # strict=False: a DeepSpeed / accelerate key whose meaning cannot be honoured is dropped
-        # with a warning instead of refused
         self.config = load_config(config, strict=strict)
         if not isinstance(model, nn.Module):
             raise ConfigError(f"offload.initialize needs an nn.Module, got {type(model).__name__}")
@@ -133,10 +140,10 @@ class Engine:
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
         self.model = model
+        runtime = build(model, self.config, groups, process_group=process_group, device=device, run_name=run_name,
+                        weights=weights, weights_strict=weights_strict)  # fmt: skip
         # parameters frozen at initialize are handed back by close() in the dtype they came in
-        frozen = model.named_parameters(remove_duplicate=False)
-        self._frozen_dtypes = {name: p.dtype for name, p in frozen if not p.requires_grad and p.is_floating_point()}
-        runtime = build(model, self.config, groups, process_group=process_group, device=device, run_name=run_name)
+        self._frozen_dtypes = runtime.frozen_dtypes
         self._runtime: Runtime = runtime
         # the thread inside one of the calls below (`@driven`): one engine, one thread at a time
         self.driver = runtime.driver
@@ -145,12 +152,8 @@ class Engine:
         self.units, self.store, self.ledger, self.timings = runtime.units, runtime.store, runtime.ledger, runtime.timings
         self.residency, self.gradients, self.policy = runtime.residency, runtime.gradients, runtime.policy
         self.stepper, self.stepping, self.optimizer_worker = runtime.stepper, runtime.stepping, runtime.optimizer_worker
-        self.hyper, self.weights, self.window, self.optimizer_plan = (
-            runtime.hyper,
-            runtime.weights,
-            runtime.window,
-            runtime.optimizer_plan,
-        )
+        self.hyper, self.weights = runtime.hyper, runtime.weights
+        self.window, self.optimizer_plan = runtime.window, runtime.optimizer_plan
         assert runtime.schedule is not None  # build installs it
         self.schedule = runtime.schedule
         self._state_dict_hooks = StateDictHooks(
@@ -203,7 +206,7 @@ class Engine:
     def __call__(self, *args, **kwargs):
         self._check_open()
         self.window.settle_before_use()
-        args, kwargs = _prepare_inputs((args, kwargs), self.device.torch_device, self.compute_dtype)
+        args, kwargs = to_device_inputs((args, kwargs), self.device.torch_device, self.compute_dtype)
         started = time.perf_counter()
         try:
             return self.schedule.forward(*args, **kwargs)
@@ -316,6 +319,7 @@ class Engine:
         self._check_open()
         return self.weights.state_dict(self.model)
 
+    @driven("engine.save_pretrained()")
     def save_pretrained(self, out_dir, max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None) -> str:
         """The consolidated weights (fp32, or `dtype` bf16 / fp16) in the Hugging Face layout, with
         config.json, written unit by unit; every rank calls it, rank 0 writes. Returns the path
@@ -432,18 +436,3 @@ class Engine:
             self.close(restore_weights=False)
         except Exception as close_error:  # noqa: BLE001 (the original error matters more)
             logger.error("offload: closing the engine after an error failed too: %s", close_error)
-
-
-def _prepare_inputs(value, device: torch.device, compute_dtype: torch.dtype):
-    """Tensors in the inputs go to the device; floating-point ones take the compute dtype
-    (integer ids, masks and labels keep theirs)."""
-    if isinstance(value, torch.Tensor):
-        dtype = compute_dtype if value.is_floating_point() else value.dtype
-        return value.to(device=device, dtype=dtype, non_blocking=True)
-    if isinstance(value, tuple):
-        return tuple(_prepare_inputs(v, device, compute_dtype) for v in value)
-    if isinstance(value, list):
-        return [_prepare_inputs(v, device, compute_dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _prepare_inputs(v, device, compute_dtype) for k, v in value.items()}
-    return value
