@@ -213,6 +213,49 @@ def test_a_second_thread_is_refused_while_one_is_inside_a_call(swap_dir):
         assert set(line["racing"]) <= {"ConcurrentUseError"}, line
 
 
+def test_a_thread_that_trained_takes_the_read_mode_with_it_before_join_returns():
+    """The CI abort after the racing case ("terminate called without an active exception"): a
+    thread that ran the engine's forward had the read-watching mode on its torch function-mode
+    stack, which torch releases in a C++ thread-local destructor after `join()` has returned;
+    that release takes the GIL, and if the interpreter has begun exiting by then the thread is
+    ended inside the destructor and the process aborts. The mode now leaves the thread's stack
+    while Python clears the thread, before `join()` returns. Here a thread-local destructor
+    registered last (so run first) holds the thread's end for 2 s: had the mode stayed, torch's
+    reference to it would still be held when `join()` returns."""
+    ctypes = pytest.importorskip("ctypes")
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "__cxa_thread_atexit_impl"):
+        pytest.skip("needs glibc's __cxa_thread_atexit_impl to hold a thread's end")
+    libc.__cxa_thread_atexit_impl.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    sleep_us = ctypes.cast(libc.usleep, ctypes.c_void_p)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from reference import TinyNet, batches, mse
+
+    import offload
+    from offload.runtime import param_reads
+
+    engine = offload.initialize(TinyNet(), {"precision": "fp32", "offload": {"param": "none", "optimizer": "cpu"}})
+    try:
+        before = sys.getrefcount(param_reads._MODE)
+        installed = []
+
+        def train() -> None:
+            x, y = batches(1)[0]
+            engine.backward(mse(engine, x, y))
+            engine.step()
+            installed.append(param_reads.mode_installed())
+            libc.__cxa_thread_atexit_impl(sleep_us, ctypes.c_void_p(2_000_000), None)
+
+        worker = threading.Thread(target=train, name="trainer")
+        worker.start()
+        worker.join()
+        assert installed == [True]  # the forward put the mode on the thread's stack
+        after = sys.getrefcount(param_reads._MODE)  # (outside the assert, which would hold a reference)
+        assert after == before  # ... and the thread's end took it off
+    finally:
+        engine.close()
+
+
 # ---- finding 2: reads of parameters on another thread ------------------------------------------
 READS = r"""
 import copy, json, sys, threading

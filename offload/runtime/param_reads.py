@@ -16,8 +16,9 @@ open engine watches (`ParamReads`) and the call reads its values, the engine dec
 (`Schedule.on_param_read`): hold the unit on the device, wait for its step, or refuse with an
 error naming what to use. Calls that only look at a parameter's metadata (shape, dtype,
 device, `requires_grad`, `.grad`, hooks) are not reads (`reads_weights`). The mode leaves a
-thread's stack when the last engine that installed it there closes; an engine collected without
-`close()` stops being watched (the registry holds engines weakly).
+thread's stack when the last engine that installed it there closes, or when the thread ends
+(before its `join()` returns: see `_LeavesWithTheThread`); an engine collected without `close()`
+stops being watched (the registry holds engines weakly).
 
 Other threads. The mode is thread-local, and a read on a thread without it went straight to the
 device buffer: with the weights offloaded, to freed storage (a read of another thread segfaulted,
@@ -42,6 +43,7 @@ reads of a tensor taken from a parameter while it was readable (a `detach()` ins
 from __future__ import annotations
 
 import enum
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -349,6 +351,21 @@ def _stack() -> list:
     return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
 
 
+class _LeavesWithTheThread:
+    """Held in `_THREAD` while the mode is on this thread's stack; dropped when the thread ends
+    (Python clears a finished thread's `threading.local` values on that thread, holding the GIL,
+    before `join()` returns), it takes the mode off the stack there. Left on it, the mode would
+    be released by torch's thread-local destructor after `join()` returned, which takes the GIL:
+    were the interpreter exiting by then, the thread would be ended inside that destructor and
+    the process abort ("terminate called without an active exception")."""
+
+    armed = True  # False once `_remove_mode` has run on this thread
+
+    def __del__(self) -> None:
+        if self.armed and not sys.is_finalizing():  # the main thread's go at interpreter exit: nothing runs after
+            _remove_mode()
+
+
 def _install_mode() -> None:
     """At the bottom of this thread's stack, once: the modes above are taken off and put back
     in their order, so each of them still leaves with its own `__exit__` (which pops the top)."""
@@ -359,11 +376,15 @@ def _install_mode() -> None:
     torch._C._push_on_torch_function_stack(_MODE)
     for mode in reversed(above):
         torch._C._push_on_torch_function_stack(mode)
+    _THREAD.leaves = _LeavesWithTheThread()
 
 
 def _remove_mode() -> None:
     """Off this thread's stack, the modes above it put back in their order."""
     _THREAD.has_mode = False
+    leaves = _THREAD.__dict__.pop("leaves", None)
+    if leaves is not None:
+        leaves.armed = False
     stack = _stack()
     if not any(mode is _MODE for mode in stack):
         return
