@@ -303,11 +303,13 @@ def precision_lines(table: dict, chosen: str) -> list[str]:
         f"{'precision':<12} {'B/param':>7} {'device':>10} {'host':>10} {'nvme':>10} {'disk per step (read + written)':>32}  "
         "fits  recommended",
     ]
-    # the weights' traffic is the placement's, the same in every precision's row
-    weights = table["rows"][0].get("weights_disk_per_step") if table["rows"] else None
+    weights = None
     for row in table["rows"]:
         name = row["state_precision"] + (" *" if row["state_precision"] == chosen else "")
         disk = row["disk_per_step"]
+        # the weights' traffic: the placement's, and with overlap auto the units that step during
+        # backward (as many as the RAM left over gives spare states, in each precision) read twice
+        weights = row.get("weights_disk_per_step")
         if disk is not None and weights:
             disk = {way: disk[way] + weights[way] for way in ("read", "written")}
         traffic = "-" if disk is None else f"{f(disk['read'])} + {f(disk['written'])}"
@@ -322,10 +324,7 @@ def precision_lines(table: dict, chosen: str) -> list[str]:
         "(* the precision the placement rows above count; every precision keeps fp32 master weights and fp32 checkpoints)"
     )
     if weights and weights["read"] + weights["written"]:
-        lines.append(
-            f"(disk per step: the optimizer state's, and the 16-bit weights' on nvme, up to {f(weights['read'])} read + "
-            f"{f(weights['written'])} written in every precision)"
-        )
+        lines.append("(disk per step: the optimizer state's, and the 16-bit weights' on nvme)")
     return lines
 
 

@@ -445,3 +445,5 @@ class _UnitStep:
     # where the new 16-bit (fp32 with fp32 compute) weights of the whole shard are written; with
     # param nvme a staging buffer, given back once its write-back completed
     out: torch.Tensor
+    # the device computed it (runtime/device_step: the new weights may be on the device already)
+    on_device: bool = False

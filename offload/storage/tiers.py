@@ -183,6 +183,7 @@ class TierStore:
             speculation_cap=parse_size(config.offload.speculation_memory),
             gradient_cap=parse_size(config.offload.gradient_memory),
             state=self.state,
+            on_device=[unit.steps_on_device for unit in self.units],
         )
         self.speculating = leftover.speculating
         for unit, in_ram in zip(self.units, leftover.gradients_in_ram):
@@ -195,9 +196,10 @@ class TierStore:
             del self.budget["grad_slot"]
         if speculate:
             logger.info(
-                "offload: overlap backward: %d of %d units (of %d with their state in RAM) step speculatively during "
+                "offload: overlap %s: %d of %d units (of %d with their state in RAM) step speculatively during "
                 "backward (%s of spare state in RAM, %s was free for it); the rest step once the global "
                 "gradient norm is known",
+                config.overlap,
                 sum(leftover.speculating),
                 len(self.units),
                 sum(tier is OptimizerTier.HOST for tier in tiers),
