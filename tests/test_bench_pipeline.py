@@ -19,7 +19,7 @@ def bench():
 
 
 LINE = re.compile(
-    r"^tiny (\S+) forward: step ([0-9.e+-]+) s, floor ([0-9.e+-]+) s \((\w+)\), ([0-9.]+)x floor; hidden .*; critical path "
+    r"^tiny (\S+) (?:auto|forward): step ([0-9.e+-]+) s, floor ([0-9.e+-]+) s \((\w+)\), ([0-9.]+)x floor; hidden .*; critical path "
 )
 
 
@@ -105,7 +105,7 @@ def test_state_precisions_record_each_and_mark_urgent_io(bench, tmp_path, capsys
     argv = ["--sizes", "tiny", "--placements", "nvme/nvme", "--batch", "2", "--seq", "32", "--machine", "h100-pcie5"]
     lines = bench.main([*argv, "--state-precisions", "fp32,int8", "--nvme-path", str(tmp_path)])
     assert lines == capsys.readouterr().out.splitlines()
-    found = [line for line in lines if re.match(r"^tiny nvme/nvme state=(fp32|int8) forward: step ", line)]
+    found = [line for line in lines if re.match(r"^tiny nvme/nvme state=(fp32|int8) auto: step ", line)]
     assert [line.split()[2] for line in found] == ["state=fp32", "state=int8"], lines
     written = [float(g) for g in re.findall(r"nvme_w [0-9.e+-]+ s \(([0-9.e+-]+) GB\)", "\n".join(lines))]
     assert len(written) == 2 and written[1] < 0.7 * written[0], lines  # int8: 6 state bytes per param against 12
