@@ -58,6 +58,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from offload import _adam_ext  # noqa: E402
 from offload.optim import kernels, moments  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from records import Recorder  # noqa: E402
+
 BYTES_PER_PARAM = 28  # fp32 moments, either workload: see the module docstring
 # bytes per parameter of each moment precision (both workloads: see the module docstring)
 COMPACT_BYTES_PER_PARAM = {"bf16": 20.0, "int8": 16.0 + 4 / 32}
@@ -241,7 +244,7 @@ def stream_triad_gbs(n: int, rounds: int) -> float:
     return n / statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[10e6, 100e6])
     parser.add_argument("--repeats", type=int, default=15, help="rounds of alternating timings (median reported)")
@@ -255,7 +258,8 @@ def main() -> None:
         "kernel's; 1e18 turns them off, to compare)",
     )
     parser.add_argument("--bnb-rounds", type=int, default=3, help="timed rounds of bitsandbytes' AdamW8bit (0: skip it)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    recorder = Recorder("bench_adam", vars(args))
     if args.threads:
         kernels.set_num_threads(args.threads)
     if args.streaming_threshold is not None:
@@ -324,6 +328,19 @@ def main() -> None:
                 f"{BYTES_PER_PARAM} B/param"
             )
             peer = times[0]
+            where = f"{n / 1e6:g}M {label}, {kernels.get_num_threads()} threads"
+            offload_rate = n / statistics.median(times[1])
+            for name, t in list(zip(names, times))[:1] + list(zip(names, times))[2:3]:  # torch's, DeepSpeed's
+                recorder.add(
+                    f"{where}: offload adam_step",
+                    "Gparam/s",
+                    offload_rate / 1e9,
+                    better="higher",
+                    peer=name.split("  ", 1)[1],
+                    peer_value=n / statistics.median(t) / 1e9,
+                    ratio=statistics.median(p / x for p, x in zip(t, times[1])),
+                    figures={"of_bandwidth_limit": offload_rate / limit, "limit_gparams": limit / 1e9, "ms": times[1]},
+                )
             for i, (name, t) in enumerate(zip(names, times)):
                 med = statistics.median(t)
                 rate = n / med
@@ -350,6 +367,19 @@ def main() -> None:
                     f"   (limit {compact_limit / 1e9:.2f} G params/s = {compact_limit * bytes_per_param / 1e9:.1f} GB/s "
                     f"at {bytes_per_param:g} B/param)"
                 )
+                recorder.add(
+                    f"{where}: {precision} moments",
+                    "speed-up",
+                    per_round,
+                    better="higher",
+                    peer="fp32 moments",
+                    ratio=per_round,
+                    figures={
+                        "gparams": rate / 1e9,
+                        "fp32_gparams": n / statistics.median(fp32_times) / 1e9,
+                        "of_limit": rate / compact_limit,
+                    },
+                )
                 if not bf16:
                     rates[(n, precision)] = rate
                     ratios[(n, precision)] = per_round
@@ -362,12 +392,21 @@ def main() -> None:
                 f"{bnb_rate / 1e9:9.4f}   ({args.bnb_rounds} rounds)"
             )
             versus_bnb = f"{rates[(n, 'int8')] / bnb_rate:.1f}x"
+            recorder.add(
+                f"{n / 1e6:g}M fp32, {kernels.get_num_threads()} threads: int8 moments",
+                "Gparam/s",
+                rates[(n, "int8")] / 1e9,
+                better="higher",
+                peer="bitsandbytes AdamW8bit (CPU)",
+                peer_value=bnb_rate / 1e9,
+            )
         else:
             versus_bnb = "not installed"
         print(
             f"ratios at {n / 1e6:g}M, fp32 workload: offload int8 / bnb AdamW8bit {versus_bnb} (medians); "
             f"bf16 / fp32 {ratios[(n, 'bf16')]:.2f}x, int8 / fp32 {ratios[(n, 'int8')]:.2f}x (medians of per-round ratios)"
         )
+    recorder.finish()
 
 
 if __name__ == "__main__":

@@ -3,38 +3,61 @@
 The same Llama-style model, init and batches for every run; each run in its own process (so
 one run's memory and pinned pages never help or hurt the next). For each: seconds per step
 (median of the timed steps), model TFLOPS (6 x params x tokens / step time), GPU peak, peak
-RSS, start-up time (model build and engine start), and the engine's own breakdown. The floor
-is computed from numbers measured in the same run: the plain forward+backward time (GPU
-compute), the CPU Adam rate of this machine (the C++ kernel over the model's parameter count),
-and the PCIe rate each way times the bytes a step must move for the placement; the ratio of
-each offload run to that floor says how much of the hardware is left on the table.
+RSS, start-up time (model build and engine start), each step's loss, and the engine's own
+breakdown. The floor is computed from numbers measured in the same run: the plain
+forward+backward time (GPU compute), the CPU Adam rate of this machine (the C++ kernel over
+the model's parameter count), and the PCIe rate each way times the bytes a step must move for
+the placement; the ratio of each offload run to that floor says how much of the hardware is
+left on the table. The run writes its record (benchmarks/records.py) after every run: each
+offload run against plain PyTorch and against each DeepSpeed run, each DeepSpeed run against
+plain PyTorch, with every figure.
 
-    python benchmarks/bench_gpu.py --size 1.3b [--runs plain,none/cpu,cpu/cpu,ds2,ds3] [--steps 6]
+    python benchmarks/bench_gpu.py --size 1.3b [--runs plain,none/cpu,cpu/cpu,ds2,superoffload] [--steps 6]
     python benchmarks/bench_gpu.py --size 1.3b --clip 1.0 --runs plain,none/cpu@forward,none/cpu@backward,ds2
-    python benchmarks/bench_gpu.py --size 7b --checkpointing --batch 4 --runs none/cpu
+    python benchmarks/bench_gpu.py --size 13b --checkpointing --batch 4 --runs recommended
     python benchmarks/bench_gpu.py --size tiny --runs plain,none/cpu    # seconds on a CPU: smoke
 
-DeepSpeed runs (ds2: ZeRO-2 with offload_optimizer cpu, pinned; ds3: ZeRO-3 with params and
-optimizer on the CPU) need `import deepspeed` to work; they are skipped with the reason
-otherwise. An offload run is `param/optimizer`, optionally `@overlap` (`none/cpu@backward`: that
-run's overlap instead of --overlap). `--clip N` clips the global gradient norm at N in every
-run (plain PyTorch with clip_grad_norm_, DeepSpeed's gradient_clipping, offload's
-gradient_clipping: with overlap backward the step is then speculative). Sizes "7b" and larger build the model on the meta device for offload (materialised
-one unit at a time) and are not run for plain PyTorch (it does not fit).
+An offload run is `param/optimizer`, optionally `@overlap` (`none/cpu@backward`: that run's
+overlap instead of --overlap); `--overlap default` (the default) leaves the key out, so the run
+gets the engine's own schedule. `recommended` is the placement `offload estimate` recommends for
+this model, batch and checkpointing on this machine (`--recommend` prints it and exits).
+DeepSpeed runs need `import deepspeed` to work and are skipped with the reason otherwise:
+ds2 (ZeRO-2, offload_optimizer cpu, pinned: ZeRO-Offload), ds3 (ZeRO-3, params and optimizer
+on the CPU), superoffload (ZeRO-3 with offload_optimizer's super_offload) and zenflow (ZeRO-2
+ZeRO-Offload with a zenflow section: its deferred updates are not exact AdamW, so compare its
+losses with plain PyTorch's). `--clip N` clips the global gradient norm at N in every run
+(plain PyTorch with clip_grad_norm_, DeepSpeed's gradient_clipping, offload's
+gradient_clipping: with overlap backward the step is then speculative). Sizes "7b" and larger
+build the model on the meta device for offload (materialised one unit at a time) and are not
+run for plain PyTorch (it does not fit).
+
+Time boxes (a lent GPU's minutes): `--run-timeout S` stops a run's process after S seconds,
+`--deadline T` (seconds since the epoch) starts no run with less than `--min-run` seconds left
+before T and stops the one running at T; such runs are recorded as failed or skipped, the
+others kept. `--in-process` runs each run in this process instead (no isolation: for the dry
+run of gpu_session.sh on a CPU, where a process per run costs seconds of imports each).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import zlib
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from records import Recorder  # noqa: E402
 
 SIZES = {
     # hidden, intermediate, layers, heads, kv heads, vocab
@@ -42,6 +65,14 @@ SIZES = {
     "1.3b": (2048, 5632, 24, 16, 16, 32000),
     "7b": (4096, 11008, 32, 32, 32, 32000),
     "13b": (5120, 13824, 40, 40, 40, 32000),
+}
+PLAIN = "plain PyTorch"
+# the DeepSpeed runs, as the tables name them when they are the peer
+DEEPSPEED_RUNS = {
+    "ds2": "DeepSpeed ZeRO-Offload (ZeRO-2, offload_optimizer cpu)",
+    "ds3": "DeepSpeed ZeRO-3 (param and optimizer cpu)",
+    "superoffload": "DeepSpeed SuperOffload (ZeRO-3, super_offload)",
+    "zenflow": "DeepSpeed ZenFlow (ZeRO-2 offload, zenflow)",
 }
 
 
@@ -112,7 +143,7 @@ def run_plain(args, device) -> dict:
         enable_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     startup = time.perf_counter() - started
-    times, fwd_bwd = [], []
+    times, fwd_bwd, losses = [], [], []
     for ids in batches(args.size, args.steps + 2, args.batch, args.seq):
         ids = ids.to(device)
         sync(device)
@@ -129,7 +160,21 @@ def run_plain(args, device) -> dict:
         sync(device)
         times.append(time.perf_counter() - t0)
         fwd_bwd.append(t1 - t0)
-    return {"times": times[2:], "fwd_bwd": statistics.median(fwd_bwd[2:]), "startup": startup}
+        losses.append(loss.item())
+    return {"times": times[2:], "fwd_bwd": statistics.median(fwd_bwd[2:]), "startup": startup, "losses": losses}
+
+
+def offload_config(param: str, optimizer: str, overlap: str, clip: float, swap: str) -> dict:
+    """The engine's config of one run; overlap `default` leaves the key out (the engine's own schedule)."""
+    config = {
+        "precision": "bf16",
+        "optimizer": {"lr": 1e-4},
+        "offload": {"param": param, "optimizer": optimizer, "nvme_path": swap},
+        "gradient_clipping": clip,
+    }
+    if overlap != "default":
+        config["overlap"] = overlap
+    return config
 
 
 def run_offload(args, device, param: str, optimizer: str, overlap: str) -> dict:
@@ -140,16 +185,9 @@ def run_offload(args, device, param: str, optimizer: str, overlap: str) -> dict:
     if args.checkpointing:
         enable_checkpointing(model)
     with tempfile.TemporaryDirectory(prefix="bench-gpu-", dir=args.nvme_path) as swap:
-        config = {
-            "precision": "bf16",
-            "optimizer": {"lr": 1e-4},
-            "offload": {"param": param, "optimizer": optimizer, "nvme_path": swap},
-            "overlap": overlap,
-            "gradient_clipping": args.clip,
-        }
-        engine = offload.initialize(model, config, device=device)
+        engine = offload.initialize(model, offload_config(param, optimizer, overlap, args.clip, swap), device=device)
         startup = time.perf_counter() - started
-        times, breakdowns = [], []
+        times, breakdowns, losses = [], [], []
         try:
             for ids in batches(args.size, args.steps + 2, args.batch, args.seq):
                 sync(device)
@@ -162,8 +200,10 @@ def run_offload(args, device, param: str, optimizer: str, overlap: str) -> dict:
                 sync(device)
                 times.append(time.perf_counter() - t0)
                 breakdowns.append({**engine.pop_timings(), **{f"cpu_{k}": v for k, v in engine.stepper.pop_timings().items()}})
+                losses.append(out.loss.item())
             report = engine.memory_report()
             speculation = dict(engine.speculation_counts)
+            resolved_overlap = engine.config.overlap
         finally:
             engine.close(restore_weights=False)
     median = sorted(range(2, len(times)), key=lambda i: times[i])[(len(times) - 2) // 2]
@@ -173,37 +213,64 @@ def run_offload(args, device, param: str, optimizer: str, overlap: str) -> dict:
         "startup": startup,
         "tiers": {tier: report[tier]["peak"] for tier in ("device", "host", "nvme")},
         "speculation": speculation,
+        "losses": losses,
+        "overlap": resolved_overlap,
     }
 
 
-def run_deepspeed(args, device, stage: int) -> dict:
+def deepspeed_config(run: str, batch: int, clip: float) -> dict:
+    """DeepSpeed's config for each of DEEPSPEED_RUNS: bf16, AdamW at lr 1e-4, pinned host
+    buffers; SuperOffload and ZenFlow as DeepSpeed's tutorials configure them."""
+    cpu = {"device": "cpu", "pin_memory": True}
+    zero: dict = {
+        "ds2": {"stage": 2, "offload_optimizer": cpu},
+        "ds3": {"stage": 3, "offload_optimizer": cpu, "offload_param": cpu},
+        "superoffload": {
+            "stage": 3,
+            "offload_optimizer": {**cpu, "ratio": 0.9, "super_offload": True, "cpuadam_cores_perc": 0.9},
+        },
+        "zenflow": {
+            "stage": 2,
+            "offload_optimizer": cpu,
+            "zenflow": {
+                "topk_ratio": 0.05,
+                "select_strategy": "auto",
+                "select_interval": "auto",
+                "update_interval": 4,
+                "full_warm_up_rounds": 0,
+                "overlap_step": True,
+            },
+        },
+    }[run]
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "gradient_clipping": clip,
+    }
+
+
+def run_deepspeed(args, device, run: str) -> dict:
     try:
         import deepspeed
     except Exception as error:  # noqa: BLE001 (any import failure means: not available here)
         return {"skipped": f"deepspeed not importable: {type(error).__name__}: {error}"}
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + stage))
+    os.environ.setdefault("MASTER_PORT", str(29500 + zlib.crc32(run.encode()) % 1000))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     deepspeed.init_distributed()
-    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
-    if stage == 3:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    ds_config = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "bf16": {"enabled": True},
-        "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "gradient_clipping": args.clip,
-    }
     started = time.perf_counter()
     model = build(args.size, args.seq, meta=False)
     if args.checkpointing:
         enable_checkpointing(model)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=deepspeed_config(run, args.batch, args.clip)
+    )
     startup = time.perf_counter() - started
-    times = []
+    times, losses = [], []
     for ids in batches(args.size, args.steps + 2, args.batch, args.seq):
         ids = ids.to(engine.device)
         sync(device)
@@ -213,15 +280,17 @@ def run_deepspeed(args, device, stage: int) -> dict:
         engine.step()
         sync(device)
         times.append(time.perf_counter() - t0)
-    return {"times": times[2:], "startup": startup}
+        losses.append(loss.item())
+    return {"times": times[2:], "startup": startup, "losses": losses, "deepspeed": deepspeed.__version__}
 
 
-def measure_limits(device) -> dict:
-    """This machine's CPU Adam rate (params/s over a 64M-element array, the kernel the engine
-    runs) and PCIe rate each way (pinned 1 GiB copies; none on a CPU device)."""
+def measure_limits(device, elements: int) -> dict:
+    """This machine's CPU Adam rate (params/s over `elements`, the kernel the engine runs on
+    its workload: bf16 gradient in, bf16 copy out) and PCIe rate each way (pinned 1 GiB
+    copies; none on a CPU device)."""
     from offload.optim import kernels
 
-    n = 64 * 2**20
+    n = elements
     master, exp_avg, exp_avg_sq = (torch.zeros(n) for _ in range(3))
     grad = torch.randn(n).to(torch.bfloat16)
     out16 = torch.empty(n, dtype=torch.bfloat16)
@@ -245,7 +314,7 @@ def measure_limits(device) -> dict:
             param_out16=out16,
         )
         rates.append(n / (time.perf_counter() - t0))
-    limits = {"adam_params_per_s": statistics.median(rates[1:])}
+    limits = {"adam_params_per_s": statistics.median(rates[1:]), "adam_elements": n, "adam_threads": kernels.get_num_threads()}
     if device.type == "cuda":
         nbytes = 2**30
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -267,10 +336,10 @@ def child(args) -> None:
         torch.cuda.reset_peak_memory_stats()
     if args.child == "plain":
         result = run_plain(args, device)
-    elif args.child in ("ds2", "ds3"):
-        result = run_deepspeed(args, device, int(args.child[2]))
+    elif args.child in DEEPSPEED_RUNS:
+        result = run_deepspeed(args, device, args.child)
     elif args.child == "limits":
-        result = measure_limits(device)
+        result = measure_limits(device, args.limits_elements)
     else:
         placement, _, overlap = args.child.partition("@")
         param, optimizer = placement.split("/")
@@ -281,43 +350,50 @@ def child(args) -> None:
 
 
 # ---- the parent: one process per run, then the table ---------------------------------------
-def spawn(args, run: str) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-        out = handle.name
-    command = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--child",
-        run,
-        "--out",
-        out,
-        "--size",
-        args.size,
-        "--batch",
-        str(args.batch),
-        "--seq",
-        str(args.seq),
-        "--steps",
-        str(args.steps),
-        "--overlap",
-        args.overlap,
-        "--clip",
-        str(args.clip),
-    ]
+def child_command(args, run: str, out: str) -> list[str]:
+    command = [sys.executable, os.path.abspath(__file__), "--child", run, "--out", out, "--size", args.size]
+    command += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--overlap", args.overlap]
+    command += ["--clip", str(args.clip), "--limits-elements", str(args.limits_elements)]
     if args.checkpointing:
         command.append("--checkpointing")
     if args.nvme_path:
         command += ["--nvme-path", args.nvme_path]
-    finished = subprocess.run(command, capture_output=True, text=True)
+    return command
+
+
+def spawn(args, run: str, timeout: float | None = None) -> dict:
+    """`run` in a process of its own (its own process group, so that a run stopped at its time
+    box takes the processes it started with it); its result, or why there is none."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+        out = handle.name
+    process = subprocess.Popen(
+        child_command(args, run, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
-        if finished.returncode != 0:
-            return {
-                "failed": finished.stderr.strip().splitlines()[-1] if finished.stderr.strip() else f"exit {finished.returncode}"
-            }
+        try:
+            _, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            return {"failed": f"stopped at its time box, {timeout:g} s"}
+        if process.returncode != 0:
+            return {"failed": stderr.strip().splitlines()[-1] if stderr.strip() else f"exit {process.returncode}"}
         with open(out) as handle:
             return json.load(handle)
     finally:
         os.unlink(out)
+
+
+def run_here(args, run: str) -> dict:
+    """`run` in this process (`--in-process`), through the same child()."""
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-run-") as folder:
+        out = os.path.join(folder, "result.json")
+        try:
+            child(argparse.Namespace(**{**vars(args), "child": run, "out": out}))
+        except Exception as error:  # noqa: BLE001 - reported as the run's failure, as a child's exit would be
+            return {"failed": f"{type(error).__name__}: {error}"}
+        with open(out) as handle:
+            return json.load(handle)
 
 
 def progress_text(run: str, result: dict) -> str:
@@ -332,7 +408,7 @@ def floor_seconds(run: str, params: int, plain_fwd_bwd: float | None, limits: di
     """The least a step can take: GPU compute (plain forward+backward), the CPU Adam over every
     parameter, and the PCIe traffic (16-bit weights in, 16-bit gradients out; with params
     offloaded the weights come in twice, for forward and backward). The largest of them."""
-    if run in ("plain",) or plain_fwd_bwd is None:
+    if run == "plain" or run in DEEPSPEED_RUNS or plain_fwd_bwd is None:
         return None
     parts = [plain_fwd_bwd, params / limits["adam_params_per_s"]]
     if "h2d_bytes_per_s" in limits:
@@ -342,22 +418,136 @@ def floor_seconds(run: str, params: int, plain_fwd_bwd: float | None, limits: di
     return max(parts)
 
 
-def main(argv=None) -> int:
+def run_label(run: str, overlap: str) -> str:
+    """How tables name a run: an offload run with its overlap (`none/cpu@default`: the engine's own)."""
+    if run == "plain" or run in DEEPSPEED_RUNS or "@" in run:
+        return run
+    return f"{run}@{overlap}"
+
+
+def recommend(args) -> dict:
+    """The placement `offload estimate` recommends for this model (its Hugging Face config),
+    batch, sequence and checkpointing on this machine: {"param", "optimizer", "config"}, each
+    None when nothing fits."""
+    import contextlib
+    import io
+
+    from offload import cli
+
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-estimate-") as folder:
+        config = os.path.join(folder, "config.json")
+        llama_config(args.size, args.seq).to_json_file(config)
+        command = ["estimate", config, "--json", "--micro-batch", str(args.batch), "--seq-len", str(args.seq)]
+        command += ["--nvme-path", args.nvme_path or tempfile.gettempdir()]
+        if args.checkpointing:
+            command.append("--checkpointing")
+        if args.ram:
+            command += ["--ram", args.ram]
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = cli.main(command)
+    if code != 0:
+        raise SystemExit(f"offload estimate {' '.join(command)} failed (exit {code})")
+    recommended = json.loads(printed.getvalue())["recommended"] or {}
+    return {key: recommended.get(key) for key in ("param", "optimizer", "config")}
+
+
+def workload_text(args, params: int) -> str:
+    text = f"Llama {args.size} ({params / 1e9:.2f}B) bf16 b{args.batch}x{args.seq}"
+    if args.checkpointing:
+        text += " checkpointing"
+    if args.clip:
+        text += f" clip {args.clip:g}"
+    return text
+
+
+def record_rows(args, runs: list[str], results: dict, params: int, limits: dict) -> list[dict]:
+    """The record's rows for the runs measured so far: plain PyTorch alone; each offload run
+    against plain PyTorch and each DeepSpeed run; each DeepSpeed run against plain PyTorch; the
+    measured limits."""
+    from records import make_row
+
+    tokens = args.batch * args.seq
+    work = workload_text(args, params)
+    seconds = {run: statistics.median(r["times"]) for run, r in results.items() if r.get("times")}
+    plain = results.get("plain", {})
+    rows = []
+    for run in runs:
+        if run not in seconds:
+            continue
+        result = results[run]
+        figures = {
+            "times": result["times"],
+            "startup_s": result["startup"],
+            "tflops": 6 * params * tokens / seconds[run] / 1e12,
+            "gpu_peak_gib": result["gpu_peak"] / 2**30,
+            "rss_peak_gib": result["rss_peak"] / 2**30,
+            "losses": result.get("losses"),
+        }
+        for key in ("breakdown", "speculation", "tiers", "overlap", "deepspeed"):
+            if key in result:
+                figures[key] = result[key]
+        floor = floor_seconds(run, params, plain.get("fwd_bwd"), limits)
+        if floor:
+            figures["floor_s"] = floor
+        case = f"{work} {run_label(run, args.overlap)}"
+        if run == "plain":
+            rows.append(make_row(case, "s/step", seconds[run], figures={**figures, "fwd_bwd_s": result["fwd_bwd"]}))
+            continue
+        peers = [("plain", PLAIN)] + (
+            [(ds, DEEPSPEED_RUNS[ds]) for ds in DEEPSPEED_RUNS if ds in seconds] if run not in DEEPSPEED_RUNS else []
+        )
+        measured = [(name, text) for name, text in peers if name in seconds]
+        for name, text in measured or [(None, None)]:
+            rows.append(make_row(case, "s/step", seconds[run], peer=text, peer_value=seconds.get(name), figures=figures))
+    if limits.get("adam_params_per_s"):
+        rows.append(
+            make_row(
+                f"CPU Adam, the engine's workload (bf16 grad in, bf16 copy out), {limits['adam_elements'] / 2**20:g}M elements, "
+                f"{limits['adam_threads']} threads",
+                "Gparam/s",
+                limits["adam_params_per_s"] / 1e9,
+                better="higher",
+            )
+        )
+    for key, direction in (("h2d_bytes_per_s", "host to device"), ("d2h_bytes_per_s", "device to host")):
+        if key in limits:
+            rows.append(make_row(f"PCIe {direction}, pinned 1 GiB copies", "GB/s", limits[key] / 1e9, better="higher"))
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1.3b", choices=sorted(SIZES))
-    parser.add_argument("--runs", default="plain,none/cpu,none/cpu@backward,cpu/cpu,ds2,ds3")
+    parser.add_argument("--runs", default="plain,none/cpu,cpu/cpu,ds2,superoffload")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=6, help="timed steps, after 2 warm-up steps")
-    parser.add_argument("--overlap", default="forward", choices=["none", "forward", "backward"])
+    parser.add_argument(
+        "--overlap", default="default", choices=["default", "none", "forward", "backward"], help="default: the engine's own"
+    )
     parser.add_argument("--clip", type=float, default=0.0, help="gradient clipping (global norm) in every run; 0: off")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--nvme-path", default=None)
+    parser.add_argument("--ram", default=None, help="RAM for `recommended` (offload estimate --ram); default: what is available")
+    parser.add_argument("--recommend", action="store_true", help="print the recommended placement as JSON and exit")
+    parser.add_argument("--run-timeout", type=float, default=None, help="seconds a run's process may take")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds since the epoch by which every run must end")
+    parser.add_argument("--min-run", type=float, default=60.0, help="with --deadline: the least time a run is started with")
+    parser.add_argument("--in-process", action="store_true", help="each run in this process (the dry run's speed)")
+    parser.add_argument("--limits-elements", type=int, default=64 * 2**20, help="elements the CPU Adam rate is measured over")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.child:
         child(args)
+        return 0
+    if args.recommend:
+        print(json.dumps(recommend(args)))
         return 0
 
     import transformers
@@ -366,8 +556,32 @@ def main(argv=None) -> int:
         params = sum(p.numel() for p in transformers.LlamaForCausalLM(llama_config(args.size, args.seq)).parameters())
     tokens = args.batch * args.seq
     runs = [run.strip() for run in args.runs.split(",") if run.strip()]
+    recorder = Recorder("bench_gpu", vars(args), tag=args.size)
+    if "recommended" in runs:
+        chosen = recommend(args)
+        placement = f"{chosen['param']}/{chosen['optimizer']}" if chosen["param"] else None
+        recorder.note(f"recommended by offload estimate: {placement or 'nothing fits'}")
+        print(f"offload estimate recommends {placement or 'nothing (no placement fits)'} here", flush=True)
+        runs = [placement if run == "recommended" else run for run in runs if run != "recommended" or placement]
     started = time.perf_counter()
-    limits = spawn(args, "limits")
+
+    def timed_run(run: str) -> dict:
+        if run in DEEPSPEED_RUNS and importlib.util.find_spec("deepspeed") is None:
+            return {"skipped": "deepspeed not installed (no module named deepspeed)"}
+        timeout = args.run_timeout
+        if args.deadline is not None:
+            left = args.deadline - time.time()
+            if left < args.min_run:
+                return {"skipped": f"no time left ({max(0.0, left):.0f} s before the deadline, {args.min_run:.0f} s needed)"}
+            timeout = left if timeout is None else min(timeout, left)
+        if args.in_process:
+            return run_here(args, run)
+        return spawn(args, run, timeout)
+
+    limits = timed_run("limits")
+    if "adam_params_per_s" not in limits:
+        print(f"[limits] {limits.get('skipped') or limits.get('failed')}", flush=True)
+        limits = {}
     print(
         f"Llama-style {args.size} ({params / 1e9:.2f}B params), bf16, batch {args.batch}x{args.seq}, "
         f"checkpointing {'on' if args.checkpointing else 'off'}, overlap {args.overlap} (unless @), "
@@ -375,19 +589,21 @@ def main(argv=None) -> int:
         flush=True,
     )
     print(f"[limits] measured in {time.perf_counter() - started:.0f} s", flush=True)
-    results = {}
+    results: dict[str, dict] = {}
     for index, run in enumerate(runs, 1):
-        results[run] = spawn(args, run)
+        results[run] = timed_run(run)
         print(
             f"[{index}/{len(runs)}] {progress_text(run, results[run])} ({time.perf_counter() - started:.0f} s so far)", flush=True
         )
+        if "skipped" in results[run] or "failed" in results[run]:
+            recorder.note(progress_text(run, results[run]))
+        recorder.record["rows"] = record_rows(args, runs, results, params, limits)
+        recorder.write()
+    recorder.finish()
     plain = results.get("plain", {})
     plain_s = statistics.median(plain["times"]) if plain.get("times") else None
-    peer = {}
-    for run in runs:
-        if run.startswith("ds") and results[run].get("times"):
-            peer[run] = statistics.median(results[run]["times"])
-    limit_text = f"CPU Adam {limits['adam_params_per_s'] / 1e9:.2f} G params/s"
+    peer = {run: statistics.median(results[run]["times"]) for run in runs if run in DEEPSPEED_RUNS and results[run].get("times")}
+    limit_text = f"CPU Adam {limits['adam_params_per_s'] / 1e9:.2f} G params/s" if limits else "CPU Adam not measured"
     if "h2d_bytes_per_s" in limits:
         limit_text += f", PCIe host->device {limits['h2d_bytes_per_s'] / 1e9:.1f} GB/s, device->host {limits['d2h_bytes_per_s'] / 1e9:.1f} GB/s"
     print(f"measured here: {limit_text}; plain forward+backward {plain.get('fwd_bwd', float('nan')):.3f} s")
@@ -400,7 +616,7 @@ def main(argv=None) -> int:
             print(f"{run:<19}  {result.get('skipped') or 'failed: ' + result['failed']}")
             continue
         seconds = statistics.median(result["times"])
-        floor = floor_seconds(run, params, plain.get("fwd_bwd"), limits)
+        floor = floor_seconds(run, params, plain.get("fwd_bwd"), limits) if limits else None
         line = (
             f"{run:<19}{seconds:>8.3f}{(seconds / plain_s if plain_s else float('nan')):>9.2f}"
             f"{6 * params * tokens / seconds / 1e12:>8.1f}{result['gpu_peak'] / 2**30:>9.1f}"
@@ -416,6 +632,13 @@ def main(argv=None) -> int:
             if any(result.get("speculation", {}).values()):
                 line += "  speculative windows " + " ".join(f"{k} {v}" for k, v in result["speculation"].items())
         print(line)
+    losses = {run: r["losses"] for run, r in results.items() if r.get("losses")}
+    if losses:
+        print("losses per step (warm-up steps first):")
+        for run, values in losses.items():
+            print(f"  {run:<17} " + " ".join(f"{v:.4f}" if math.isfinite(v) else str(v) for v in values))
+    if recorder.path:
+        print(f"record: {os.path.relpath(recorder.path)}")
     return 0
 
 

@@ -32,10 +32,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from offload.cli.bench_io import filesystem_type, human, parse_size  # noqa: E402
+from offload.cli.bench_io import filesystem_type, parse_size  # noqa: E402
+from offload.config.sizes import format_bytes as human  # noqa: E402
 from offload.storage.aio import AioEngine, probe_o_direct  # noqa: E402
 from offload.storage.memory import HostBufferPool  # noqa: E402
 from offload.storage.swap import SwapStore  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from records import Recorder  # noqa: E402
 
 CONFIGS = [(1 << 20, 8), (1 << 20, 32), (8 << 20, 8), (8 << 20, 32)]  # (block size, queue depth)
 CHUNK = 64 << 20
@@ -183,13 +187,13 @@ def numpy_run(path: str, buf: torch.Tensor, size: int, repeat: int) -> dict:
     return {"write": best_of(repeat, write), "read": best_of(repeat, read)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--path", required=True, help="directory on the disk to measure")
     ap.add_argument("--size", type=parse_size, default=parse_size("2G"), help="file size (default 2G)")
     ap.add_argument("--repeat", type=int, default=2, help="passes per measurement, best kept (default 2)")
     ap.add_argument("--json", help="also write the results to this JSON file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     root = os.path.abspath(args.path)
     size = max(CHUNK, args.size // CHUNK * CHUNK)
     direct = probe_o_direct(root)
@@ -219,7 +223,7 @@ def main() -> int:
             rows.append({"block_size": bs, "queue_depth": qd, "offload": ours, "fio": theirs})
             f = lambda d, op: f"{d[op]:6.2f}" if d else "     -"  # noqa: E731
             print(
-                f"block {human(bs):>3} depth {qd:>2} (threads {qd:>2}):  offload write {f(ours, 'write')} "
+                f"block {human(bs):>8} depth {qd:>2} (threads {qd:>2}):  offload write {f(ours, 'write')} "
                 f"read {f(ours, 'read')}   fio write {f(theirs, 'write')} read {f(theirs, 'read')}"
                 f"{'  (' + theirs['engine'] + ')' if theirs else ''}",
                 flush=True,
@@ -259,6 +263,22 @@ def main() -> int:
                 f"ratio offload/fio {op}: engine {best('offload', op) / best('fio', op):.2f}x, "
                 f"swap store {swap[op] / best('fio', op):.2f}x  (target >= 0.90)"
             )
+    recorder = Recorder("bench_io", vars(args))
+    where = f"{human(size)} file on {filesystem_type(root)}, O_DIRECT {'on' if direct else 'refused'}"
+    fio = {op: best("fio", op) for op in ("write", "read")}
+    for op in ("write", "read"):
+        peer = {"peer": "fio, best (O_DIRECT)", "peer_value": fio[op]} if fio[op] else {}
+        figures = {"aiofiles": aio_py and aio_py[op], "numpy": npy[op], "rows": rows}
+        recorder.add(f"{where}: {op}, offload engine best", "GB/s", best("offload", op), better="higher", figures=figures, **peer)
+        recorder.add(
+            f"{where}: {op}, offload swap store (CRC-32C)",
+            "GB/s",
+            swap[op],
+            better="higher",
+            figures={"config": best_cfg},
+            **peer,
+        )
+    recorder.finish()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -44,14 +44,18 @@ Method
      device-tier Adam launches and on-device gradient adds;
    - cpu_adam: one op per recorded Adam piece;
    - nvme_read / nvme_write: one op per recorded swap read / write, urgent where the engine
-     submitted it to the I/O engine's urgent queue (the replay serves those first).
+     submitted it to the I/O engine's urgent queue (the replay serves those first);
+   - host: before each compute op, the host's own work on the main thread (the engine's hooks
+     and bookkeeping, the model's Python and launches), a unit's per-step host time
+     (`Machine.host_unit_us`, `--host-unit-ms`) split evenly over its compute ops of the step;
+     the compute op waits for it, and what the main thread waited for (below) it waits for.
    Dependencies (each op waits for these to end, and for the op before it on its resource):
    - stream waits: a copy or launch depends on the op each event in its `after` marks: a
      compute event marks the compute op last started when it was recorded (running or last
      finished: what the compute stream had been given), a stream event the last op on that
      stream before it;
    - host waits: after a thread waited on an event (or on a swap read or write), the next op
-     that thread issues depends on the op waited on (the main thread issues compute; the
+     that thread issues depends on the op waited on (the main thread issues its host work; the
      transfer worker fetches, gradient copies and weight reads; the optimizer worker Adam
      pieces, published weights and state reads and writes);
    - the optimizer worker is serial: what it issues depends on the Adam piece it last ran;
@@ -100,38 +104,40 @@ Method
    to the period:
    its shares per resource add up to the step time.
 
-Calibration (h100-pcie5: 270 TFLOPS, PCIe 48 GB/s each way, CPU Adam 2.5 Gparams/s)
--------------------------------------------------------------------------------------
-The one GPU measurement: 1.35B Llama, bf16, 8 x 1024 tokens, one H100, param none / optimizer
-cpu, overlap forward (older code than this): 0.585 s/step; plain PyTorch 0.247 s/step.
-`--sizes 1.3b --placements none/cpu --machine h100-pcie5` prints:
+Calibration (h100-pcie5: 270 TFLOPS, PCIe 48 GB/s each way, CPU Adam 5.0 Gparams/s, host 3.0 ms per unit)
+-----------------------------------------------------------------------------------------------------
+The GPU measurements (records in benchmarks/results/): 1.35B Llama, bf16, 8 x 1024 tokens, one
+H100, param none / optimizer cpu, overlap forward, at 41527b1 (older code than this): 0.585 s/step;
+plain PyTorch 0.247 s/step; the host's CPU Adam 5.4 Gparams/s on the engine's workload (bench_gpu)
+and 4.7-5.65 (bench_adam, fp32 workload, 16 threads, since). At this commit
+`--sizes 1.3b,7b,13b --placements none/cpu,cpu/cpu --machine h100-pcie5` prints (8 x 1024):
 
-    1.3b: 1.364B params (...), 8x1024 tokens, 68.8 TFLOP/step; plain PyTorch (compute only): 0.2548 s/step
-    1.3b none/cpu forward: step 0.7327 s, floor 0.5457 s (cpu_adam), 1.34x floor; hidden h2d 0%
-      d2h 87% cpu_adam 14% nvme_r - nvme_w -; critical path compute 24% h2d 1% d2h 1% cpu_adam 74%
+    1.3b none/cpu forward: step 0.4613 s, floor 0.2729 s (cpu_adam), 1.69x floor; ...; critical path compute 38% h2d 2% d2h 2% cpu_adam 58%
+    7b none/cpu forward: step 2.232 s, floor 1.348 s (cpu_adam), 1.66x floor
+    13b none/cpu forward: step 4.285 s, floor 2.603 s (cpu_adam), 1.65x floor    (cpu/cpu: 0.4645, 2.242, 4.3 s)
+
+(h200-pcie5: 1.3b 0.4491 s, 13b 4.172 s.)
 
 - Plain compute: 0.255 s against 0.247 s measured, 3% over: the preset's 270 TFLOPS was taken
   as 6 x 1.35e9 x 8192 / 0.247 s, while this count leaves the embedding out and adds the
   attention scores (6.88e13 flop per step against 6.64e13); `--device-tflops 278` gives 0.247.
-- The step: 0.733 s predicted against 0.585 s measured, 25% over. The replayed step is the
-  whole CPU Adam (1.364e9 parameters at 2.5 Gparams/s: 0.546 s), the backward (0.170 s) and
-  about 15 ms of forward tail and copies in series, because in the recorded schedule only the
-  next forward can hide the Adam: each unit's forward waits for its own step (overlap forward),
-  and the next backward waits for every step (they read the fp32 gradients it writes); the
-  critical path is 74% CPU Adam, 24% compute. With that schedule, 0.585 s needs a CPU Adam of
-  3.4 Gparams/s (`--cpu-adam-gparams 3.4` predicts 0.588 s): the preset's 2.5 is an estimate
-  for a 2-socket server, not a measurement of the machine that ran the 0.585 s, whose code may
-  also have scheduled differently. What differs cannot be told apart without a GPU run of this
-  code that also measures its CPU Adam (bench_gpu.py prints the rate).
-- Over 1.3x the floor: none/cpu and cpu/cpu (1.34x at 1.3b, 1.33x at 7b) lose the backward to
-  the Adam as above; `--overlap backward` (each unit steps as its gradients land) replays at
-  1.20x (1.3b) and 1.18x (7b). nvme/nvme at 1.3b (1.35x) has the drive's writes on 73% of its
-  critical path and the Adam and state reads on the rest: the optimizer worker waits for a
-  unit's 16-bit write-back (queued behind that unit's state writes) before the next unit's
-  Adam, so Adam, reads and writes run in series; without that wait the replay gives 1.22x.
+- The step: 0.461 s predicted against 0.585 s measured at 41527b1, 21% under. With the CPU Adam
+  at 2.5 Gparams/s (the preset's estimate before the GPU hosts were measured) the replay gave
+  0.733 s, 25% over. The replayed step is the whole CPU Adam (0.273 s) and the backward in
+  series, because in the recorded schedule only the next forward can hide the Adam: each unit's
+  forward waits for its own step (overlap forward), and the next backward waits for every step.
+  The host's own time (3.0 ms per unit, 0.075 s per step) hides under compute but for the first
+  unit. What the replay leaves out (the transfer worker's gradient work, the worker threads'
+  Python, the Adam's memory bandwidth shared with the copies) is in the measured 0.585, and so
+  is whatever the older code did differently; the next GPU session measures this code beside
+  the prediction (gpu_session.sh prints the two side by side).
+- Over 1.3x the floor: none/cpu and cpu/cpu (1.65-1.70x) lose the backward to the Adam as above;
+  `--overlap backward` (each unit steps as its gradients land) replays 1.3b none/cpu at 0.382 s,
+  1.40x its floor.
 
 Not modelled: the transfer worker's host-side work on gradients (adding the staged 16-bit
-gradient into the fp32 one, its squared norm), Python and launch overheads on the host, the
+gradient into the fp32 one, its squared norm), the worker threads' own Python (the host's
+measured time per unit counts all of a step's host work on the main thread), the
 drive's queue depth and its sharing between reads and writes (each direction is one serial
 queue at its own rate), and kernels' memory-bound costs beyond flops (embedding, norms).
 Timing on this machine changes a recording only where the engine races: with param nvme,
@@ -141,25 +147,31 @@ step vary by about 2% between runs).
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads (libgomp reads it once): idle OpenMP workers sleep instead of spinning, so
+# that a recording or the host's timing on a busy machine is not the spinning's
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import bisect
 import contextlib
 import dataclasses
 import heapq
 import math
-import os
 import re
 import shutil
 import sys
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_gpu import SIZES  # noqa: E402
+from records import Recorder  # noqa: E402
 
 from offload.config.state_layout import StatePrecision  # noqa: E402
 from offload.plan.pipeline_model import (  # noqa: E402
@@ -177,6 +189,8 @@ from offload.plan.pipeline_model import (  # noqa: E402
 PLACEMENTS = "none/cpu,cpu/cpu,nvme/nvme"
 # how many times slower than the machine a paced recording runs (`_paced`)
 DEFAULT_PACE = 4.0
+# --overlap values that record the engine's default schedule, overlap auto
+AUTO = ("default", "auto")
 
 # the recording's width (the target's layer count): seconds per step on a 2-core CPU
 RECORD_HIDDEN, RECORD_INTERMEDIATE, RECORD_HEADS = 64, 176, 4
@@ -191,6 +205,7 @@ SHORT = {
     "cpu_adam": "cpu_adam",
     "nvme_read": "nvme_r",
     "nvme_write": "nvme_w",
+    "host": "host",
 }
 
 
@@ -464,11 +479,12 @@ def record(
         "precision": "bf16",
         "optimizer": {"lr": 1e-4, "state_precision": state_precision},
         "offload": offload_config,
-        "overlap": overlap,
         "gradient_clipping": clip,
     }
+    if overlap != "default":  # default: the engine's own schedule
+        engine_config["overlap"] = overlap
     split_env: dict[str, str] = {}
-    if overlap == "auto" and machine is not None:
+    if overlap in AUTO and machine is not None:
         split = split_settings(target, small, placement, machine, workload or Workload(target, 8, 1024))
         split_env["OFFLOAD_STEP_RATES"], offload_config["max_device_memory"] = split
     if pace > 0 and machine is not None:
@@ -484,7 +500,7 @@ def record(
     zero = device.time_zero
     rec = Recording(
         placement=placement,
-        overlap=overlap,
+        overlap=engine.config.overlap,
         unit_names=[u.spec.name for u in engine.units],
         unit_numel=[u.spec.numel for u in engine.units],
         unit_shard=[u.shard_numel for u in engine.units],
@@ -621,6 +637,102 @@ def record(
     return rec
 
 
+# ---- the host's own time ----------------------------------------------------------------------
+# the model the host's time per unit is measured on: many units, negligible compute (issue 49)
+HOST_LAYERS, HOST_STEPS = 48, 6
+
+
+def measure_host(*, layers: int = HOST_LAYERS, steps: int = HOST_STEPS) -> dict[str, float]:
+    """The host's own time per unit per step, on this machine: a Llama of `layers` blocks at the
+    recording's width (hidden 64, batch 2 x 32) trained with param none / optimizer cpu under the
+    engine's own schedule on the plain CPU device, in fp32 (the CPU's own bf16 arithmetic would
+    count as host time; the host's work does not depend on the dtype). Its compute is small, so a
+    step's wall time is the host's work: the engine's hooks and bookkeeping, the model's Python
+    and kernel dispatch (what a GPU's host does before it can hand the device a unit). 2 warm-up
+    steps, then the median of `steps`, over the units; plain PyTorch's step of the same model
+    beside it (what the model alone costs the host). Timed as the seconds the main thread runs
+    (`time.thread_time`): the work of the thread that drives compute, which other processes on a
+    busy machine do not lengthen (the wall time is kept beside it), its waits for the engine's
+    workers left out (the replay has those as dependencies). Torch runs on one thread meanwhile:
+    a GPU host's main thread dispatches kernels, it does not run them on a thread pool."""
+    import statistics
+
+    import torch
+    import transformers
+
+    import offload
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure_host(layers, steps, torch, transformers, offload, statistics)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_host(layers: int, steps: int, torch, transformers, offload, statistics) -> dict[str, float]:
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=RECORD_HIDDEN,
+        intermediate_size=RECORD_INTERMEDIATE,
+        num_hidden_layers=layers,
+        num_attention_heads=RECORD_HEADS,
+        num_key_value_heads=RECORD_HEADS,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    ids = torch.randint(0, 512, (RECORD_BATCH, RECORD_SEQ), generator=torch.Generator().manual_seed(1))
+
+    def timed(step) -> tuple[list[float], list[float]]:
+        """Each step's wall seconds and the seconds this thread ran (what a busy machine's other
+        processes do not add to), 2 warm-up steps first."""
+        walls, cpus = [], []
+        for _ in range(2 + steps):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            step()
+            walls.append(time.perf_counter() - wall)
+            cpus.append(time.thread_time() - cpu)
+        return walls[2:], cpus[2:]
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    plain_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def plain_step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad(set_to_none=True)
+
+    plain_walls, plain_cpus = timed(plain_step)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-host-") as swap:
+        host_config = {"precision": "fp32", "optimizer": {"lr": 1e-4}, "offload": {"nvme_path": swap}}
+        engine = offload.initialize(model, host_config, device="cpu")
+        try:
+            units = len(engine.units)
+
+            def engine_step() -> None:
+                out = engine(input_ids=ids, labels=ids)
+                engine.backward(out.loss)
+                engine.step()
+
+            walls, cpus = timed(engine_step)
+        finally:
+            engine.close(restore_weights=False)
+    return {
+        "unit_ms": statistics.median(cpus) / units * 1e3,
+        "units": units,
+        "step_cpu_s": statistics.median(cpus),
+        "step_s": statistics.median(walls),
+        "plain_unit_ms": statistics.median(plain_cpus) / units * 1e3,
+        "plain_step_cpu_s": statistics.median(plain_cpus),
+        "plain_step_s": statistics.median(plain_walls),
+        "walls": walls,
+        "cpus": cpus,
+    }
+
+
 # ---- the op graph --------------------------------------------------------------------------
 def _role(thread: str, main: str) -> str:
     """The engine thread a recorded thread name is: main (`main`, the thread that drove the
@@ -656,6 +768,7 @@ class _Node:
     last_piece: bool = False  # Adam: the unit's last piece (its step_done follows)
     first_piece: bool = False  # Adam: the unit's first piece
     urgent: bool = False  # swap I/O: submitted to the I/O engine's urgent queue
+    share: float = 0.0  # host: the share of its unit's per-step host time
 
 
 @dataclass
@@ -778,6 +891,24 @@ def build_graph(rec: Recording, work: Workload) -> Graph:
         return bisect.bisect_right(starts, t) - 1
 
     nodes: list[_Node] = _compute_nodes(rec, work, step_of)
+    # the host's own work before each compute op: its unit's per-step host time, split evenly
+    # over the unit's compute ops of that step; the compute op waits for it, and what the main
+    # thread waited for before it (below) the host op waits for
+    ops_of_unit_step = Counter((n.unit, n.step) for n in nodes)
+    host_before: dict[int, _Node] = {}
+    for compute_node in list(nodes):
+        host = _Node(
+            math.nextafter(compute_node.key, -math.inf),
+            "host",
+            "host",
+            compute_node.unit,
+            "main",
+            step=compute_node.step,
+            share=1 / ops_of_unit_step[(compute_node.unit, compute_node.step)],
+        )
+        compute_node.deps.add(id(host))
+        host_before[id(compute_node)] = host
+        nodes.append(host)
 
     # device ops
     device_node: dict[int, _Node] = {}  # timeline op id -> node
@@ -894,10 +1025,11 @@ def build_graph(rec: Recording, work: Workload) -> Graph:
         i = bisect.bisect_right([seq for seq, _ in ops], event["seq"]) - 1
         return ops[i][1] if i >= 0 else None
 
-    # ops each thread issues, in order (the main thread's are compute)
+    # ops each thread issues, in order (the main thread's: its host work, each before a compute op)
     issued: dict[str, list[_Node]] = defaultdict(list)
     for node in nodes:
-        issued["main" if node.resource == "compute" else node.thread].append(node)
+        if node.resource != "compute":
+            issued[node.thread].append(node)
     for role in issued:
         issued[role].sort(key=lambda n: n.key)
     issued_keys = {role: [n.key for n in ns] for role, ns in issued.items()}
@@ -982,8 +1114,8 @@ def build_graph(rec: Recording, work: Workload) -> Graph:
     # what engine calls wait for
     for called in rec.backward_starts:
         head = next((n for n in compute if n.kind == "backward_head" and n.key == called), None)
-        depend(head, last_before(adam_all, adam_keys, called))
-        depend(head, last_before(lane_adam, lane_keys, called))
+        depend(host_before.get(id(head)), last_before(adam_all, adam_keys, called))
+        depend(host_before.get(id(head)), last_before(lane_adam, lane_keys, called))
     for _, returned in rec.step_calls:
         after = next_issued("main", returned)
         if rec.overlap == "none" or rec.overlap == "backward":
@@ -1051,6 +1183,7 @@ def _ordered(nodes: list[_Node], step_count: int) -> Graph:
             deps=tuple(sorted(by_ref[d].index for d in n.deps)),
             label=f"step {n.step}" + (f", {n.label}" if n.label and n.resource != "compute" else ""),
             urgent=n.urgent,
+            share=n.share,
         )
         for n in order
     ]
@@ -1174,7 +1307,7 @@ def run(
         workload=Workload(target, batch, seq),
     )
     graph = build_graph(rec, Workload(target, batch, seq))
-    return predict(graph, machine, background_depth), graph, rec
+    return predict(graph, machine.for_state_precision(state_precision), background_depth), graph, rec
 
 
 def trace_path(base: str, size: str, placement: str, several: bool, state_precision: str = "fp32") -> str:
@@ -1190,7 +1323,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--sizes", default="1.3b,7b", help=f"Llama shapes, comma-separated ({', '.join(SIZES)})")
     parser.add_argument("--placements", default=PLACEMENTS, help="param/optimizer, comma-separated")
     parser.add_argument(
-        "--overlap", default="auto", choices=("auto", "none", "forward", "backward"), help="the engine's (default: auto)"
+        "--overlap",
+        default="default",
+        choices=("default", "auto", "none", "forward", "backward"),
+        help="default: the engine's own (auto)",
     )
     parser.add_argument("--batch", type=int, default=8, help="the target workload's batch")
     parser.add_argument("--seq", type=int, default=1024, help="the target workload's sequence length")
@@ -1224,6 +1360,19 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--nvme-write-gbps", type=float, help="swap drive write GB/s")
     parser.add_argument("--latency-us", type=float, help="fixed µs per copy or IO op")
     parser.add_argument(
+        "--host-unit-ms",
+        type=float,
+        help="the host's own ms per unit per step (default: the machine's; --measure-host gives this machine's)",
+    )
+    parser.add_argument(
+        "--measure-host",
+        action="store_true",
+        help=f"measure the host's own time per unit per step here ({HOST_LAYERS} blocks of width {RECORD_HIDDEN}, "
+        "the CPU as the device), print and record it, and exit",
+    )
+    parser.add_argument("--host-layers", type=int, default=HOST_LAYERS, help="--measure-host: blocks of the model")
+    parser.add_argument("--host-steps", type=int, default=HOST_STEPS, help="--measure-host: timed steps")
+    parser.add_argument(
         "--nvme-duplex",
         choices=("yes", "no"),
         default=None,
@@ -1249,6 +1398,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     )
     parser.add_argument("--trace", default=None, help="write the replay as a Chrome trace (JSON) here")
     args = parser.parse_args(argv)
+    if args.measure_host:
+        return report_host(args)
     try:
         depths = [int(d) for d in args.background_depths.split(",") if d.strip()]
     except ValueError:
@@ -1270,6 +1421,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         nvme_write_gbps=args.nvme_write_gbps,
         latency_us=args.latency_us,
         nvme_duplex=None if args.nvme_duplex is None else args.nvme_duplex == "yes",
+        host_unit_us=None if args.host_unit_ms is None else args.host_unit_ms * 1e3,
+        **compact_rates(MACHINES[args.machine], args.cpu_adam_gparams),
     )
     sizes = [s for s in args.sizes.split(",") if s]
     for size in sizes:
@@ -1297,6 +1450,12 @@ def main(argv: list[str] | None = None) -> list[str]:
         f"read/write{'' if machine.nvme_duplex else ' (one queue for both)'}, {machine.latency_us:g} µs per copy; "
         f"overlap {args.overlap}"
     )
+    say(
+        f"host's own time per unit per step: {machine.host_unit_us / 1e3:g} ms "
+        f"({'given' if args.host_unit_ms is not None else 'the machine preset'}); CPU Adam with bf16 / int8 moments "
+        f"{machine.for_state_precision('bf16').cpu_adam_gparams:g} / {machine.for_state_precision('int8').cpu_adam_gparams:g} Gparams/s"
+    )
+    recorder = Recorder("bench_pipeline", vars(args))
     tmp = tempfile.mkdtemp(prefix="bench-pipeline-", dir=args.nvme_path)
     try:
         for size in sizes:
@@ -1324,12 +1483,30 @@ def main(argv: list[str] | None = None) -> list[str]:
                         state_precision=precision,
                         background_depth=depths[0],
                         clip=args.clip,
-                        pace=args.pace if args.pace is not None else (DEFAULT_PACE if args.overlap == "auto" else 0.0),
+                        pace=args.pace if args.pace is not None else (DEFAULT_PACE if args.overlap in AUTO else 0.0),
                     )
                     shutil.rmtree(swap, ignore_errors=True)
                     steps[precision] = prediction.step
                     state = "" if precision == "fp32" and len(precisions) == 1 else f" state={precision}"
-                    say(summary_line(size, placement + state, args.overlap, prediction))
+                    say(summary_line(size, placement + state, rec.overlap, prediction))
+                    recorder.add(
+                        f"{size} b{args.batch}x{args.seq} {placement}@{args.overlap}"
+                        + ("" if precision == "fp32" else f" state {precision}")
+                        + f", {args.machine}",
+                        "s/step (predicted)",
+                        prediction.step,
+                        peer=f"its floor ({prediction.floor_resource})",
+                        peer_value=prediction.floor,
+                        figures={
+                            "overlap": rec.overlap,
+                            "busy_s": prediction.busy,
+                            "hidden": prediction.hidden,
+                            "critical_path_s": prediction.path,
+                            "bytes": prediction.nbytes,
+                            "machine": dataclasses.asdict(machine.for_state_precision(precision)),
+                            "ops": len(graph.ops),
+                        },
+                    )
                     split = (
                         f"; {sum(rec.unit_on_device)} of {len(rec.unit_names)} units step on the device"
                         if any(rec.unit_on_device)
@@ -1353,7 +1530,43 @@ def main(argv: list[str] | None = None) -> list[str]:
                             )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    recorder.finish()
     return lines
+
+
+def compact_rates(preset: Machine, fp32_gparams: float | None) -> dict[str, float | None]:
+    """With `--cpu-adam-gparams` given: the bf16 and int8 moments' rates at the preset's ratio
+    to its fp32 rate (nothing to override otherwise)."""
+    if fp32_gparams is None:
+        return {}
+    scale = fp32_gparams / preset.cpu_adam_gparams
+    return {
+        name: None if getattr(preset, name) is None else getattr(preset, name) * scale
+        for name in ("cpu_adam_bf16_gparams", "cpu_adam_int8_gparams")
+    }
+
+
+def report_host(args) -> list[str]:
+    """--measure-host: `measure_host` here, printed and recorded."""
+    found = measure_host(layers=args.host_layers, steps=args.host_steps)
+    line = (
+        f"host's own time per unit per step here: {found['unit_ms']:.3f} ms (the engine's main thread ran "
+        f"{found['step_cpu_s']:.4f} s of a {found['step_s']:.4f} s step, over {found['units']} units, {args.host_layers} "
+        f"blocks of width {RECORD_HIDDEN}, the CPU as the device; plain PyTorch's step {found['plain_step_cpu_s']:.4f} s, "
+        f"{found['plain_unit_ms']:.3f} ms per unit); pass it on as --host-unit-ms {found['unit_ms']:.3f}"
+    )
+    print(line, flush=True)
+    recorder = Recorder("bench_pipeline", vars(args), tag="host")
+    recorder.add(
+        f"host's own time per unit per step (Llama {args.host_layers} x {RECORD_HIDDEN}, none/cpu, the CPU as the device)",
+        "ms",
+        found["unit_ms"],
+        peer="plain PyTorch's step per unit",
+        peer_value=found["plain_unit_ms"],
+        figures={**found, "load_average": os.getloadavg()},
+    )
+    recorder.finish()
+    return [line]
 
 
 if __name__ == "__main__":

@@ -103,6 +103,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import offload  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is run
+from records import Recorder  # noqa: E402
+
 REFERENCE = "torch AdamW"
 FINAL_WINDOW = 20  # train loss reported = mean of the last this many steps
 VALIDATION_EVERY_NTH_FILE = 10
@@ -893,7 +896,32 @@ def run(args: argparse.Namespace) -> dict:
         png_path = None
         print("plot: not written (matplotlib not installed: pip install -e .[bench])")
     summary["csv"], summary["png"] = str(csv_path), png_path and str(png_path)
+    record_summary(args, f"Llama {size.layers}x{size.hidden} {params / 1e6:.2f}M", summary)
     return summary
+
+
+def record_summary(args: argparse.Namespace, model: str, summary: dict) -> None:
+    """The run's record: each run's final train loss against torch AdamW's, each compact
+    precision's mean over its rounding streams against perturbed AdamW's mean, the verdicts."""
+    recorder = Recorder("bench_quality", vars(args))
+    workload = f"{model}, {args.steps} steps, lr {args.lr:g}, {args.precision} compute"
+    reference = summary["runs"][REFERENCE]
+    for name, row in summary["runs"].items():
+        peer = {} if name == REFERENCE else {"peer": REFERENCE, "peer_value": reference["train"]}
+        recorder.add(f"{workload}: {name}", "final train loss", row["train"], figures=row, **peer)
+    for name, row in summary["perturbed"].items():
+        train = row["train"]
+        recorder.add(
+            f"{workload}: {name}, mean of {row['runs']} streams",
+            "final train loss",
+            train["perturbed_mean"] * (1 + train["difference_pct"] / 100),
+            peer=f"{REFERENCE} perturbed, mean of {row['perturbed_runs']}",
+            peer_value=train["perturbed_mean"],
+            figures=row,
+        )
+    for target, met in summary["targets"].items():
+        recorder.note(f"{'met' if met else 'NOT met'}: {target}")
+    recorder.finish()
 
 
 if __name__ == "__main__":

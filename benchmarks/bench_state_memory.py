@@ -268,7 +268,28 @@ def main(argv=None) -> dict:
             + ("counts the same bytes the disk saw" if direct else "may undercount (the page cache absorbs buffered I/O)")
         )
         print("documented, not measured: DeepSpeed publishes no per-step NVMe bytes for its optimizer offload")
+    record_results(args, results)
     return results
+
+
+def record_results(args, results: dict) -> None:
+    """The run's record: host bytes per parameter and NVMe bytes per parameter per step, each
+    compact precision against fp32 state."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from records import Recorder
+
+    recorder = Recorder("bench_state_memory", vars(args))
+    model = f"Llama {args.layers}x{args.width}"
+    for part, metric, value_of in (
+        ("host", "host B/param", lambda row: row["peak"]),
+        ("nvme", "NVMe B/param/step (read + written)", lambda row: row["read"] + row["written"]),
+    ):
+        rows = results[part]
+        for precision, row in rows.items():
+            case = f"{model} {row['params'] / 1e6:.1f}M, optimizer {'cpu' if part == 'host' else 'nvme'}: state {precision}"
+            peer = {"peer": "fp32 state", "peer_value": value_of(rows["fp32"])} if precision != "fp32" and "fp32" in rows else {}
+            recorder.add(case, metric, value_of(row), figures=row, **peer)
+    recorder.finish()
 
 
 if __name__ == "__main__":

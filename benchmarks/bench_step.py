@@ -54,6 +54,7 @@ import bisect
 import copy
 import dataclasses
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -69,6 +70,7 @@ from offload.plan import disk_time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling benchmarks, when loaded as a module
 from bench_state_memory import proc_io  # noqa: E402
+from records import Recorder  # noqa: E402
 
 RUNS = "none/cpu,cpu/cpu,nvme/cpu,none/nvme,cpu/nvme,nvme/nvme"
 NAME_WIDTH = 58  # the run column; wider when run names carry a state precision
@@ -468,6 +470,12 @@ def main(argv=None) -> int:
             f"write {disk['write_gbps']:.2f} GB/s, both at once {disk['overlap']:.2f}x as fast as one after the other "
             "(bench-io sweep, 1 MiB blocks, depth 16, 8 threads, 1 GiB, best of 2)"
         )
+    recorder = Recorder("bench_step", vars(args))
+    workload = f"GPT-2 {count / 1e6:.0f}M b{args.batch}x{args.seq} {args.precision}" + (
+        f" clip {args.clip:g}" if args.clip else ""
+    )
+    references: dict[str, list[float]] = {}
+    breakdowns: dict[str, dict] = {}
     ratios: dict[str, list[float]] = {}
     seconds_per_step: dict[str, list[float]] = {}
     optimizer_seconds: dict[str, list[float]] = {}  # the step's optimizer part: its step phase and waits for the CPU step
@@ -482,11 +490,15 @@ def main(argv=None) -> int:
                 f"overlap {disk['overlap']:.2f}x"
             )
         for name, seconds, reference, breakdown in one_round(args, runs, model, batches, plain_step, tokens, count, disk):
+            references.setdefault(name, []).append(reference)
+            breakdowns[name] = breakdown
             ratios.setdefault(name, []).append(seconds / reference)
             seconds_per_step.setdefault(name, []).append(seconds)
             optimizer_seconds.setdefault(name, []).append(breakdown["step"] + breakdown["wait_step"])
             if disk:
                 bound_seconds.setdefault(name, []).append(disk_seconds(breakdown["disk_read"], breakdown["disk_written"], disk))
+        recorder.record["rows"] = record_rows(workload, count, seconds_per_step, references, ratios, breakdowns, disk)
+        recorder.write()
     if args.rounds > 1:
         print(f"\nratio to plain PyTorch in each of {args.rounds} rounds, and their median")
         for name, values in ratios.items():
@@ -506,8 +518,69 @@ def main(argv=None) -> int:
                 "disk-bound (the disk bytes at the measured bandwidths)",
             )
         if "int8" in args.state_precisions and "fp32" in args.state_precisions:
-            print(issue34_verdict(seconds_per_step, args))
+            verdict = issue34_verdict(seconds_per_step, args)
+            print(verdict)
+            recorder.note(verdict)
+    recorder.finish()
     return 0
+
+
+def short_name(name: str) -> str:
+    """A run's name as the records give it: `none/cpu@forward`, `nvme/nvme@forward state int8`."""
+    found = re.match(r"offload param=(\S+)\s+optimizer=(\S+)\s+overlap=(\S+)(?:\s+state=(\S+))?", name)
+    if found is None:
+        return " ".join(name.split())
+    param, optimizer, overlap, state = found.groups()
+    return f"{param}/{optimizer}@{overlap}" + (f" state {state}" if state else "")
+
+
+def record_rows(workload, params, seconds_per_step, references, ratios, breakdowns, disk) -> list[dict]:
+    """The record's rows after the rounds so far: each run's median s/step against plain
+    PyTorch's (the runs beside it), ahead by the inverse of the median per-round ratio; each
+    compact precision's whole step against fp32 state of the same run (median of the rounds'
+    fp32 s / its s), as `speed-up`."""
+    from records import make_row
+
+    rows = []
+    for name, seconds in seconds_per_step.items():
+        breakdown = breakdowns[name]
+        figures = {
+            "seconds_per_round": seconds,
+            "plain_per_round": references[name],
+            "ratio_per_round": ratios[name],
+            "breakdown": breakdown,
+            "disk_bytes_per_param": {"read": breakdown["disk_read"] / params, "written": breakdown["disk_written"] / params},
+            "disk": disk,
+        }
+        case = f"{workload} {short_name(name)}"
+        rows.append(
+            make_row(
+                case,
+                "s/step",
+                statistics.median(seconds),
+                peer="plain PyTorch (fused AdamW)",
+                peer_value=statistics.median(references[name]),
+                ratio=1 / statistics.median(ratios[name]),
+                figures=figures,
+            )
+        )
+        if "state=" in name and "state=fp32" not in name:
+            base = name.replace(name.split("state=")[1], "fp32")
+            if base in seconds_per_step and len(seconds_per_step[base]) == len(seconds):
+                per_round = [f / s for f, s in zip(seconds_per_step[base], seconds)]
+                speedup = statistics.median(per_round)
+                rows.append(
+                    make_row(
+                        case,
+                        "speed-up",
+                        speedup,
+                        better="higher",
+                        peer="fp32 state, same run",
+                        ratio=speedup,
+                        figures={"per_round": per_round},
+                    )
+                )
+    return rows
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import platform
 import resource
 import shutil
 import signal
+import statistics
 import sys
 import time
 
@@ -52,6 +53,9 @@ import offload  # noqa: E402
 from offload.cli.bench_io import run_sweep  # noqa: E402
 from offload.model.units import plan_flat_layout  # noqa: E402
 from offload.storage.swap_layout import HEADER_SIZE  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from records import Recorder  # noqa: E402
 
 GB = 1e9
 GIB = 1 << 30
@@ -607,6 +611,45 @@ def comparison(report: dict, peer: dict, args) -> str:
     )
 
 
+def step_seconds(report: dict) -> float:
+    """Seconds per step after the first (which also reads never-written state)."""
+    later = report["steps"][1:] or report["steps"]
+    return sum(sum(phase["seconds"] for phase in s["phases"].values()) for s in later) / len(later)
+
+
+def record_report(args, report: dict, peer: dict | None) -> None:
+    """The run's record: seconds per step (against the --against run), the optimizer step's NVMe
+    rate against the disk's measured rate for reads and writes together, the peak RSS."""
+    shape = report["shape"]
+    case = (
+        f"{report['params'] / 1e9:.2f}B ({shape['width']} x {shape['depth']}) nvme/{args.optimizer}"
+        + (f" (max_host_memory {args.max_host_memory})" if args.max_host_memory else "")
+        + f" b{report['batch']}x{report['seq']} {args.precision}"
+    )
+    recorder = Recorder("scale", vars(args))
+    figures = {key: report[key] for key in ("shape", "swap_needed", "disk", "config", "init", "rss") if key in report}
+    figures["steps"] = [{"loss": s["loss"], "phases": s["phases"]} for s in report["steps"]]
+    against = {"peer": f"nvme/{args.against}, same run", "peer_value": step_seconds(peer)} if peer else {}
+    recorder.add(case, "s/step", step_seconds(report), figures=figures, **against)
+    disk = report.get("disk") or {}
+    later = report["steps"][1:] or report["steps"]
+    if disk.get("mixed_gbps"):
+        rate = statistics.fmean(
+            (s["phases"]["step"]["swap_read"] + s["phases"]["step"]["swap_written"]) / s["phases"]["step"]["seconds"] / GB
+            for s in later
+        )
+        recorder.add(
+            case,
+            "step NVMe GB/s",
+            rate,
+            better="higher",
+            peer="the path's disk, reads and writes together",
+            peer_value=disk["mixed_gbps"],
+        )
+    recorder.add(case, "peak RSS GiB", report["rss"]["vm_hwm"] / GIB)
+    recorder.finish()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=3e9, help="target parameter count (default 3e9)")
@@ -647,7 +690,9 @@ def main(argv=None) -> int:
     parser.add_argument("--queue-depth", type=int, default=32)
     parser.add_argument("--io-threads", type=int, default=8)
     parser.add_argument("--clean-stale", action="store_true", help="remove swap directories of killed scale runs")
-    parser.add_argument("--results", help="append the report as markdown to this file (e.g. benchmarks/RESULTS.md)")
+    parser.add_argument(
+        "--results", help="also append the report as markdown to this file (the run's record goes to benchmarks/results/)"
+    )
     parser.add_argument("--json", help="write the whole report as JSON here")
     args = parser.parse_args(argv)
     if args.width and (args.width % 128 or not args.depth):
@@ -679,6 +724,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)
+    record_report(args, report, peer if args.against else None)
     if report["swap_left"]:
         print(f"WARNING: swap directory left under {args.path}", file=sys.stderr)
     return 0

@@ -5,8 +5,9 @@ A parent process runs a trainer child (nvme/nvme placement, fp32, a checkpoint e
 `--every` steps) again and again until it reaches `--steps` optimizer steps:
 
 - SIGKILL at random moments (also during start-up, a save or a load): the next child resumes
-  from `latest`; the dead child's swap space is the kernel's to reclaim (the files have no
-  names) and its empty run directory is swept by the next start.
+  from `latest` (a save killed before it replaced `latest` is unfinished: the resumed child
+  saves its tag, `global_step<N>`, again); the dead child's swap space is the kernel's to
+  reclaim (the files have no names) and its empty run directory is swept by the next start.
 - SIGINT at random moments: the child catches KeyboardInterrupt and recovers in-process by
   loading `latest` (when even that is interrupted or fails, it exits and is restarted).
 - Injected EIO and ENOSPC (`AioEngine.set_fault(..., count=1)`): at random steps the child arms
@@ -111,10 +112,8 @@ def child_main(args) -> int:
         emit("resumed", step=engine.global_steps)
     elif not args.reference:
         engine.save_checkpoint(args.ckpt, tag="start")  # every failure has somewhere to return to
-    saves = 0
 
     def recover(why: str) -> None:
-        nonlocal saves
         engine.store.swap.engine.clear_fault()
         for attempt in range(3):
             try:
@@ -145,8 +144,9 @@ def child_main(args) -> int:
                 engine.store.swap.engine.clear_fault()
                 emit("fault_missed", fault=fault)  # no such I/O in that phase: nothing failed
             if engine.global_steps % args.every == 0:
-                saves += 1
-                engine.save_checkpoint(args.ckpt, tag=f"s{engine.global_steps:05d}-{os.getpid()}-{saves}", keep_last=2)
+                # the step's own tag (global_step<N>): a child resumed after a kill between a save's
+                # rename and `latest` saves that tag again, over the unfinished one (issue 51)
+                engine.save_checkpoint(args.ckpt, keep_last=2)
         except KeyboardInterrupt as e:
             where = [f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in traceback.extract_tb(e.__traceback__)]
             emit("interrupted", step=step, where=where[-4:])

@@ -6,6 +6,7 @@ pages are regenerated."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -25,3 +26,19 @@ def on_pre_build(config) -> None:
     stale = _generate_module().stale_blocks()
     if stale:
         raise PluginError("stale generated tables (run python docs/generate.py): " + "; ".join(stale))
+
+
+# benchmarks/RESULTS.md links each figure to its record (`[commit](results/<record>.json)`,
+# relative to benchmarks/). The results page (docs/results.md) includes the file whole; here the
+# include is done before the page is converted, each of those links keeping its text (the commit,
+# or the benchmark's name: the record is found under benchmarks/results/ by it), since on the
+# site the records' paths lead nowhere.
+_RESULTS_INCLUDE = '--8<-- "benchmarks/RESULTS.md"'
+_RECORD_LINK = re.compile(r"\[([^\]]+)\]\(results/[^)\s]+\.json\)")
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    if _RESULTS_INCLUDE not in markdown:
+        return markdown
+    results = (Path(config["docs_dir"]).parent / "benchmarks" / "RESULTS.md").read_text()
+    return markdown.replace(_RESULTS_INCLUDE, _RECORD_LINK.sub(r"\1", results))

@@ -9,7 +9,7 @@
     torchrun --nproc-per-node 2 examples/finetune_causal_lm.py --tiny --device cpu
     # the same at a size that runs anywhere in seconds:
     python examples/finetune_causal_lm.py --tiny --offload-config examples/configs/13b_on_80gb_nvme.json
-    # save the trained model where from_pretrained loads it (config.json, model.safetensors, tokenizer):
+    # save the trained model where from_pretrained loads it (config.json, the weights, the tokenizer):
     python examples/finetune_causal_lm.py --model ./my-llama --data corpus.txt --save ./my-llama-tuned
 
 Text is tokenized with the model's tokenizer when the directory has one, else as bytes (ids
@@ -73,8 +73,9 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="a tiny model and run, for trying things out and for tests")
     parser.add_argument(
         "--save",
-        help="at the end, write the trained model (fp32) to this directory with save_pretrained: "
-        "config.json, model.safetensors and the tokenizer, loadable with from_pretrained",
+        help="at the end, write the trained model (fp32) to this directory with engine.save_pretrained, "
+        "streamed unit by unit: config.json, model.safetensors (or 5 GB shards and their index) and the "
+        "tokenizer, loadable with from_pretrained",
     )
     parser.add_argument("--result-json", help="write losses and the last step's breakdown to this JSON file (rank 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (the log still has every step)")
@@ -143,11 +144,15 @@ def batches(ids: torch.Tensor, seq_len: int, batch_size: int, rank: int, world: 
         yield {"input_ids": chunk[:, :-1], "labels": chunk[:, :-1].clone()}
 
 
-def save(args, model) -> None:
-    """The trained model as a from_pretrained directory, with the tokenizer it was trained with."""
-    model.save_pretrained(args.save)
-    if args.model and any(
-        (Path(args.model) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+def save(args, engine) -> None:
+    """The trained model as a from_pretrained directory, with the tokenizer it was trained with.
+    Every rank calls it: the engine gathers each unit's fp32 weights in turn and rank 0 writes
+    them (never the whole model in RAM)."""
+    engine.save_pretrained(args.save)
+    if (
+        engine.collectives.rank == 0
+        and args.model
+        and any((Path(args.model) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     ):
         import transformers
 
@@ -204,13 +209,8 @@ def main(argv=None) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
     }
     if args.save:
-        # close() puts the final fp32 weights into the model (on every rank: it gathers them), which
-        # then saves as any Hugging Face model does, with its fp32 dtype in config.json
-        engine.close(restore_weights=True)
-        if rank == 0:
-            save(args, model)
-    else:
-        engine.close(restore_weights=False)
+        save(args, engine)
+    engine.close(restore_weights=False)
     if scratch is not None:
         scratch.cleanup()
     if rank == 0 and args.result_json:

@@ -304,6 +304,15 @@ class Engine:
         self._check_open()
         return self.weights.state_dict(self.model)
 
+    def save_pretrained(self, out_dir, max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None) -> str:
+        """The consolidated weights (fp32, or `dtype` bf16 / fp16) in the Hugging Face layout, with
+        config.json, written unit by unit; every rank calls it, rank 0 writes. Returns the path
+        from_pretrained opens. See offload.checkpoint.pretrained_out."""
+        from offload.checkpoint.engine_state import save_pretrained
+
+        self._check_open()
+        return save_pretrained(self._runtime, out_dir, max_shard_size=max_shard_size, dtype=dtype)
+
     def pop_timings(self) -> dict[str, float]:
         """Seconds per phase since the last call (forward, backward, step, wait_fetch, wait_step)."""
         timings = dict(self.timings)

@@ -88,6 +88,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def benchmark_records(tmp_path_factory):
+    """The benchmarks the tests run write their records (benchmarks/records.py) into a temporary
+    folder, not into benchmarks/results/ (the variable reaches their subprocesses too)."""
+    saved = os.environ.get("OFFLOAD_RESULTS_DIR")
+    os.environ["OFFLOAD_RESULTS_DIR"] = str(tmp_path_factory.mktemp("benchmark-records"))
+    yield
+    if saved is None:
+        os.environ.pop("OFFLOAD_RESULTS_DIR", None)
+    else:
+        os.environ["OFFLOAD_RESULTS_DIR"] = saved
+
+
 @pytest.fixture
 def swap_dir(tmp_path):
     path = tmp_path / "swap"

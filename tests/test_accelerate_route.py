@@ -128,6 +128,33 @@ def test_save_state_and_load_state_resume_exactly(swap_dir, tmp_path):
     second.end_training()
 
 
+def test_save_model_streams_the_weights(swap_dir, tmp_path):
+    """accelerator.save_model writes accelerate's layout through engine.save_pretrained: the
+    weights unit by unit, never the model's whole state dict."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    accelerator = OffloadAccelerator(offload_config=offload_config(swap_dir))
+    trained, _, _ = accelerate_loop(accelerator, TinyNet(), batches(2))
+    whole = trained.state_dict
+
+    def keys_only(*args, keep_vars=False, **kwargs):
+        assert keep_vars, "save_model built the model's whole state dict"
+        return whole(*args, keep_vars=keep_vars, **kwargs)
+
+    trained.state_dict = keys_only
+    accelerator.save_model(trained, tmp_path / "weights", max_shard_size="4KB")
+    del trained.state_dict
+    files = sorted(p.name for p in (tmp_path / "weights").iterdir())
+    assert len(files) > 2 and files[-1] == "model.safetensors.index.json"
+    saved = {}
+    for name in files[:-1]:
+        saved.update(load_file(tmp_path / "weights" / name))
+    expected = accelerator.engine.consolidated_state_dict()
+    assert saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in saved)
+    accelerator.end_training()
+
+
 def test_what_the_engine_cannot_honour_is_refused_at_prepare(swap_dir):
     model = TinyNet()
     accelerator = OffloadAccelerator(offload_config=offload_config(swap_dir))
@@ -141,6 +168,63 @@ def test_what_the_engine_cannot_honour_is_refused_at_prepare(swap_dir):
         OffloadAccelerator(offload_config=offload_config(swap_dir), mixed_precision="bf16")
     with pytest.raises(ConfigError, match="gradient_accumulation_steps 3 and the offload config's 2"):
         OffloadAccelerator(offload_config=offload_config(swap_dir, gradient_accumulation_steps=2), gradient_accumulation_steps=3)
+
+
+def test_a_config_without_precision_trains_in_accelerates_fp32_as_the_plain_script(swap_dir):
+    """Issue 51 (15): a script ported as the README shows, with no `precision` in the offload
+    config, trained in the config's default bf16 where the plain script trains in fp32."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    data = batches(4)
+    plain, _, _ = accelerate_loop(Accelerator(), copy.deepcopy(model), data)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    config = offload_config(swap_dir)
+    del config["precision"]
+    accelerator = OffloadAccelerator(offload_config=config)
+    offloaded, _, _ = accelerate_loop(accelerator, copy.deepcopy(model), data)
+    assert accelerator.engine.config.precision == "fp32"
+    assert max_weight_difference(offloaded.state_dict(), plain) <= fp32_weight_tolerance(accelerator.engine)
+    accelerator.end_training()
+
+
+def test_accelerate_launch_precision_is_followed_unless_the_config_names_one(swap_dir, monkeypatch):
+    """`accelerate launch` sets ACCELERATE_MIXED_PRECISION ("no" by default): the same script was
+    refused there ("mixed_precision 'no' and the offload config's precision 'bf16' differ", a
+    value the user never set). A precision the config names wins over the launcher's "no", and a
+    bf16 / fp16 that differs from it is refused."""
+    without = offload_config(swap_dir)
+    del without["precision"]
+    for launched, config, engine in [
+        ("no", without, "fp32"),
+        ("bf16", without, "bf16"),
+        ("no", {**without, "precision": "bf16"}, "bf16"),
+    ]:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        assert OffloadAccelerator(offload_config=config).offload_config.precision == engine
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(ConfigError, match=r"mixed_precision 'fp16' \(ACCELERATE_MIXED_PRECISION.*precision 'bf16' differ"):
+        OffloadAccelerator(offload_config={**without, "precision": "bf16"})
+
+
+def test_load_state_of_a_plain_accelerate_save_state_says_what_to_do(swap_dir, tmp_path):
+    """Before: only "neither index.json nor a latest file", from deep inside the engine's load."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    data = batches(2)
+    accelerate_loop(Accelerator(), copy.deepcopy(model), data, save_to=tmp_path / "plain")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = OffloadAccelerator(offload_config=offload_config(swap_dir))
+    with pytest.raises(OffloadError) as error:
+        accelerate_loop(accelerator, copy.deepcopy(model), data, state=tmp_path / "plain")
+    said = str(error.value)
+    assert f"has no offload engine checkpoint ({ENGINE_CHECKPOINT_DIR}/)" in said and "model.safetensors" in said
+    assert "load_state_dict" in said and "before accelerator.prepare" in said
+    assert accelerator.engine.global_steps == 0
+    accelerator.end_training()
 
 
 def test_accumulation_without_accumulate_is_refused_at_the_first_backward(swap_dir):

@@ -193,6 +193,7 @@ ENGINE_PUBLIC = [
     "optimizer",
     "params_on_device",
     "save_checkpoint",
+    "save_pretrained",
     "skipped_steps",
     "step",
 ]

@@ -25,7 +25,7 @@ LINE = re.compile(
 
 def test_main_prints_a_line_per_placement_and_writes_traces(bench, tmp_path, capsys):
     trace = tmp_path / "replay.json"
-    argv = ["--sizes", "tiny", "--placements", "cpu/cpu,nvme/nvme", "--batch", "2", "--seq", "32"]
+    argv = ["--sizes", "tiny", "--placements", "cpu/cpu,nvme/nvme", "--batch", "2", "--seq", "32", "--host-unit-ms", "0"]
     lines = bench.main([*argv, "--machine", "this-cpu", "--trace", str(trace), "--nvme-path", str(tmp_path)])
     assert lines == capsys.readouterr().out.splitlines()
     found = {m.group(1): m for m in map(LINE.match, lines) if m}
@@ -103,7 +103,7 @@ def test_state_precisions_record_each_and_mark_urgent_io(bench, tmp_path, capsys
     The graph is 1.3b's (25 units, recorded narrow): tiny's 3 units fit the staging ring, whose
     buffers keep lending every unit's new weights, so nothing reads a weights file there."""
     argv = ["--sizes", "tiny", "--placements", "nvme/nvme", "--batch", "2", "--seq", "32", "--machine", "h100-pcie5"]
-    lines = bench.main([*argv, "--state-precisions", "fp32,int8", "--nvme-path", str(tmp_path)])
+    lines = bench.main([*argv, "--state-precisions", "fp32,int8", "--nvme-path", str(tmp_path), "--host-unit-ms", "0"])
     assert lines == capsys.readouterr().out.splitlines()
     found = [line for line in lines if re.match(r"^tiny nvme/nvme state=(fp32|int8) auto: step ", line)]
     assert [line.split()[2] for line in found] == ["state=fp32", "state=int8"], lines
@@ -129,7 +129,7 @@ def test_state_precisions_record_each_and_mark_urgent_io(bench, tmp_path, capsys
 
 def test_nvme_duplex_no_replays_one_queue_for_the_drive(bench, tmp_path, capsys):
     argv = ["--sizes", "tiny", "--placements", "nvme/nvme", "--batch", "2", "--seq", "32", "--machine", "h100-pcie5"]
-    lines = bench.main([*argv, "--nvme-duplex", "no", "--nvme-path", str(tmp_path)])
+    lines = bench.main([*argv, "--nvme-duplex", "no", "--nvme-path", str(tmp_path), "--host-unit-ms", "0"])
     capsys.readouterr()
     assert "NVMe 6/5 GB/s read/write (one queue for both)" in lines[0], lines[0]
     found = [m for m in map(LINE.match, lines) if m]
@@ -152,3 +152,28 @@ def test_background_depths_replay_each_recording_at_each_depth(bench, tmp_path, 
     assert float(found.group(3)) == pytest.approx(at_0 / at_2, abs=0.006)
     with pytest.raises(SystemExit):
         bench.main([*argv, "--background-depths", "0,-1", "--nvme-path", str(tmp_path)])
+
+
+def test_host_time_per_unit_is_replayed_before_each_compute_op(bench, tmp_path, capsys):
+    """The host's own time per unit: printed with where it came from, a host op before every
+    compute op (a unit's shares adding up to 1 per step), and the step's pace where the
+    workload's compute is smaller (tiny at 2 x 32 tokens: the host sets the floor)."""
+    argv = ["--sizes", "tiny", "--placements", "none/cpu", "--batch", "2", "--seq", "32", "--machine", "h100-pcie5"]
+    lines = bench.main([*argv, "--host-unit-ms", "3", "--nvme-path", str(tmp_path)])
+    capsys.readouterr()
+    assert lines[1].startswith("host's own time per unit per step: 3 ms (given)"), lines[1]
+    found = [m for m in map(LINE.match, lines) if m]
+    assert len(found) == 1 and found[0].group(4) == "host", lines
+    _, graph, rec = bench.run(
+        "tiny", "none/cpu", overlap="default", machine=MACHINES["h100-pcie5"], batch=2, seq=32, steps=3, nvme_path=str(tmp_path)
+    )
+    assert rec.overlap == "auto"  # the engine's own schedule, as recorded
+    by_id = {op.id: op for op in graph.ops}
+    shares: dict = {}
+    for op in graph.ops:
+        if op.resource == "compute":
+            hosts = [by_id[d] for d in op.deps if by_id[d].resource == "host"]
+            assert len(hosts) == 1 and hosts[0].unit == op.unit, op
+            step = op.label.split(",")[0]
+            shares[(op.unit, step)] = shares.get((op.unit, step), 0.0) + hosts[0].share
+    assert shares and all(total == pytest.approx(1.0) for total in shares.values())

@@ -147,25 +147,28 @@ def int8_values(kind: str, seed: int, blocks: int, top: int) -> torch.Tensor:
 
 def test_int8_code_values_follow_the_doc():
     # every code's value by the formula in docs/compact_state.md, computed in double
-    for kind, bias, bias_code in (("exp_avg", 7, 112), ("exp_avg_sq", 15, 240)):
-        top = 128 if kind == "exp_avg" else 256
+    for kind, top in (("exp_avg", 128), ("exp_avg_sq", 256)):
         codes = torch.arange(top, dtype=torch.uint8)
         values = M.decode("int8", kind, M.MomentView(codes, torch.full((top // 32,), 127, dtype=torch.uint8)))
         if kind == "exp_avg_sq":
             values = values.sqrt()
-        lowest = 16  # 4 mantissa bits in both formats
         for c in range(top):
-            if c >= lowest:
-                expected = (1 + (c & (lowest - 1)) / lowest) * 2.0 ** ((c >> 4) - bias)
-            else:
-                expected = c * 2.0 ** (1 - bias - 4)
+            if kind == "exp_avg":  # E3M4T: zero, the tail 2^(c - 22) (codes 1..14), E3M4 from 2^-7
+                tail = 2.0 ** (c - 22) if c else 0.0
+                expected = tail if c < 15 else (1 + ((c - 15) & 15) / 16) * 2.0 ** (((c - 15) >> 4) - 7)
+            else:  # E4M4, subnormal below code 16
+                expected = (1 + (c & 15) / 16) * 2.0 ** ((c >> 4) - 15) if c >= 16 else c * 2.0**-18
             assert values[c].item() == expected, (kind, c)
-        assert values[bias_code].item() == 1.0
+        assert values[top - 1 if kind == "exp_avg" else 240].item() == 1.0
+    values = M.decode(
+        "int8", "exp_avg", M.MomentView(torch.arange(128, dtype=torch.uint8), torch.full((4,), 127, dtype=torch.uint8))
+    )
+    assert values[1].item() == 2.0**-21 and values[14].item() == 2.0**-8 and values[15].item() == 2.0**-7
     # bit 7 of an exp_avg code is the sign (-0.0 included)
     negative = M.decode(
         "int8",
         "exp_avg",
-        M.MomentView(torch.tensor([0x80 | 112, 0x80], dtype=torch.uint8), torch.tensor([130], dtype=torch.uint8)),
+        M.MomentView(torch.tensor([0x80 | 127, 0x80], dtype=torch.uint8), torch.tensor([130], dtype=torch.uint8)),
     )
     assert negative[0].item() == -8.0 and int_bits(negative)[1].item() == int_bits(torch.tensor(-0.0)).item()
 
@@ -204,13 +207,13 @@ def test_the_steps_int8_rule_is_not_idempotent_and_reload_is():
     # back from a checkpoint) keeps the exponent and the values.
     scale = 2.0**-3  # exponent byte 124
     x = torch.zeros(32)
-    x[0] = 1.0 * scale  # code 112: what y = 0.99 rounded up to
-    x[1] = 3 * 2.0**-10 * scale  # subnormal code 3
-    view = M.MomentView(torch.tensor([112, 3] + [0] * 30, dtype=torch.uint8), torch.tensor([124], dtype=torch.uint8))
+    x[0] = 1.0 * scale  # code 127: what y = 0.99 rounded up to
+    x[1] = 17 / 16 * 2.0**-7 * scale  # code 16, E3M4's lowest binade: one binade down it is in the tail
+    view = M.MomentView(torch.tensor([127, 16] + [0] * 30, dtype=torch.uint8), torch.tensor([124], dtype=torch.uint8))
     assert_same(M.decode("int8", "exp_avg", view), x, "the block")
     moved = encoded("int8", "exp_avg", x)
     assert moved.block_exponents.item() == 125
-    assert M.decode("int8", "exp_avg", moved)[1].item() != x[1].item()  # 1.5 codes at the coarser scale
+    assert M.decode("int8", "exp_avg", moved)[1].item() != x[1].item()  # between two powers of two at the coarser scale
     kept = encoded("int8", "exp_avg", x, reload=True)
     assert kept.block_exponents.item() == 124
     assert_same(M.decode("int8", "exp_avg", kept), x, "reload")
@@ -232,8 +235,10 @@ def test_int8_special_blocks():
     assert back[32:96].isnan().all() and back[96:128].eq(0).all() and back[:32].eq(0).all()
     assert int_bits(back[96:97]).item() == int_bits(torch.tensor([-0.0])).item()
     assert view.block_exponents[4].item() == 1  # subnormal: scale 2^-126
-    # within one code of x: 1/16 of it in the normal range, the subnormal spacing 2^-10 * scale below
-    spacing = torch.clamp(x[128:160].abs() / 16, min=2.0**-136)
+    # within one code of x: 1/16 of it in E3M4's range (from 2^-7 of the scale), the power of two
+    # below it in the tail, the floor 2^-21 * scale below that
+    magnitude = x[128:160].abs()
+    spacing = torch.clamp(torch.where(magnitude >= 2.0**-133, magnitude / 16, magnitude), min=2.0**-147)
     assert ((back[128:160] - x[128:160]).abs() <= spacing).all()
     # an exp_avg_sq block holding v = inf or NaN decodes NaN; zeros stay zero
     v = torch.tensor([0.0] * 32 + [1.0] * 31 + [math.inf])
@@ -582,17 +587,17 @@ def test_extreme_magnitudes(isa):
 
 def test_block_exponents_on_both_sides_of_the_scaled_form(isa):
     """The vector kernels fold a block's scale into the exponent field for block exponent bytes
-    16..252 (and skip the subnormal formula of a second-moment block with no root in that range):
-    the blocks on both sides of each edge, and second-moment blocks with and without subnormal
-    codes, step like the torch reference."""
-    exponents = [14, 15, 16, 17, 127, 251, 252, 253]
+    23..252 of a first moment and 16..252 of a second (and skip the subnormal formula of a
+    second-moment block with no root in that range): the blocks on both sides of each edge, and
+    second-moment blocks with and without subnormal codes, step like the torch reference."""
+    exponents = [14, 15, 16, 17, 22, 23, 127, 251, 252, 253]
     n = 32 * len(exponents)
     # block k's largest first moment has exponent byte exponents[k] (the last one's, 1.7 * 2^127,
-    # is limited to 253: its codes saturate); within a block magnitudes fall to 2^-12 of it
-    # (codes in E3M4's subnormal range below 2^-6), signs alternate
+    # is limited to 253: its codes saturate); within a block magnitudes fall to 2^-24 of it
+    # (E3M4T's tail below 2^-7, and below its floor 2^-21), signs alternate
     largest = torch.tensor([1.5 * 2.0 ** (e - 128) for e in exponents[:-1]] + [1.7 * 2.0**127])
     largest = largest.repeat_interleave(32)
-    m_values = largest * torch.exp2(-12 * torch.linspace(0, 1, 32)).repeat(len(exponents))
+    m_values = largest * torch.exp2(-24 * torch.linspace(0, 1, 32)).repeat(len(exponents))
     m_values[1::2] *= -1
     # second moments: even blocks within 2^20 of their largest (no root in the subnormal range),
     # odd blocks over 2^40 (some); one block all zero

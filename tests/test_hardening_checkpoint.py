@@ -281,8 +281,10 @@ def test_export_fsyncs_config_json(engine, tmp_path, monkeypatch, saved):
     write_index(root / "t", index)
     monkeypatch.setattr(os, "fsync", recording)
     checkpoint.export(str(root), str(tmp_path / "out"))
-    assert (tmp_path / "out" / "config.json").read_bytes() == data
-    assert any(os.path.basename(p).startswith(".tmp-config.json-") for p in synced), synced
+    assert json.loads((tmp_path / "out" / "config.json").read_bytes()) == {"model_type": "tiny", "dtype": "float32"}
+    # written and fsynced in the save's temporary directory, then moved in and the directory fsynced
+    assert any(p.endswith("/config.json") and "/.tmp-offload-save-" in p for p in synced), synced
+    assert str(tmp_path / "out") in synced
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
 
 

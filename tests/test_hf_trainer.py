@@ -501,15 +501,31 @@ def test_schedule_step_counts_resolved_at_train_are_not_warned_about(tmp_path, c
 
 
 def test_bf16_trained_model_saves_and_loads_as_float32(tmp_path):
-    """config.json says float32 and from_pretrained with no dtype loads the trained fp32 weights."""
+    """config.json says float32 and from_pretrained with no dtype loads the trained fp32 weights;
+    save_model streams them (engine.save_pretrained), never building the whole state dict."""
+    from tokenizers import Tokenizer, models
+
     args = training_args(tmp_path, max_steps=2, gradient_accumulation_steps=1, eval_strategy="no", bf16=True)
-    trainer = OffloadTrainer(model=tiny_llama(), args=args, train_dataset=dataset(), offload_config=OFFLOAD_CONFIG)
+    vocabulary = Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=vocabulary, pad_token="a")
+    trainer = OffloadTrainer(
+        model=tiny_llama(), args=args, train_dataset=dataset(), processing_class=tokenizer, offload_config=OFFLOAD_CONFIG
+    )
     try:
         trainer.train()
+        engine = trainer.offload_engine
+
+        def whole_state_dict():
+            raise AssertionError("save_model built the whole fp32 state dict")
+
+        engine.consolidated_state_dict = whole_state_dict
         trainer.save_model(str(tmp_path / "final"))
-        trained = weights(trainer.offload_engine.consolidated_state_dict())
+        del engine.consolidated_state_dict
+        trained = weights(engine.consolidated_state_dict())
     finally:
         trainer.end()
+    saved = set(os.listdir(tmp_path / "final"))
+    assert {"model.safetensors", "config.json", "generation_config.json", "training_args.bin", "tokenizer.json"} <= saved
     assert json.loads((tmp_path / "final" / "config.json").read_text())["dtype"] == "float32"
     loaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "final"))
     assert loaded.dtype == torch.float32

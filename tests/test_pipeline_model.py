@@ -24,8 +24,8 @@ from offload.plan.pipeline_model import (
     write_chrome_trace,
 )
 
-# Round rates: 1 TFLOPS, 1 GB/s each way, 1 Gparams/s of Adam, no latency, so that
-# 1e12 flops, 1e9 bytes and 1e9 elements each take exactly one second.
+# Round rates: 1 TFLOPS, 1 GB/s each way, 1 Gparams/s of Adam, no latency, 1 s of host time per
+# unit, so that 1e12 flops, 1e9 bytes, 1e9 elements and a share of 1 each take exactly one second.
 ROUND = Machine(
     device_tflops=1.0,
     h2d_gbps=1.0,
@@ -35,6 +35,7 @@ ROUND = Machine(
     nvme_read_gbps=1.0,
     nvme_write_gbps=1.0,
     latency_us=0.0,
+    host_unit_us=1e6,
 )
 T, G = 1e12, 10**9  # one second of compute, one second of copy / Adam under ROUND
 
@@ -116,6 +117,7 @@ def test_three_units_exact_times():
         "cpu_adam": 9.0,
         "nvme_read": 0.0,
         "nvme_write": 0.0,
+        "host": 0.0,
     }
     assert r.floor == 18.0
     assert r.floor_resource == "compute"
@@ -196,6 +198,20 @@ def test_duration_per_resource():
     assert duration(Op(0, "cpu_adam", "adam", 0, elements=G), m) == pytest.approx(2.0)
     assert duration(Op(0, "optimizer", "adam", 0, elements=G), m) == pytest.approx(0.2)
     assert duration(Op(0, "optimizer", "adam", 0, flops=T), m) == pytest.approx(1.0)
+    assert duration(Op(0, "host", "host", 0, share=0.25), m) == pytest.approx(0.25)  # a quarter of the unit's 1 s
+
+
+def test_host_time_before_compute_sets_the_step_when_it_is_the_longer():
+    """The host's work before each compute op: hidden while the device is busier, the step's
+    pace when the host is slower (each unit's host op 2 s, its compute 1 s)."""
+    ops = []
+    for unit in range(3):
+        host = Op(2 * unit, "host", "host", unit, share=2.0, deps=(2 * unit - 2,) if unit else ())
+        ops += [host, Op(2 * unit + 1, "compute", "forward", unit, flops=T, deps=(host.id,))]
+    r = replay(ops, ROUND)
+    assert r.step_time == 7.0 and (r.floor, r.floor_resource) == (6.0, "host")
+    fast_host = dataclasses.replace(ROUND, host_unit_us=1e5)  # 0.2 s: hidden behind compute
+    assert replay(ops, fast_host).step_time == pytest.approx(3.2)
 
 
 @pytest.mark.parametrize(
@@ -224,7 +240,7 @@ def test_validation_errors_name_the_op(ops, words):
 def test_machine_validation_and_presets():
     for name, m in MACHINES.items():
         for f in dataclasses.fields(m):
-            if f.name != "nvme_duplex":
+            if f.name != "nvme_duplex" and getattr(m, f.name) is not None:
                 assert getattr(m, f.name) > 0 or f.name == "latency_us", (name, f.name)
     assert not MACHINES["this-cpu"].nvme_duplex and MACHINES["h100-pcie5"].nvme_duplex
     with pytest.raises(ValueError, match="nvme_duplex must be True or False"):
@@ -234,6 +250,17 @@ def test_machine_validation_and_presets():
         dataclasses.replace(ROUND, h2d_gbps=0.0)
     with pytest.raises(ValueError, match="latency_us"):
         dataclasses.replace(ROUND, latency_us=-1.0)
+    with pytest.raises(ValueError, match="cpu_adam_int8_gparams"):
+        dataclasses.replace(ROUND, cpu_adam_int8_gparams=0.0)
+    assert dataclasses.replace(ROUND, host_unit_us=0.0).host_unit_us == 0.0
+
+
+def test_cpu_adam_rate_per_state_precision():
+    m = dataclasses.replace(ROUND, cpu_adam_gparams=5.0, cpu_adam_int8_gparams=6.5)
+    assert m.for_state_precision("fp32") == m and m.for_state_precision("int8").cpu_adam_gparams == 6.5
+    assert m.for_state_precision("bf16").cpu_adam_gparams == 5.0  # none given: the fp32 rate
+    with pytest.raises(ValueError, match="fp8"):
+        m.for_state_precision("fp8")
 
 
 def test_h100_preset_matches_the_measured_plain_step():
@@ -318,6 +345,7 @@ def schedules(draw):
                 flops=work * 1e11,
                 nbytes=work * 10**8,
                 elements=work * 10**8,
+                share=work * 0.1,
                 deps=deps,
             )
         )
@@ -410,6 +438,7 @@ def schedules_with_urgent_io(draw):
             flops=op.flops + 1e11,
             nbytes=op.nbytes + 10**8,
             elements=op.elements + 10**8,
+            share=op.share + 0.1,
             urgent=op.resource.startswith("nvme") and draw(st.booleans()),
         )
         for op in ops

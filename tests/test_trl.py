@@ -152,7 +152,13 @@ def test_sft_with_lora_equals_plain_trl_and_keeps_state_for_the_adapter_only(tmp
         frozen = sum(p.numel() for p in offloaded.model.parameters() if not p.requires_grad)
         state_bytes = engine.memory_report()["host"]["by_category"]["optimizer_state"]["current"]
         assert 16 * sum(p.numel() for p in adapter.values()) <= state_bytes < 16 * frozen / 4
+
+        def whole_state_dict():
+            raise AssertionError("saving the adapter built the whole model's fp32 state dict")
+
+        engine.consolidated_state_dict = whole_state_dict  # the adapter's weights are read alone
         offloaded.save_model(str(tmp_path / "adapter"))
+        del engine.consolidated_state_dict
     finally:
         offloaded.end()
     # the adapter reloads onto a fresh base; the base weights are the untouched initial ones

@@ -32,8 +32,10 @@ inline __m128i to_bf16(__m256 p) {
 
 // AdamW on one vector, the operations of torch's single-tensor AdamW in its order: updates
 // p, m, v and returns sqrt(v') (before bias correction). Compact: the compact steps' bias
-// correction (a multiplication by bias_correction2_rsqrt instead of torch's division).
-template <bool Compact>
+// correction (a multiplication by bias_correction2_rsqrt instead of torch's division). BoundM:
+// the int8 step's bound, the update's m limited in magnitude to m_bound * sqrt(v') (min keeps
+// |m| where the limit is NaN: a NaN v', whose weight is NaN whatever m is).
+template <bool Compact, bool BoundM = false>
 inline __m256 adamw_math(const AdamArgs& a, __m256 g, __m256& p, __m256& m, __m256& v, bool lerp_small,
                          __m256 lerp_coeff) {
   if (a.apply_scale) g = _mm256_mul_ps(g, _mm256_set1_ps(a.grad_scale));
@@ -51,7 +53,13 @@ inline __m256 adamw_math(const AdamArgs& a, __m256 g, __m256& p, __m256& m, __m2
     root = Compact ? _mm256_mul_ps(root, _mm256_set1_ps(a.bias_correction2_rsqrt))
                    : _mm256_div_ps(root, _mm256_set1_ps(a.bias_correction2_sqrt));
   __m256 denom = _mm256_add_ps(root, _mm256_set1_ps(a.eps));
-  p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(a.neg_step_size), m), denom));
+  __m256 m_step = m;
+  if (BoundM) {
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(int(0x80000000u)));
+    const __m256 limit = _mm256_mul_ps(sqrt_v, _mm256_set1_ps(a.m_bound));
+    m_step = _mm256_or_ps(_mm256_min_ps(limit, _mm256_andnot_ps(sign, m)), _mm256_and_ps(sign, m));
+  }
+  p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(a.neg_step_size), m_step), denom));
   return sqrt_v;
 }
 
@@ -177,9 +185,14 @@ inline __m256 load_bf16(const uint16_t* src) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// bf16 with stochastic rounding: r (< 2^16) added below the kept bits; NaN -> 0x7fc0.
+// bf16 with stochastic rounding: r (< 2^16) added below the kept bits, a finite x saturating
+// at the largest finite bf16 (encode_bf16 in adam_kernels.h); NaN -> 0x7fc0.
 inline __m128i encode_bf16_vector(__m256 x, __m256i r) {
-  __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i magnitude = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i limit = _mm256_max_epu32(magnitude, _mm256_set1_epi32(int(kBF16SumLimit)));
+  const __m256i sum = _mm256_min_epu32(_mm256_add_epi32(magnitude, r), limit);
+  __m256i h = _mm256_srli_epi32(_mm256_or_si256(sum, _mm256_andnot_si256(magnitude, u)), 16);
   const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7fc0), is_nan);
   return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
@@ -196,44 +209,49 @@ inline __m256i load_signed_codes(const uint8_t* src) {
 }
 
 // The int8 formats' arithmetic as docs/compact_state.md writes it, 8 lanes at a time, on normal
-// fp32 numbers only: the normal and the subnormal-range formula are both computed and a
-// compare picks one per lane. (Going through fp32 subnormals instead, one multiplication
-// fewer, cost microcode assists: 2.2x slower on Gaussian gradients, whose first moments have
-// some lanes below 2^-6 of their block in most vectors.)
+// fp32 numbers only: each range's formula is computed and a min, max or compare picks one per
+// lane. (Going through fp32 subnormals instead, one multiplication fewer, cost microcode
+// assists: 2.2x slower on Gaussian gradients, whose first moments have some lanes far below
+// their block's largest in most vectors.)
 //
 // Two forms of each, equal bit for bit where both apply:
 // - general (any block exponent e): values in units of the block's scale 2^(e - 127), then
 //   multiplied by it (decode) or by its inverse (encode), as the doc writes them;
-// - scaled (16 <= e <= 252, the blocks of every ordinary moment): the scale folded into the
-//   exponent field. Multiplying a normal fp32 number by 2^k adds k << 23 to its bits when the
-//   product is normal, and in this range every value the formulas form is (docs/compact_state.md,
-//   "Exactness of the kernels' scaled form"). Saves the multiplications, the base subtractions and,
-//   for a block of E4M4 codes or roots with no lane in the subnormal range (nearly every block of
-//   a second moment: the range is below 2^-14 of the block's largest root), the subnormal formula.
+// - scaled (the blocks of every ordinary moment: scaled_exponent, scaled_exponent_e3m4t): the
+//   scale folded into the exponent field. Multiplying a normal fp32 number by 2^k adds k << 23
+//   to its bits when the product is normal, and in this range every value the formulas form is
+//   (docs/compact_state.md, "Exactness of the kernels' scaled form"). Saves the multiplications,
+//   the base subtractions and, for a block of E4M4 codes or roots with no lane in the subnormal
+//   range (nearly every block of a second moment: the range is below 2^-14 of the block's
+//   largest root), the subnormal formula.
 //
-// The subnormal formulas reuse the normal ones: float((c + Subnormal) << 19) is
-// 2 * float((c + Normal) << 19) (Subnormal - Normal = 16: one more in the exponent field), and
-// a code of y + end's bits with Subnormal subtracted is the code of (y + end) / 2 with Normal.
+// The root's subnormal formulas reuse the normal ones: float((c + 1808) << 19) is
+// 2 * float((c + 1792) << 19) (one more in the exponent field), and a code of y + end's bits
+// with 1808 subtracted is the code of (y + end) / 2 with 1792.
 
-// value(c) of code magnitudes c (< 256, in 32-bit lanes): float((c + Normal) << 19) from the
-// first normal code on, float((c + Subnormal) << 19) - end below; times the block's scale.
-template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
-inline __m256 decode_magnitude_vector(__m256i c, __m256 scale) {
+// value(c) of root codes c (< 256, in 32-bit lanes): float((c + 1792) << 19) from code 16 on,
+// float((c + 1808) << 19) - 2^-14 below; times the block's scale.
+inline __m256 decode_root_vector(__m256i c, __m256 scale) {
   const __m256i normal = _mm256_cmpgt_epi32(c, _mm256_set1_epi32(15));
   const __m256 normal_value =
-      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(int(Normal))), 19));
-  const __m256 subnormal_value = _mm256_sub_ps(
-      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(int(Subnormal))), 19)),
-      _mm256_castsi256_ps(_mm256_set1_epi32(int(EndBits))));
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(1792)), 19));
+  const __m256 subnormal_value =
+      _mm256_sub_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(1808)), 19)),
+                    _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM14Bits))));
   return _mm256_mul_ps(_mm256_blendv_ps(subnormal_value, normal_value, _mm256_castsi256_ps(normal)), scale);
 }
 
-// The same, scaled form: normal_base = Normal + 16 (e - 127), scaled_end = end * 2^(e - 127).
-// With n the normal formula's value, the subnormal one is 2 n - end, which is below n exactly
-// where c < 16 (n < end) and equal at c = 16: the smaller of the two is the value.
-inline __m256 decode_magnitude_scaled(__m256i c, __m256i normal_base, __m256 scaled_end) {
-  const __m256 normal_value = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, normal_base), 19));
-  return _mm256_min_ps(normal_value, _mm256_fmsub_ps(normal_value, _mm256_set1_ps(2.0f), scaled_end));
+// exp_avg magnitudes of codes c (< 128, in 32-bit lanes): the smaller of the E3M4 value
+// float((c + normal_base) << 19) and the tail's float(min(c + tail_base, 254) << 23), zero for
+// code 0. The tail's value doubles per code and equals the E3M4 one at code 15, so it is the
+// smaller below 15 and the larger from there (254: 2^127, above every value of a block). In
+// units of the scale: bases 1905 and 105; scaled form: 1905 + 16 (e - 127) and 105 + e - 127.
+inline __m256 decode_e3m4t_magnitude(__m256i c, __m256i normal_base, __m256i tail_base) {
+  const __m256 normal = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(c, normal_base), 19));
+  const __m256i tail_exponent = _mm256_min_epu32(_mm256_add_epi32(c, tail_base), _mm256_set1_epi32(254));
+  const __m256 tail = _mm256_castsi256_ps(_mm256_slli_epi32(tail_exponent, 23));
+  const __m256 zero = _mm256_castsi256_ps(_mm256_cmpeq_epi32(c, _mm256_setzero_si256()));
+  return _mm256_andnot_ps(zero, _mm256_min_ps(normal, tail));
 }
 
 // exp_avg: bit 7 of the (sign-extended) code is the sign, applied to the magnitude's value.
@@ -243,23 +261,25 @@ inline __m256 with_code_sign(__m256 magnitude, __m256i code) {
 }
 
 // The 32 exp_avg values of a block (codes at src, exponent byte e) into dst.
-inline void decode_e3m4_block(const uint8_t* src, uint32_t e, float* dst) {
+inline void decode_e3m4t_block(const uint8_t* src, uint32_t e, float* dst) {
   const __m256i magnitude = _mm256_set1_epi32(127);
-  if (scaled_exponent(e)) {
-    const __m256i base = _mm256_set1_epi32(int(1920u + 16u * (e - 127u)));
-    const __m256 end = _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM6Bits + scale_bits(e))));
+  if (scaled_exponent_e3m4t(e)) {
+    const __m256i normal_base = _mm256_set1_epi32(int(kE3M4TNormalBase + 16u * (e - 127u)));
+    const __m256i tail_base = _mm256_set1_epi32(int(kE3M4TTailBase + e - 127u));
     for (size_t k = 0; k < 4; ++k) {
       const __m256i code = load_signed_codes(src + 8 * k);
-      const __m256 value = decode_magnitude_scaled(_mm256_and_si256(code, magnitude), base, end);
+      const __m256 value = decode_e3m4t_magnitude(_mm256_and_si256(code, magnitude), normal_base, tail_base);
       _mm256_store_ps(dst + 8 * k, with_code_sign(value, code));
     }
     return;
   }
   const __m256 scale = _mm256_set1_ps(exponent_scale(e));
+  const __m256i normal_base = _mm256_set1_epi32(int(kE3M4TNormalBase));
+  const __m256i tail_base = _mm256_set1_epi32(int(kE3M4TTailBase));
   for (size_t k = 0; k < 4; ++k) {
     const __m256i code = load_signed_codes(src + 8 * k);
-    const __m256 value =
-        decode_magnitude_vector<1920, 1936, kTwoPowM6Bits>(_mm256_and_si256(code, magnitude), scale);
+    const __m256 value = _mm256_mul_ps(
+        decode_e3m4t_magnitude(_mm256_and_si256(code, magnitude), normal_base, tail_base), scale);
     _mm256_store_ps(dst + 8 * k, with_code_sign(value, code));
   }
 }
@@ -280,28 +300,32 @@ inline void decode_e4m4_block(const uint8_t* src, uint32_t e, float* dst) {
   }
   const __m256 scale = _mm256_set1_ps(exponent_scale(e));
   for (size_t k = 0; k < 4; ++k)
-    _mm256_store_ps(dst + 8 * k,
-                    decode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(load_codes(src + 8 * k), scale));
+    _mm256_store_ps(dst + 8 * k, decode_root_vector(load_codes(src + 8 * k), scale));
 }
 
-// Where y = |x| * inverse (magnitude: x >= 0 or NaN) falls among the codes, code << 19 | the
-// dropped bits (code_position in adam_kernels.h): bits(y) - Normal << 19 from the format's
-// subnormal end on, bits((y + end) / 2) - Normal << 19 below (y + end an fp32 add).
-template <uint32_t Normal, uint32_t EndBits>
-inline __m256i code_position_vector(__m256 magnitude, __m256 inverse) {
-  const __m256 end = _mm256_castsi256_ps(_mm256_set1_epi32(int(EndBits)));
-  const __m256 y = _mm256_mul_ps(magnitude, inverse);
+// Where y = root * inverse falls among the root's codes, code << 19 | the dropped bits
+// (root_position in adam_kernels.h): bits(y) - 1792 << 19 from 2^-14 on, bits((y + 2^-14) / 2)
+// - 1792 << 19 below (y + 2^-14 an fp32 add).
+inline __m256i root_position_vector(__m256 root, __m256 inverse) {
+  const __m256 end = _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM14Bits)));
+  const __m256 y = _mm256_mul_ps(root, inverse);
   const __m256 small = _mm256_cmp_ps(y, end, _CMP_LT_OQ);
   const __m256 t = _mm256_blendv_ps(y, _mm256_mul_ps(_mm256_add_ps(y, end), _mm256_set1_ps(0.5f)), small);
-  return _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(int(Normal << 19)));
+  return _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(int(1792u << 19)));
 }
 
-// The codes at those positions rounded with r below the kept 19 bits (x unbiased), not yet
-// limited to the largest code.
-template <uint32_t Normal, uint32_t EndBits>
-inline __m256i encode_magnitude_vector(__m256 magnitude, __m256 inverse, __m256i r) {
-  const __m256i position = code_position_vector<Normal, EndBits>(magnitude, inverse);
-  return _mm256_srli_epi32(_mm256_add_epi32(position, r), 19);
+// exp_avg's magnitude codes of |x| (magnitude, x finite), not yet limited to the largest code:
+// (the larger, as signed integers, of the E3M4 position bits(a) + normal_offset and the tail's
+// (bits(max(a, (a + floor) / 2)) >> 4) + tail_offset, plus r) >> 19 (e3m4t_position in
+// adam_kernels.h). General form: a = y = |x| * inverse, floor 2^-21, offsets -1905 << 19 and
+// -105 << 19; scaled form: a = |x|, floor 2^-21 * scale, offsets bits(inverse) - bits(1) -
+// 1905 << 19 and (127 - e) << 19 - 105 << 19 (the exponent's shift, as 19-bit units).
+inline __m256i encode_e3m4t_magnitude(__m256 a, __m256 floor, __m256i normal_offset, __m256i tail_offset,
+                                      __m256i r) {
+  const __m256 t = _mm256_max_ps(a, _mm256_mul_ps(_mm256_add_ps(a, floor), _mm256_set1_ps(0.5f)));
+  const __m256i normal = _mm256_add_epi32(_mm256_castps_si256(a), normal_offset);
+  const __m256i tail = _mm256_add_epi32(_mm256_srli_epi32(_mm256_castps_si256(t), 4), tail_offset);
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_max_epi32(normal, tail), r), 19);
 }
 
 // Roots' codes at positions code << 19 | F rounded so that v = root^2 is unbiased, not yet
@@ -324,16 +348,6 @@ inline __m256i encode_roots_unbiased_square(__m256i position, __m256i r) {
   const __m256i gap = _mm256_sub_epi32(fraction, _mm256_srli_epi32(_mm256_mullo_epi32(high, high), 13));
   const __m256i up = _mm256_cmpgt_epi32(_mm256_mullo_epi32(odd, _mm256_sub_epi32(fraction, r)), gap);
   return _mm256_sub_epi32(code, up);  // up: all ones (-1) where the root rounds up
-}
-
-// The same, scaled form (|x| and end scaled: y = |x| * inverse never formed): the codes are
-// (bits(t) + r + offset) >> 19 with offset = bits(inverse) - bits(1) - Normal << 19. The
-// subnormal range's t, (|x| + end) / 2 rounded, is above |x| exactly where |x| < end (and
-// equal to it where they round to the same value): t is the larger of the two.
-inline __m256i encode_magnitude_scaled(__m256 magnitude, __m256 scaled_end, __m256i offset, __m256i r) {
-  const __m256 t =
-      _mm256_max_ps(magnitude, _mm256_mul_ps(_mm256_add_ps(magnitude, scaled_end), _mm256_set1_ps(0.5f)));
-  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(_mm256_castps_si256(t), r), offset), 19);
 }
 
 // The random words of 32 elements from `first`: fmix32(key ^ position), 8 lanes at a time.
@@ -369,7 +383,7 @@ inline void store_codes_with_signs(uint8_t* dst, const __m256i (&c)[4], const fl
 }
 
 // The codes of a block of first moments x (32 at x) with exponent byte e into dst.
-inline void encode_e3m4_block(const float* x, uint32_t e, const __m256i (&words)[4], uint8_t* dst) {
+inline void encode_e3m4t_block(const float* x, uint32_t e, const __m256i (&words)[4], uint8_t* dst) {
   if (e == 255) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_setzero_si256());
     return;
@@ -377,29 +391,35 @@ inline void encode_e3m4_block(const float* x, uint32_t e, const __m256i (&words)
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i low_bits = _mm256_set1_epi32(0x7FFFF);
   __m256i codes[4];
-  if (scaled_exponent(e)) {
-    const __m256 end = _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM6Bits + scale_bits(e))));
-    const __m256i offset = _mm256_set1_epi32(int(scale_bits(254u - e) - (1920u << 19)));
+  if (scaled_exponent_e3m4t(e)) {
+    const __m256 floor = _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM21Bits + scale_bits(e))));
+    const __m256i normal_offset = _mm256_set1_epi32(int(scale_bits(254u - e) - (kE3M4TNormalBase << 19)));
+    const __m256i tail_offset = _mm256_set1_epi32(int(((127u - e) << 19) - (kE3M4TTailBase << 19)));
     for (size_t k = 0; k < 4; ++k)
-      codes[k] = encode_magnitude_scaled(_mm256_and_ps(_mm256_load_ps(x + 8 * k), abs_mask), end, offset,
-                                         _mm256_and_si256(words[k], low_bits));
+      codes[k] = encode_e3m4t_magnitude(_mm256_and_ps(_mm256_load_ps(x + 8 * k), abs_mask), floor,
+                                        normal_offset, tail_offset, _mm256_and_si256(words[k], low_bits));
   } else {
-    // Up to 112 (y <= 1) unless the exponent is 253, where y reaches 4: limited to 127.
+    // Up to 127 (y <= 1) unless the exponent is 253, where y reaches 4: limited to 127.
     const __m256 inverse = _mm256_set1_ps(exponent_inverse(e));
-    for (size_t k = 0; k < 4; ++k)
+    const __m256 floor = _mm256_castsi256_ps(_mm256_set1_epi32(int(kTwoPowM21Bits)));
+    const __m256i normal_offset = _mm256_set1_epi32(-int(kE3M4TNormalBase << 19));
+    const __m256i tail_offset = _mm256_set1_epi32(-int(kE3M4TTailBase << 19));
+    for (size_t k = 0; k < 4; ++k) {
+      const __m256 y = _mm256_mul_ps(_mm256_and_ps(_mm256_load_ps(x + 8 * k), abs_mask), inverse);
       codes[k] = _mm256_min_epi32(
-          encode_magnitude_vector<1920, kTwoPowM6Bits>(_mm256_and_ps(_mm256_load_ps(x + 8 * k), abs_mask),
-                                                       inverse, _mm256_and_si256(words[k], low_bits)),
+          encode_e3m4t_magnitude(y, floor, normal_offset, tail_offset, _mm256_and_si256(words[k], low_bits)),
           _mm256_set1_epi32(127));
+    }
   }
   store_codes_with_signs(dst, codes, x);
 }
 
 // The codes of a block of roots (32 at root, each >= +0: sqrt of a v that is never -0; NaN only
 // in a non-finite block, whose codes are 0) with exponent byte e into dst. Up to 240 unless the
-// exponent is 253 (limited to 255). A root above zero takes at least code 1 (its bits, a
-// positive int, limited to 1, as a floor); in the scaled form with no root below the subnormal
-// end every code is at least 16.
+// exponent is 253, limited to root_code_limit(e) (255, or 239 where code 240 would square to
+// infinity). A root above zero takes at least code 1 (its bits, a positive int, limited to 1,
+// as a floor); in the scaled form with no root below the subnormal end every code is at least
+// 16 and at most 240.
 inline void encode_e4m4_block(const float* root, uint32_t e, const __m256i (&words)[4], uint8_t* dst) {
   if (e == 255) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_setzero_si256());
@@ -408,7 +428,7 @@ inline void encode_e4m4_block(const float* root, uint32_t e, const __m256i (&wor
   __m256i codes[4];
   __m256i bits[4];
   for (size_t k = 0; k < 4; ++k) bits[k] = _mm256_load_si256(reinterpret_cast<const __m256i*>(root + 8 * k));
-  if (scaled_exponent(e)) {
+  if (scaled_root_encode(e)) {
     // roots are >= +0: their bits order like their values
     const __m256i smallest =
         _mm256_min_epu32(_mm256_min_epu32(bits[0], bits[1]), _mm256_min_epu32(bits[2], bits[3]));
@@ -425,9 +445,8 @@ inline void encode_e4m4_block(const float* root, uint32_t e, const __m256i (&wor
   const __m256 inverse = _mm256_set1_ps(exponent_inverse(e));
   for (size_t k = 0; k < 4; ++k) {
     const __m256i c = encode_roots_unbiased_square<false>(
-        code_position_vector<1792, kTwoPowM14Bits>(_mm256_castsi256_ps(bits[k]), inverse),
-        _mm256_srli_epi32(words[k], 13));
-    codes[k] = _mm256_max_epi32(_mm256_min_epi32(c, _mm256_set1_epi32(255)),
+        root_position_vector(_mm256_castsi256_ps(bits[k]), inverse), _mm256_srli_epi32(words[k], 13));
+    codes[k] = _mm256_max_epi32(_mm256_min_epi32(c, _mm256_set1_epi32(int(root_code_limit(e)))),
                                 _mm256_min_epi32(bits[k], _mm256_set1_epi32(1)));
   }
   store_packed(dst, pack_codes(codes));
@@ -569,7 +588,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
   alignas(32) float ms[kGroupBlocks * kInt8Block], roots[kGroupBlocks * kInt8Block];
   uint32_t m_largest[kGroupBlocks], root_largest[kGroupBlocks];
   for (size_t blk = 0; blk < blocks; ++blk) {
-    decode_e3m4_block(m_in + kInt8Block * blk, m_exponents_in[blk], ms + kInt8Block * blk);
+    decode_e3m4t_block(m_in + kInt8Block * blk, m_exponents_in[blk], ms + kInt8Block * blk);
     decode_e4m4_block(v_in + kInt8Block * blk, v_exponents_in[blk], roots + kInt8Block * blk);
   }
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
@@ -582,7 +601,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
       __m256 m = _mm256_load_ps(ms + e);
       const __m256 stored_root = _mm256_load_ps(roots + e);
       __m256 v = _mm256_mul_ps(stored_root, stored_root);
-      const __m256 root = adamw_math<true>(c.step, g, p, m, v, lerp_small, lerp_coeff);
+      const __m256 root = adamw_math<true, true>(c.step, g, p, m, v, lerp_small, lerp_coeff);
       _mm256_storeu_ps(b.param + i + e, p);
       store_out16<OutType>(b.out16 + i + e, p);
       _mm256_store_ps(ms + e, m);
@@ -597,7 +616,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, cons
     const uint32_t v_e = block_exponent(root_largest[blk]);
     __m256i words[4];
     block_random_words(c.key, first + uint32_t(kInt8Block * blk), words);
-    encode_e3m4_block(ms + kInt8Block * blk, m_e, words, m_out + kInt8Block * blk);
+    encode_e3m4t_block(ms + kInt8Block * blk, m_e, words, m_out + kInt8Block * blk);
     encode_e4m4_block(roots + kInt8Block * blk, v_e, words, v_out + kInt8Block * blk);
     m_exponents[blk] = uint8_t(m_e);
     v_exponents[blk] = uint8_t(v_e);

@@ -51,8 +51,9 @@ inline __m256i to_bf16(__m512 p) {
 
 // AdamW on one vector, the operations of torch's single-tensor AdamW in its order: updates
 // p, m, v and returns sqrt(v') (before bias correction). Compact: the compact steps' bias
-// correction (a multiplication by bias_correction2_rsqrt instead of torch's division).
-template <bool Compact>
+// correction (a multiplication by bias_correction2_rsqrt instead of torch's division). BoundM:
+// the int8 step's bound (see adam_avx2.cpp).
+template <bool Compact, bool BoundM = false>
 inline __m512 adamw_math(const AdamArgs& a, __m512 g, __m512& p, __m512& m, __m512& v, bool lerp_small,
                          __m512 lerp_coeff) {
   if (a.apply_scale) g = _mm512_mul_ps(g, _mm512_set1_ps(a.grad_scale));
@@ -68,7 +69,13 @@ inline __m512 adamw_math(const AdamArgs& a, __m512 g, __m512& p, __m512& m, __m5
     root = Compact ? _mm512_mul_ps(root, _mm512_set1_ps(a.bias_correction2_rsqrt))
                    : _mm512_div_ps(root, _mm512_set1_ps(a.bias_correction2_sqrt));
   __m512 denom = _mm512_add_ps(root, _mm512_set1_ps(a.eps));
-  p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(a.neg_step_size), m), denom));
+  __m512 m_step = m;
+  if (BoundM) {
+    // VRANGEPS, imm 0b0010: of m and the limit the one of smaller magnitude, with m's sign (a
+    // limit >= +0 or NaN: a NaN limit gives NaN, as does the step it comes with: a NaN v')
+    m_step = _mm512_range_ps(m, _mm512_mul_ps(sqrt_v, _mm512_set1_ps(a.m_bound)), 0x2);
+  }
+  p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(a.neg_step_size), m_step), denom));
   return sqrt_v;
 }
 
@@ -166,9 +173,15 @@ inline __m512 load_bf16(const uint16_t* src, __mmask16 mask) {
   return widen_bf16(_mm256_maskz_loadu_epi16(mask, src));
 }
 
-// bf16 with stochastic rounding: r (< 2^16) added below the kept bits; NaN -> 0x7fc0.
+// bf16 with stochastic rounding: r (< 2^16) added below the kept bits, a finite x saturating
+// at the largest finite bf16 (encode_bf16 in adam_kernels.h); NaN -> 0x7fc0.
 inline __m256i encode_bf16_vector(__m512 x, __m512i r) {
-  return bf16_high_halves(x, _mm512_add_epi32(_mm512_castps_si512(x), r));
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i magnitude = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __m512i limit = _mm512_max_epu32(magnitude, _mm512_set1_epi32(int(kBF16SumLimit)));
+  const __m512i sum = _mm512_min_epu32(_mm512_add_epi32(magnitude, r), limit);
+  // the sign bit back: u ^ magnitude
+  return bf16_high_halves(x, _mm512_or_si512(sum, _mm512_xor_si512(magnitude, u)));
 }
 
 // 16 codes (bytes) widened to 32-bit lanes, masked-off lanes zero: zero-extended (E4M4),
@@ -181,69 +194,68 @@ inline __m512i load_signed_codes(const uint8_t* src, __mmask16 mask) {
   return _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, src));
 }
 
-// The int8 formats' arithmetic on normal fp32 numbers only, both range formulas computed and
-// one picked per lane by a mask (see adam_avx2.cpp: no fp32 subnormals, no microcode assists).
-template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
-inline __m512 decode_magnitude_vector(__m512i c, __m512 scale) {
+// The int8 formats' arithmetic on normal fp32 numbers only, each range's formula computed and
+// one picked per lane (see adam_avx2.cpp: no fp32 subnormals, no microcode assists).
+
+// value(c) of root codes c (< 256): float((c + 1792) << 19) from code 16 on, float((c + 1808)
+// << 19) - 2^-14 below; times the block's scale.
+inline __m512 decode_e4m4_vector(__m512i c, __m512 scale) {
   const __mmask16 normal = _mm512_cmpgt_epi32_mask(c, _mm512_set1_epi32(15));
   const __m512 normal_value =
-      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(int(Normal))), 19));
-  const __m512 subnormal_value = _mm512_sub_ps(
-      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(int(Subnormal))), 19)),
-      _mm512_castsi512_ps(_mm512_set1_epi32(int(EndBits))));
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(1792)), 19));
+  const __m512 subnormal_value =
+      _mm512_sub_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(1808)), 19)),
+                    _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPowM14Bits))));
   return _mm512_mul_ps(_mm512_mask_mov_ps(subnormal_value, normal, normal_value), scale);
 }
 
-inline __m512 decode_e3m4_vector(__m512i code, __m512 scale) {
-  const __m512 magnitude = decode_magnitude_vector<1920, 1936, kTwoPowM6Bits>(
-      _mm512_and_si512(code, _mm512_set1_epi32(127)), scale);
-  const __m512i sign = _mm512_and_si512(code, _mm512_set1_epi32(int(0x80000000u)));
-  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(magnitude), sign));
-}
-
-inline __m512 decode_e4m4_vector(__m512i code, __m512 scale) {
-  return decode_magnitude_vector<1792, 1808, kTwoPowM14Bits>(code, scale);
-}
-
-// The scaled form of adam_avx2.cpp (scaled_exponent, scale_bits in adam_kernels.h).
-
-// exp_avg values of sign-extended codes, scaled form: n = float((c + base) << 19) and the
-// smaller of n and 2 n - end, with the code's sign.
-inline __m512 decode_e3m4_scaled(__m512i code, __m512i base, __m512 end) {
+// exp_avg values of sign-extended codes: the magnitude the smaller of the E3M4 value
+// float((c + normal_base) << 19) and the tail's float(min(c + tail_base, 254) << 23), zero for
+// code 0 (see adam_avx2.cpp, decode_e3m4t_magnitude), with the code's sign. In units of the
+// scale (the general form multiplies by it after): bases 1905 and 105; scaled form:
+// 1905 + 16 (e - 127) and 105 + e - 127.
+inline __m512 decode_e3m4t_vector(__m512i code, __m512i normal_base, __m512i tail_base) {
   const __m512i c = _mm512_and_si512(code, _mm512_set1_epi32(127));
-  const __m512 n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(c, base), 19));
-  const __m512 magnitude = _mm512_min_ps(n, _mm512_fmsub_ps(n, _mm512_set1_ps(2.0f), end));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(c, normal_base), 19));
+  const __m512i tail_exponent = _mm512_min_epu32(_mm512_add_epi32(c, tail_base), _mm512_set1_epi32(254));
+  // code 0: a tail of +0 (a masked shift), the smaller of the two
+  const __m512 tail =
+      _mm512_castsi512_ps(_mm512_maskz_slli_epi32(_mm512_test_epi32_mask(c, c), tail_exponent, 23));
+  const __m512i magnitude = _mm512_castps_si512(_mm512_min_ps(normal, tail));
+  // magnitude | (code & sign bit), one ternary-logic instruction
+  return _mm512_castsi512_ps(
+      _mm512_ternarylogic_epi32(magnitude, code, _mm512_set1_epi32(int(0x80000000u)), 0xF8));
+}
+
+// The general form's value: the magnitude in units of the scale, times the scale, signed.
+inline __m512 decode_e3m4t_general(__m512i code, __m512 scale) {
+  const __m512 unscaled =
+      decode_e3m4t_vector(_mm512_and_si512(code, _mm512_set1_epi32(127)),
+                          _mm512_set1_epi32(int(kE3M4TNormalBase)), _mm512_set1_epi32(int(kE3M4TTailBase)));
   const __m512i sign = _mm512_and_si512(code, _mm512_set1_epi32(int(0x80000000u)));
-  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(magnitude), sign));
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(unscaled, scale)), sign));
 }
 
-// Codes of |x| (x >= 0 or its magnitude), scaled form: (bits(t) + r + offset) >> 19 with t the
-// larger of |x| and (|x| + end) / 2.
-inline __m512i encode_magnitude_scaled(__m512 magnitude, __m512 end, __m512i offset, __m512i r) {
-  const __m512 t =
-      _mm512_max_ps(magnitude, _mm512_mul_ps(_mm512_add_ps(magnitude, end), _mm512_set1_ps(0.5f)));
-  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(_mm512_castps_si512(t), r), offset), 19);
+// exp_avg's magnitude codes of a (|x|, or y = |x| * inverse in the general form), not yet
+// limited to the largest code (see adam_avx2.cpp, encode_e3m4t_magnitude).
+inline __m512i encode_e3m4t_magnitude(__m512 a, __m512 floor, __m512i normal_offset, __m512i tail_offset,
+                                      __m512i r) {
+  const __m512 t = _mm512_max_ps(a, _mm512_mul_ps(_mm512_add_ps(a, floor), _mm512_set1_ps(0.5f)));
+  const __m512i normal = _mm512_add_epi32(_mm512_castps_si512(a), normal_offset);
+  const __m512i tail = _mm512_add_epi32(_mm512_srli_epi32(_mm512_castps_si512(t), 4), tail_offset);
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_max_epi32(normal, tail), r), 19);
 }
 
-// Where y = |x| * inverse (magnitude: x >= 0 or NaN) falls among the codes, code << 19 | the
-// dropped bits (see adam_avx2.cpp).
-template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
-inline __m512i code_position_vector(__m512 magnitude, __m512 inverse) {
-  const __m512 end = _mm512_castsi512_ps(_mm512_set1_epi32(int(EndBits)));
-  const __m512 y = _mm512_mul_ps(magnitude, inverse);
-  const __m512i normal = _mm512_sub_epi32(_mm512_castps_si512(y), _mm512_set1_epi32(int(Normal << 19)));
+// Where y = root * inverse falls among the root's codes, code << 19 | the dropped bits (see
+// adam_avx2.cpp, root_position_vector).
+inline __m512i root_position_vector(__m512 root, __m512 inverse) {
+  const __m512 end = _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPowM14Bits)));
+  const __m512 y = _mm512_mul_ps(root, inverse);
+  const __m512i normal = _mm512_sub_epi32(_mm512_castps_si512(y), _mm512_set1_epi32(int(1792u << 19)));
   const __m512i subnormal =
-      _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, end)), _mm512_set1_epi32(int(Subnormal << 19)));
+      _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(y, end)), _mm512_set1_epi32(int(1808u << 19)));
   const __mmask16 small = _mm512_cmp_ps_mask(y, end, _CMP_LT_OQ);
   return _mm512_mask_mov_epi32(normal, small, subnormal);
-}
-
-// The codes at those positions rounded with r below the kept 19 bits (x unbiased), not yet
-// limited to the largest code.
-template <uint32_t Normal, uint32_t Subnormal, uint32_t EndBits>
-inline __m512i encode_magnitude_vector(__m512 magnitude, __m512 inverse, __m512i r) {
-  const __m512i position = code_position_vector<Normal, Subnormal, EndBits>(magnitude, inverse);
-  return _mm512_srli_epi32(_mm512_add_epi32(position, r), 19);
 }
 
 // Roots' codes at positions code << 19 | F rounded so that v = root^2 is unbiased, not yet
@@ -267,24 +279,18 @@ inline __m512i encode_roots_unbiased_square(__m512i position, __m512i r) {
   return _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
 }
 
-// E3M4 magnitude codes (the sign comes separately: e3m4_signs); limited to 127 only in a block
-// of exponent 253 (see adam_avx2.cpp).
-inline __m512i encode_e3m4_vector(__m512 x, __m512 inverse, __m512i word) {
-  const __m512 magnitude =
-      _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
-  return encode_magnitude_vector<1920, 1936, kTwoPowM6Bits>(
-      magnitude, inverse, _mm512_and_si512(word, _mm512_set1_epi32(0x7FFFF)));
-}
-
-inline __m512i e3m4_signs(__m512 x) {
-  return _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 24), _mm512_set1_epi32(0x80));
+// codes | the sign of x in bit 7: x's bits shifted down by 24, then one ternary-logic
+// instruction (codes | (shifted & 0x80))
+inline __m512i with_e3m4t_signs(__m512i codes, __m512 x) {
+  return _mm512_ternarylogic_epi32(codes, _mm512_srli_epi32(_mm512_castps_si512(x), 24),
+                                   _mm512_set1_epi32(0x80), 0xF8);
 }
 
 // E4M4 codes of a root (>= +0; see adam_avx2.cpp).
 // A root above zero takes at least code 1 (see adam_avx2.cpp).
 inline __m512i encode_e4m4_vector(__m512 root, __m512 inverse, __m512i word) {
-  const __m512i codes = encode_roots_unbiased_square<false>(
-      code_position_vector<1792, 1808, kTwoPowM14Bits>(root, inverse), _mm512_srli_epi32(word, 13));
+  const __m512i codes =
+      encode_roots_unbiased_square<false>(root_position_vector(root, inverse), _mm512_srli_epi32(word, 13));
   return _mm512_max_epi32(codes, _mm512_min_epi32(_mm512_castps_si512(root), _mm512_set1_epi32(1)));
 }
 
@@ -393,9 +399,9 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
     const uint32_t m_e = m_exponent_in[blk], v_e = v_exponent_in[blk];
     const __m512 m_scale = _mm512_set1_ps(exponent_scale(m_e));
     const __m512 v_scale = _mm512_set1_ps(exponent_scale(v_e));
-    const bool m_scaled = scaled_exponent(m_e);
-    const __m512i m_base = _mm512_set1_epi32(int(1920u + 16u * (m_e - 127u)));
-    const __m512 m_end = _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPowM6Bits + scale_bits(m_e))));
+    const bool m_scaled = scaled_exponent_e3m4t(m_e);
+    const __m512i m_normal_base = _mm512_set1_epi32(int(kE3M4TNormalBase + 16u * (m_e - 127u)));
+    const __m512i m_tail_base = _mm512_set1_epi32(int(kE3M4TTailBase + m_e - 127u));
     const bool v_scaled = scaled_exponent(v_e);  // and, per vector, no code below 16
     const __m512i v_base = _mm512_set1_epi32(int(1792u + 16u * (v_e - 127u)));
     __m512i m_max = _mm512_setzero_si512(), root_max = _mm512_setzero_si512();
@@ -405,14 +411,15 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
       __m512 g = load_grad<GradType>(a.grad, i + e, mask);
       __m512 p = _mm512_maskz_loadu_ps(mask, a.param_in + i + e);
       const __m512i m_code = load_signed_codes(m_in + e, mask);
-      __m512 m = m_scaled ? decode_e3m4_scaled(m_code, m_base, m_end) : decode_e3m4_vector(m_code, m_scale);
+      __m512 m = m_scaled ? decode_e3m4t_vector(m_code, m_normal_base, m_tail_base)
+                          : decode_e3m4t_general(m_code, m_scale);
       const __m512i v_code = load_codes(v_in + e, mask);
       const __m512 stored_root =
           v_scaled && _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(16), v_code) == 0
               ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(v_code, v_base), 19))
               : decode_e4m4_vector(v_code, v_scale);
       __m512 v = _mm512_mul_ps(stored_root, stored_root);
-      __m512 root = adamw_math<true>(a, g, p, m, v, lerp_small, lerp_coeff);
+      __m512 root = adamw_math<true, true>(a, g, p, m, v, lerp_small, lerp_coeff);
       // masked-off lanes: zero (a NaN scale would otherwise reach them)
       m = _mm512_maskz_mov_ps(mask, m);
       root = _mm512_maskz_mov_ps(mask, root);
@@ -431,12 +438,17 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
     const uint32_t v_e = block_exponent(root_largest[blk]);
     const __m512 m_inverse = _mm512_set1_ps(exponent_inverse(m_e));
     const __m512 v_inverse = _mm512_set1_ps(exponent_inverse(v_e));
-    const bool m_scaled = scaled_exponent(m_e);
-    const __m512 m_end = _mm512_castsi512_ps(_mm512_set1_epi32(int(kTwoPowM6Bits + scale_bits(m_e))));
-    const __m512i m_offset = _mm512_set1_epi32(int(scale_bits(254u - m_e) - (1920u << 19)));
+    const bool m_scaled = scaled_exponent_e3m4t(m_e);
+    // the scaled form's floor and offsets, else the general form's (encode_e3m4t_magnitude)
+    const __m512 m_floor = _mm512_castsi512_ps(
+        _mm512_set1_epi32(int(m_scaled ? kTwoPowM21Bits + scale_bits(m_e) : kTwoPowM21Bits)));
+    const __m512i m_normal_offset = _mm512_set1_epi32(
+        int(m_scaled ? scale_bits(254u - m_e) - (kE3M4TNormalBase << 19) : 0u - (kE3M4TNormalBase << 19)));
+    const __m512i m_tail_offset = _mm512_set1_epi32(
+        int(m_scaled ? ((127u - m_e) << 19) - (kE3M4TTailBase << 19) : 0u - (kE3M4TTailBase << 19)));
     // scaled and, per vector, no root below the subnormal end: the normal formula only, every
     // code at least 16 (a partial block's masked-off lanes are zero roots: the general form)
-    const bool v_scaled = scaled_exponent(v_e);
+    const bool v_scaled = scaled_root_encode(v_e);
     const __m512i v_end = _mm512_set1_epi32(int(kTwoPowM14Bits + scale_bits(v_e)));
     const __m512i v_offset = _mm512_set1_epi32(int(scale_bits(254u - v_e) - (1792u << 19)));
     for (size_t k = 0; k < 2; ++k) {
@@ -444,17 +456,19 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
       const __mmask16 mask = lanes(2 * blk + k, count);
       const __m512i word = random_words(c.key, uint32_t(c.position + i + e));
       const __m512 m = _mm512_load_ps(ms + e);
+      const __m512 m_magnitude =
+          _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(0x7fffffff)));
+      const __m512i r = _mm512_and_si512(word, _mm512_set1_epi32(0x7FFFF));
       __m512i m_codes;
       if (m_scaled) {
-        const __m512 m_magnitude =
-            _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(0x7fffffff)));
-        m_codes = encode_magnitude_scaled(m_magnitude, m_end, m_offset,
-                                          _mm512_and_si512(word, _mm512_set1_epi32(0x7FFFF)));
+        m_codes = encode_e3m4t_magnitude(m_magnitude, m_floor, m_normal_offset, m_tail_offset, r);
       } else {
-        m_codes = encode_e3m4_vector(m, m_inverse, word);
-        if (m_e == 253) m_codes = _mm512_min_epi32(m_codes, _mm512_set1_epi32(127));
+        // up to 127 (y <= 1) unless the exponent is 253, where y reaches 4: limited to 127
+        m_codes = _mm512_min_epi32(encode_e3m4t_magnitude(_mm512_mul_ps(m_magnitude, m_inverse), m_floor,
+                                                          m_normal_offset, m_tail_offset, r),
+                                   _mm512_set1_epi32(127));
       }
-      m_codes = _mm512_or_si512(m_codes, e3m4_signs(m));
+      m_codes = with_e3m4t_signs(m_codes, m);
       __m512i v_codes;
       const __m512i root_bits = _mm512_load_si512(roots + e);
       if (v_scaled && _mm512_cmpgt_epi32_mask(v_end, root_bits) == 0) {
@@ -462,7 +476,7 @@ __attribute__((always_inline)) inline void int8_group(const CompactArgs& c, size
                                                      _mm512_srli_epi32(word, 13));
       } else {
         v_codes = encode_e4m4_vector(_mm512_load_ps(roots + e), v_inverse, word);
-        if (v_e == 253) v_codes = _mm512_min_epi32(v_codes, _mm512_set1_epi32(255));
+        v_codes = _mm512_min_epi32(v_codes, _mm512_set1_epi32(int(root_code_limit(v_e))));
       }
       if (m_e == 255) m_codes = _mm512_setzero_si512();
       if (v_e == 255) v_codes = _mm512_setzero_si512();

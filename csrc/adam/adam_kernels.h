@@ -55,6 +55,11 @@ struct AdamArgs {
   bool correct_bc2;  // this step's factor != 1 (x / 1 == x * 1 == x exactly: skipped)
   float eps;
   float neg_step_size;  // -lr / bias_correction1
+  // The int8 step's bound on the first moment it steps with (docs/compact_state.md, "The
+  // single-step bound"): |m'| taken as at most m_bound * sqrt(v'), AdamW's own largest
+  // |m_t| / sqrt(v_t) at this step (finite: fp32's largest where there is none, so that the
+  // limit is NaN only for a NaN v'). m' is stored as it is.
+  float m_bound;
   // Large arrays (far beyond the last-level cache): write param_out16 with non-temporal
   // stores (no read-for-ownership of lines that are only written; it will not be re-read
   // from this cache soon). Changes no result, only the memory traffic; the portable variant
@@ -227,9 +232,15 @@ static inline uint32_t fmix32(uint32_t h) {
   return h;
 }
 
-// Where the int8 code formats' subnormal ranges end (docs/compact_state.md): exp_avg's E3M4
-// (exponent bias 7) at 2^-6, the root's E4M4 (bias 15) at 2^-14.
-constexpr uint32_t kTwoPowM6Bits = (127u - 6u) << 23;
+// exp_avg's magnitude codes, E3M4T (docs/compact_state.md): 0 is zero; 1..14 the tail, powers
+// of two float((c + 105) << 23) = 2^(c - 22), from 2^-21 to 2^-8; 15..127 E3M4,
+// float((c + 1905) << 19), from 2^-7 to 1.0 (code 127). Below the tail's floor 2^-21 a value
+// rounds between 0 and it.
+constexpr uint32_t kE3M4TTailBase = 105;
+constexpr uint32_t kE3M4TNormalBase = 1905;
+constexpr uint32_t kE3M4TFirstNormal = 15;
+constexpr uint32_t kTwoPowM21Bits = (127u - 21u) << 23;
+// Where the root's E4M4 subnormal range ends (bias 15): 2^-14.
 constexpr uint32_t kTwoPowM14Bits = (127u - 14u) << 23;
 
 // The compact kernels run with IEEE arithmetic whatever the calling thread set: round to
@@ -271,18 +282,34 @@ static inline float exponent_scale(uint32_t e) {
 static inline float exponent_inverse(uint32_t e) { return bits_float((e >= 254 ? 0u : 254u - e) << 23); }
 
 // The block exponents of the vector kernels' scaled form (docs/compact_state.md, "Exactness of
-// the kernels' scaled form"): there the block's scale is folded into the exponent field.
+// the kernels' scaled form"): there the block's scale is folded into the exponent field. The
+// root's formulas stay normal down to 2^-15 of the scale, exp_avg's down to 2^-22 (the tail's
+// floor halved).
 static inline bool scaled_exponent(uint32_t e) { return e >= 16 && e <= 252; }
+static inline bool scaled_exponent_e3m4t(uint32_t e) { return e >= 23 && e <= 252; }
+
+// The root codes that square to a finite v: all but code 240 (2^64, v = 2^128 = infinity) of a
+// block of exponent 191, whose roots lie in [2^63, 2^64) (v from 2^126 to the fp32 maximum): a v
+// there saturates at code 239 ((31/16) 2^63, v = 3.19e38). Finite roots never reach a higher
+// block (sqrt of the fp32 maximum is below 2^64).
+constexpr uint32_t kRootOverflowExponent = 191;
+static inline uint32_t root_code_limit(uint32_t e) { return e == kRootOverflowExponent ? 239 : 255; }
+// The scaled form of the root's encode: its blocks but that one (the general form limits codes).
+static inline bool scaled_root_encode(uint32_t e) { return scaled_exponent(e) && e != kRootOverflowExponent; }
 
 // The bits of x * 2^(e - 127) minus those of x, mod 2^32 (x and the product normal).
 static inline uint32_t scale_bits(uint32_t e) { return (e - 127u) << 23; }
 
-// exp_avg code: bit 7 the sign, bits 0..6 an E3M4 magnitude (value(112) = 1).
-static inline float decode_e3m4(uint32_t code, float scale) {
-  const uint32_t c = code & 127u;
-  const float value =
-      c >= 16 ? bits_float((c + 1920u) << 19) : bits_float((c + 1936u) << 19) - bits_float(kTwoPowM6Bits);
-  return bits_float(float_bits(value * scale) ^ ((code >> 7) << 31));
+// exp_avg's magnitude value of code c (< 128) in units of the block's scale.
+static inline float e3m4t_value(uint32_t c) {
+  if (c == 0) return 0.0f;
+  return c < kE3M4TFirstNormal ? bits_float((c + kE3M4TTailBase) << 23)
+                               : bits_float((c + kE3M4TNormalBase) << 19);
+}
+
+// exp_avg code: bit 7 the sign, bits 0..6 the E3M4T magnitude (value(127) = 1).
+static inline float decode_e3m4t(uint32_t code, float scale) {
+  return bits_float(float_bits(e3m4t_value(code & 127u) * scale) ^ ((code >> 7) << 31));
 }
 
 // exp_avg_sq code: the root's E4M4 magnitude (value(240) = 1).
@@ -292,16 +319,28 @@ static inline float decode_e4m4(uint32_t c, float scale) {
   return value * scale;
 }
 
-// Where y = |x| * inverse falls among a format's codes: code << 19 | fraction, the fraction the
-// 19 dropped bits (E3M4: bases 1936 / 1920, subnormal below 2^-6; E4M4: 1808 / 1792, below
-// 2^-14). From the subnormal end on, bits(y) - normal_base << 19; below, bits(y + end) (an
-// fp32 add, in the binade above the end) - subnormal_base << 19.
-static inline uint32_t code_position(float x, float inverse, uint32_t subnormal_end_bits, uint32_t sub_base,
-                                     uint32_t normal_base) {
+// Where y = |x| * inverse falls among exp_avg's magnitude codes: code << 19 | the 19 dropped
+// bits. The larger, as signed integers, of the E3M4 position bits(y) - 1905 << 19 (the larger
+// from 2^-7 on) and the tail's (bits(t) >> 4) - 105 << 19 with t = max(y, (y + 2^-21) / 2) (the
+// larger below): in the tail one code is a binade, whose 23 mantissa bits give the fraction's 19;
+// below the floor, halving y + 2^-21 maps [0, 2^-21) linearly onto the binade under it, the
+// position of code 0.
+static inline uint32_t e3m4t_position(float x, float inverse) {
   const float y = bits_float(float_bits(x) & 0x7fffffffu) * inverse;
-  const float subnormal_end = bits_float(subnormal_end_bits);
-  return y < subnormal_end ? float_bits(y + subnormal_end) - (sub_base << 19)
-                           : float_bits(y) - (normal_base << 19);
+  const float half = (y + bits_float(kTwoPowM21Bits)) * 0.5f;
+  const float t = half > y ? half : y;
+  const int32_t normal = int32_t(float_bits(y) - (kE3M4TNormalBase << 19));
+  const int32_t tail = int32_t((float_bits(t) >> 4) - (kE3M4TTailBase << 19));
+  return uint32_t(normal > tail ? normal : tail);
+}
+
+// Where root * inverse falls among the root's E4M4 codes: code << 19 | fraction, the fraction
+// the 19 dropped bits. From the subnormal end 2^-14 on, bits(y) - 1792 << 19; below,
+// bits(y + 2^-14) (an fp32 add, in the binade above the end) - 1808 << 19.
+static inline uint32_t root_position(float root, float inverse) {
+  const float y = bits_float(float_bits(root) & 0x7fffffffu) * inverse;
+  const float subnormal_end = bits_float(kTwoPowM14Bits);
+  return y < subnormal_end ? float_bits(y + subnormal_end) - (1808u << 19) : float_bits(y) - (1792u << 19);
 }
 
 // Whether the root at position c << 19 | F rounds up so that v = root^2 comes back unbiased:
@@ -320,26 +359,33 @@ static inline uint32_t root_rounds_up(uint32_t position, uint32_t r) {
   return odd * (fraction - int32_t(r)) > gap ? 1u : 0u;
 }
 
-static inline uint32_t encode_e3m4(float x, float inverse, uint32_t word) {
-  const uint32_t c = (code_position(x, inverse, kTwoPowM6Bits, 1936, 1920) + (word & 0x7FFFFu)) >> 19;
+static inline uint32_t encode_e3m4t(float x, float inverse, uint32_t word) {
+  const uint32_t c = (e3m4t_position(x, inverse) + (word & 0x7FFFFu)) >> 19;
   return (c < 127 ? c : 127) | ((float_bits(x) >> 31) << 7);
 }
 
 // The root's code, rounded so that v = root^2 is unbiased (root_rounds_up; r the word's top 19
-// bits). A root above zero never rounds to code 0 (docs/compact_state.md: a zero second moment
-// under a nonzero first one would step by m / eps).
-static inline uint32_t encode_e4m4(float root, float inverse, uint32_t word) {
-  const uint32_t position = code_position(root, inverse, kTwoPowM14Bits, 1808, 1792);
+// bits), at most `limit` (root_code_limit of the block). A root above zero never rounds to code
+// 0 (docs/compact_state.md: a zero second moment under a nonzero first one would step by m / eps).
+static inline uint32_t encode_e4m4(float root, float inverse, uint32_t word, uint32_t limit) {
+  const uint32_t position = root_position(root, inverse);
   const uint32_t rounded = (position >> 19) + root_rounds_up(position, word >> 13);
-  const uint32_t code = rounded < 255 ? rounded : 255;
+  const uint32_t code = rounded < limit ? rounded : limit;
   return code == 0 && float_bits(root) != 0 ? 1 : code;
 }
 
-// bf16 with stochastic rounding: r added below the kept 16 bits; NaN -> 0x7fc0.
+// bf16 with stochastic rounding: r (< 2^16) added below the kept 16 bits of |x|, the sum
+// limited to the larger of |x|'s bits and 0x7f7fffff: a finite x saturates at the largest
+// finite bf16 (0x7f7f, sign kept) instead of rounding to infinity, an infinity stays one;
+// NaN -> 0x7fc0.
+constexpr uint32_t kBF16SumLimit = 0x7f7fffffu;
 static inline uint16_t encode_bf16(float x, uint32_t r) {
   const uint32_t u = float_bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return uint16_t((u + r) >> 16);
+  const uint32_t magnitude = u & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return 0x7fc0;
+  const uint32_t limit = magnitude > kBF16SumLimit ? magnitude : kBF16SumLimit;
+  const uint32_t sum = magnitude + r < limit ? magnitude + r : limit;
+  return uint16_t((sum | (u & 0x80000000u)) >> 16);
 }
 
 // ---- reductions, written once, compiled per instruction set by each variant ------------

@@ -18,8 +18,10 @@ inline float load_grad(const void* grad, size_t i) {
 
 // AdamW on one element, the operations of torch's single-tensor AdamW in its order (the fused
 // multiply-adds explicit): updates p, m, v and returns sqrt(v') (before bias correction).
-// Compact: the compact steps' bias correction (multiplied by bias_correction2_rsqrt).
-template <bool Compact>
+// Compact: the compact steps' bias correction (multiplied by bias_correction2_rsqrt). BoundM:
+// the int8 step's bound, the update's m limited in magnitude to m_bound * sqrt(v') (a NaN
+// limit, from a NaN v', leaves m: that step's weight is NaN whatever m is).
+template <bool Compact, bool BoundM = false>
 inline float adamw_element(const AdamArgs& a, float g, float& p, float& m, float& v, bool lerp_small,
                            float lerp_coeff) {
   if (a.apply_scale) g = g * a.grad_scale;
@@ -32,7 +34,13 @@ inline float adamw_element(const AdamArgs& a, float g, float& p, float& m, float
   float root = sqrt_v;
   if (a.correct_bc2) root = Compact ? root * a.bias_correction2_rsqrt : root / a.bias_correction2_sqrt;
   float denom = root + a.eps;
-  p = p + (a.neg_step_size * m) / denom;  // addcdiv_(m, denom, -step)
+  float m_step = m;
+  if (BoundM) {
+    const float limit = sqrt_v * a.m_bound;
+    const float magnitude = __builtin_fabsf(m);
+    m_step = bits_float(float_bits(limit < magnitude ? limit : magnitude) | (float_bits(m) & 0x80000000u));
+  }
+  p = p + (a.neg_step_size * m_step) / denom;  // addcdiv_(m, denom, -step)
   return sqrt_v;
 }
 
@@ -144,10 +152,10 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
       const size_t i = start + j;
       float g = load_grad<GradType>(a.grad, i);
       float p = a.param_in[i];
-      float m = decode_e3m4(m_in[i], m_scale);
+      float m = decode_e3m4t(m_in[i], m_scale);
       const float stored_root = decode_e4m4(v_in[i], v_scale);
       float v = stored_root * stored_root;
-      const float root = adamw_element<true>(a, g, p, m, v, lerp_small, lerp_coeff);
+      const float root = adamw_element<true, true>(a, g, p, m, v, lerp_small, lerp_coeff);
       a.param[i] = p;
       store_out16<OutType>(out16, i, p);
       ms[j] = m;
@@ -161,11 +169,12 @@ void int8_range(const CompactArgs& args, size_t begin, size_t end) {
     const uint32_t v_exponent = block_exponent(root_largest);
     const float m_inverse = exponent_inverse(m_exponent);
     const float v_inverse = exponent_inverse(v_exponent);
+    const uint32_t v_limit = root_code_limit(v_exponent);
     for (size_t j = 0; j < count; ++j) {
       const size_t i = start + j;
       const uint32_t word = fmix32(c.key ^ uint32_t(c.position + i));
-      m_out[i] = m_exponent == 255 ? 0 : uint8_t(encode_e3m4(ms[j], m_inverse, word));
-      v_out[i] = v_exponent == 255 ? 0 : uint8_t(encode_e4m4(roots[j], v_inverse, word));
+      m_out[i] = m_exponent == 255 ? 0 : uint8_t(encode_e3m4t(ms[j], m_inverse, word));
+      v_out[i] = v_exponent == 255 ? 0 : uint8_t(encode_e4m4(roots[j], v_inverse, word, v_limit));
     }
     c.exp_avg_exponents[block] = uint8_t(m_exponent);
     c.exp_avg_sq_exponents[block] = uint8_t(v_exponent);

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -243,7 +244,8 @@ void adam_traffic(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t 
 // 1 / sqrt(bias_correction2) for a compact one (it multiplies).
 void set_scalars(AdamArgs& args, double grad_scale, double weight_decay, bool l2_decay, double decay_factor,
                  bool decoupled_decay, double beta1_weight, double beta2, double one_minus_beta2,
-                 double bias_correction2_factor, bool compact, double eps, double neg_step_size) {
+                 double bias_correction2_factor, bool compact, double eps, double neg_step_size,
+                 double m_bound = std::numeric_limits<double>::infinity()) {
   args.grad_scale = float(grad_scale);
   args.apply_scale = grad_scale != 1.0;
   args.weight_decay = float(weight_decay);
@@ -262,6 +264,7 @@ void set_scalars(AdamArgs& args, double grad_scale, double weight_decay, bool l2
   args.correct_bc2 = factor != 1.0f;
   args.eps = float(eps);
   args.neg_step_size = float(neg_step_size);
+  args.m_bound = float(m_bound);  // rounded up to an fp32 value by the caller
 }
 
 void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
@@ -356,16 +359,16 @@ void adam_step_compact(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintp
                        int moment_type, int grad_type, int out_type, uint32_t key, uint64_t position,
                        double grad_scale, double weight_decay, bool l2_decay, double decay_factor,
                        bool decoupled_decay, double beta1_weight, double beta2, double one_minus_beta2,
-                       double bias_correction2_rsqrt, double eps, double neg_step_size, uintptr_t param_in,
-                       uintptr_t exp_avg_in, uintptr_t exp_avg_exponents_in, uintptr_t exp_avg_sq_in,
-                       uintptr_t exp_avg_sq_exponents_in) {
+                       double bias_correction2_rsqrt, double eps, double neg_step_size, double m_bound,
+                       uintptr_t param_in, uintptr_t exp_avg_in, uintptr_t exp_avg_exponents_in,
+                       uintptr_t exp_avg_sq_in, uintptr_t exp_avg_sq_exponents_in) {
   if (n == 0) return;
   CompactArgs args = compact_buffer_args("adam_step_compact", param, grad, exp_avg, exp_avg_exponents,
                                          exp_avg_sq, exp_avg_sq_exponents, param_out16, n, moment_type,
                                          grad_type, out_type, key, position, param_in, exp_avg_in,
                                          exp_avg_exponents_in, exp_avg_sq_in, exp_avg_sq_exponents_in);
   set_scalars(args.step, grad_scale, weight_decay, l2_decay, decay_factor, decoupled_decay, beta1_weight,
-              beta2, one_minus_beta2, bias_correction2_rsqrt, true, eps, neg_step_size);
+              beta2, one_minus_beta2, bias_correction2_rsqrt, true, eps, neg_step_size, m_bound);
   const IsaKernels& k = kernels();
   // chunks start at multiples of kChunkElements, whole int8 blocks
   parallel_ranges(n, [&](size_t begin, size_t end) { k.adam_compact(args, begin, end); });
@@ -500,9 +503,9 @@ PYBIND11_MODULE(_adam_ext, m) {
         py::arg("grad_type"), py::arg("out_type"), py::arg("key"), py::arg("position"), py::arg("grad_scale"),
         py::arg("weight_decay"), py::arg("l2_decay"), py::arg("decay_factor"), py::arg("decoupled_decay"),
         py::arg("beta1_weight"), py::arg("beta2"), py::arg("one_minus_beta2"),
-        py::arg("bias_correction2_rsqrt"), py::arg("eps"), py::arg("neg_step_size"), py::arg("param_in") = 0,
-        py::arg("exp_avg_in") = 0, py::arg("exp_avg_exponents_in") = 0, py::arg("exp_avg_sq_in") = 0,
-        py::arg("exp_avg_sq_exponents_in") = 0);
+        py::arg("bias_correction2_rsqrt"), py::arg("eps"), py::arg("neg_step_size"), py::arg("m_bound"),
+        py::arg("param_in") = 0, py::arg("exp_avg_in") = 0, py::arg("exp_avg_exponents_in") = 0,
+        py::arg("exp_avg_sq_in") = 0, py::arg("exp_avg_sq_exponents_in") = 0);
   m.def("compact_traffic", &compact_traffic, release(), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
         py::arg("exp_avg_exponents"), py::arg("exp_avg_sq"), py::arg("exp_avg_sq_exponents"),
         py::arg("param_out16"), py::arg("n"), py::arg("moment_type"), py::arg("grad_type"),

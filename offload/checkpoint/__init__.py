@@ -1,15 +1,16 @@
 """Checkpoints: the file format with no engine in sight (`format`, over `files`: writing and reading
 single files safely, and the errors) and the engine's side (`engine_state`: which slices each rank
-saves, reading them back into any placement)."""
+saves, reading them back into any placement); the weights out as a Hugging Face model directory
+(`pretrained_out`, over `shard_writer`)."""
 
 from offload.checkpoint.engine_state import load, save
 from offload.checkpoint.files import CheckpointCorruptError, CheckpointError
 from offload.checkpoint.format import (
     LATEST,
     CheckpointReader,
-    export,
     list_checkpoints,
 )
+from offload.checkpoint.pretrained_out import export, save_pretrained
 
 __all__ = [
     "LATEST",
@@ -20,4 +21,5 @@ __all__ = [
     "list_checkpoints",
     "load",
     "save",
+    "save_pretrained",
 ]

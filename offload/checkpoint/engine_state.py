@@ -1,6 +1,6 @@
 """Checkpoints of an engine: save / resume on any world size and placement.
 
-The file format (directory layout, atomic writes, verified reads, export) is
+The file format (directory layout, atomic writes, verified reads) is
 offload.checkpoint.format; this module is the engine's side: which slices of which parameters
 each rank writes from wherever its optimizer state lives (host buffers, or NVMe swap files
 streamed through the slots), and how a rank reads the ranges of its new shard back into any
@@ -45,6 +45,7 @@ from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's
     DATA_ALIGN,
     FORMAT,
     FORMAT_VERSION,
+    GENERATION,
     HF_CONFIG,
     INDEX,
     KINDS,
@@ -55,7 +56,6 @@ from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's
     check_tag,
     checkpoints_to_remove,
     chunk_bounds,
-    export,
     is_format_file,
     json_with_checksum,
     list_checkpoints,
@@ -66,6 +66,8 @@ from offload.checkpoint.format import (  # noqa: F401 (re-exported: the format's
     set_rng_state,
     tensor_bytes,
 )
+from offload.checkpoint.pretrained_out import export, save_pretrained  # noqa: F401 (re-exported: the engine's one import)
+from offload.checkpoint.root import Latest, generations, index_generation, latest_of
 from offload.checkpoint.verify import VerifiedCheckpoint, frozen_piece, model_names, verify
 from offload.config.schema import Config
 from offload.config.sizes import format_bytes
@@ -73,8 +75,10 @@ from offload.config.state_layout import INT8_CODES, INT8_CODES_BEFORE
 from offload.errors import InsufficientSpaceError, OffloadError
 from offload.model.unit_state import UnitState
 from offload.model.units import shard_pieces
+from offload.optim.moment_limits import SaturationReport
 from offload.platform.collectives import Collectives
 from offload.storage.aio import crc32c
+from offload.storage.state_codec import RoundingTally
 from offload.storage.tiers import TierStore
 
 logger = logging.getLogger(__name__)
@@ -289,10 +293,13 @@ def save(
     `<path>/latest` at it; returns the checkpoint's directory.
 
     tag: defaults to `global_step<N>`; an existing tag is an error, raised before anything is
-    written, unless `overwrite`: then the new checkpoint is written beside the old one and takes
-    its place in one atomic exchange (the old one stays whole until then); files in the old
-    directory that the format never writes (a script's own) are carried over. keep_last: afterwards keep only the newest N checkpoints under
-    `path`. progress(bytes_done, bytes_total): called as this rank's state file is written.
+    written, unless `overwrite`, or unless that checkpoint was left by a save that did not
+    complete (the commit rule, offload.checkpoint.format): then the new checkpoint is written
+    beside the old one and takes its place in one atomic exchange (the old one stays whole until
+    then); files in the old directory that the format never writes (a script's own) are carried
+    over. The save is complete once `latest` names it; one that fails before then takes its
+    directory back. keep_last: afterwards keep only the newest N checkpoints under `path`.
+    progress(bytes_done, bytes_total): called as this rank's state file is written.
     client_state: any dict of tensors, numbers, strings, lists, tuples and dicts (returned by
     `load`); rank 0's is saved.
     """
@@ -307,14 +314,13 @@ def save(
     final = os.path.join(root, tag)
     started = time.perf_counter()
     error: BaseException | None = None
+    replacing, generation = False, 0  # rank 0's: whether `final` exists and is replaced; the index's generation
     if rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
-            if os.path.lexists(final) and not (overwrite and os.path.isdir(final) and not os.path.islink(final)):
-                raise CheckpointError(
-                    f"checkpoint {final} already exists; nothing was written. Pass another tag, or overwrite=True to "
-                    "replace it (atomically: the old one stays whole until the new one is complete)"
-                )
+            latest = latest_of(root)
+            replacing = _replaces(final, tag, overwrite, latest)
+            generation = latest.next_generation(() if latest.generation is not None else generations(root).values())
             remove_stale(root)
         except BaseException as e:  # noqa: BLE001  (every rank must learn of any failure, Ctrl-C included)
             error = save_error(e, root)
@@ -330,7 +336,7 @@ def save(
 
     if rank == 0:
         try:
-            os.mkdir(temp, 0o700)
+            os.mkdir(temp)  # the umask's permissions, as every file and directory of a checkpoint
             lock_fd = os.open(temp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             lock_held(lock_fd)
         except BaseException as e:  # noqa: BLE001  (every rank must learn of any failure, Ctrl-C included)
@@ -350,7 +356,9 @@ def save(
     if rank == 0:
         assert lock_fd is not None  # rank 0 opened it above, or _agree_on_failure raised
         try:
-            _finish(engine, root, temp, final, tag, files, canonical, aliases, keys, keep_last, overwrite)
+            write_small(os.path.join(temp, INDEX), _index(engine, temp, tag, generation, files, canonical, aliases, keys))
+            fsync_dir(temp)
+            _commit(root, temp, final, tag, replacing, keep_last)
         except BaseException as e:  # noqa: BLE001  (every rank must learn of any failure, Ctrl-C included)
             error = save_error(e, root)
         finally:
@@ -390,7 +398,30 @@ def _write_rank0_files(engine: CheckpointedEngine, temp: str, client_state, keys
     return files
 
 
-def _finish(engine: CheckpointedEngine, root, temp, final, tag, files, canonical, aliases, keys, keep_last, overwrite) -> None:
+def _replaces(final: str, tag: str, overwrite: bool, latest: Latest) -> bool:
+    """Whether the save replaces an existing checkpoint directory at `final` (`overwrite`, or one
+    left by a save that did not complete); False where there is none; else the refusal."""
+    if not os.path.lexists(final):
+        return False
+    if os.path.isdir(final) and not os.path.islink(final):
+        if overwrite:
+            return True
+        if latest.unfinished(tag, index_generation(final)):
+            logger.warning(
+                "offload: %s was left by a save that did not complete (%s names %s): this save replaces it",
+                final,
+                LATEST,
+                latest.tag,
+            )
+            return True
+    raise CheckpointError(
+        f"checkpoint {final} already exists; nothing was written. Pass another tag, or overwrite=True to "
+        "replace it (atomically: the old one stays whole until the new one is complete)"
+    )
+
+
+def _index(engine: CheckpointedEngine, temp: str, tag: str, generation: int, files: dict, canonical, aliases, keys) -> bytes:
+    """index.json's content, once every rank's files are in `temp` (it lists their sizes and checksums)."""
     world = engine.collectives.world_size
     temp_fd = open_dir(temp)
     try:
@@ -415,6 +446,7 @@ def _finish(engine: CheckpointedEngine, root, temp, final, tag, files, canonical
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "tag": tag,
+        GENERATION: generation,
         "saved_at_ns": time.time_ns(),
         "world_size": world,
         "placement": {"param": engine.config.offload.param, "optimizer": engine.config.offload.optimizer},
@@ -429,36 +461,106 @@ def _finish(engine: CheckpointedEngine, root, temp, final, tag, files, canonical
         "ranks": [f"rank{r}.json" for r in range(world)],
         "files": files,
     }
-    write_small(os.path.join(temp, INDEX), json_with_checksum(index))
-    fsync_dir(temp)
-    if overwrite and os.path.isdir(final):
-        _replace_checkpoint(temp, final)
-    else:
-        os.rename(temp, final)
-    fsync_dir(root)
-    write_replacing(os.path.join(root, LATEST), [(tag + "\n").encode()], hold_lock=True)
-    fsync_dir(root)
-    if keep_last:
-        rotate(root, keep_last, tag)
+    return json_with_checksum(index)
 
 
-def _replace_checkpoint(new: str, old: str) -> None:
+def _commit(root: str, temp: str, final: str, tag: str, replacing: bool, keep_last: int | None) -> None:
+    """`temp` (complete: its files and itself fsynced) becomes checkpoint `final`, and `latest`
+    names it: the commit (the format's commit rule). A failure before `latest` is replaced takes
+    the new directory back (and puts a replaced one back); after it, only tidying is left, whose
+    failure is a warning: the checkpoint is saved."""
+    old = _swap_in(temp, final) if replacing else None
+    try:
+        if old is None:
+            os.rename(temp, final)
+        try:
+            fsync_dir(root)
+            write_replacing(os.path.join(root, LATEST), [(tag + "\n").encode()], hold_lock=True)
+        except BaseException:
+            _take_back(root, final, tag, old)
+            raise
+        try:
+            fsync_dir(root)
+            if old is not None:
+                shutil.rmtree(old[0], ignore_errors=True)
+            if keep_last:
+                rotate(root, keep_last, tag)
+        except OSError as error:
+            logger.warning(
+                "offload: saved checkpoint %s (%s names it), but tidying up after it failed: %s; a later save "
+                "removes what is left",
+                final,
+                LATEST,
+                error,
+            )
+    finally:
+        if old is not None:
+            os.close(old[1])
+
+
+def _swap_in(new: str, old: str) -> tuple[str, int]:
     """`new` (a complete checkpoint directory) takes the place of the checkpoint `old`: the old
-    one's files the format never writes are moved over first, then the two directories are
-    exchanged atomically (renameat2 RENAME_EXCHANGE; where the file system lacks it, two renames),
-    and the old one, now at `new`'s path, is removed. A crash at any point leaves `old` whole or
-    the new one in its place, never neither; the leftover is a `.tmp-*` directory a later save removes."""
+    one's files the format never writes are hard-linked into it first (the old one keeps them
+    until it is removed, so a kill at any point loses none; moved where links fail), then the two
+    directories are exchanged atomically (renameat2 RENAME_EXCHANGE; where the file system lacks
+    it, two renames; the caller makes them durable). Returns where the old one is now, and a
+    descriptor holding its lock (a concurrent save's sweep of dead saves' `.tmp-*` leaves it
+    alone) until the caller closes it."""
     for entry in os.listdir(old):
         if not is_format_file(entry) and not os.path.lexists(os.path.join(new, entry)):
-            os.rename(os.path.join(old, entry), os.path.join(new, entry))
+            _carry(os.path.join(old, entry), os.path.join(new, entry))
     fsync_dir(new)
-    if not exchange_paths(new, old):
-        aside = f"{new}.old"
-        os.rename(old, aside)
-        os.rename(new, old)
-        new = aside
-    fsync_dir(os.path.dirname(old))
-    shutil.rmtree(new, ignore_errors=True)
+    fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        lock_held(fd)
+        aside = new
+        if not exchange_paths(new, old):
+            aside = f"{new}.old"
+            os.rename(old, aside)
+            try:
+                os.rename(new, old)
+            except BaseException:
+                os.rename(aside, old)
+                raise
+    except BaseException:
+        os.close(fd)
+        raise
+    return aside, fd
+
+
+def _carry(source: str, target: str) -> None:
+    """A file or directory of the user's, from a checkpoint being replaced into its replacement:
+    hard links (a directory's tree of them), or a move where the file system refuses links."""
+    try:
+        if os.path.isdir(source) and not os.path.islink(source):
+            shutil.copytree(source, target, symlinks=True, copy_function=os.link)
+        else:
+            os.link(source, target, follow_symlinks=False)
+    except OSError:
+        shutil.rmtree(target, ignore_errors=True)
+        os.rename(source, target)
+
+
+def _take_back(root: str, final: str, tag: str, old: tuple[str, int] | None) -> None:
+    """After a failure before the commit: the new checkpoint at `final` goes (and the one it
+    replaced, at `old`, comes back), so that the failed save leaves the root as it found it. What
+    cannot be undone is logged: a later save to this tag replaces what is left."""
+    trash = os.path.join(root, f".trash-{tag}-{os.getpid()}")
+    try:
+        if old is None:
+            os.rename(final, trash)
+        elif exchange_paths(final, old[0]):
+            trash = old[0]
+        else:
+            os.rename(final, trash)
+            os.rename(old[0], final)
+        fsync_dir(root)
+    except OSError as error:
+        logger.warning(
+            "offload: the failed save of %s could not be taken back (%s); a later save to %r replaces it", final, error, tag
+        )
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def load(engine: CheckpointedEngine, path, *, tag: str | None = None, load_rng: bool = True) -> dict:
@@ -488,12 +590,17 @@ def load(engine: CheckpointedEngine, path, *, tag: str | None = None, load_rng: 
             error = e
         failed = engine.collectives.ranks_with(error is not None, "whether the checkpoint was applied")
         if failed:
-            reason = (
-                f"load_checkpoint: {reader.directory} passed every check, but applying it failed on rank(s) {failed} "
-                f"({type(error).__name__}: {error})"
-                if error is not None
-                else f"on rank(s) {failed} (see their log)"
-            )
+            if error is None:
+                reason = f"on rank(s) {failed} (see their log)"
+            elif isinstance(error, Exception):
+                reason = (
+                    f"load_checkpoint: {reader.directory} passed every check, but applying it failed on rank(s) {failed} "
+                    f"({type(error).__name__}: {error})"
+                )
+            else:  # Ctrl-C or SystemExit: it reaches the caller as itself, the engine part loaded as after a failure
+                reason = f"load_checkpoint: applying {reader.directory} was interrupted ({type(error).__name__})"
+                engine.load_failed(f"{reason}; the engine's state is part loaded")
+                raise error
             engine.load_failed(f"{reason}; the engine's state is part loaded")
             if error is not None:
                 raise CheckpointError(
@@ -524,12 +631,12 @@ def _agree_on_verification(engine: CheckpointedEngine, error: BaseException | No
     failed = collectives.ranks_with(error is not None, "whether the checkpoint passed its checks")
     if not failed:
         return
-    if error is not None and not isinstance(error, CheckpointError):
-        raise error  # Ctrl-C, or a bug: not the checkpoint's fault
     reason = collectives.broadcast_object(
         f"{type(error).__name__}: {error}" if error is not None else "", src=failed[0], what="why the checkpoint was refused"
     )
-    if error is not None and collectives.rank == failed[0]:
+    # this rank's own error: Ctrl-C or a bug (not the checkpoint's fault) as itself, after the
+    # broadcast every other rank waits in
+    if error is not None and (collectives.rank == failed[0] or not isinstance(error, CheckpointError)):
         raise error
     raise CheckpointError(
         f"load_checkpoint refused on every rank: rank {failed[0]}'s part failed its checks ({reason}); nothing was loaded"
@@ -549,11 +656,15 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
     # weights (the masters, then the frozen params' with no optimizer state)
     param_pieces: list[tuple[int, int, int, int]] = []
     weights = torch.empty(0)
-    _log_precision_change(
-        reader.index, engine.store.codec.precision.value, reader.index["world_size"], engine.collectives.world_size
-    )
-    # fp32 moments for the files' values, encoded into the engine's precision as each chunk is done
-    for piece in store.overwrite_fp32_states(engine.units):
+    precision = store.codec.precision.value
+    conversion = precision_change(reader.index, precision, reader.index["world_size"], engine.collectives.world_size)
+    # a conversion into compact moments is measured (what each value became), and values beyond
+    # what they hold are named
+    tally = RoundingTally() if conversion is not None and store.codec.compact else None
+    saturated = SaturationReport(precision)
+    # fp32 moments for the files' values, encoded into the engine's precision as each chunk is
+    # done, rounded with the key of the saved step (not the engine's count, which changes below)
+    for piece in store.overwrite_fp32_states(engine.units, verified.step_counts, tally):
         unit, targets = piece.unit, piece.views
         if piece.start == 0:
             start, end = unit.layout.shard_range(rank)
@@ -574,7 +685,10 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
             for kind, target in targets.items():
                 # a param saved frozen has no moments: they start at zero, as for a new one
                 if kind == "master" or (name, kind) in reader.stored:
-                    reader.read_range(name, kind, a + low - pos, a + high - pos, target[low - piece.start : high - piece.start])
+                    values = target[low - piece.start : high - piece.start]
+                    reader.read_range(name, kind, a + low - pos, a + high - pos, values)
+                    if kind != "master":
+                        saturated.check(name, kind, values)
         if weights.data_ptr() != targets["master"].data_ptr():
             weights[piece.start : piece.end].copy_(targets["master"])
         if not piece.last:
@@ -588,6 +702,12 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
             # a backward interrupted (Ctrl-C) or failed before these gradients left the device
             # leaves them in .grad, where the next backward would add to them
             param.grad = None
+    if conversion is not None:
+        measured = tally.summary() if tally is not None else "fp32 moments hold every value: converted exactly"
+        logger.info("offload: %s: %s", conversion, measured)
+    message = saturated.message(f"load_checkpoint {reader.directory}")
+    if message is not None:
+        logger.warning("offload: %s", message)
     _load_buffers(engine, verified.buffers, verified.keys)
     engine.load_training_state(verified.training_state)
     if verified.rng is not None:
@@ -603,34 +723,22 @@ def _apply(engine: CheckpointedEngine, verified: VerifiedCheckpoint) -> None:
         set_rng_state(verified.rng)
 
 
-def _log_precision_change(index: dict, precision: str, saved_world: int, world: int) -> None:
-    """Says when the moments change precision on the way in: exact from bf16 or int8 into a
-    wider precision or into the same one on as many ranks (the files hold the stored values,
-    which re-encode to themselves), rounded into a narrower one, or into int8 blocks that
-    regroup on another number of ranks."""
+def precision_change(index: dict, precision: str, saved_world: int, world: int) -> str | None:
+    """What a load does to the moments on the way in, or None when the files hold the values
+    of this engine's own stored form (the same precision and int8 codes, and for int8 the same
+    blocks: as many ranks), which re-encode to themselves. The load measures the others
+    (state_codec.RoundingTally) and logs this with what it measured: whether a conversion is
+    exact depends on the values (a bf16 value fits int8 codes only if few of its bits are set,
+    an int8 second moment root^2 has up to 10 significant bits, bf16 keeps 8)."""
     saved = index.get("state_precision", "fp32")
-    # int8 values from other codes (a checkpoint of the E4M3 first moment) are rounded like a narrower precision's
-    same_codes = saved != "int8" or index.get("int8_codes", INT8_CODES_BEFORE) == INT8_CODES
-    if saved == precision and same_codes and (precision != "int8" or saved_world == world):
-        return
-    if not same_codes and precision == "int8":
-        logger.info(
-            "offload: the checkpoint's int8 Adam moments were stored in other codes (%s; this engine: %s): they are "
-            "re-encoded with rounding",
-            index.get("int8_codes", INT8_CODES_BEFORE),
-            INT8_CODES,
-        )
-        return
-    order = {"int8": 0, "bf16": 1, "fp32": 2}
-    exact = saved in order and order[saved] <= order[precision] and (precision != "int8" or saved_world == world)
-    logger.info(
-        "offload: the checkpoint's Adam moments were stored in %s (by %d ranks), this engine stores them in %s (on %d "
-        "ranks): they are converted %s",
-        saved,
-        saved_world,
-        precision,
-        world,
-        "exactly" if exact else "with rounding (optimizer.state_precision " + precision + ")",
+    codes = index.get("int8_codes", INT8_CODES_BEFORE) if saved == "int8" else None
+    if saved == precision and (codes is None or codes == INT8_CODES) and (precision != "int8" or saved_world == world):
+        return None
+    if codes is not None and codes != INT8_CODES and precision == "int8":
+        return f"the checkpoint's int8 Adam moments were stored in other codes ({codes}; this engine: {INT8_CODES}): re-encoded"
+    return (
+        f"the checkpoint's Adam moments were stored in {saved} (by {saved_world} ranks), this engine stores them in "
+        f"{precision} (optimizer.state_precision, on {world} ranks)"
     )
 
 

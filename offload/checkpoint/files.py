@@ -2,11 +2,12 @@
 files and directories safely, and the errors a checkpoint raises (offload.checkpoint.format
 builds the checkpoint directory from these).
 
-Writing. `created_file` creates a file with O_EXCL, never through a symlink, and fsyncs it when
-done; a full disk, quota or file size limit at any point becomes an InsufficientSpaceError
-naming the file and the free bytes (`space_error`); `write_all` / `pwrite_all` write until done;
-`write_small` writes a small file and returns its size and CRC-32C; `write_replacing` writes a
-temporary file next to the target and renames it over it; `fsync_dir` makes a rename durable.
+Writing. `created_file` creates a file with O_EXCL, never through a symlink, with the umask's
+permissions (checkpoints and exports are the user's output), and fsyncs it when done; a full
+disk, quota or file size limit at any point becomes an InsufficientSpaceError naming the file
+and the free bytes (`space_error`); `write_all` / `pwrite_all` write until done; `write_small`
+writes a small file and returns its size and CRC-32C; `write_replacing` writes a temporary file
+next to the target and renames it over it; `fsync_dir` makes a rename durable.
 `save_error` turns any other OSError of a save into a CheckpointError that names the path and
 says what to do.
 
@@ -84,8 +85,9 @@ SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)  # the disk, a quota or
 
 
 @contextlib.contextmanager
-def created_file(path: str, *, mode: int = 0o600, needed: int | None = None, advice: str | None = None):
-    """Creates `path` (O_EXCL, never through a symlink) and yields its descriptor; fsyncs and
+def created_file(path: str, *, mode: int = 0o666, needed: int | None = None, advice: str | None = None):
+    """Creates `path` (O_EXCL, never through a symlink; `mode` less the umask, by default the
+    umask's permissions, as for any file the user writes) and yields its descriptor; fsyncs and
     closes it when the block ends. A full disk, quota or size limit, at any point, becomes the
     `space_error` naming `path`. Another OSError: with `advice`, a CheckpointError naming `path`
     and ending with the advice; without, it passes through (the save's `save_error` names it)."""
@@ -126,7 +128,7 @@ def write_replacing(path: str, pieces, *, hold_lock: bool = False) -> str:
     directory, name = os.path.split(path)
     temp = os.path.join(directory, f".tmp-{name}-{os.getpid()}-{os.urandom(4).hex()}")
     try:
-        with created_file(temp, mode=0o644, advice="choose a directory you can write to") as fd:
+        with created_file(temp, advice="choose a directory you can write to") as fd:
             if hold_lock:
                 lock_held(fd)
             for piece in pieces:

@@ -1,6 +1,8 @@
 """The checkpoint file format: writing, reading and checking a checkpoint directory, with no
 engine in sight (offload.checkpoint.engine_state is the engine's side: what each rank saves and loads).
-Writing and reading single files safely, and the checkpoint errors, are offload.checkpoint.files.
+Writing and reading single files safely, and the checkpoint errors, are offload.checkpoint.files;
+the root the checkpoints are in (tags, `latest`, which checkpoints are complete, rotation,
+which directory a path means) is offload.checkpoint.root.
 
 Format. A checkpoint is a directory `<root>/<tag>/`:
 
@@ -29,15 +31,31 @@ unit's state is read from its swap files into a slot buffer and written on, neve
 whole in RAM. Every byte read back is checked: size, header checksum, per-chunk checksums, and
 a mismatch names the file and the tensor.
 
-Atomicity. Files are written into `<root>/.tmp-<tag>-<pid>/`, each fsynced, the directory
-fsynced and renamed to `<root>/<tag>`, and only then is `<root>/latest` replaced (temp file
-made with O_EXCL, fsync, rename). A process killed at any moment, or a full disk, leaves the
-previous checkpoint and `latest` as they were; a save that fails removes its temporary
-directory, and a later save removes those left by dead saves. A save in progress holds a
-flock on its temporary directory (and on its `latest` temp file), so "dead" is judged by the
-lock (which the kernel drops with the process), not by whether a pid is alive on this host. `keep_last=N` removes older checkpoints after `latest`
-points to the new one (renamed to `.trash-*` first, so a half-removed one is never taken for
-a checkpoint). With several ranks the root must be a filesystem every rank sees.
+Atomicity: a save is complete when `latest` names it. Files are written into
+`<root>/.tmp-<tag>-<pid>/`, each fsynced, the index last (it records the save's `generation`:
+one more than that of the checkpoint `latest` named when the save began), the directory
+fsynced and renamed to `<root>/<tag>`, and only then is `<root>/latest` replaced (temp file made
+with O_EXCL, fsync, rename): that rename is the commit. A save that fails before it (a full
+disk, an error, Ctrl-C) takes its directory back, leaving the root as it was. A process killed
+before it leaves the previous checkpoint and `latest` as they were, and perhaps a complete
+directory `latest` does not name, of a higher generation than `latest`'s checkpoint: an
+unfinished save (so is one left newer by a `latest` set back by hand). A load through `latest`
+loads `latest`'s checkpoint and warns of each unfinished one it passes over (which loads by its
+tag); a save to an unfinished one's tag replaces it, as `overwrite` would, where another
+existing tag is refused. A later save removes the temporary directories and files of dead saves.
+A save in progress holds a flock on its temporary directory (and on its `latest` temp file), so
+"dead" is judged by the lock (which the kernel drops with the process), not by whether a pid is
+alive on this host. `overwrite` (and the replacement of an unfinished save) writes the new
+checkpoint beside the old one, hard-links the old one's files the format never writes into it,
+exchanges the two directories atomically and removes the old one once `latest` is replaced: a
+kill leaves the old or the new one at the tag, with those files. `keep_last=N` removes older
+checkpoints after `latest` points to the new one (renamed to `.trash-*` first, so a half-removed
+one is never taken for a checkpoint); a failure of that tidying is a warning, the save being
+complete. With several ranks the root must be a filesystem every rank sees.
+
+Permissions. Checkpoints are the user's output: every file and directory of one (and `latest`)
+is created with the umask's permissions (files 0666, directories 0777, less the umask), like
+any file the user writes; swap files stay private (0600 in a 0700 directory: offload.storage).
 
 Reading a checkpoint trusts nothing in it: checksums catch damage, not crafting. Only the file
 names the format writes are read (`index.json`, `latest`, `rank<r>.json`,
@@ -58,7 +76,6 @@ import math
 import os
 import random
 import re
-import shutil
 import struct
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -70,10 +87,21 @@ from offload.checkpoint.files import (
     CheckpointError,
     _open_regular,
     _read_exactly,
-    fsync_dir,
     open_dir,
-    read_small,
-    write_replacing,
+)
+from offload.checkpoint.root import (  # noqa: F401 (re-exported: the format's names, kept where they were)
+    GENERATION,
+    INDEX,
+    LATEST,
+    MAX_INDEX_BYTES,
+    MAX_LATEST_BYTES,
+    check_tag,
+    checkpoints_to_remove,
+    json_with_checksum,
+    list_checkpoints,
+    read_json_with_checksum,
+    resolve,
+    rotate,
 )
 from offload.storage.aio import crc32c
 
@@ -82,8 +110,6 @@ logger = logging.getLogger(__name__)
 FORMAT = "offload-checkpoint"
 FORMAT_VERSION = 1
 KINDS = ("master", "exp_avg", "exp_avg_sq")
-INDEX = "index.json"
-LATEST = "latest"
 BUFFERS = "buffers.safetensors"
 CLIENT_STATE = "client_state.pt"
 HF_CONFIG = "hf_config.json"
@@ -93,8 +119,6 @@ DATA_ALIGN = 4096  # the data of a rank file starts at a multiple of this
 RANK_JSON = re.compile(r"rank(\d+)\.json")
 RANK_STATE = re.compile(r"rank(\d+)\.safetensors")
 SMALL_FILES = (BUFFERS, CLIENT_STATE, HF_CONFIG)
-MAX_INDEX_BYTES = 256 << 20  # index.json has no declared size: a cap instead (a 70B model's is ~1 MB)
-MAX_LATEST_BYTES = 4096
 
 
 # ---- plain functions (tested directly) -----------------------------------------------------
@@ -121,22 +145,6 @@ def coverage_fault(ranges: list[tuple[int, int]], numel: int) -> str | None:
     if cursor != numel:
         return f"has a gap at elements {cursor}..{numel}" if cursor < numel else f"runs past its {numel} elements"
     return None
-
-
-def checkpoints_to_remove(saved: dict[str, int], keep_last: int, keep: str) -> list[str]:
-    """Tags to delete so that `keep_last` checkpoints remain: the oldest by save time (ns),
-    never `keep` (the one `latest` names)."""
-    if keep_last is None or keep_last <= 0:
-        return []
-    newest_first = sorted(saved, key=lambda tag: (saved[tag], tag), reverse=True)
-    kept = [keep] + [tag for tag in newest_first if tag != keep][: max(0, keep_last - 1)]
-    return [tag for tag in newest_first if tag not in kept]
-
-
-def check_tag(tag: str) -> str:
-    if not tag or tag.startswith(".") or os.sep in tag or tag == LATEST or (os.altsep and os.altsep in tag):
-        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain directory name, not starting with '.', not {LATEST!r}")
-    return tag
 
 
 def safetensors_header(
@@ -217,24 +225,6 @@ def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def json_with_checksum(body: dict) -> bytes:
-    canonical = json.dumps(body, sort_keys=True).encode()
-    return json.dumps({**body, "checksum": crc32c(canonical)}, sort_keys=True, indent=1).encode()
-
-
-def _parse_json_with_checksum(dir_fd: int, directory: str, name: str) -> dict:
-    path = os.path.join(directory, name)
-    raw = read_small(dir_fd, directory, name, limit=MAX_INDEX_BYTES)
-    try:
-        data = json.loads(raw)
-        checksum = data.pop("checksum")
-    except (ValueError, KeyError, AttributeError, TypeError):
-        raise CheckpointCorruptError(f"checkpoint file {path} is not a valid index (truncated or edited)") from None
-    if crc32c(json.dumps(data, sort_keys=True).encode()) != checksum:
-        raise CheckpointCorruptError(f"checkpoint file {path} fails its checksum: it was edited or damaged")
-    return data
-
-
 # ---- RNG -------------------------------------------------------------------------------------
 def rng_state() -> dict:
     state = {
@@ -288,68 +278,6 @@ class Slice:
     unit: int
 
 
-def list_checkpoints(root: str) -> dict[str, int]:
-    """Tag -> save time (ns) of every complete checkpoint directly under `root`."""
-    found = {}
-    for entry in os.listdir(root):
-        if entry.startswith("."):
-            continue
-        directory = os.path.join(root, entry)
-        index = os.path.join(directory, INDEX)
-        if os.path.isfile(index):
-            try:
-                dir_fd = open_dir(directory)
-                try:
-                    found[entry] = int(json.loads(read_small(dir_fd, directory, INDEX, limit=MAX_INDEX_BYTES))["saved_at_ns"])
-                finally:
-                    os.close(dir_fd)
-            except (ValueError, KeyError, TypeError, OSError, CheckpointError):
-                logger.warning("offload: %s is not a readable checkpoint index; left alone by rotation", index)
-    return found
-
-
-def rotate(root: str, keep_last: int, keep: str) -> None:
-    for tag in checkpoints_to_remove(list_checkpoints(root), keep_last, keep):
-        trash = os.path.join(root, f".trash-{tag}-{os.getpid()}")
-        os.rename(os.path.join(root, tag), trash)
-        shutil.rmtree(trash, ignore_errors=True)
-        logger.info("offload: removed old checkpoint %s (keep_last=%d)", os.path.join(root, tag), keep_last)
-
-
-# ---- reading ---------------------------------------------------------------------------------
-def resolve(path, tag: str | None = None) -> str:
-    """The checkpoint directory: `path` itself when it holds index.json, else `path/<tag>`,
-    else the tag named by `path/latest`."""
-    root = os.path.abspath(os.fspath(path))
-    if tag is not None:
-        directory = os.path.join(root, check_tag(tag))
-    elif os.path.isfile(os.path.join(root, INDEX)):
-        return root
-    elif os.path.lexists(os.path.join(root, LATEST)):
-        root_fd = open_dir(root)
-        try:
-            raw = read_small(root_fd, root, LATEST, limit=MAX_LATEST_BYTES)
-        finally:
-            os.close(root_fd)
-        try:
-            named = raw.decode().strip()
-        except UnicodeDecodeError:
-            raise CheckpointCorruptError(f"{os.path.join(root, LATEST)} does not hold a checkpoint tag") from None
-        try:
-            directory = os.path.join(root, check_tag(named))
-        except CheckpointError:
-            raise CheckpointCorruptError(
-                f"{os.path.join(root, LATEST)} names {named[:80]!r}, which is not a checkpoint tag (a plain directory name)"
-            ) from None
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"{os.path.join(root, LATEST)} names checkpoint {named!r}, but {directory} does not exist")
-    else:
-        raise CheckpointError(f"no checkpoint at {root}: it has neither {INDEX} nor a {LATEST} file")
-    if not os.path.isfile(os.path.join(directory, INDEX)):
-        raise CheckpointError(f"no checkpoint at {directory}: {INDEX} is missing (not a checkpoint, or an incomplete one)")
-    return directory
-
-
 @dataclass
 class _Stored:
     start: int
@@ -393,7 +321,7 @@ class CheckpointReader:
 
     def _load_index(self) -> None:
         index_path = os.path.join(self.directory, INDEX)
-        self.index = _parse_json_with_checksum(self._dir, self.directory, INDEX)
+        self.index = read_json_with_checksum(self._dir, self.directory, INDEX)
         if not isinstance(self.index, dict) or self.index.get("format") != FORMAT:
             raise CheckpointCorruptError(f"{index_path} is not an offload checkpoint index")
         if self.index.get("version") != FORMAT_VERSION:
@@ -620,59 +548,3 @@ class CheckpointReader:
 
     def __exit__(self, *exc):
         self.close()
-
-
-# ---- loading into an engine ------------------------------------------------------------------
-def export(checkpoint, out_dir, *, dtype: torch.dtype = torch.float32, tag: str | None = None) -> str:
-    """Writes `out_dir/model.safetensors`: the full weights (fp32 master, cast to `dtype`) and
-    buffers under the model's state_dict keys (tied weights under every key), streamed one
-    tensor at a time, plus `config.json` when the checkpoint recorded a Hugging Face config.
-    Each file is written to a new temporary file (O_EXCL), fsynced and renamed into place.
-    Returns the safetensors path."""
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise CheckpointError(
-            f"cannot export to {out_dir}: it is a file, not a directory; pass a directory path "
-            "(it is created if missing; model.safetensors goes inside)"
-        )
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(
-            f"cannot create the export directory {out_dir}: {e.strerror}; choose a directory you can write to"
-        ) from None
-    with CheckpointReader(checkpoint, tag) as reader:
-        buffers = reader.buffers()
-        params = reader.index["params"]
-        entries, sources = [], []
-        for key, what in reader.index["state_dict_keys"]:
-            if what == "buffer":
-                tensor = buffers[key]
-                if tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                entries.append(
-                    (key, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), tensor.numel() * tensor.element_size())
-                )
-                sources.append(tensor)
-            else:
-                name = what.split(":", 1)[1]
-                info = params[name]
-                entries.append(
-                    (key, SAFETENSORS_DTYPES[dtype], info["shape"], info["numel"] * torch.empty(0, dtype=dtype).element_size())
-                )
-                sources.append(name)
-        prefix, _ = safetensors_header(entries, {"format": "pt"})
-
-        def tensors():
-            yield prefix
-            for source in sources:
-                tensor = source if isinstance(source, torch.Tensor) else reader.read_param(source).to(dtype)
-                yield tensor_bytes(tensor)
-
-        path = write_replacing(os.path.join(out_dir, "model.safetensors"), tensors())
-        config = reader.hf_config()
-        if config is not None:
-            write_replacing(os.path.join(out_dir, "config.json"), [config])
-        fsync_dir(out_dir)
-    logger.info("offload: exported %s (%s)", path, dtype)
-    return path

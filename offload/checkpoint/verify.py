@@ -2,15 +2,16 @@
 
 `load_checkpoint` is all-or-nothing. `verify` reads everything this rank will apply and checks
 it before any byte of the engine's state changes: the index and rank files (the reader checks
-their structure and checksums), that the checkpoint fits this model (every parameter, its shape
-and element count), each state kind's slices covering `[0, numel)` of its parameter exactly once
-(a parameter saved trainable has all three kinds; moments come both or neither), the Adam step
-counts (integers, at most the engine's step count, one per unit), the engine's counters,
-hyperparameters and loss scale (their owners check them: `CheckpointedEngine.check_training_state`),
-the model's buffers (every key, nothing extra, each of the model's shape and kind), this rank's
-RNG state (set on scratch generators, never the process's), `client_state` (plain data only),
-and every element this rank reads: its chunks' checksums, and values in range (finite; the
-second moment not negative).
+their structure and checksums), every other field of the index the second pass reads, by type
+(world size, placement, how the moments were stored), that the checkpoint fits this model
+(every parameter, its shape and element count), each state kind's slices covering `[0, numel)`
+of its parameter exactly once (a parameter saved trainable has all three kinds; moments come
+both or neither), the Adam step counts (integers, at most the engine's step count, one per
+unit), the engine's counters, hyperparameters and loss scale (their owners check them:
+`CheckpointedEngine.check_training_state`), the model's buffers (every key, nothing extra, each
+of the model's shape and kind), this rank's RNG state (set on scratch generators, never the
+process's), `client_state` (plain data only), and every element this rank reads: its chunks'
+checksums, and values in range (finite; the second moment not negative).
 
 Without doubling memory: the tensor data is streamed through one chunk of 16 MiB
 (`CheckpointReader.scan_range`) and forgotten; what the second pass applies is read again
@@ -21,6 +22,8 @@ small parts (buffers, counters, RNG, client_state) are kept from this pass to th
 A checkpoint that passes here can fail in the second pass only if its files change under the
 load (they are held open, so a rename or a replacement does not count; a write into them does)
 or the disk fails a read; the engine then says so and refuses to train until a load succeeds.
+An interrupt (Ctrl-C: KeyboardInterrupt, or SystemExit) leaves the engine as a failure would,
+part loaded if it came in the second pass, and reaches the caller as itself.
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ from torch import nn
 
 from offload.checkpoint.files import CheckpointCorruptError, CheckpointError
 from offload.checkpoint.format import INDEX, KINDS, CheckpointReader
+from offload.config.state_layout import StatePrecision
 from offload.model.units import shard_pieces
 from offload.optim import kernels
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+STATE_PRECISIONS = tuple(precision.value for precision in StatePrecision)
 
 
 def model_names(model: nn.Module) -> tuple[dict[int, str], dict[str, list[str]], list[tuple[str, str]]]:
@@ -94,6 +99,7 @@ def verify(engine, reader: CheckpointReader, *, load_rng: bool) -> VerifiedCheck
         engine.check_training_state(state)
     except ValueError as error:
         raise CheckpointCorruptError(f"checkpoint file {index_path}: engine.{error}") from None
+    _check_index_fields(reader.index, index_path)
     _check_params(reader, engine, canonical, index_path)
     faults = reader.slice_faults()
     if faults:
@@ -119,6 +125,32 @@ def verify(engine, reader: CheckpointReader, *, load_rng: bool) -> VerifiedCheck
 def _shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_index_fields(index: dict, index_path: str) -> None:
+    """The index's fields the apply pass reads that no other check covers (the reader checks the
+    files, ranks and parameters; `_check_params` the parameters' step counts; the engine's owners
+    its counters), each by type: the number of ranks that saved it, their placement, and how they
+    stored the moments (absent from checkpoints older than compact state: fp32)."""
+    world_size, ranks = index.get("world_size"), index["ranks"]
+    if not (is_count(world_size) and world_size == len(ranks)):
+        raise CheckpointCorruptError(
+            f"checkpoint file {index_path}: world_size is {_shown(world_size)}, not the number of its rank files ({len(ranks)})"
+        )
+    placement = index.get("placement")
+    if not (isinstance(placement, dict) and all(isinstance(placement.get(key), str) for key in ("param", "optimizer"))):
+        raise CheckpointCorruptError(
+            f"checkpoint file {index_path}: placement is {_shown(placement)}, not a dict with 'param' and 'optimizer' tiers"
+        )
+    precision = index.get("state_precision", StatePrecision.FP32.value)
+    if precision not in STATE_PRECISIONS:
+        raise CheckpointCorruptError(
+            f"checkpoint file {index_path}: state_precision is {_shown(precision)}, not one of {list(STATE_PRECISIONS)}"
+        )
+    if not isinstance(index.get("int8_codes", ""), str):
+        raise CheckpointCorruptError(
+            f"checkpoint file {index_path}: int8_codes is {_shown(index['int8_codes'])}, not the name of int8 moment codes"
+        )
 
 
 def _check_params(reader: CheckpointReader, engine, canonical: dict[int, str], index_path: str) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from offload.config.schema import KEY_ALIASES
+from offload.config.key_hints import KEY_ALIASES
 from offload.errors import ConfigError
 
 # The hyperparameters a group may set (the engine's CPU Adam reads them at every step).

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import itertools
 import json
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from offload.config.key_hints import unknown_key_hint
 from offload.config.sizes import MIN_SUB_GROUP_SIZE, parse_size
 from offload.errors import ConfigError, name_config_file, raised_at_users_call
 
@@ -351,35 +353,20 @@ def _coerce(path: str, value: Any, hint: Any) -> Any:
     raise _fail(path, f"unsupported annotation {hint!r}")
 
 
-# Names users bring from other libraries (torch.optim, transformers, DeepSpeed) for our keys.
-KEY_ALIASES = {
-    "learning_rate": "lr",
-    "beta": "betas",
-    "epsilon": "eps",
-    "adam_epsilon": "eps",
-    "decay": "weight_decay",
-    "wd": "weight_decay",
-    "clip_grad": "gradient_clipping",
-    "max_grad_norm": "gradient_clipping",
-    "grad_clip": "gradient_clipping",
-    "gradient_accumulation": "gradient_accumulation_steps",
-    "grad_accum": "gradient_accumulation_steps",
-    "dtype": "precision",
-    "mixed_precision": "precision",
-    "path": "nvme_path",
-    "swap_path": "nvme_path",
-    "num_threads": "threads",
-    "prefetch_depth": "depth",
-}
+@functools.cache
+def key_sections() -> types.MappingProxyType[str, tuple[str, ...]]:
+    """Every section of the config and its keys: "" is the top level (whose keys include the
+    sections' names), "optimizer", "offload", ... (what `key_hints.unknown_key_hint` searches)."""
+    sections: dict[str, tuple[str, ...]] = {}
 
+    def walk(prefix: str, section_cls) -> None:
+        sections[prefix] = tuple(f.name for f in dataclasses.fields(section_cls))
+        for name, hint in _type_hints(section_cls).items():
+            if dataclasses.is_dataclass(hint):
+                walk(f"{prefix}.{name}" if prefix else name, hint)
 
-def _nearest_key(key: str, names: list[str]) -> str | None:
-    """The valid key a misspelt `key` most likely meant: a known alias first, then by spelling."""
-    alias = KEY_ALIASES.get(key.lower())
-    if alias in names:
-        return alias
-    nearest = difflib.get_close_matches(key, names, n=1, cutoff=0.4)
-    return nearest[0] if nearest else None
+    walk("", Config)
+    return types.MappingProxyType(sections)
 
 
 def _from_mapping(prefix: str, mapping: dict, cls):
@@ -389,8 +376,7 @@ def _from_mapping(prefix: str, mapping: dict, cls):
     for key, value in mapping.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            nearest = _nearest_key(str(key), names)
-            hint = f"; did you mean '{nearest}'?" if nearest else f"; valid keys here: {', '.join(names)}"
+            hint = unknown_key_hint(prefix, str(key), key_sections())
             raise ConfigError(f"unknown config key '{path}'{hint}", key=path)
         kwargs[key] = _coerce(path, value, hints[key])
     return cls(**kwargs)
@@ -439,6 +425,22 @@ def _validate_scheduler(s: SchedulerConfig) -> None:
         for key in ("cycle_min_lr", "cycle_max_lr"):
             if getattr(s, key) is None:
                 raise _fail(f"scheduler.{key}", "one_cycle needs it; give the cycle's learning rate bounds")
+
+
+def _validate_nvme_path(nvme_path: str | list[str]) -> None:
+    """An empty swap directory is refused: "" joined to the run's directory is a path relative to
+    the current directory, so the swap files would land wherever the script was started."""
+    if isinstance(nvme_path, list) and not nvme_path:
+        raise _fail("offload.nvme_path", "an empty list; give a directory or a list of directories")
+    for index, path in enumerate(nvme_path if isinstance(nvme_path, list) else [nvme_path]):
+        if not path.strip():
+            key = f"offload.nvme_path[{index}]" if isinstance(nvme_path, list) else "offload.nvme_path"
+            raise _fail(
+                key,
+                f"{path!r} names no directory: the swap files would land under the current directory, wherever the "
+                'script runs. Write the swap directory on a fast local disk, e.g. "/mnt/nvme/offload-swap" ("." if the '
+                "current directory is meant), or leave the key out for ./offload-swap",
+            )
 
 
 def validate(config: Config) -> Config:
@@ -506,8 +508,7 @@ def validate(config: Config) -> Config:
         )
     if config.wrap.min_params < 0:
         raise _fail("wrap.min_params", f"must be >= 0, got {config.wrap.min_params}")
-    if isinstance(config.offload.nvme_path, list) and not config.offload.nvme_path:
-        raise _fail("offload.nvme_path", "an empty list; give a directory or a list of directories")
+    _validate_nvme_path(config.offload.nvme_path)
     scale = config.loss_scale
     if not scale.initial > 0 or not scale.min_scale > 0:
         raise _fail("loss_scale", "initial and min_scale must be > 0")

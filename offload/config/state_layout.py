@@ -32,8 +32,9 @@ INT8_BLOCK = 32  # elements sharing one exponent byte (a block never holds two p
 NORM_BLOCK = 1024
 # The int8 code formats (docs/compact_state.md), as checkpoints record them: values a checkpoint
 # holds re-encode to themselves only under the codes that produced them. Before 2026-11-26 the
-# first moment was E4M3 (INT8_CODES_BEFORE, what an int8 checkpoint without the record used).
-INT8_CODES = "exp_avg E3M4, sqrt(exp_avg_sq) E4M4"
+# first moment was E4M3 (INT8_CODES_BEFORE, what an int8 checkpoint without the record used),
+# until 2026-11-28 E3M4 with linear subnormal codes ("exp_avg E3M4, sqrt(exp_avg_sq) E4M4").
+INT8_CODES = "exp_avg E3M4T, sqrt(exp_avg_sq) E4M4"
 INT8_CODES_BEFORE = "exp_avg E4M3, sqrt(exp_avg_sq) E4M4"
 
 

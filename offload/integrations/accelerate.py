@@ -27,14 +27,21 @@ returns in place of each object:
   wrapper steps only with the weights;
 - the scheduler and the data loaders: accelerate's own.
 
+The engine computes in accelerate's precision (its `mixed_precision`: fp32 unless the script or
+`accelerate launch` asks for bf16 or fp16), as the plain script would, unless the offload config
+names a `precision`; the two named differently are refused (`engine_precision`).
+
 Accumulation runs through accelerate: the config's `gradient_accumulation_steps` becomes
 accelerate's (the script's `with accelerator.accumulate(model):` decides the sync steps, where it
 clips and the engine steps; a backward outside it is refused then). `backward(loss)` divides by
 it (as accelerate does) and calls `engine.backward`; `clip_grad_norm_` is `engine.clip_grad_norm_` (the global norm over
 all units, tiers and ranks); `save_state` / `load_state` write and read the engine's
 checkpoint (weights, moments, counters) beside accelerate's files (optimizer groups, scheduler,
-RNG, data loader positions), and `unwrap_model(model)` is the Hugging Face model (its
-`state_dict` and `save_pretrained` give the fp32 weights while the engine is open). Under
+RNG, data loader positions; a plain accelerate save_state is refused by load_state, saying how
+to start from its weights); `save_model(model, dir)` writes the weights with
+`engine.save_pretrained` (streamed, unit by unit), and `unwrap_model(model)` is the Hugging Face
+model (its `state_dict` and `save_pretrained` give the fp32 weights while the engine is open, but
+build them whole in RAM). Under
 `accelerate launch` with several processes the engine shards its state over the ranks and
 reduces the gradients itself (no DDP). `accelerator.end_training()` closes the engine.
 """
@@ -55,6 +62,7 @@ import offload
 from offload.config.schema import load_config
 from offload.engine import Engine
 from offload.errors import ConfigError, OffloadError
+from offload.integrations.trainer_config import keys_set
 
 logger = logging.getLogger(__name__)
 
@@ -133,23 +141,55 @@ def _engine_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[
     return kind, groups
 
 
+def engine_precision(named: str | None, argument: str | None, environment: str | None) -> str:
+    """The engine's precision under OffloadAccelerator: the offload config's `precision` where it
+    names one (`named`), else accelerate's own, as accelerate resolves its mixed_precision: the
+    accelerator's `argument`, else `environment` (ACCELERATE_MIXED_PRECISION, which `accelerate
+    launch` always sets, to "no" unless its config or flag says otherwise), else "no": fp32, as
+    the plain script trains. A mixed_precision the script passes, or a bf16 / fp16 the launcher
+    sets, that differs from a named precision is refused; the launcher's "no" may be its default
+    and gives way to the config."""
+    asked = argument if argument is not None else environment
+    theirs = "no" if asked is None else str(asked).lower()
+    if theirs not in _PRECISION_OF:
+        raise ConfigError(
+            f"mixed_precision {asked!r}: the offload engine computes in bf16, fp16 or fp32 (accelerate's 'no'); "
+            "choose one of those",
+            key="precision",
+        )
+    if named is None:
+        return _PRECISION_OF[theirs]
+    if _PRECISION_OF[theirs] != named and (argument is not None or theirs != "no"):
+        source = "the accelerator's argument" if argument is not None else "ACCELERATE_MIXED_PRECISION, from accelerate launch"
+        raise ConfigError(
+            f"mixed_precision {asked!r} ({source}) and the offload config's precision {named!r} differ: the engine "
+            "computes in one precision. Drop the config's precision (the engine then follows accelerate's), or make "
+            "the two equal",
+            key="precision",
+        )
+    return named
+
+
 class OffloadAccelerator(Accelerator):
     """`accelerate.Accelerator` whose `prepare` puts the model and optimizer on the offload
     engine (see the module docstring). `offload_config`: the engine's config (dict, path, or
-    offload.Config); every other argument is accelerate's. `mixed_precision`, when given, must
-    agree with the config's `precision` (the engine computes in it and scales the fp16 loss
-    itself, so accelerate's autocast and GradScaler stay off)."""
+    offload.Config); every other argument is accelerate's. The engine computes in accelerate's
+    mixed_precision (the argument, or `accelerate launch`'s; fp32 for "no" or unset, as the plain
+    script) unless the config names a `precision` (`engine_precision`); it scales the fp16 loss
+    itself, so accelerate's autocast and GradScaler stay off."""
 
     def __init__(self, *args, offload_config=None, **kwargs) -> None:
-        # a copy: prepare writes into it (the optimizer type, the accumulation moved to accelerate)
+        # a copy: prepare writes into it (the precision, the optimizer type, the accumulation moved to accelerate)
         self.offload_config = copy.deepcopy(load_config(offload_config))
-        asked = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION")
-        if asked is not None and _PRECISION_OF.get(str(asked)) != self.offload_config.precision:
-            raise ConfigError(
-                f"mixed_precision {asked!r} and the offload config's precision {self.offload_config.precision!r} differ: "
-                "the engine computes in its config's precision. Set the config's precision, or drop mixed_precision",
-                key="precision",
-            )
+        named = self.offload_config.precision if "precision" in keys_set(offload_config) else None
+        self.offload_config.precision = engine_precision(
+            named, kwargs.get("mixed_precision"), os.environ.get("ACCELERATE_MIXED_PRECISION")
+        )
+        logger.info(
+            "offload: the engine computes in %s (%s)",
+            self.offload_config.precision,
+            "the offload config's precision" if named else "accelerate's mixed_precision; the offload config names none",
+        )
         kwargs["mixed_precision"] = "no"
         # accumulation runs through accelerate (accumulate(), sync_gradients), so that a script's
         # clipping and stepping at its sync steps meet the end of the engine's window
@@ -253,6 +293,17 @@ class OffloadAccelerator(Accelerator):
             return model.module
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
 
+    def save_model(self, model, save_directory, max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
+        """`engine.save_pretrained`: the fp32 weights in accelerate's (and transformers') layout,
+        plus config.json for a transformers model, streamed unit by unit where accelerate would
+        build the whole state dict. Every process calls it; the main one writes."""
+        engine = self._require_engine()
+        if model is not engine.model and not (isinstance(model, OffloadedModule) and model.engine is engine):
+            return super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+        if not safe_serialization:
+            raise OffloadError("OffloadAccelerator.save_model writes safetensors only: drop safe_serialization=False")
+        engine.save_pretrained(save_directory, max_shard_size=max_shard_size)
+
     # ---- checkpoints -------------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
         """accelerate's files (optimizer groups, schedulers, RNG, data loaders) and, in
@@ -277,6 +328,8 @@ class OffloadAccelerator(Accelerator):
         engine = self._require_engine()
         if input_dir is None:
             raise OffloadError("OffloadAccelerator.load_state needs the directory save_state wrote")
+        if not os.path.isdir(os.path.join(input_dir, ENGINE_CHECKPOINT_DIR)):
+            raise OffloadError(_not_offload_state(os.fspath(input_dir)))
         engine.load_checkpoint(os.path.join(input_dir, ENGINE_CHECKPOINT_DIR))
         super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
 
@@ -284,3 +337,24 @@ class OffloadAccelerator(Accelerator):
         super().end_training()
         if self.engine is not None:
             self.engine.close()
+
+
+def _not_offload_state(input_dir: str) -> str:
+    """load_state's error for a directory without the engine's checkpoint: none at all, or a
+    plain accelerate save_state's (its model weights beside its optimizer, scheduler and RNG)."""
+    if not os.path.isdir(input_dir):
+        kind = " (it is a file)" if os.path.exists(input_dir) else ""
+        return f"OffloadAccelerator.load_state: {input_dir!r} does not exist{kind}; pass the directory save_state wrote"
+    weights = sorted(
+        name
+        for name in os.listdir(input_dir)
+        if name.startswith(("model", "pytorch_model")) and name.endswith((".safetensors", ".bin"))
+    )
+    found = f" (its {', '.join(weights)}: a plain accelerate save_state's model weights)" if weights else ""
+    return (
+        f"OffloadAccelerator.load_state: {input_dir!r} has no offload engine checkpoint ({ENGINE_CHECKPOINT_DIR}/): "
+        f"OffloadAccelerator.save_state did not write it{found}. Nothing was loaded. To start from its weights, load "
+        "them into the model before accelerator.prepare (model.load_state_dict(safetensors.torch.load_file(path)) "
+        "for a .safetensors file) and train without load_state; the optimizer moments and the scheduler of that "
+        "run do not carry over"
+    )

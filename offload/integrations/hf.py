@@ -27,13 +27,12 @@ override, and they are exactly where its DeepSpeed branch differs from the plain
   `optimizer.step()` once per window; clipping is the engine's, on the global norm.
 - `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler` write and read the engine's
   checkpoint inside the Trainer's `checkpoint-N/` (`offload_engine/`), beside the scheduler,
-  RNG and trainer state the Trainer writes as usual; `save_model` writes the fp32 weights from
-  `engine.consolidated_state_dict()` with `save_pretrained`, so `from_pretrained` loads them.
+  RNG and trainer state the Trainer writes as usual; `save_model` writes the fp32 weights with
+  `engine.save_pretrained` (streamed, unit by unit), so `from_pretrained` loads them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -405,18 +404,41 @@ class OffloadTrainer(Trainer):
 
     # -- the trained model out -----------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Writes the fp32 weights (`engine.consolidated_state_dict()`) with `save_pretrained`, so
-        `from_pretrained(output_dir)` loads the trained model. Every rank must call it."""
+        """Writes the trained model where `from_pretrained(output_dir)` loads it: the fp32 weights
+        with `engine.save_pretrained` (transformers' layout, config.json saying float32, streamed
+        unit by unit), then the tokenizer and the training arguments as the Trainer's own save
+        does. A PEFT model's adapter goes through PEFT's save, given only the weights PEFT picks
+        (`_adapter_state_dict`). Every rank must call it."""
         if self.offload_engine is None:
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = self.offload_engine.consolidated_state_dict()  # a collective: every rank
-        dtypes = {tensor.dtype for tensor in state_dict.values() if tensor.is_floating_point()}
-        self._save(output_dir, state_dict=state_dict)  # save_pretrained empties state_dict as it writes
-        if self.args.should_save and output_dir is not None:  # TrainingArguments' output_dir has a default
-            _write_config_dtype(output_dir, dtypes)
+        engine = self.offload_engine
+        if getattr(engine.model, "peft_config", None):
+            # adapter_model.safetensors and adapter_config.json (no config.json); a collective: every rank
+            state_dict = _adapter_state_dict(engine)
+            if state_dict is None:
+                logger.info("offload: PEFT's choice of weights could not be made from their names: reading them all")
+                state_dict = engine.consolidated_state_dict()
+            self._save(output_dir, state_dict=state_dict)  # save_pretrained empties state_dict as it writes
+        else:
+            assert output_dir is not None  # TrainingArguments' output_dir has a default
+            engine.save_pretrained(output_dir)  # a collective: every rank; rank 0 writes
+            if self.args.should_save:
+                self._save_beside_weights(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))
+
+    def _save_beside_weights(self, output_dir: str) -> None:
+        """What `Trainer._save` writes after the model: the tokenizer (or processor) and the
+        training arguments."""
+        from transformers.trainer import TRAINING_ARGS_NAME
+
+        collator_tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif collator_tokenizer is not None:
+            collator_tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def end(self) -> None:
         """Closes the engine (the model keeps the final fp32 weights, on the CPU), then what
@@ -450,23 +472,43 @@ def _release_accelerator_precision() -> None:
         AcceleratorState._reset_state()
 
 
-def _write_config_dtype(output_dir: str, dtypes: set[torch.dtype]) -> None:
-    """`save_pretrained` writes the dtype of the model's first parameter into config.json (bf16
-    while the engine computes in bf16), and `from_pretrained` loads that dtype by default; the
-    weights written are the fp32 master weights (and frozen ones in their own dtype): config.json
-    gets the widest of them (`dtypes`: those of the state dict written), so `from_pretrained(output_dir)`
-    loads what training produced."""
-    if not dtypes:
-        return
-    widest = max(dtypes, key=lambda dtype: torch.finfo(dtype).bits)
-    path = os.path.join(output_dir, "config.json")
-    if not os.path.isfile(path):
-        return
-    with open(path) as file:
-        config = json.load(file)
-    config["dtype"] = str(widest).removeprefix("torch.")
-    with open(path, "w") as file:
-        file.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+def _adapter_state_dict(engine: Engine) -> dict[str, torch.Tensor] | None:
+    """The entries PEFT's save picks out of a state dict (every adapter's weights), read alone:
+    PEFT picks among stand-ins (meta tensors of each entry's shape), and only what it picked is
+    read from the engine, one unit's weights at a time, never the frozen base in fp32. None when
+    PEFT's choice cannot be made so (it picked something not given, or picks otherwise from the
+    entries it picked): the caller reads them all. The same reads on every rank (a collective)."""
+    import warnings
+
+    from peft.utils import get_peft_model_state_dict
+
+    model = engine.model
+    adapters = list(getattr(model, "peft_config", {}))
+    entries = model.state_dict(keep_vars=True)
+    stand_ins = {
+        key: torch.empty(value.shape, dtype=value.dtype, device="meta")
+        for key, value in entries.items()
+        if isinstance(value, torch.Tensor)
+    }
+    key_of = {id(tensor): key for key, tensor in stand_ins.items()}
+
+    def picked(state: dict) -> dict:
+        chosen: dict = {}
+        with warnings.catch_warnings():  # PEFT's notes are for the real save, which follows
+            warnings.simplefilter("ignore")
+            for adapter in adapters:
+                chosen.update({f"{adapter}/{k}": v for k, v in get_peft_model_state_dict(model, state, adapter).items()})
+        return chosen
+
+    chosen = picked(stand_ins)
+    keys = {key_of.get(id(value)) for value in chosen.values()}
+    if None in keys or picked({key: stand_ins[key] for key in stand_ins if key in keys}).keys() != chosen.keys():
+        return None
+    return {
+        key: engine.weights.param_weight(value) if isinstance(value, nn.Parameter) else value.detach().cpu()
+        for key, value in entries.items()
+        if key in keys
+    }
 
 
 def _group_hyper(group: dict) -> dict:

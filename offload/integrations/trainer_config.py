@@ -243,6 +243,14 @@ def _user_mapping(offload_config, args=None, report: bool = True, max_steps: int
     return mapping, sources
 
 
+def keys_set(offload_config) -> dict:
+    """The keys the user's config sets, as an offload-format mapping (logging nothing): a
+    DeepSpeed config's translated, where a key written "auto" or a precision section left out
+    sets nothing; an `offload.Config` sets what differs from `offload.Config()`. What a route
+    that takes the rest from its framework (OffloadAccelerator: the precision) leaves to it."""
+    return _user_mapping(offload_config, report=False)[0]
+
+
 def _differences(values: dict, defaults: dict) -> dict:
     result = {}
     for key, value in values.items():

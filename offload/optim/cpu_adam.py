@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from offload.config.state_layout import StatePrecision
 from offload.errors import OffloadError
 from offload.optim import kernels, moments
+from offload.optim.moment_limits import SaturationReport
+
+logger = logging.getLogger(__name__)
 
 _STATE_PRECISIONS = tuple(precision.value for precision in StatePrecision)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+# the state keys of compact moments (`moments.moment_storage`), in every precision
+_COMPACT_KEYS = frozenset(f"{kind}_{precision}" for kind in _MOMENTS for precision in _STATE_PRECISIONS if precision != "fp32")
 
 __all__ = ["CPUAdamW"]
 
@@ -20,6 +27,16 @@ def _as_float(name: str, value) -> float:
             raise ValueError(f"CPUAdamW: {name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
         return float(value.item())
     return float(value)
+
+
+def _loaded_step(step, index: int) -> int:
+    """A loaded state's step count (a number, or torch's one-element tensor) as an int; a
+    ValueError naming the parameter where it is not a count of steps."""
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, int | float) or not (0 <= step < 2**53 and step == int(step)):
+        raise ValueError(f"CPUAdamW: parameter {index}'s step is {step!r:.60}, not a count of steps (an integer >= 0)")
+    return int(step)
 
 
 def _mode(where: str, adamw_mode, decoupled_weight_decay, *, default: bool) -> bool:
@@ -208,22 +225,10 @@ class CPUAdamW(torch.optim.Optimizer):
         for kind in _MOMENTS:
             key = f"{kind}_{precision}"
             if key not in state:
-                buffer = torch.zeros(numel, dtype=dtype)
                 if kind in state:
-                    values = state.pop(kind)
-                    if values.numel() != n:
-                        raise ValueError(f"CPUAdamW: {kind} has {values.numel()} elements but its parameter has {n}")
-                    step = int(float(state["step"])) if "step" in state else 0
-                    moments.encode(
-                        precision,
-                        kind,
-                        values.detach().reshape(-1).float().contiguous(),
-                        moments.moment_view(precision, buffer, n, 0, n),
-                        position=0,
-                        key=moments.rounding_key(index, 0, step, self.rounding_seed),
-                        reload=True,
-                    )
-                state[key] = buffer
+                    state[key] = self._encoded(kind, state.pop(kind), p, index, _loaded_step(state.get("step", 0), index))
+                else:
+                    state[key] = torch.zeros(numel, dtype=dtype)
             buffer = state[key]
             if buffer.dtype != dtype or buffer.numel() != numel:
                 raise ValueError(
@@ -232,6 +237,69 @@ class CPUAdamW(torch.optim.Optimizer):
                 )
             views.append(moments.moment_view(precision, buffer, n, 0, n))
         return views
+
+    def _encoded(self, kind: str, values, p: torch.Tensor, index: int, step: int) -> torch.Tensor:
+        """A new buffer holding fp32 moment `values` (of parameter `p`, index `index`, `step`
+        steps in) in this optimizer's precision; a ValueError naming what is wrong with them, a
+        warning naming the parameter for values beyond what the precision holds (saturated)."""
+        n = p.numel()
+        if not isinstance(values, torch.Tensor) or not values.is_floating_point() or values.numel() != n:
+            what = f"{values.numel()} elements" if isinstance(values, torch.Tensor) else type(values).__name__
+            raise ValueError(f"CPUAdamW: parameter {index}'s {kind} has {what}, its parameter {n} fp32 elements")
+        saturated = SaturationReport(self.state_precision)
+        saturated.check(f"parameter {index} (shape {list(p.shape)})", kind, values.detach().float())
+        message = saturated.message("CPUAdamW.load_state_dict")
+        if message is not None:
+            logger.warning("offload: %s", message)
+        numel, dtype = moments.moment_storage(self.state_precision, n)
+        buffer = torch.zeros(numel, dtype=dtype)
+        moments.encode(
+            self.state_precision,
+            kind,
+            values.detach().reshape(-1).float().contiguous(),
+            moments.moment_view(self.state_precision, buffer, n, 0, n),
+            position=0,
+            key=moments.rounding_key(index, 0, step, self.rounding_seed),
+            reload=True,
+        )
+        return buffer
+
+    def _loaded_moments(self, state_dict: dict) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """Every check of a state dict to load, and its fp32 moments encoded into this optimizer's
+        precision, before anything of the optimizer changes: parameter -> its compact buffers.
+        Refusals are ValueErrors (a state dict whose groups do not match is left to torch's
+        load, which refuses it before changing anything)."""
+        saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
+        if not (isinstance(saved_groups, list) and isinstance(saved_state, dict)) or [
+            len(g.get("params", ())) if isinstance(g, dict) else -1 for g in saved_groups
+        ] != [len(g["params"]) for g in self.param_groups]:
+            return {}
+        compact = self.state_precision != "fp32"
+        encoded = {}
+        saved_ids = [i for group in saved_groups for i in group["params"]]
+        for index, (saved_id, p) in enumerate(zip(saved_ids, self._parameters())):
+            state = saved_state.get(saved_id)
+            if not state:
+                continue
+            step = _loaded_step(state.get("step", 0), index)
+            if not compact:
+                continue
+            foreign = sorted(k for k in state if k in _COMPACT_KEYS and not k.endswith(f"_{self.state_precision}"))
+            if foreign:
+                raise ValueError(
+                    f"CPUAdamW: parameter {index}'s state holds {foreign[0]}, moments stored in another precision than "
+                    f"this optimizer's {self.state_precision}: load what that optimizer's state_dict() gives (fp32 moments)"
+                )
+            buffers = {}
+            for kind in _MOMENTS:
+                key = f"{kind}_{self.state_precision}"
+                if key in state:
+                    buffers[key] = state[key].clone()
+                    moments.moment_view(self.state_precision, buffers[key], p.numel(), 0, p.numel())
+                elif kind in state:
+                    buffers[key] = self._encoded(kind, state[kind], p, index, step)
+            encoded[p] = buffers
+        return encoded
 
     def state_dict(self) -> dict:
         """torch's state dict; compact moments decoded to fp32 ``exp_avg`` / ``exp_avg_sq`` (the
@@ -256,15 +324,20 @@ class CPUAdamW(torch.optim.Optimizer):
         return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load_state_dict; fp32 moments are then re-encoded into this optimizer's
-        precision (exactly the saved moments when the state dict came from a compact CPUAdamW)."""
+        """torch's load_state_dict; fp32 moments are re-encoded into this optimizer's precision
+        (exactly the saved moments when the state dict came from a compact CPUAdamW). All or
+        nothing: every parameter's state is checked and encoded first (`_loaded_moments`, from the
+        state dict as given, before torch's load and its hooks), so a state dict refused with a
+        ValueError leaves the optimizer as it was."""
         state_dict = dict(state_dict)
         state_dict.pop("state_precision", None)
+        encoded = self._loaded_moments(state_dict)
         super().load_state_dict(state_dict)
-        if self.state_precision != "fp32":
-            for index, p in enumerate(self._parameters()):
-                if self.state.get(p):
-                    self._compact_state(p, index, self.state[p])
+        for p, buffers in encoded.items():
+            state = self.state[p]
+            for kind in _MOMENTS:
+                state.pop(kind, None)
+            state.update(buffers)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -16,12 +16,14 @@ identical to torch's to the last bit.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 from offload.config.state_layout import INT8_BLOCK, NORM_BLOCK
 from offload.errors import OffloadError
+from offload.optim.adam_bound import step_limit_factor
 from offload.optim.moments import MomentView
 
 try:
@@ -370,6 +372,8 @@ def adam_step_compact(
         rounding_key,
         position,
         *_step_scalars(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_scale, compact=True),
+        # int8 only: rounded moments could otherwise step further than AdamW can (adam_bound)
+        step_limit_factor(int(step), float(beta1), float(beta2)) if precision == "int8" else math.inf,
         0 if state_out is None else param.data_ptr(),
         0 if state_out is None else exp_avg.values.data_ptr(),
         0 if state_out is None else pointer(exp_avg.block_exponents),

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from offload.config.state_layout import INT8_BLOCK, StatePrecision, int8_moment_bytes
+from offload.optim.adam_bound import step_limit_factor
 
 __all__ = [
     "MomentView",
@@ -238,9 +239,16 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
 
 # ---- bf16 -----------------------------------------------------------------------------------
 
+_BF16_SUM_LIMIT = 0x7F7FFFFF  # the largest finite bf16's bits, with every dropped bit set
+
 
 def _encode_bf16(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    h = (_bits(x) + r) >> 16
+    """bf16 bits of x rounded with r (< 2^16) added below the kept half. A finite x saturates at
+    the largest finite bf16 (its magnitude's sum limited to 0x7F7FFFFF) instead of rounding to
+    infinity; infinities stay, NaN is 0x7FC0 (adam_kernels.h, encode_bf16)."""
+    u = _bits(x)
+    magnitude = u & 0x7FFFFFFF
+    h = (torch.minimum(magnitude + r, torch.clamp(magnitude, min=_BF16_SUM_LIMIT)) | (u & 0x80000000)) >> 16
     h = torch.where(torch.isnan(x), 0x7FC0, h)
     return ((h ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16)
 
@@ -248,23 +256,24 @@ def _encode_bf16(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 # ---- int8 -----------------------------------------------------------------------------------
 
 
-class _CodeFormat(NamedTuple):
-    """An int8 magnitude code (docs/compact_state.md): `shift` dropped bits of fp32, the bases
-    of the subnormal and normal ranges, the largest code, and where the subnormal range ends."""
-
-    shift: int
-    subnormal_base: int
-    normal_base: int
-    top: int
-    subnormal_end: float
-
-    @property
-    def first_normal(self) -> int:
-        return 1 << (23 - self.shift)  # 16: the 4 mantissa bits of both formats
-
-
-_E3M4 = _CodeFormat(19, 1936, 1920, 127, 2.0**-6)  # exp_avg: sign bit + 7-bit magnitude
-_E4M4 = _CodeFormat(19, 1808, 1792, 255, 2.0**-14)  # exp_avg_sq's root: 8-bit magnitude
+# exp_avg's magnitude codes (E3M4T, docs/compact_state.md): 0 is zero; 1..14 the tail, the
+# powers of two 2^(c - 22) = float((c + 105) << 23), from 2^-21 to 2^-8; 15..127 E3M4,
+# float((c + 1905) << 19), from 2^-7 to 1.0 (code 127). Bit 7 of a code is the sign.
+_M_TAIL_BASE = 105
+_M_NORMAL_BASE = 1905
+_M_FIRST_NORMAL = 15
+_M_FLOOR = 2.0**-21  # the smallest nonzero code; below it a value rounds between 0 and it
+_M_TOP = 127
+# exp_avg_sq's root (E4M4): codes 16..255 float((c + 1792) << 19) from 2^-14 to 1.0 (code 240),
+# below them the subnormal steps c * 2^-18 = float((c + 1808) << 19) - 2^-14
+_ROOT_SUBNORMAL_BASE = 1808
+_ROOT_NORMAL_BASE = 1792
+_ROOT_SUBNORMAL_END = 2.0**-14
+_ROOT_TOP = 255
+# in the block of exponent 191 (roots in [2^63, 2^64)) code 240 is 2^64, whose square overflows:
+# a v there saturates at code 239, (31/16) 2^63 (adam_kernels.h, root_code_limit)
+_ROOT_OVERFLOW_EXPONENT = 191
+_ROOT_TOP_BELOW_OVERFLOW = 239
 
 
 def _block_exponents(magnitude_bits: torch.Tensor, reload: bool) -> torch.Tensor:
@@ -279,9 +288,30 @@ def _block_exponents(magnitude_bits: torch.Tensor, reload: bool) -> torch.Tensor
     return torch.where(largest >= 0x7F800000, 255, e)
 
 
-def _encode_int8(x: torch.Tensor, r: torch.Tensor, fmt: _CodeFormat, signed: bool, reload: bool):
-    """(codes uint8 n, exponents uint8 ceil(n/32)) of fp32 x, with the random words r (int64)."""
-    shift, sub_base, normal_base, top, subnormal_end = fmt
+def _first_moment_position(y: torch.Tensor) -> torch.Tensor:
+    """Where y (|x| in units of its block's scale, fp32) falls among exp_avg's magnitude codes, as
+    code << 19 | the dropped bits: the larger of the E3M4 position bits(y) - 1905 << 19 and the
+    tail's (bits(t) >> 4) - 105 << 19 with t = max(y, (y + 2^-21) / 2). The first is the larger
+    from 2^-7 on, the second below; halving y + 2^-21 below the floor maps [0, 2^-21) linearly
+    onto the binade under it, one code below code 1 (adam_kernels.h, e3m4t_position)."""
+    tail = torch.maximum(y, (y + _M_FLOOR) * 0.5)
+    return torch.maximum(_bits(y) - (_M_NORMAL_BASE << 19), (_bits(tail) >> 4) - (_M_TAIL_BASE << 19))
+
+
+def _root_position(root: torch.Tensor) -> torch.Tensor:
+    """Where a root (in units of its block's scale) falls among the E4M4 codes, code << 19 | the
+    dropped bits: from the subnormal end on bits(root) - 1792 << 19, below bits(root + 2^-14)
+    (an fp32 add) - 1808 << 19."""
+    return torch.where(
+        root < _ROOT_SUBNORMAL_END,
+        _bits(root + _ROOT_SUBNORMAL_END) - (_ROOT_SUBNORMAL_BASE << 19),
+        _bits(root) - (_ROOT_NORMAL_BASE << 19),
+    )
+
+
+def _encode_int8(x: torch.Tensor, r: torch.Tensor, kind: str, reload: bool):
+    """(codes uint8 n, exponents uint8 ceil(n/32)) of fp32 x (exp_avg: the moment; exp_avg_sq:
+    its root), with the random words' bits r (int64)."""
     n = x.numel()
     blocks = -(-n // INT8_BLOCK)
     u = _bits(x)
@@ -290,15 +320,15 @@ def _encode_int8(x: torch.Tensor, r: torch.Tensor, fmt: _CodeFormat, signed: boo
     e = _block_exponents(padded, reload)
     inverse = _float(torch.clamp(254 - e, min=0) << 23)
     y = x.abs() * inverse.repeat_interleave(INT8_BLOCK)[:n]
-    # code << shift | the dropped bits, from the subnormal end on and below (y + end, an fp32 add)
-    position = torch.where(y < subnormal_end, _bits(y + subnormal_end) - (sub_base << shift), _bits(y) - (normal_base << shift))
-    if signed:
+    if kind == "exp_avg":
         # x unbiased, and its sign
-        c = torch.clamp((position + r) >> shift, max=top) | ((u >> 31) << 7)
+        c = torch.clamp((_first_moment_position(y) + r) >> 19, max=_M_TOP) | ((u >> 31) << 7)
     else:
         # x^2 unbiased; a root above zero never rounds to code 0: a zero second moment under a
         # nonzero first one would step by m / eps (docs/compact_state.md)
-        c = torch.clamp((position >> shift) + _root_rounds_up(position, r), max=top)
+        position = _root_position(y)
+        limit = torch.where(e == _ROOT_OVERFLOW_EXPONENT, _ROOT_TOP_BELOW_OVERFLOW, _ROOT_TOP).repeat_interleave(INT8_BLOCK)[:n]
+        c = torch.minimum((position >> 19) + _root_rounds_up(position, r), limit)
         c = torch.maximum(c, (u > 0).to(c.dtype))
     c = torch.where((e == 255).repeat_interleave(INT8_BLOCK)[:n], 0, c)
     return c.to(torch.uint8), e.to(torch.uint8)
@@ -318,17 +348,20 @@ def _root_rounds_up(position: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return (odd * (fraction - r) > gap).to(position.dtype)
 
 
-def _decode_int8(codes: torch.Tensor, exponents: torch.Tensor, fmt: _CodeFormat, signed: bool):
-    shift, sub_base, normal_base, _, subnormal_end = fmt
+def _decode_int8(codes: torch.Tensor, exponents: torch.Tensor, kind: str):
     n = codes.numel()
     c = codes.to(torch.int64)
     sign = None
-    if signed:
+    if kind == "exp_avg":
         sign = c >> 7
         c = c & 127
-    normal = c >= fmt.first_normal
-    value = _float(torch.where(normal, c + normal_base, c + sub_base) << shift)
-    value = torch.where(normal, value, value - subnormal_end)
+        tail = _float((c + _M_TAIL_BASE) << 23)
+        value = torch.where(c < _M_FIRST_NORMAL, tail, _float((c + _M_NORMAL_BASE) << 19))
+        value = torch.where(c == 0, 0.0, value)
+    else:
+        normal = c >= 16
+        value = _float(torch.where(normal, c + _ROOT_NORMAL_BASE, c + _ROOT_SUBNORMAL_BASE) << 19)
+        value = torch.where(normal, value, value - _ROOT_SUBNORMAL_END)
     e = exponents.to(torch.int64)
     scale = torch.where(e == 255, math.nan, _float(e << 23))
     x = value * scale.repeat_interleave(INT8_BLOCK)[:n]
@@ -376,9 +409,9 @@ def decode(precision: str, kind: str, view: MomentView, out: torch.Tensor | None
         exponents = view.block_exponents
         assert exponents is not None  # checked above
         if kind == "exp_avg":
-            x = _decode_int8(view.values.reshape(-1), exponents, _E3M4, signed=True)
+            x = _decode_int8(view.values.reshape(-1), exponents, "exp_avg")
         else:
-            root = _decode_int8(view.values.reshape(-1), exponents, _E4M4, signed=False)
+            root = _decode_int8(view.values.reshape(-1), exponents, "exp_avg_sq")
             x = root * root
     x = x.reshape(view.values.shape)
     if out is None:
@@ -436,9 +469,9 @@ def encode(
         return
     assert view.block_exponents is not None
     if kind == "exp_avg":
-        codes, exponents = _encode_int8(x, bits & 0x7FFFF, _E3M4, signed=True, reload=reload)
+        codes, exponents = _encode_int8(x, bits & 0x7FFFF, "exp_avg", reload=reload)
     else:
-        codes, exponents = _encode_int8(x if root else _sqrt(x), bits >> 13, _E4M4, signed=False, reload=reload)
+        codes, exponents = _encode_int8(x if root else _sqrt(x), bits >> 13, "exp_avg_sq", reload=reload)
     view.values.copy_(codes.reshape(view.values.shape))
     view.block_exponents.copy_(exponents.reshape(view.block_exponents.shape))
 
@@ -586,7 +619,14 @@ def adam_step_torch(
         denom = (root / s.bias_correction2_sqrt if s.divide_bc2 else root) + s.eps
     else:  # one division fewer per element (docs/compact_state.md)
         denom = (root * s.bias_correction2_rsqrt if s.multiply_bc2 else root) + s.eps
-    p = p + (m * s.neg_step_size) / denom  # param.addcdiv_(exp_avg, denom, value=-step_size)
+    m_step = m
+    if p_ is StatePrecision.INT8:
+        # |m'| taken as at most B_t sqrt(v'), AdamW's own bound (adam_bound); where the limit
+        # is NaN (a NaN v', whose step is NaN anyway) |m'| is kept
+        limit = root * step_limit_factor(int(step), float(beta1), float(beta2))
+        magnitude = torch.where(limit < m.abs(), limit, m.abs())
+        m_step = _float(_bits(magnitude) | (_bits(m) & 0x80000000))
+    p = p + (m_step * s.neg_step_size) / denom  # param.addcdiv_(exp_avg, denom, value=-step_size)
     param_out.copy_(p.reshape(param_out.shape))
     encode(p_.value, "exp_avg", m, m_out, position=position, key=rounding_key)
     if p_ is StatePrecision.INT8:

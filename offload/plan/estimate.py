@@ -34,6 +34,7 @@ checked against (`Machine`, `detect_machine`) from `offload.plan.machine`.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -44,7 +45,7 @@ from offload.config.state_layout import FP32_STATE, STATE_KINDS, StateBytes, Sta
 from offload.errors import ConfigError
 from offload.plan.budgets import host_budget_bytes, host_bytes_beside_optimizer_state, pool_page_slack
 from offload.plan.machine import DEVICE_KINDS, Machine
-from offload.plan.model_shapes import ModelShape
+from offload.plan.model_shapes import ModelShape, check_unit_count
 from offload.plan.optimizer_plan import (
     GRADS_IN_FLIGHT,
     PAGE,
@@ -56,7 +57,7 @@ from offload.plan.optimizer_plan import (
     engine_device_bytes,
     factor_needs_norm,
     host_cap_bytes,
-    piece_bounds,
+    piece_count,
     plan_leftover_ram,
     plan_optimizer_tiers,
     shape_slots,
@@ -400,7 +401,7 @@ def swap_file_count(
     files = 0
     for numel, tier, kept in zip(shards, estimate.optimizer_tiers, in_ram):
         if OptimizerTier(tier).streamed:
-            files += len(piece_bounds(numel, estimate.piece)) * (len(STATE_KINDS) - (1 if kept else 0))
+            files += piece_count(numel, estimate.piece) * (len(STATE_KINDS) - (1 if kept else 0))
     if estimate.param == "nvme":
         files += len(shards)
     return files
@@ -614,7 +615,8 @@ def estimate_report(
     `max_device_memory`, `max_host_memory`: the config's caps for `auto` and for what is left
     over; `overlap`, `gradient_clipping`, `speculation_memory`, `gradient_memory`,
     `accumulation_steps`: the config's; `state`: the bytes of each kind of optimizer state
-    (`state_layout.state_bytes_for` of the config)."""
+    (`state_layout.state_bytes_for` of the config). More than MAX_UNITS units are refused."""
+    check_unit_count(shape)
     activations = activation_bytes(
         shape, micro_batch=micro_batch, seq_len=seq_len, precision=precision, checkpointing=checkpointing
     )
@@ -790,8 +792,8 @@ def size_note(option: str, text: str, nbytes: int, *, binary: bool) -> str | Non
 
 def parse_count(text: str) -> int:
     """'7B', '7e9', '13b', '350M', '1.5T' -> a parameter count."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmbtKMBT]?)\s*", str(text))
-    if not match:
+    match = re.fullmatch(r"\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[0-9]+)?)\s*([kmbtKMBT]?)\s*", str(text))
+    scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+    if not match or not math.isfinite(value := float(match.group(1)) * scale[match.group(2).lower()]):  # 1e400: inf
         raise ConfigError(f"{text!r} is not a parameter count; write it like 7B, 7e9 or 350M")
-    scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}[match.group(2).lower()]
-    return int(float(match.group(1)) * scale)
+    return int(value)

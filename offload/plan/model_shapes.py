@@ -15,11 +15,19 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 
 from offload.errors import ConfigError
-from offload.model.units import plan_flat_layout
+from offload.model.units import FlatLayout, plan_flat_layout
+
+# The most units `offload estimate` counts. Its work is a few passes over the units per placement
+# and state precision (what lies inside a unit is counted in closed form: plan.sum_over_pieces),
+# so this bounds its time: about a second at 4096 units. The largest models have a few hundred
+# blocks; a parameter count's guessed depth (shape_from_param_count) passes 4096 near 1e16.
+MAX_UNITS = 4096
+# The largest parameter count read (the guess of a count's shape is float arithmetic).
+MAX_PARAMS = 10**18
 
 
 @dataclass(frozen=True)
@@ -47,15 +55,37 @@ class ModelShape:
         return [self.root] + [self.layer] * self.num_layers
 
     @property
+    def unit_count(self) -> int:
+        """The root and the blocks, without listing them."""
+        return len(self.units) if self.units is not None else 1 + self.num_layers
+
+    @property
     def num_params(self) -> int:
         return sum(sum(unit) for unit in self.unit_tensors())
 
     def padded_numels(self, world_size: int = 1) -> list[int]:
         """Each unit's flat buffer length (all ranks), as `units.plan_flat_layout` pads it."""
-        return [plan_flat_layout(list(unit), world_size).padded_numel for unit in self.unit_tensors()]
+        return [_layout(unit, world_size).padded_numel for unit in self.unit_tensors()]
 
     def shard_numels(self, world_size: int = 1) -> list[int]:
-        return [plan_flat_layout(list(unit), world_size).shard_numel for unit in self.unit_tensors()]
+        return [_layout(unit, world_size).shard_numel for unit in self.unit_tensors()]
+
+
+@lru_cache(maxsize=256)
+def _layout(unit: tuple[int, ...], world_size: int) -> FlatLayout:
+    """`plan_flat_layout` of one unit's tensors, once per distinct unit: a model's blocks are
+    alike, and `offload estimate` asks for every unit's length dozens of times."""
+    return plan_flat_layout(list(unit), world_size)
+
+
+def check_unit_count(shape: ModelShape) -> None:
+    """Refuses a model of more than MAX_UNITS units (before anything lists them)."""
+    if shape.unit_count > MAX_UNITS:
+        raise ConfigError(
+            f"{shape.name}: {shape.unit_count:,} units (blocks and the root); offload estimate counts at most "
+            f"{MAX_UNITS:,}, and the largest models have a few hundred blocks. Check the model's size (a parameter "
+            "count like 7B or 7e9) and depth (--layers, or num_hidden_layers in the config.json)"
+        )
 
 
 def _require(config: dict, *names: str):
@@ -346,8 +376,11 @@ def shape_from_hf_config(config: dict | str | os.PathLike) -> ModelShape:
 def shape_from_param_count(num_params: int, *, layers: int | None = None, vocab_size: int = 32000) -> ModelShape:
     """A llama-like model with `num_params` parameters: untied embeddings of `vocab_size`, and
     `layers` equal blocks (by default the depth of a llama of that size, about hidden / 128)."""
-    if num_params <= 0:
-        raise ConfigError(f"the parameter count must be > 0, got {num_params}")
+    if not 0 < num_params <= MAX_PARAMS:
+        raise ConfigError(
+            f"the parameter count must be > 0 and at most {MAX_PARAMS:.0e} (the largest models have about 2e12), "
+            f"got {num_params:.3g}"
+        )
     if layers is None:
         hidden_guess = (num_params * 128 / 12) ** (1 / 3)
         layers = max(1, round(hidden_guess / 128))

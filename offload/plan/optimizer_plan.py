@@ -23,6 +23,7 @@ fp32 moments and gradient), the one the tiers allocate with (`state_layout.state
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from offload.config.placement import OptimizerTier
@@ -115,6 +116,22 @@ def piece_bounds(numel: int, piece: int) -> list[tuple[int, int]]:
     return [(start, min(start + piece, numel)) for start in range(0, numel, piece)]
 
 
+def piece_count(numel: int, piece: int) -> int:
+    """len(piece_bounds(numel, piece)), without listing them."""
+    return max(1, -(-numel // piece))
+
+
+def sum_over_pieces(numel: int, piece: int, measure: Callable[[int], int]) -> int:
+    """The sum of `measure(end - start)` over `piece_bounds(numel, piece)`, in closed form: every
+    piece but the last is `piece` elements long. What the plans and `offload estimate` count per
+    piece (swap bytes, disk traffic) costs the same for any model size this way: a 1e15-parameter
+    estimate listed 15 million pieces per placement."""
+    if numel == 0:
+        return measure(0)
+    whole, rest = divmod(numel, piece)
+    return whole * measure(piece) + (measure(rest) if rest else 0)
+
+
 # What unset `offload.buffer_count` and `offload.sub_group_size` are measured against
 # (shape_slots): the RAM of this many slots of the largest piece, a piece of at most this many
 # elements (1 GiB of fp32 state per slot).
@@ -199,8 +216,8 @@ def swap_bytes_for_state(numel: int, piece: int, state: StateBytes = FP32_STATE,
     """Disk bytes of one unit's NVMe-resident state: a swap file per state kind (of `kinds`, all
     four by default) and piece, each as wide as `state` stores that kind (small pieces pay a
     page each for headers)."""
-    return sum(
-        swap_file_bytes(state.kind_bytes(kind, end - start)) for start, end in piece_bounds(numel, piece) for kind in kinds
+    return sum_over_pieces(
+        numel, piece, lambda elements: sum(swap_file_bytes(state.kind_bytes(kind, elements)) for kind in kinds)
     )
 
 
@@ -255,16 +272,16 @@ def step_disk_traffic(
     lands it, read and written again for each further micro-batch of an accumulation window of
     `accumulation_steps`, and read by the step. With fp32 moments and gradient that is 16 bytes
     per element read and 16 written (24 in all with the gradient in RAM)."""
-    read = written = 0
-    for start, end in piece_bounds(numel, piece):
-        stepped = sum(round_up(state.kind_bytes(kind, end - start), PAGE) for kind in STEPPED_KINDS)
-        read += stepped
-        written += stepped
-        if not gradient_in_ram:
-            gradient = round_up(state.kind_bytes("grad32", end - start), PAGE)
-            read += accumulation_steps * gradient
-            written += accumulation_steps * gradient
-    return DiskTraffic(read=read, written=written)
+
+    def each_way(elements: int) -> int:
+        """Bytes one piece of `elements` reads, and as many it writes."""
+        stepped = sum(round_up(state.kind_bytes(kind, elements), PAGE) for kind in STEPPED_KINDS)
+        if gradient_in_ram:
+            return stepped
+        return stepped + accumulation_steps * round_up(state.kind_bytes("grad32", elements), PAGE)
+
+    moved = sum_over_pieces(numel, piece, each_way)
+    return DiskTraffic(read=moved, written=moved)
 
 
 def weights_disk_traffic(

@@ -24,14 +24,25 @@ from typing import Any
 
 # The serial queues an op can run on, in the order traces and summaries list them: device
 # compute, the host link each way, the device-side optimizer stream (device-tier Adam), the
-# host CPU Adam, and the NVMe drive each way.
-RESOURCES: tuple[str, ...] = ("compute", "host_to_device", "device_to_host", "optimizer", "cpu_adam", "nvme_read", "nvme_write")
+# host CPU Adam, the NVMe drive each way, and the host's own work on the thread that drives
+# compute (hooks, bookkeeping, Python: what it does before it can hand the device a unit).
+RESOURCES: tuple[str, ...] = (
+    "compute",
+    "host_to_device",
+    "device_to_host",
+    "optimizer",
+    "cpu_adam",
+    "nvme_read",
+    "nvme_write",
+    "host",
+)
 
 
 @dataclass(frozen=True)
 class Op:
     """One recorded piece of work of a step: `flops` (compute, optional on optimizer), `nbytes`
-    (copies and NVMe IO) or `elements` (parameters an Adam op updates) on `resource`; it starts
+    (copies and NVMe IO), `elements` (parameters an Adam op updates) or `share` (host: the
+    share of one unit's per-step host time, `Machine.host_unit_us`) on `resource`; it starts
     once every op in `deps` (ids of ops earlier in the list) has ended. `unit` is the model unit
     it belongs to (None for step-wide work); `label` is free text for traces. `urgent`: compute
     waits on it (a weight fetch, a step's state read): when its resource frees, it runs before
@@ -47,6 +58,7 @@ class Op:
     deps: tuple[int, ...] = ()
     label: str = ""
     urgent: bool = False
+    share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,13 @@ class Machine:
     nvme_read_gbps: float  # GB/s read from the swap drive(s)
     nvme_write_gbps: float  # GB/s written to the swap drive(s)
     latency_us: float = 10.0  # µs of fixed cost per copy or IO op (launch, DMA setup, syscall)
+    # µs the host spends per unit per step on the thread that drives compute (the engine's hooks
+    # and bookkeeping, the model's Python and kernel launches), split over the unit's compute ops
+    host_unit_us: float = 0.0
+    # the CPU Adam's rate with bf16 / int8 moments (optimizer.state_precision), billions of
+    # parameters per second; None: as with fp32 moments (`for_state_precision`)
+    cpu_adam_bf16_gparams: float | None = None
+    cpu_adam_int8_gparams: float | None = None
     # billions of parameters per second of the exact step on the device (overlap auto's split:
     # optim/moments.adam_step_torch, the C++ kernel's bits; far more memory traffic than the fused Adam)
     device_exact_adam_gparams: float = 10.0
@@ -79,25 +98,61 @@ class Machine:
                 if not isinstance(value, bool):
                     raise ValueError(f"Machine.nvme_duplex must be True or False, got {value!r}")
                 continue
+            if value is None and f.name in OPTIONAL_RATES:
+                continue
             if (
                 not isinstance(value, int | float)
                 or not math.isfinite(value)
                 or value < 0
-                or (value == 0 and f.name != "latency_us")
+                or (value == 0 and f.name not in MAY_BE_ZERO)
             ):
-                raise ValueError(f"Machine.{f.name} must be a finite number > 0 (>= 0 for latency_us), got {value!r}")
+                raise ValueError(
+                    f"Machine.{f.name} must be a finite number > 0 (>= 0 for {', '.join(MAY_BE_ZERO)}), got {value!r}"
+                )
 
+    def for_state_precision(self, precision: str) -> Machine:
+        """This machine with the CPU Adam's rate for moments stored in `precision` (fp32, bf16,
+        int8) as its `cpu_adam_gparams`."""
+        rates = {"fp32": self.cpu_adam_gparams, "bf16": self.cpu_adam_bf16_gparams, "int8": self.cpu_adam_int8_gparams}
+        if precision not in rates:
+            raise ValueError(f"unknown state precision {precision!r}; known: {', '.join(rates)}")
+        return dataclasses.replace(self, cpu_adam_gparams=rates[precision] or self.cpu_adam_gparams)
+
+
+# fields of Machine that may be 0, and the optional ones (None: the fp32 rate)
+MAY_BE_ZERO = ("latency_us", "host_unit_us")
+OPTIONAL_RATES = ("cpu_adam_bf16_gparams", "cpu_adam_int8_gparams")
+
+
+# The GPU hosts' CPU Adam, measured on the 16-core AVX-512 Xeon host of the H100 machines lent to
+# this project (benchmarks/RESULTS.md: bench_gpu's limits at 41527b1 5.4 Gparams/s on the engine's
+# workload, 64M elements; bench_adam's fp32 kernel 4.7-5.65 at 30M-100M, 2026-11-26/27), and its
+# compact moments at the engine's workload (bf16 grad in, bf16 copy out: bf16 moments 1.26-1.45x,
+# int8 1.31-1.39x the fp32 moments, d88d97c). The H200 machines lent here have 16 cores too; their
+# host is assumed the same until a GPU session measures it (benchmarks/gpu_session.sh does).
+GPU_HOST_ADAM_GPARAMS = 5.0
+GPU_HOST_ADAM_BF16_GPARAMS = 6.8
+GPU_HOST_ADAM_INT8_GPARAMS = 6.7
+# The host's own time per unit per step (hooks, bookkeeping, the model's Python and launches):
+# `bench_pipeline.py --measure-host` on the 2-vCPU development VM (48 blocks of width 64, the CPU as
+# the device, the main thread's CPU time): 2.8-3.4 ms in four readings on 2026-11-28 (recorded:
+# 2.84), beside issue 49's wall-clock 2.5 ms on a quiet VM. Not scaled: a server core is likely
+# faster, so this errs high; gpu_session.sh measures the GPU host's own and passes it to the replay.
+HOST_UNIT_US = 3000.0
 
 MACHINES: dict[str, Machine] = {
-    # H100 SXM, PCIe 5.0 x16 host link, 2-socket server, one PCIe 4 NVMe drive.
+    # H100 SXM, PCIe 5.0 x16 host link, a 16-core host, one PCIe 4 NVMe drive.
     "h100-pcie5": Machine(
         device_tflops=270.0,  # 6 * 1.35e9 params * 8192 tokens / 0.247 s measured for a plain 1.35B Llama step ≈ 269 (27% of 989 peak)
         h2d_gbps=48.0,  # PCIe 5.0 x16 is 63 GB/s raw per direction; pinned cudaMemcpyAsync achieves ~45-50
         d2h_gbps=48.0,  # same link, the other direction (full duplex)
-        cpu_adam_gparams=2.5,  # AVX-512 CPU Adam on a 2-socket server, memory-bound at ~16 bytes of fp32 state per param
+        cpu_adam_gparams=GPU_HOST_ADAM_GPARAMS,  # measured on the H100 machines' 16-core host (above)
         device_adam_gparams=80.0,  # fused Adam reads+writes ~32 B/param; ~2.6 TB/s of 3.35 TB/s HBM3
         nvme_read_gbps=6.0,  # one PCIe 4.0 x4 drive: ~7 GB/s spec, ~6 achieved with O_DIRECT
         nvme_write_gbps=5.0,  # sustained writes of the same drive, below its burst rate
+        host_unit_us=HOST_UNIT_US,
+        cpu_adam_bf16_gparams=GPU_HOST_ADAM_BF16_GPARAMS,
+        cpu_adam_int8_gparams=GPU_HOST_ADAM_INT8_GPARAMS,
         # the exact step (moments.adam_step_torch, eager torch: ~96 kernels, ~340 bytes moved per
         # element, counted at training magnitudes): ~7.7 at 2.6 TB/s, less the launches of
         # 16M-element chunks; an estimate, unmeasured on a GPU yet
@@ -109,10 +164,13 @@ MACHINES: dict[str, Machine] = {
         device_tflops=270.0,  # same GPU and model as h100-pcie5
         h2d_gbps=25.0,  # PCIe 4.0 x16 is 31.5 GB/s raw per direction; ~25 achieved pinned
         d2h_gbps=25.0,  # same link, the other direction
-        cpu_adam_gparams=2.5,  # same host as h100-pcie5
+        cpu_adam_gparams=GPU_HOST_ADAM_GPARAMS,  # same host as h100-pcie5
         device_adam_gparams=80.0,  # same GPU as h100-pcie5
         nvme_read_gbps=6.0,  # same drive as h100-pcie5
         nvme_write_gbps=5.0,  # same drive as h100-pcie5
+        host_unit_us=HOST_UNIT_US,
+        cpu_adam_bf16_gparams=GPU_HOST_ADAM_BF16_GPARAMS,
+        cpu_adam_int8_gparams=GPU_HOST_ADAM_INT8_GPARAMS,
         device_exact_adam_gparams=6.0,  # same GPU as h100-pcie5
         device_memory_gb=80.0,
     ),
@@ -121,10 +179,13 @@ MACHINES: dict[str, Machine] = {
         device_tflops=290.0,  # same tensor cores as H100; faster HBM lifts the memory-bound kernels ~7%
         h2d_gbps=48.0,  # same PCIe 5.0 x16 link as h100-pcie5
         d2h_gbps=48.0,  # same link, the other direction
-        cpu_adam_gparams=2.5,  # same host as h100-pcie5
+        cpu_adam_gparams=GPU_HOST_ADAM_GPARAMS,  # a 16-core host, assumed the H100 machines' (above)
         device_adam_gparams=115.0,  # 80 Gparams/s scaled by HBM bandwidth 4.8 / 3.35
         nvme_read_gbps=6.0,  # same drive as h100-pcie5
         nvme_write_gbps=5.0,  # same drive as h100-pcie5
+        host_unit_us=HOST_UNIT_US,
+        cpu_adam_bf16_gparams=GPU_HOST_ADAM_BF16_GPARAMS,
+        cpu_adam_int8_gparams=GPU_HOST_ADAM_INT8_GPARAMS,
         device_exact_adam_gparams=8.0,  # h100-pcie5's, its memory-bound part scaled by 4.8 / 3.35
         device_memory_gb=141.0,
     ),
@@ -133,10 +194,11 @@ MACHINES: dict[str, Machine] = {
         device_tflops=130.0,  # 42% of 312 dense bf16 peak, typical for ~1B models on A100
         h2d_gbps=24.0,  # PCIe 4.0 x16, ~24 achieved pinned
         d2h_gbps=24.0,  # same link, the other direction
-        cpu_adam_gparams=2.0,  # AVX2/AVX-512 CPU Adam on an older 2-socket server
+        cpu_adam_gparams=2.0,  # AVX2/AVX-512 CPU Adam on an older 2-socket server (an estimate: never measured)
         device_adam_gparams=50.0,  # ~32 B/param at ~1.6 TB/s of 2.0 TB/s HBM2e
         nvme_read_gbps=6.0,  # one PCIe 4.0 x4 drive
         nvme_write_gbps=5.0,  # sustained writes of the same drive
+        host_unit_us=HOST_UNIT_US,  # the VM's reading, as for the others
         device_exact_adam_gparams=4.0,  # ~340 B/element at ~1.6 TB/s, less the launches
         device_memory_gb=80.0,
     ),
@@ -150,6 +212,7 @@ MACHINES: dict[str, Machine] = {
         nvme_read_gbps=1.0,  # a virtual disk of a cloud VM
         nvme_write_gbps=0.5,  # its writes, slower than its reads
         nvme_duplex=False,  # its reads and writes share one queue (measured with dd, above)
+        host_unit_us=HOST_UNIT_US,  # this VM's reading (above)
         device_exact_adam_gparams=0.008,  # moments.adam_step_torch on the two cores (float64 emulation)
         device_memory_gb=24.0,  # the host's RAM stands in
     ),
@@ -212,12 +275,13 @@ def _describe(op: Op) -> str:
 def duration(op: Op, machine: Machine) -> float:
     """Seconds `op` runs on its resource under `machine`: flops for compute; latency plus bytes
     over the link rate for copies and NVMe IO; elements over the Adam rate for cpu_adam; elements
-    over the device Adam rate plus flops over the device rate for the optimizer stream."""
+    over the device Adam rate plus flops over the device rate for the optimizer stream; its
+    share of a unit's per-step host time for host."""
     if op.resource not in RESOURCES:
         raise ValueError(f"{_describe(op)}: unknown resource {op.resource!r}; known: {', '.join(RESOURCES)}")
     if not isinstance(op.kind, str) or not op.kind:
         raise ValueError(f"{_describe(op)}: has no kind")
-    for name in ("flops", "nbytes", "elements"):
+    for name in ("flops", "nbytes", "elements", "share"):
         value = getattr(op, name)
         if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{_describe(op)}: {name} must be finite and >= 0, got {value!r}")
@@ -231,6 +295,8 @@ def duration(op: Op, machine: Machine) -> float:
         return op.elements / (rate * 1e9) + op.flops / (machine.device_tflops * 1e12) + copy
     if op.resource == "cpu_adam":
         return op.elements / (machine.cpu_adam_gparams * 1e9)
+    if op.resource == "host":
+        return op.share * machine.host_unit_us * 1e-6
     gbps = {
         "host_to_device": machine.h2d_gbps,
         "device_to_host": machine.d2h_gbps,
@@ -480,7 +546,14 @@ def chrome_trace(replay: Replay, ops: Sequence[Op] | None = None) -> dict[str, A
                 "tid": tid[op.resource],
                 "ts": start * 1e6,
                 "dur": (end - start) * 1e6,
-                "args": {"id": op.id, "bytes": op.nbytes, "flops": op.flops, "elements": op.elements, "label": op.label},
+                "args": {
+                    "id": op.id,
+                    "bytes": op.nbytes,
+                    "flops": op.flops,
+                    "elements": op.elements,
+                    "share": op.share,
+                    "label": op.label,
+                },
             }
         )
         for dep in op.deps:

@@ -231,6 +231,9 @@ def _log_start(config: Config, units: list[UnitState], collectives: Collectives)
         collectives.rank,
         collectives.world_size,
     )
+    if not any(param.requires_grad for unit in units for param in unit.spec.params):
+        # inference on the engine is valid; training it is not, and engine.backward says so
+        logger.info("offload: no parameter of the model requires grad: nothing to train, forward (inference) only")
 
 
 def _store(config: Config, units, collectives: Collectives, device: Device, ledger, policy, run_name, compute_dtype):

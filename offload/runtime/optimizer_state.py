@@ -22,6 +22,7 @@ the order of its groups. The engine keeps them per unit shard, on the unit's opt
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -32,8 +33,11 @@ from offload.config.sizes import format_bytes
 from offload.model.unit_state import UnitState
 from offload.model.units import shard_pieces
 from offload.optim.engine_optimizer import OptimizerStateError
+from offload.optim.moment_limits import SaturationReport
 from offload.platform.collectives import Collectives
 from offload.storage.tiers import TierStore
+
+logger = logging.getLogger(__name__)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STATE_KEYS = ("step", *MOMENTS)
@@ -207,9 +211,24 @@ def _unit_steps(units: list[UnitState], steps: dict[int, int]) -> dict[int, int]
 # ---- writing -----------------------------------------------------------------------------------
 def write(units: list[UnitState], store: TierStore, rank: int, moments: dict[int, dict], steps: dict[int, int]) -> None:
     """Each unit's shard of the moments (checked by `check`) into its tier, the masters kept;
-    then the step counts. The caller has waited for the steps in flight."""
-    # moments as fp32 values, encoded back into the stored precision and stored piece by piece
-    for piece in store.update_fp32_moments(units):
+    then the step counts. The caller has waited for the steps in flight. Finite values beyond
+    what the stored precision holds are stored saturated, with a warning naming them
+    (optim.moment_limits)."""
+    saturated = SaturationReport(store.codec.precision.value)
+    if rank == 0:  # every rank holds the whole state dict: one of them says it
+        for unit in units:
+            for index, param in enumerate(unit.spec.params):
+                given = moments.get(id(param))
+                if given is None:
+                    continue
+                for kind in MOMENTS:
+                    saturated.check(unit.spec.param_names[index], kind, given[kind])
+    message = saturated.message("engine.optimizer.load_state_dict")
+    if message is not None:
+        logger.warning("offload: %s", message)
+    # moments as fp32 values, encoded back into the stored precision and stored piece by piece,
+    # rounded with the key of the loaded step counts (set on the units after the stream)
+    for piece in store.update_fp32_moments(units, steps):
         unit = piece.unit
         start, end = unit.layout.shard_range(rank)
         for kind in MOMENTS:

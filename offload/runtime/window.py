@@ -27,7 +27,7 @@ from offload.optim.hyperparameters import GroupHyperparameters
 from offload.optim.loss_scaling import DynamicLossScaler, clip_coefficient, gradient_multiplier
 from offload.optim.step_hyper import StepHyper
 from offload.platform.collectives import Collectives
-from offload.runtime import optimizer_state
+from offload.runtime import optimizer_state, trainable
 from offload.runtime.counters import check_counters
 from offload.runtime.events import Phase
 from offload.runtime.grad_handles import GradHandles, check_norm_type, combine_norms, torch_clip_coefficient
@@ -182,7 +182,7 @@ class GradientWindow:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise OffloadError("engine.backward needs the scalar loss tensor (e.g. out.loss)")
         if not loss.requires_grad:
-            raise OffloadError("engine.backward: the loss does not require grad (was the forward run under torch.no_grad?)")
+            raise OffloadError(trainable.loss_without_grad(self.units, self.schedule.context.trainable))
         boundary = self._before_backward()
         # agreed over ranks: a rank skipping backward alone would leave the others in its collectives
         nonfinite = self.config.precision != "fp16" and not math.isfinite(float(loss.detach()))
@@ -206,7 +206,7 @@ class GradientWindow:
     def _before_backward(self) -> bool:
         """Checks that need no other rank, before a backward changes anything; returns whether
         it ends a gradient window. Deterministic on every rank (same counters and config)."""
-        self._refuse_unfrozen()
+        trainable.refuse_unfrozen(self.units, self.schedule.context.trainable)
         self._drop_handles_before_backward()
         if self.policy.defers_to_forward:
             self.stepping.wait_steps()  # the last window's steps (and commits) end their windows
@@ -229,27 +229,6 @@ class GradientWindow:
             self._window_hypers = self.hyper.step_hypers(self._unclipped_multiplier())
             self._stepped_in_backward = []
         return boundary
-
-    def _refuse_unfrozen(self) -> None:
-        """A parameter frozen at `initialize` has no fp32 master and no moments (the engine keeps
-        none for it), so one set to require grad since would get gradients that train nothing:
-        refused, naming it. Freezing a trainable one after `initialize` needs nothing: like
-        torch.optim, a parameter without a gradient in a window is not stepped."""
-        trainable = self.schedule.context.trainable
-        unfrozen = [
-            name
-            for unit in self.units
-            for index, (name, param) in enumerate(zip(unit.spec.param_names, unit.spec.params))
-            if param.requires_grad and index not in trainable[unit.index]
-        ]
-        if unfrozen:
-            shown = ", ".join(unfrozen[:4]) + (f" and {len(unfrozen) - 4} more" if len(unfrozen) > 4 else "")
-            raise OffloadError(
-                f"{shown} did not require grad when offload.initialize placed the model, and does now: the engine keeps "
-                "no fp32 master or Adam moments for it, so its gradients would train nothing. Set requires_grad before "
-                "offload.initialize (an engine over the model with it trainable: engine.close(), then initialize again), "
-                "or freeze it again"
-            )
 
     def _agree_on_backward(self, nonfinite: bool, loss_value: float | None) -> None:
         """Several ranks: one exchange (non-finite losses, units used; schedule.py); then the
@@ -737,12 +716,16 @@ class GradientWindow:
         lost its backward, or calls step() twice)."""
         if not self._backward_since_step_call and not self._warned_step_without_backward:
             self._warned_step_without_backward = True
-            logger.warning(
-                "offload: engine.step() was called with no backward since the last step() (micro-step %d): there is "
-                "nothing to apply and it returns False. Call engine.backward(loss) (or loss.backward()) on a loss of "
-                "engine(...)'s output before each step() (this warning is shown once)",
-                self.micro_steps,
-            )
+            nothing = trainable.nothing_trainable(self.units, self.schedule.context.trainable)
+            if nothing is not None:
+                logger.warning("offload: engine.step() has nothing to apply and returns False: %s", nothing)
+            else:
+                logger.warning(
+                    "offload: engine.step() was called with no backward since the last step() (micro-step %d): there is "
+                    "nothing to apply and it returns False. Call engine.backward(loss) (or loss.backward()) on a loss of "
+                    "engine(...)'s output before each step() (this warning is shown once)",
+                    self.micro_steps,
+                )
         self._backward_since_step_call = False
 
     def training_state(self) -> dict:

@@ -16,7 +16,8 @@ its slots lock or on the main thread with the steps waited for (as every consume
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -26,6 +27,51 @@ from offload.storage.buffers import StatePiece
 
 # elements of a chunk decoded at a time: 2 x 16 MiB of fp32 scratch (a multiple of INT8_BLOCK)
 CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclasses.dataclass
+class _KindTally:
+    nonzero: int = 0  # values given that are not zero (zeros are stored exactly in every format)
+    changed: int = 0  # values whose stored value differs from the given one
+    relative_sum: float = 0.0  # sum of |stored - given| / |given| over the changed values
+    relative_max: float = 0.0
+
+
+@dataclasses.dataclass
+class RoundingTally:
+    """What encoding given fp32 moments into the stored precision did to them, measured per kind
+    by decoding what was stored: how many nonzero values changed, and by how much relative to
+    themselves. A load that converts precision (or regroups int8 blocks) logs `summary()`."""
+
+    kinds: dict[str, _KindTally] = dataclasses.field(default_factory=lambda: {kind: _KindTally() for kind in MOMENT_KINDS})
+
+    def add(self, kind: str, given: torch.Tensor, stored: torch.Tensor) -> None:
+        tally = self.kinds[kind]
+        nonzero = given != 0
+        tally.nonzero += int(nonzero.sum())
+        changed = (stored != given) & nonzero
+        count = int(changed.sum())
+        if count:
+            relative = ((stored[changed] - given[changed]).abs() / given[changed].abs()).double()
+            tally.changed += count
+            tally.relative_sum += float(relative.sum())
+            tally.relative_max = max(tally.relative_max, float(relative.max()))
+
+    @property
+    def exact(self) -> bool:
+        return not any(tally.changed for tally in self.kinds.values())
+
+    def summary(self) -> str:
+        parts = []
+        for kind, tally in self.kinds.items():
+            if tally.changed == 0:
+                parts.append(f"{kind}: every one of {tally.nonzero:,} nonzero values kept exactly")
+            else:
+                parts.append(
+                    f"{kind}: {tally.changed:,} of {tally.nonzero:,} nonzero values rounded, by {100 * tally.relative_sum / tally.changed:.3g}% "
+                    f"of the value on average and at most {100 * tally.relative_max:.3g}%"
+                )
+        return "; ".join(parts)
 
 
 class StateCodec:
@@ -66,8 +112,16 @@ class StateCodec:
         `buffer` (a moment's buffer of that piece)."""
         return moments.moment_view(self.precision.value, buffer, piece_numel, start, end)
 
-    def fp32_pieces(self, pieces: Iterator[StatePiece], *, decode: bool, encode: bool) -> Iterator[StatePiece]:
-        """`pieces` as fp32 values: here the pieces themselves."""
+    def fp32_pieces(
+        self,
+        pieces: Iterator[StatePiece],
+        *,
+        decode: bool,
+        encode_steps: Sequence[int] | Mapping[int, int] | None,
+        tally: RoundingTally | None = None,
+    ) -> Iterator[StatePiece]:
+        """`pieces` as fp32 values: here the pieces themselves (fp32 stores every value exactly;
+        `tally` stays empty)."""
         yield from pieces
 
 
@@ -88,11 +142,25 @@ class CompactCodec(StateCodec):
             buffer = self._scratch[kind] = torch.empty(min(max(numel, 1), CHUNK_ELEMENTS), dtype=torch.float32)
         return buffer[:numel]
 
-    def fp32_pieces(self, pieces: Iterator[StatePiece], *, decode: bool, encode: bool) -> Iterator[StatePiece]:
+    def fp32_pieces(
+        self,
+        pieces: Iterator[StatePiece],
+        *,
+        decode: bool,
+        encode_steps: Sequence[int] | Mapping[int, int] | None,
+        tally: RoundingTally | None = None,
+    ) -> Iterator[StatePiece]:
         """Each piece of `pieces` as chunks whose moments are fp32 scratch: decoded from the
-        stored form first when `decode`, encoded into it after the consumer is done when `encode`
-        (before the next chunk, and so before the source stores the piece). The master is the
-        stored fp32 view itself. A chunk is the piece's `last` only if it ends the piece."""
+        stored form first when `decode`, encoded into it after the consumer is done when
+        `encode_steps` is given (before the next chunk, and so before the source stores the
+        piece). The master is the stored fp32 view itself. A chunk is the piece's `last` only if
+        it ends the piece.
+
+        `encode_steps[u]` is the step count of unit u's state as written (a checkpoint's, a state
+        dict's): its rounding key rounds the values, so that the stored bits depend only on the
+        values and that step, not on the tier's pieces or on the engine's own count, which the
+        caller updates at some point of the stream. With `tally`, each encoded chunk is decoded
+        again and compared with what the consumer wrote (RoundingTally)."""
         for piece in pieces:
             numel = piece.end - piece.start
             for low in range(0, max(numel, 1), CHUNK_ELEMENTS):
@@ -104,8 +172,8 @@ class CompactCodec(StateCodec):
                     if decode:
                         moments.decode(self.precision.value, kind, stored[kind], out=views[kind])
                 yield StatePiece(piece.unit, piece.index, piece.start + low, views, piece.slot, last=piece.last and high == numel)
-                if encode:
-                    key = self.rounding_key(piece.unit.index, piece.unit.step_count)
+                if encode_steps is not None:
+                    key = self.rounding_key(piece.unit.index, encode_steps[piece.unit.index])
                     for kind in MOMENT_KINDS:
                         # values read back (a checkpoint, a state dict) re-encode to themselves
                         moments.encode(
@@ -117,6 +185,9 @@ class CompactCodec(StateCodec):
                             key=key,
                             reload=True,
                         )
+                        if tally is not None:
+                            check = self._scratch_for("check", high - low)
+                            tally.add(kind, views[kind], moments.decode(self.precision.value, kind, stored[kind], out=check))
 
 
 def make_codec(state: StateBytes, compute_dtype: torch.dtype, rank: int, rounding_seed: int = 0) -> StateCodec:

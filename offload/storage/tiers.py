@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -39,7 +39,7 @@ from offload.storage.buffers import BufferRing, OptimizerSlot, StatePiece
 from offload.storage.grad_sum import accumulate_gradient, squared_norm
 from offload.storage.memory import HostBufferPool, TierLedger
 from offload.storage.param16 import HostParam16, NvmeParam16, Param16Home, Param16WriteBack
-from offload.storage.state_codec import StateCodec, make_codec
+from offload.storage.state_codec import RoundingTally, StateCodec, make_codec
 
 if TYPE_CHECKING:
     from offload.storage.swap import SwapHandle, SwapStore
@@ -586,19 +586,23 @@ class TierStore:
     def fp32_states(self, units: list[UnitState]) -> Iterator[StatePiece]:
         """`stream_optimizer_states_on_host` with the moments as fp32 values (decoded chunk by
         chunk from a compact precision: StateCodec.fp32_pieces); read only."""
-        return self.codec.fp32_pieces(self.stream_optimizer_states_on_host(units), decode=True, encode=False)
+        return self.codec.fp32_pieces(self.stream_optimizer_states_on_host(units), decode=True, encode_steps=None)
 
-    def overwrite_fp32_states(self, units: list[UnitState]) -> Iterator[StatePiece]:
+    def overwrite_fp32_states(
+        self, units: list[UnitState], steps: Sequence[int] | Mapping[int, int], tally: RoundingTally | None = None
+    ) -> Iterator[StatePiece]:
         """`overwrite_optimizer_states` with fp32 moments for the caller to fill: what it wrote is
-        encoded into the stored form before the piece is stored."""
-        return self.codec.fp32_pieces(self.overwrite_optimizer_states(units), decode=False, encode=True)
+        encoded into the stored form before the piece is stored, rounded with the key of
+        `steps[unit.index]` (the step count of the state written), and measured into `tally`
+        when given (StateCodec.fp32_pieces)."""
+        return self.codec.fp32_pieces(self.overwrite_optimizer_states(units), decode=False, encode_steps=steps, tally=tally)
 
-    def update_fp32_moments(self, units: list[UnitState]) -> Iterator[StatePiece]:
+    def update_fp32_moments(self, units: list[UnitState], steps: Sequence[int] | Mapping[int, int]) -> Iterator[StatePiece]:
         """Each unit's state piece by piece, moments as fp32 values the caller may change (the
-        master is only read): what it leaves is encoded back and a streamed piece stored before
-        the next is read."""
+        master is only read): what it leaves is encoded back, rounded with the key of
+        `steps[unit.index]`, and a streamed piece stored before the next is read."""
         source = self.stream_optimizer_states(units, include_grad=False)
-        return self.codec.fp32_pieces(self._stored_after_use(source), decode=True, encode=True)
+        return self.codec.fp32_pieces(self._stored_after_use(source), decode=True, encode_steps=steps)
 
     def _stored_after_use(self, pieces: Iterator[StatePiece]) -> Iterator[StatePiece]:
         """`pieces`, each streamed one stored back once the consumer asks for the next."""

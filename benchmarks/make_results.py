@@ -1,0 +1,161 @@
+"""Writes benchmarks/RESULTS.md from the records in benchmarks/results/ (benchmarks/records.py).
+
+    python benchmarks/make_results.py            # write RESULTS.md
+    python benchmarks/make_results.py --check    # exit 1 if RESULTS.md is not what the records give
+
+One current table per benchmark: for each measured case, peer and machine, the newest record's
+row, with its commit, date and machine, so that a reader sees how old each figure is and which
+code it belongs to. Above them, the newest record of each machine: how old the evidence from
+each kind of machine is (the GPU machines' above all). Older rows stay in their record files;
+the prose that came with them before the records is in results/history.md.
+tests/test_results_records.py fails when RESULTS.md is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from records import RESULTS, ahead, load_all  # noqa: E402
+
+OUTPUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+
+# What each benchmark measures and what its peer is, as the table's heading says it; a
+# benchmark not listed here is shown under its own name.
+TITLES: dict[str, str] = {
+    "bench_gpu": "A Llama-style step on a GPU (`bench_gpu.py`): s/step against plain PyTorch and DeepSpeed",
+    "bench_step": "Step time per placement (`bench_step.py`): against plain PyTorch (fused AdamW), or fp32 state",
+    "bench_adam": "CPU Adam kernels (`bench_adam.py`): against torch's AdamW, DeepSpeed's CPUAdam, the fp32 kernel",
+    "bench_pipeline": "Predicted step on a GPU machine (`bench_pipeline.py`, the replay): against its floor",
+    "bench_io": "Swap I/O (`bench_io.py`): against fio on the same path",
+    "bench_quality": "Training quality (`bench_quality.py`): final loss against torch AdamW",
+    "bench_state_memory": "Host bytes per trainable parameter (`bench_state_memory.py`): against fp32 state",
+    "bench_save_pretrained": "Weights out (`bench_save_pretrained.py`): engine.save_pretrained against the disk and the whole-state-dict route",
+    "scale": "Scale proof (`scale.py`): a model whose state is twice the RAM, on NVMe",
+    "gpu_session.suite": "The test suite on a GPU machine (`gpu_session.sh`)",
+    "gpu_session.sanitizer": "The CUDA tests under PyTorch's stream sanitizer (`gpu_session.sh`)",
+    "gpu_session.host": "The host's own time per unit per step (`bench_pipeline.py --measure-host`)",
+}
+
+
+def _key(record: dict[str, Any], row: dict[str, Any]) -> tuple[str, str, str, str]:
+    return (row["case"], row["metric"], row.get("peer") or "", record["machine"]["label"])
+
+
+def current_rows(records: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, list[tuple[str, dict[str, Any], dict[str, Any]]]]:
+    """Per benchmark, the newest row of each (case, metric, peer, machine): (record file,
+    record, row), sorted by case, peer and machine. Newest: the later date, then the later file
+    name; within one record the last row of a key wins."""
+    newest: dict[tuple[str, tuple[str, str, str, str]], tuple[tuple[str, str], str, dict[str, Any], dict[str, Any]]] = {}
+    for name, record in records:
+        for row in record["rows"]:
+            key = (record["benchmark"], _key(record, row))
+            order = (record["date"], name)
+            if key not in newest or order >= newest[key][0]:
+                newest[key] = (order, name, record, row)
+    tables: dict[str, list[tuple[str, dict[str, Any], dict[str, Any]]]] = {}
+    for (benchmark, _), (_, name, record, row) in sorted(newest.items(), key=lambda item: item[0]):
+        tables.setdefault(benchmark, []).append((name, record, row))
+    return tables
+
+
+def newest_by_machine(records: Iterable[tuple[str, dict[str, Any]]]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(machine label, record file, record) of each machine's newest record, GPU machines
+    first, then by label."""
+    newest: dict[str, tuple[str, dict[str, Any]]] = {}
+    for name, record in records:
+        label = record["machine"]["label"]
+        if label not in newest or (record["date"], name) >= (newest[label][1]["date"], newest[label][0]):
+            newest[label] = (name, record)
+    return sorted(((label, n, r) for label, (n, r) in newest.items()), key=lambda x: (x[2]["machine"].get("gpu") is None, x[0]))
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return f"{value:.4g}"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render(records: list[tuple[str, dict[str, Any]]]) -> str:
+    """RESULTS.md for `records` ((file name, record) pairs): deterministic, from them alone."""
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `benchmarks/make_results.py` from the records in `benchmarks/results/` (one JSON file per",
+        "run, schema in `benchmarks/results/README.md`); do not edit: run a benchmark (it writes its record), then",
+        "`python benchmarks/make_results.py`. Each table holds, per case, peer and machine, the newest record's",
+        "figure; older figures stay in their records, and the prose diary that came before the records is",
+        '`benchmarks/results/history.md`. "× peer" is how many times better than the peer a row is (>1: offload',
+        "ahead; for times peer / value). Rows marked *imported* were read off the diary, not written by a run.",
+        "",
+        "## How old the evidence is",
+        "",
+        "| machine | newest record | commit | benchmark |",
+        "| --- | --- | --- | --- |",
+    ]
+    for label, name, record in newest_by_machine(records):
+        lines.append(f"| {_cell(label)} | {record['date'][:10]} | {record['commit']} | [{record['benchmark']}](results/{name}) |")
+    for benchmark, rows in current_rows(records).items():
+        lines += ["", f"## {TITLES.get(benchmark, benchmark)}", ""]
+        lines.append("| case | metric | value | peer | peer value | × peer | commit | date | machine |")
+        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for name, record, row in rows:
+            ratio = ahead(row)
+            source = " *imported*" if record["source"] == "imported" else ""
+            partial = " (partial run)" if not record["complete"] else ""
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        _cell(row["case"]),
+                        _cell(row["metric"]),
+                        _number(row["value"]),
+                        _cell(row.get("peer") or ""),
+                        _number(row.get("peer_value")),
+                        f"{ratio:.2f}" if ratio is not None else "",
+                        f"[{record['commit']}](results/{name}){source}{partial}",
+                        record["date"][:10],
+                        _cell(record["machine"]["label"]),
+                    ]
+                )
+                + " |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when RESULTS.md differs from what the records give")
+    parser.add_argument("--records", default=RESULTS, help="the records' folder")
+    parser.add_argument("--output", default=OUTPUT)
+    args = parser.parse_args(argv)
+    text = render(load_all(args.records))
+    if args.check:
+        try:
+            with open(args.output) as handle:
+                current = handle.read()
+        except FileNotFoundError:
+            current = ""
+        if current != text:
+            print(f"{args.output} is stale: run python benchmarks/make_results.py", file=sys.stderr)
+            return 1
+        return 0
+    with open(args.output, "w") as handle:
+        handle.write(text)
+    print(f"wrote {args.output} from {len(load_all(args.records))} records")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
