@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -399,7 +399,7 @@ class TierStore:
         timings: dict[str, float] | None = None,
         prefetch_next: bool = False,
         leave_writes: bool = False,
-    ) -> Iterator[StatePiece]:
+    ) -> Generator[StatePiece, None, None]:
         """Yields each unit's optimizer state in order, piece by piece: a resident unit (host or
         device) as one piece of its own buffers (slot None); an NVMe one as the pieces of
         `state_pieces`, piece i read into the slot of position i (`_slot_at`) while piece i + 1
