@@ -70,7 +70,8 @@ def step_traffic(*, moment_bytes: float, grad_bytes: float, compute_bytes: float
         base_h2d=2 * compute_bytes if param_offloaded else 0.0,
         base_d2h=grad_bytes,
         cpu_h2d=0.0 if param_offloaded else compute_bytes,
-        device_memory=state + grad_bytes + compute_bytes,
+        # (with param `none` the step writes the new weights where the compute reads them)
+        device_memory=state + grad_bytes + (compute_bytes if param_offloaded else 0.0),
     )
 
 

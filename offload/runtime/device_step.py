@@ -103,7 +103,8 @@ class DeviceStepper(UnitStepper):
         for kind in (*STEPPED_KINDS, "grad32"):
             numel, dtype = codec.storage(kind, n)
             views[kind] = self.device.empty(numel, dtype)
-        views["out"] = self.device.empty(n, self.store.compute_dtype)
+        if not self._writes_device_buffer():  # else the step writes the new weights where they are used
+            views["out"] = self.device.empty(n, self.store.compute_dtype)
         for tensor in views.values():
             self.device.allocated(tensor)
         return DeviceState(views)
@@ -214,7 +215,7 @@ class DeviceStepper(UnitStepper):
             state.loaded = None
         into_device = self._writes_device_buffer()
         start = unit.layout.shard_range(self.rank)[0]
-        writes = [state.views[kind] for kind in (*STEPPED_KINDS, "out")]
+        writes = [state.views[kind] for kind in (*STEPPED_KINDS, "out") if kind in state.views]
         if into_device:
             assert unit.device_flat is not None
             writes += [unit.device_flat[start + s : start + e] for _, s, e in ranges]
@@ -247,8 +248,14 @@ class DeviceStepper(UnitStepper):
         """On the optimizer stream: the exact step over `ranges` of the device's copy, in chunks."""
         codec, views, n = self.store.codec, state.views, unit.optimizer_numel
         key = codec.rounding_key(unit.index, unit.step_count)
-        sixteen_bit = views["out"].dtype != torch.float32
-        start = unit.layout.shard_range(self.rank)[0]
+        # the new weights: into the unit's device buffer (this rank's shard of it), or `out`
+        if into_device:
+            assert unit.device_flat is not None
+            start = unit.layout.shard_range(self.rank)[0]
+            out = unit.device_flat[start : start + n]
+        else:
+            out = views["out"]
+        sixteen_bit = out.dtype != torch.float32
         for group, low, high in ranges:
             for first in range(low, high, CHUNK):
                 last = min(high, first + CHUNK)
@@ -261,14 +268,11 @@ class DeviceStepper(UnitStepper):
                     position=first,
                     rounding_key=key,
                     step=unit.step_count,
-                    param_out16=views["out"][first:last] if sixteen_bit else None,
+                    param_out16=out[first:last] if sixteen_bit else None,
                     **hypers[group].adam_arguments(),
                 )
                 if not sixteen_bit:
-                    views["out"][first:last].copy_(views["master"][first:last])
-            if into_device:
-                assert unit.device_flat is not None
-                unit.device_flat[start + low : start + high].copy_(views["out"][low:high])
+                    out[first:last].copy_(views["master"][first:last])
 
     def _restore(self, step: _UnitStep, piece: StatePiece, hypers: Sequence[StepHyper], ranges) -> None:
         """The 16-bit weights cast again from the host master (unchanged by speculation)."""
