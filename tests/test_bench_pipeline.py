@@ -177,3 +177,20 @@ def test_host_time_per_unit_is_replayed_before_each_compute_op(bench, tmp_path, 
             step = op.label.split(",")[0]
             shares[(op.unit, step)] = shares.get((op.unit, step), 0.0) + hosts[0].share
     assert shares and all(total == pytest.approx(1.0) for total in shares.values())
+
+
+def test_overlap_auto_records_its_split_and_the_device_lane(bench, tmp_path):
+    """The engine's default schedule records as it would run on the machine: its split (the
+    units whose gradients land last, the root first, step on the device), and the device lane's
+    ops in the graph (gradients up, the exact step on the optimizer stream, the new state down),
+    priced at the machine's rates."""
+    machine = MACHINES["h100-pcie5"]
+    prediction, graph, rec = bench.run(
+        "1.3b", "none/cpu", overlap="default", machine=machine, batch=8, seq=1024, steps=3, nvme_path=str(tmp_path)
+    )
+    assert rec.overlap == "auto" and rec.unit_on_device[0] and not all(rec.unit_on_device)
+    kinds = {(op.kind, op.resource) for op in graph.ops}
+    assert {("device_adam_exact", "optimizer"), ("grad_up", "host_to_device"), ("state_down", "device_to_host")} <= kinds
+    exact = [op for op in graph.ops if op.kind == "device_adam_exact"]
+    assert all(op.elements > 0 for op in exact)
+    assert prediction.busy["optimizer"] > 0 and prediction.floor <= prediction.step
