@@ -271,3 +271,41 @@ def test_on_cuda_the_rates_are_measured_and_the_split_is_exact(swap_dir, monkeyp
     got, _, on_device = train(model, make_config(swap_dir, precision="bf16", clip=0.05), data)
     assert any(on_device)
     assert_same(got, expected)
+
+
+# ---- offload estimate ---------------------------------------------------------------------------
+def test_estimate_says_the_schedule_the_split_and_the_predicted_step(capsys, tmp_path):
+    import json
+
+    from offload.cli import main as cli_main
+
+    args = ["estimate", "7B", "--gpu-memory", "80GB", "--ram", "512GiB", "--disk", "2TB", "--nvme-path", str(tmp_path)]
+    args += ["--micro-batch", "8", "--seq-len", "1024", "--step-rates", "cpu=5,device=6,h2d=48,d2h=48"]
+    assert cli_main([*args, "--device-tflops", "270", "--json"]) == 0
+    schedule = json.loads(capsys.readouterr().out)["schedule"]
+    assert schedule["overlap"] == "auto" and 0 < schedule["split"]["device_units"] < schedule["split"]["units"]
+    assert schedule["compute_s"] < schedule["predicted_step_s"] < 2 * schedule["compute_s"]
+    assert cli_main(args) == 0  # no TFLOPS: the split, no predicted step
+    out = capsys.readouterr().out
+    assert "schedule: overlap auto, the best exact one" in out and "units step on the GPU" in out
+    assert "predicted step" not in out
+    assert (
+        cli_main(
+            [
+                "estimate",
+                "7B",
+                "--gpu-memory",
+                "80GB",
+                "--ram",
+                "512GiB",
+                "--disk",
+                "2TB",
+                "--nvme-path",
+                str(tmp_path),
+                "--step-rates",
+                "",
+            ]
+        )
+        == 0
+    )
+    assert "chosen at start from the rates the engine measures there" in capsys.readouterr().out

@@ -18,6 +18,7 @@ about as long (it minimises the longer of the two, `StepSplit.optimizer_seconds`
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -188,6 +189,17 @@ def plan_split(
     cpu, device, h2d, d2h = _seconds(numels, chosen, rates, traffic)
     memory = int(sum(numels[i] for i in order[:best_k]) * traffic.device_memory)
     return StepSplit(tuple(chosen), cpu, device, h2d, d2h, memory, tuple(reasons))
+
+
+def predicted_step(
+    numels: list[int], on_device: Sequence[bool], rates: StepRates, traffic: Traffic, backward_seconds: float
+) -> float:
+    """Overlap auto's step under this split, from a backward of `backward_seconds` and a forward
+    of half that: the compute, unless the last unit's step ends after the backward has (the next
+    forward waits for it: `finish_after_backward`), or a link carries more than the step's worth."""
+    finish = finish_after_backward(numels, list(on_device), rates, traffic, backward_seconds)
+    _, _, h2d, d2h = _seconds(numels, list(on_device), rates, traffic)
+    return max(backward_seconds / 2 + max(backward_seconds, finish), h2d, d2h)
 
 
 def candidates_for(numels: list[int], eligible: list[bool], traffic: Traffic, device_memory: int) -> list[bool]:

@@ -23,7 +23,7 @@ import torch
 from offload.config.sizes import format_bytes
 from offload.model.unit_state import UnitState
 from offload.optim import kernels, moments
-from offload.plan.step_split import StepRates, StepSplit, Traffic, parse_rates, plan_split
+from offload.plan.step_split import StepRates, StepSplit, Traffic, parse_rates, plan_split, predicted_step
 from offload.platform.device import Device
 from offload.storage.state_codec import StateCodec
 
@@ -106,10 +106,20 @@ class SplitPlanner:
             split.device_seconds,
             split.h2d_seconds,
             split.d2h_seconds,
-            f"; chosen for a backward of {self.backward_seconds:.3g} s" if self.backward_seconds else "",
+            self._predicted(split),
             f"; stopped by {', '.join(split.reasons)}" if split.reasons else "",
         )
         return moved
+
+    def _predicted(self, split: StepSplit) -> str:
+        if not self.backward_seconds:
+            return ""
+        numels = [unit.optimizer_numel for unit in self.units]
+        step = predicted_step(numels, split.on_device, self.rates, self.traffic, self.backward_seconds)
+        return (
+            f"; chosen for a backward of {self.backward_seconds:.3g} s: predicted step {step:.3g} s against "
+            f"{1.5 * self.backward_seconds:.3g} s of compute"
+        )
 
 
 def _best_seconds(run: Callable[[], None], repeats: int = 3) -> float:
