@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from offload.errors import OffloadError
 from offload.runtime.overlap import Stepping
 
 
@@ -107,3 +108,28 @@ def test_a_job_the_worker_has_not_started_can_be_withdrawn_and_then_does_nothing
     stepping.wait()
     assert [[unit.name for unit in units] for units in stepper.steps] == [["block 2"], ["root", "block 1"]]
     assert not stepping.pending
+
+
+class Untouchable(list):
+    def __iter__(self):
+        raise AssertionError("raise_if_failed looked through the futures with no failure noted")
+
+
+def test_raise_if_failed_looks_through_the_futures_only_after_a_failure(queue):
+    """It runs before every unit's forward: with nothing failed it returns at once (it scanned
+    every future of the window before, twice per unit, a quarter of the engine's host time per
+    unit at 49 units); a failure is noted by the future's callback and raised once."""
+    stepping, stepper = queue
+    stepper.release.set()
+    stepping.submit([], [])
+    stepping.worker.submit(lambda: None).result()  # both tasks done
+    kept = stepping._futures
+    stepping._futures = Untouchable(kept)
+    stepping.raise_if_failed()
+    stepping._futures = kept
+    stepper.write_error = OSError(5, "the write-back failed")
+    stepping.submit([], [])
+    stepping.worker.submit(lambda: None).result()
+    with pytest.raises(OffloadError, match="the write-back failed"):
+        stepping.raise_if_failed()
+    stepping.raise_if_failed()  # raised once

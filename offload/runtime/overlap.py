@@ -73,6 +73,9 @@ class Stepping:
         # in submission order: (future, whether it is a write-back's settling)
         self._futures: list[tuple[Future, bool]] = []
         self._lock = threading.Lock()
+        # some future in `_futures` may have failed (set by its done callback): `raise_if_failed`,
+        # called before each unit runs, then looks through them, else it returns at once
+        self._failed = False
 
     def submit(self, units: list[UnitState], hypers: Sequence[StepHyper], mode: StepMode = StepMode.STEP) -> list[StepJob]:
         """Steps `units` in this order (each param with its group's `hypers[g]`; `mode` says
@@ -98,6 +101,12 @@ class Stepping:
     def _track(self, future: Future, *, writes: bool) -> None:
         with self._lock:
             self._futures.append((future, writes))
+        future.add_done_callback(self._note_failure)
+
+    def _note_failure(self, future: Future) -> None:
+        """Whoever completes `future`: a failure is noted, for `raise_if_failed` to look for."""
+        if not future.cancelled() and future.exception() is not None:
+            self._failed = True
 
     def withdraw(self, job: StepJob) -> bool:
         """Takes `job` back if the worker has not started it (True): it will not run. Its units'
@@ -200,8 +209,12 @@ class Stepping:
             self.device_lane[1].settle_writes()
 
     def raise_if_failed(self) -> None:
-        """Without waiting: a step (or write-back) that already failed is raised in the main thread."""
+        """Without waiting: a step (or write-back) that already failed is raised in the main thread.
+        (Before each unit's forward: nothing to look through unless a failure was noted.)"""
+        if not self._failed:
+            return
         with self._lock:
+            self._failed = False
             failed = [entry for entry in self._futures if entry[0].done() and entry[0].exception() is not None]
             for entry in failed:
                 self._futures.remove(entry)
