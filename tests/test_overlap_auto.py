@@ -76,7 +76,8 @@ def test_auto_equals_overlap_none_bitwise(swap_dir, precision, clipping):
     assert_same(state, expected)
     assert losses == expected_losses
     if clipping == "always":
-        assert counts["committed"] == 0
+        # clipping that keeps acting pauses speculation after each redo: 1 window, then 2 (of 6)
+        assert counts["committed"] == 0 and counts["redone"] <= 3
     if clipping == "never":
         assert counts["redone"] == 0 and counts["committed"] > 0
 

@@ -35,6 +35,9 @@ from offload.runtime.weights_out import WeightsReader
 
 logger = logging.getLogger(__name__)
 
+# the most windows overlap `auto` steps without speculation after a redo (`Speculation.begin_window`)
+MAX_PAUSE = 16
+
 
 class Speculation:
     """The speculative steps of the current window (module docstring)."""
@@ -61,6 +64,11 @@ class Speculation:
         # speculative windows step() committed, stepped again (clipping acted, or the
         # hyperparameters changed), skipped (fp16 overflow) or refused (non-finite gradients)
         self.counts = {"committed": 0, "redone": 0, "skipped": 0, "refused": 0}
+        # overlap `auto`: whether the window's last backward steps speculatively, and after a redo
+        # how many windows do not (`begin_window`), that count doubling while redos follow
+        self.this_window = True
+        self._pause = 0
+        self._next_pause = 1
 
     @property
     def pending(self) -> bool:
@@ -76,6 +84,16 @@ class Speculation:
         self.stepping.upload_grad_on_device(unit)
         (job,) = self.stepping.submit([unit], hypers, StepMode.SPECULATE)
         self.jobs[unit.index] = job
+
+    def begin_window(self) -> None:
+        """Main thread, a window's last backward begins: whether its units speculate. Overlap
+        `auto` pauses after a redo (clipping that keeps acting wastes every speculative step, and a
+        device unit's redo loads its state again): 1 window, then 2, 4 ... up to MAX_PAUSE while
+        redos follow, none once a window commits. The window then steps as with overlap 'forward'."""
+        self.this_window = True
+        if self.policy.defers_to_forward and self._pause:
+            self._pause -= 1
+            self.this_window = False
 
     def take(self) -> list[UnitState]:
         """The window's speculated units, forgotten here (the caller decides them)."""
@@ -173,9 +191,11 @@ class Speculation:
         if stands:
             self.commit(units)
             self.counts["committed"] += 1
+            self._next_pause = 1
             return {unit.index for unit in units}
         self.take_back(units, restore=False)
         self.counts["redone"] += 1
+        self._pause, self._next_pause = self._next_pause, min(2 * self._next_pause, MAX_PAUSE)
         logger.info(
             "offload: step %d %s: the %d units stepped during backward step again from their old state "
             "(%d of %d speculative windows redone so far)",

@@ -228,6 +228,7 @@ class GradientWindow:
             self.hyper.check_untouched()
             self._window_hypers = self.hyper.step_hypers(self._unclipped_multiplier())
             self._stepped_in_backward = []
+            self.speculation.begin_window()
         return boundary
 
     def _agree_on_backward(self, nonfinite: bool, loss_value: float | None) -> None:
@@ -375,7 +376,7 @@ class GradientWindow:
         # read when the window's last backward began, before any of its units could be final
         assert self._window_hypers is not None
         if self.policy.speculative:
-            if finite and unit.can_speculate and unit.grads_in_window:
+            if finite and unit.can_speculate and unit.grads_in_window and self.speculation.this_window:
                 self.speculation.submit(unit, self._window_hypers)
             return
         if not finite:
