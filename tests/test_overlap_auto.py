@@ -151,6 +151,32 @@ def test_calls_between_backward_and_step_act_as_under_overlap_forward(swap_dir, 
     assert losses == expected_losses
 
 
+def test_a_read_of_the_weights_before_step_sees_the_last_steps(swap_dir):
+    """param none: a parameter read between the backward and step() (a weight norm logged, say)
+    sees the weights of the last step, as under overlap 'forward': the window's speculative steps
+    are taken back first (the read would otherwise wait for them and see their weights)."""
+    torch.manual_seed(0)
+    model = TinyNet(depth=3)
+    data = batches(4)
+
+    def read_before_step(engine, x, y, seen):
+        loss = mse(engine, x, y)
+        engine.backward(loss)
+        seen.append(engine.model.blocks[2].up.weight.detach().double().sum().item())
+        engine.step()
+        return loss
+
+    runs = {}
+    for overlap in ("forward", None):
+        seen: list[float] = []
+        state, _, _ = train(
+            model, make_config(swap_dir, overlap, param="none"), data, lambda e, x, y: read_before_step(e, x, y, seen)
+        )
+        runs[overlap] = (state, seen)
+    assert runs[None][1] == runs["forward"][1]
+    assert_same(runs[None][0], runs["forward"][0])
+
+
 def failing_once():
     """A loop whose first backward fails in the root's first gradient (the last to land: every
     block has stepped speculatively by then); it drops that window and trains on."""

@@ -409,6 +409,7 @@ def _install_schedule(runtime: Runtime) -> None:
         prefetch_depth=runtime.config.prefetch.depth,
         timings=runtime.timings,
         on_outside_backward=runtime.window.outside_backward_began,
+        before_read_between_steps=runtime.window.before_read_between_steps,
     )
     offloaded, distributed = runtime.residency.offloaded, runtime.collectives.is_distributed
     schedule = Schedule(

@@ -174,6 +174,13 @@ class GradientWindow:
             # ask for the weights they will get
             self.gradients.wait_all()
 
+    def before_read_between_steps(self) -> None:
+        """A parameter is read between steps (main thread): with overlap `auto`, after the
+        backward that ended a window and before step(), its speculative steps are taken back,
+        so the read sees the weights overlap 'forward' shows there (the last step's)."""
+        if self.policy.defers_to_forward and self._window_ended_without_step():
+            self.speculation.take_back_before_step("a read of the weights before step()")
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` / gradient_accumulation_steps (times the loss scale in fp16)."""
         self.check_open()
