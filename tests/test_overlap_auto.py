@@ -159,19 +159,20 @@ def test_a_read_of_the_weights_before_step_sees_the_last_steps(swap_dir):
     model = TinyNet(depth=3)
     data = batches(4)
 
-    def read_before_step(engine, x, y, seen):
-        loss = mse(engine, x, y)
-        engine.backward(loss)
-        seen.append(engine.model.blocks[2].up.weight.detach().double().sum().item())
-        engine.step()
-        return loss
+    def reading(seen: list[float]):
+        def read_before_step(engine, x, y):
+            loss = mse(engine, x, y)
+            engine.backward(loss)
+            seen.append(engine.model.blocks[2].up.weight.detach().double().sum().item())
+            engine.step()
+            return loss
+
+        return read_before_step
 
     runs = {}
     for overlap in ("forward", None):
         seen: list[float] = []
-        state, _, _ = train(
-            model, make_config(swap_dir, overlap, param="none"), data, lambda e, x, y: read_before_step(e, x, y, seen)
-        )
+        state, _, _ = train(model, make_config(swap_dir, overlap, param="none"), data, reading(seen))
         runs[overlap] = (state, seen)
     assert runs[None][1] == runs["forward"][1]
     assert_same(runs[None][0], runs["forward"][0])
