@@ -86,6 +86,21 @@ def dd(args: list[str]) -> float:
     return time.perf_counter() - started
 
 
+def python_write(path: str, block: int, blocks: int) -> float:
+    """Seconds to write `blocks` x `block` bytes of random values to `path` with Python os.write
+    (as the checkpoint and shard writers write tensors) and fsync them; the file is left."""
+    buffer = memoryview(torch.randn(block // 4).numpy()).cast("B")
+    started = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for _ in range(blocks):
+            os.write(fd, buffer)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - started
+
+
 def disk_speed(work: str, nbytes: int) -> dict:
     """Seconds to write `nbytes` sequentially (dd from /dev/zero; Python os.write of a random
     16 MiB buffer, as the checkpoint writer does), each flushed, and to read them back cold."""
@@ -94,16 +109,7 @@ def disk_speed(work: str, nbytes: int) -> dict:
     blocks = -(-nbytes // block)
     dd_write_s = dd(["if=/dev/zero", f"of={probe}", f"bs={block}", f"count={blocks}", "conv=fsync"])
     os.remove(probe)
-    buffer = memoryview(torch.randn(block // 4).numpy()).cast("B")
-    started = time.perf_counter()
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        for _ in range(blocks):
-            os.write(fd, buffer)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    write_s = time.perf_counter() - started
+    write_s = python_write(probe, block, blocks)
     drop_cache(probe)
     read_s = dd([f"if={probe}", "of=/dev/null", f"bs={block}"])
     os.remove(probe)

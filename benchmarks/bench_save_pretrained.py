@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_checkpoint import PeakRss, dd  # noqa: E402 - the benchmarks' folder on the path first
+from bench_checkpoint import PeakRss, dd, python_write  # noqa: E402 - the benchmarks' folder on the path first
 from records import Recorder  # noqa: E402
 
 import offload  # noqa: E402
@@ -65,16 +65,7 @@ def raw_write(directory: str, nbytes: int) -> dict:
     block = min(16 << 20, max(1 << 20, nbytes))
     blocks = max(1, -(-nbytes // block))
     probe = os.path.join(directory, "raw.bin")
-    buffer = memoryview(torch.randn(block // 4).numpy()).cast("B")
-    started = time.perf_counter()
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        for _ in range(blocks):
-            os.write(fd, buffer)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    write_s = time.perf_counter() - started
+    write_s = python_write(probe, block, blocks)
     os.remove(probe)
     dd_s = dd(["if=/dev/zero", f"of={probe}", f"bs={block}", f"count={blocks}", "conv=fsync"])
     os.remove(probe)

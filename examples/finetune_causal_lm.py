@@ -1,6 +1,6 @@
 """Fine-tune a Hugging Face causal LM on a text file with offload.
 
-    # a model directory (weights + config, tokenizer if any), one process:
+    # a model directory (weights + config, tokenizer if any; the weights streamed into the tiers, never whole in RAM):
     python examples/finetune_causal_lm.py --model ./my-llama --data corpus.txt --offload-config examples/configs/7b_on_24gb.json
     # a config.json with random init (no weights needed), 4 ranks on one machine, one GPU each:
     torchrun --nproc-per-node 4 examples/finetune_causal_lm.py --model-config config.json --data corpus.txt \
@@ -54,7 +54,9 @@ TINY = {
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", help="a Hugging Face model directory (from_pretrained)")
+    source.add_argument(
+        "--model", help="a Hugging Face model directory: built on the meta device, its safetensors streamed in (weights=)"
+    )
     source.add_argument("--model-config", help="a Hugging Face config.json: the model is built from it with random weights")
     parser.add_argument("--data", help="a UTF-8 text file to train on (default with --tiny: this script's own source)")
     parser.add_argument(
@@ -90,10 +92,15 @@ def parse_args(argv=None):
 
 
 def build_model(args):
+    """The model to train, and the pretrained weights the engine streams into it (None: the
+    model's own init). A model directory is never loaded whole: the model is built on the meta
+    device from its config and `initialize(weights=DIR)` reads the shards unit by unit."""
     import transformers
 
     if args.model and not args.tiny:
-        return transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(args.model))
+        return model, args.model
     if args.model:
         config = transformers.AutoConfig.from_pretrained(args.model).to_dict()
     elif args.model_config:
@@ -108,7 +115,7 @@ def build_model(args):
     for key in ("architectures", "transformers_version", "dtype", "torch_dtype", "_name_or_path"):
         config.pop(key, None)
     hf_config = transformers.AutoConfig.for_model(model_type, **config)
-    return transformers.AutoModelForCausalLM.from_config(hf_config)
+    return transformers.AutoModelForCausalLM.from_config(hf_config), None
 
 
 def tokenize(args, text: str, vocab_size: int) -> torch.Tensor:
@@ -181,11 +188,11 @@ def main(argv=None) -> dict:
     if args.tiny:
         config.optimizer.threads = min(config.optimizer.threads or 2, 2)
     torch.manual_seed(config.seed if config.seed is not None else 0)
-    model = build_model(args)
+    model, weights = build_model(args)
     text = Path(args.data).read_text(encoding="utf-8") if args.data else Path(__file__).read_text(encoding="utf-8")
     ids = tokenize(args, text, model.config.vocab_size)
     model.train()
-    engine = offload.initialize(model, config, device=device)
+    engine = offload.initialize(model, config, device=device, weights=weights)
     rank, world = engine.collectives.rank, engine.collectives.world_size
     losses = []
     accumulation = config.gradient_accumulation_steps

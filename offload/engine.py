@@ -6,8 +6,8 @@ A thin face. `offload.runtime.build` wires the parts (`Runtime`); the gradient w
 `offload.checkpoint`. Each method here is the user's call, delegated.
 
 Threads, and what each owns:
-- the main thread runs forward and backward, every hook, every collective, and all residency
-  bookkeeping (acquire / release / storage resize);
+- the thread inside a call (one at a time: each call here is `@driven`, a second thread's is
+  refused) runs forward and backward, every hook, every collective, and all residency bookkeeping;
 - the transfer worker (one thread) runs fetches of 16-bit weights to the device and the
   gradient path off the device (copy, accumulate into the fp32 gradient, squared norm), in
   the order they were submitted;
@@ -30,8 +30,8 @@ from offload.config.param_groups import resolve_param_groups
 from offload.config.schema import Config, freeze, load_config
 from offload.errors import ConfigError, OffloadError, at_users_call, name_config_file
 from offload.model.owned import OPEN_ENGINES, RELEASED, StateDictHooks
-from offload.platform.device import Device
-from offload.runtime.build import Runtime, build
+from offload.platform.device import Device, to_device_inputs
+from offload.runtime.build import Runtime, build, driven
 from offload.runtime.param_access import held_on_device
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ def initialize(
     process_group=None,
     run_name: str | None = None,
     strict: bool = True,
+    weights: str | os.PathLike | None = None,
+    weights_strict: bool = True,
 ) -> Engine:
     """Wraps `model` for offloaded training and returns the `Engine` (also a context manager
     that closes it): `out = engine(**batch); engine.backward(out.loss); engine.step()`.
@@ -65,6 +67,9 @@ def initialize(
     run_name: this run's swap directory under offload.nvme_path (default: a unique name).
     strict: False drops, with one warning, DeepSpeed or accelerate keys offload cannot honour,
         instead of refusing the config.
+    weights: pretrained weights to start from (a .safetensors file, or a directory of Hugging Face
+        shards), streamed unit by unit into the tiers: `model` may be built on meta (docs/pretrained.md).
+    weights_strict: False drops, with one warning, keys of `weights` the model lacks, instead of refusing them.
 
     A mistake in these (a config key, a placement that does not fit) raises an
     `offload.OffloadError` subclass here, naming the config file, the key and what to do.
@@ -79,6 +84,8 @@ def initialize(
             process_group=process_group,
             run_name=run_name,
             strict=strict,
+            weights=weights,
+            weights_strict=weights_strict,
         )
     except OffloadError as error:
         if isinstance(config, (str, os.PathLike)):
@@ -117,9 +124,9 @@ class Engine:
         run_name: str | None = None,
         strict: bool = True,
         param_groups: list[dict] | None = None,
+        weights: str | os.PathLike | None = None,
+        weights_strict: bool = True,
     ) -> None:
-        # strict=False: a DeepSpeed / accelerate key whose meaning cannot be honoured is dropped
-        # with a warning instead of refused
         self.config = load_config(config, strict=strict)
         if not isinstance(model, nn.Module):
             raise ConfigError(f"offload.initialize needs an nn.Module, got {type(model).__name__}")
@@ -133,22 +140,20 @@ class Engine:
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
         self.model = model
+        runtime = build(model, self.config, groups, process_group=process_group, device=device, run_name=run_name,
+                        weights=weights, weights_strict=weights_strict)  # fmt: skip
         # parameters frozen at initialize are handed back by close() in the dtype they came in
-        frozen = model.named_parameters(remove_duplicate=False)
-        self._frozen_dtypes = {name: p.dtype for name, p in frozen if not p.requires_grad and p.is_floating_point()}
-        runtime = build(model, self.config, groups, process_group=process_group, device=device, run_name=run_name)
+        self._frozen_dtypes = runtime.frozen_dtypes
         self._runtime: Runtime = runtime
+        # the thread inside one of the calls below (`@driven`): one engine, one thread at a time
+        self.driver = runtime.driver
         # the parts, by name (tests, checkpoints and integrations reach them so)
         self.collectives, self.device, self.compute_dtype = runtime.collectives, runtime.device, runtime.compute_dtype
         self.units, self.store, self.ledger, self.timings = runtime.units, runtime.store, runtime.ledger, runtime.timings
         self.residency, self.gradients, self.policy = runtime.residency, runtime.gradients, runtime.policy
         self.stepper, self.stepping, self.optimizer_worker = runtime.stepper, runtime.stepping, runtime.optimizer_worker
-        self.hyper, self.weights, self.window, self.optimizer_plan = (
-            runtime.hyper,
-            runtime.weights,
-            runtime.window,
-            runtime.optimizer_plan,
-        )
+        self.hyper, self.weights = runtime.hyper, runtime.weights
+        self.window, self.optimizer_plan = runtime.window, runtime.optimizer_plan
         assert runtime.schedule is not None  # build installs it
         self.schedule = runtime.schedule
         self._state_dict_hooks = StateDictHooks(
@@ -197,10 +202,11 @@ class Engine:
         return self.window.speculation_counts
 
     # ---- forward and backward ----------------------------------------------------------
+    @driven("engine(...)")
     def __call__(self, *args, **kwargs):
         self._check_open()
         self.window.settle_before_use()
-        args, kwargs = _prepare_inputs((args, kwargs), self.device.torch_device, self.compute_dtype)
+        args, kwargs = to_device_inputs((args, kwargs), self.device.torch_device, self.compute_dtype)
         started = time.perf_counter()
         try:
             return self.schedule.forward(*args, **kwargs)
@@ -216,10 +222,11 @@ class Engine:
         refused when the block ends. With several ranks, every rank enters it with the same
         module (the weights are gathered). A large model can be read block by block:
         `for layer in model.layers: with engine.params_on_device(layer): ...`."""
-        self._check_open()
-        self.window.settle_before_use()
-        with held_on_device(self.schedule.context, self.model if module is None else module, self._runtime.undo_write):
-            yield
+        with self.driver.entered("engine.params_on_device()"):
+            self._check_open()
+            self.window.settle_before_use()
+            with held_on_device(self.schedule.context, self.model if module is None else module, self._runtime.undo_write):
+                yield
 
     @property
     def forward_order(self):
@@ -229,6 +236,7 @@ class Engine:
     def backward_order(self):
         return self.schedule.context.backward_order
 
+    @driven("engine.backward()")
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` / gradient_accumulation_steps (times the loss scale in fp16)."""
         self._check_open()
@@ -269,23 +277,28 @@ class Engine:
         optimizer.step()
         return optimizer.applied
 
+    @driven("engine.step()")
     def _apply_step(self) -> bool:
         self._check_open()
         return self.window.step()
 
     # ---- engine.optimizer's state and zero_grad (offload.runtime.optimizer_state, window) --------
+    @driven("engine.optimizer.state_dict()")
     def _optimizer_state(self, params: list) -> dict:
         self._check_open()
         return self.window.optimizer_state(params)
 
+    @driven("engine.optimizer.load_state_dict()")
     def _load_optimizer_state(self, params: list, state, check_groups) -> None:
         self._check_open()
         self.window.load_optimizer_state(params, state, check_groups)
 
+    @driven("engine.optimizer.zero_grad()")
     def _zero_grad(self) -> None:
         self._check_open()
         self.window.zero_grad()
 
+    @driven("engine.clip_grad_norm_()")
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """After the backward that ends a window, before step(): the global gradient norm (all
         units, tiers and ranks; p-norms and inf), and the coming step clips by torch's factor
@@ -294,16 +307,19 @@ class Engine:
         return self.window.clip_grad_norm(max_norm, norm_type)
 
     # ---- weights out (offload.runtime.weights_out reads them) ------------------------------
+    @driven("model.state_dict()")
     def _fp32_weight(self, param: nn.Parameter) -> torch.Tensor:
         """The fp32 weights of one parameter (the model's state_dict hooks)."""
         self._check_open()
         return self.weights.param_weight(param)
 
+    @driven("engine.consolidated_state_dict()")
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights (and the model's buffers) under model.state_dict()'s keys, on the CPU."""
         self._check_open()
         return self.weights.state_dict(self.model)
 
+    @driven("engine.save_pretrained()")
     def save_pretrained(self, out_dir, max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None) -> str:
         """The consolidated weights (fp32, or `dtype` bf16 / fp16) in the Hugging Face layout, with
         config.json, written unit by unit; every rank calls it, rank 0 writes. Returns the path
@@ -321,6 +337,7 @@ class Engine:
         return timings
 
     # ---- checkpoints (offload.checkpoint does the work) ------------------------------------
+    @driven("engine.save_checkpoint()")
     def save_checkpoint(self, path, client_state: dict | None = None, **kwargs):
         """Saves everything needed to resume exactly; see offload.checkpoint.engine_state.save."""
         from offload.checkpoint import engine_state as checkpoint
@@ -330,6 +347,7 @@ class Engine:
         self.window.drain()
         return checkpoint.save(self._runtime, path, client_state=client_state, **kwargs)
 
+    @driven("engine.load_checkpoint()")
     def load_checkpoint(self, path, **kwargs) -> dict:
         """Restores a checkpoint saved by any world size and placement; returns its client_state.
         All or nothing: a checkpoint that fails a check changes nothing (offload.checkpoint.verify)."""
@@ -365,6 +383,7 @@ class Engine:
         self._runtime.process.check("an engine call")
         self.window.check_open()
 
+    @driven("engine.close()")
     def close(self, restore_weights: bool = True) -> None:
         """Finishes pending work, frees host buffers and removes swap files.
 
@@ -417,18 +436,3 @@ class Engine:
             self.close(restore_weights=False)
         except Exception as close_error:  # noqa: BLE001 (the original error matters more)
             logger.error("offload: closing the engine after an error failed too: %s", close_error)
-
-
-def _prepare_inputs(value, device: torch.device, compute_dtype: torch.dtype):
-    """Tensors in the inputs go to the device; floating-point ones take the compute dtype
-    (integer ids, masks and labels keep theirs)."""
-    if isinstance(value, torch.Tensor):
-        dtype = compute_dtype if value.is_floating_point() else value.dtype
-        return value.to(device=device, dtype=dtype, non_blocking=True)
-    if isinstance(value, tuple):
-        return tuple(_prepare_inputs(v, device, compute_dtype) for v in value)
-    if isinstance(value, list):
-        return [_prepare_inputs(v, device, compute_dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _prepare_inputs(v, device, compute_dtype) for k, v in value.items()}
-    return value

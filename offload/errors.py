@@ -54,6 +54,13 @@ class SwapCorruptError(SwapError):
     """A swap file is truncated, has a wrong header, or its checksum does not match."""
 
 
+class WeightsError(OffloadError, ValueError):
+    """Pretrained weights (`initialize(..., weights=path)`) that cannot be loaded as they are: a
+    damaged or lying safetensors file, an index naming a missing file or one outside its
+    directory, a key the model does not have, a shape or dtype that does not fit. The message
+    names the file and the key; nothing was placed when it is raised (docs/pretrained.md)."""
+
+
 class NonFiniteError(OffloadError, FloatingPointError):
     """A loss or gradient is NaN or infinite where training cannot skip it."""
 
@@ -71,6 +78,11 @@ class OrderingError(OffloadError, RuntimeError):
 
     def __reduce__(self):
         return type(self), (str(self), self.rule, self.stream, self.what)
+
+
+class ConcurrentUseError(OffloadError, RuntimeError):
+    """An engine called from a second thread while another thread is inside one of its calls
+    (or a parameter it watches read there): one engine is driven by one thread at a time."""
 
 
 class ForkedProcessError(OffloadError, RuntimeError):

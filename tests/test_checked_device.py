@@ -316,14 +316,14 @@ def test_close_stops_the_stream_workers():
 
 
 # ---- the engine with one ordering removed -----------------------------------------------------
-def run_to_ordering_error(swap_dir, patch, *, param="cpu", optimizer="cpu", steps=3) -> OrderingError:
+def run_to_ordering_error(swap_dir, patch, *, param="cpu", optimizer="cpu", steps=3, overlap="none") -> OrderingError:
     """Trains TinyNet on the checked device with `patch(engine)` applied; the run must fail
     promptly with an OrderingError, which is returned (the violation, under its wrappers)."""
     torch.manual_seed(0)
     engines = []
     started = time.monotonic()
     with pytest.raises(OffloadError) as caught:
-        with offload.initialize(TinyNet(), make_config(swap_dir, param, optimizer), device="checked") as engine:
+        with offload.initialize(TinyNet(), make_config(swap_dir, param, optimizer, overlap), device="checked") as engine:
             engines.append(engine)
             patch(engine)
             engine_run(engine, batches(steps))
@@ -408,13 +408,18 @@ def test_h2d_fetch_used_without_the_compute_wait_is_read_before_wait(swap_dir, m
 def test_h2d_new_weights_used_without_the_compute_wait_is_read_before_wait(swap_dir, monkeypatch):
     # param none: removes, in Residency._await_step, `device.compute_waits(unit.device_update_event)`:
     # the next forward reads the device weights before the copy of the step's new weights
-    # (stepper._publish_to_device) was waited for.
+    # (stepper._publish_to_device) was waited for. Overlap forward: step() returns before the
+    # steps are done, so that wait is the forward's only one (with overlap none, step() itself
+    # makes the new weights current: tests/test_reads_after_step.py removes that wait).
     def await_step_without_wait(self, unit):
         unit.step_done.wait()
         unit.device_update_event = None
 
     error = run_to_ordering_error(
-        swap_dir, lambda engine: monkeypatch.setattr(Residency, "_await_step", await_step_without_wait), param="none"
+        swap_dir,
+        lambda engine: monkeypatch.setattr(Residency, "_await_step", await_step_without_wait),
+        param="none",
+        overlap="forward",
     )
     assert (error.rule, error.stream) == ("read-before-wait", "host-to-device")
     assert error.what.startswith("new weights of unit")
@@ -607,10 +612,11 @@ import offload
 from offload.platform.checked_device import CheckedDevice
 torch.manual_seed(0)
 config = {{"precision": "fp32", "optimizer": {{"lr": 1e-2, "weight_decay": 0.01}},
-          "offload": {{"param": "none", "optimizer": "cpu", "nvme_path": {swap_dir!r}}}, "overlap": "none"}}
+          "offload": {{"param": "none", "optimizer": "cpu", "nvme_path": {swap_dir!r}}}, "overlap": "forward"}}
 device = CheckedDevice(h2d_gbps=1e-4)
 engine = offload.initialize(TinyNet(), config, device=device)
 engine_run(engine, batches(2))
+engine.stepping.wait()  # the steps done, their copies queued (overlap forward: step() did not wait for them)
 stream = device.host_to_device
 in_flight = stream.queued - stream.completed
 engine.close()
@@ -621,7 +627,8 @@ print("closed", in_flight, stream.queued - stream.completed)
 def test_close_waits_for_the_streams_before_freeing_host_buffers(swap_dir):
     # param none: the last step's copies of the new weights to the device read the host 16-bit
     # copies (pool buffers); at 1e-4 GB/s (100 KB/s) each takes ~0.17 s, so they are surely still
-    # queued at close(). Freeing the pool first (as close() once did) made the stream worker read
+    # queued at close() (overlap forward: step() returns before them, nor does any forward wait
+    # for them: with overlap none, step() makes them current before it returns). Freeing the pool first (as close() once did) made the stream worker read
     # unmapped memory: a segfault, hence the subprocess.
     tests = os.path.dirname(os.path.abspath(__file__))
     result = subprocess.run(

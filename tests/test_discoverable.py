@@ -18,7 +18,17 @@ import offload
 from offload.cli import export as export_command
 
 ROOT = Path(__file__).resolve().parent.parent
-INITIALIZE_ARGUMENTS = ["model", "config", "param_groups", "device", "process_group", "run_name", "strict"]
+INITIALIZE_ARGUMENTS = [
+    "model",
+    "config",
+    "param_groups",
+    "device",
+    "process_group",
+    "run_name",
+    "strict",
+    "weights",
+    "weights_strict",
+]
 
 
 def test_initialize_takes_every_argument_by_name():

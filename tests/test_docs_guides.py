@@ -1,29 +1,18 @@
-"""The guides' blocks that use the pretrained-weights surface (the project's DESIGN page,
-"Additions (pretrained weights in and out)": `initialize(..., weights=)`,
-`engine.save_pretrained`): run as written on a tiny Llama saved here, once this tree has that
-surface; until then each says why it is skipped."""
+"""The guides' (and the README's) blocks that use the pretrained-weights surface (the project's
+DESIGN page, "Additions (pretrained weights in and out)": `initialize(..., weights=)`,
+`engine.save_pretrained`): run as written on a tiny Llama saved here."""
 
 from __future__ import annotations
 
-import inspect
 import json
 
 import pytest
 import torch
 from doc_blocks import ROOT, marked_block
 
-import offload
-
 transformers = pytest.importorskip("transformers")
 
 
-def has_pretrained_surface() -> bool:
-    return "weights" in inspect.signature(offload.initialize).parameters and hasattr(offload.Engine, "save_pretrained")
-
-
-@pytest.mark.skipif(
-    not has_pretrained_surface(), reason="initialize(weights=) and engine.save_pretrained are not in this tree yet"
-)
 def test_the_fine_tuning_guides_weights_block_runs_as_written(tmp_path, monkeypatch):
     """docs/guides/fine-tuning.md: a meta-built model, the weights streamed in from a saved
     directory, two steps, save_pretrained: the saved model loads with from_pretrained and has
@@ -48,3 +37,23 @@ def test_the_fine_tuning_guides_weights_block_runs_as_written(tmp_path, monkeypa
     before, after = load(tmp_path / "my-llama"), load(tmp_path / "my-llama-tuned")
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[name], after[name]) for name in before)
+
+
+def test_the_pretrained_pages_surface_block_starts_from_the_files_weights(tmp_path):
+    """docs/pretrained.md's first block: a meta-built model, `weights=` a saved directory; the
+    engine starts from exactly the weights from_pretrained loads."""
+    tiny = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(tiny).save_pretrained(tmp_path / "w", max_shard_size="20KB")
+    namespace = {"path": str(tmp_path / "w"), "config": {"precision": "fp32", "offload": {"param": "cpu", "optimizer": "cpu"}}}
+    exec(marked_block("pretrained-surface"), namespace)
+    engine = namespace["engine"]
+    try:
+        expected = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "w", dtype=torch.float32).state_dict()
+        got = engine.consolidated_state_dict()
+        assert got.keys() >= {k for k in expected if not k.endswith("inv_freq")}
+        assert all(torch.equal(got[k], v) for k, v in expected.items() if k in got)
+    finally:
+        engine.close()

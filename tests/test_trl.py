@@ -280,3 +280,45 @@ def test_the_guides_trl_snippet_runs_as_written(tmp_path, monkeypatch):
     assert namespace["trainer"].state.global_step == 2
     reloaded = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "out")
     assert any("lora_" in name for name, _ in reloaded.named_parameters())
+
+
+def test_base_weights_stream_into_a_meta_model_under_a_lora_adapter_in_their_file_dtype(tmp_path):
+    """TRL's route from pretrained weights: a meta model, TRL's PEFT wrapping, offload_weights=
+    the bf16 shards. The adapter trains; the base is frozen and comes back in bf16, bit for bit."""
+    tiny_llama(torch.bfloat16).save_pretrained(tmp_path / "w", max_shard_size="40KB")
+    stored = {k: v.clone() for k, v in LlamaForCausalLM.from_pretrained(tmp_path / "w").state_dict().items()}
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig.from_pretrained(tmp_path / "w"))
+    trainer = OffloadSFTTrainer(
+        model=model,
+        args=sft_config(tmp_path / "out"),
+        train_dataset=Dataset.from_dict({"text": TEXTS}),
+        processing_class=tokenizer(),
+        peft_config=lora(),
+        offload_config=OFFLOAD_CONFIG,
+        offload_weights=tmp_path / "w",
+    )
+    trainer.train()
+    trained = final_weights(trainer)
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in trained.items())  # started at zero, trained
+    trainer.end()
+    base = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p for n, p in trainer.model.named_parameters()}
+    for key, value in stored.items():
+        assert base[key].dtype == torch.bfloat16 and torch.equal(base[key], value), key
+
+
+def test_a_model_directory_too_big_for_ram_is_refused_before_from_pretrained(tmp_path, monkeypatch):
+    """OffloadSFTTrainer(model="DIR") would have TRL load it whole with from_pretrained: when that
+    cannot fit (here: 1000 bytes available), the error names the streamed route instead."""
+    import offload.integrations.pretrained as pretrained
+
+    tiny_llama(torch.bfloat16).save_pretrained(tmp_path / "w")
+    monkeypatch.setattr(pretrained, "available_ram", lambda: 1000)
+    with pytest.raises(ConfigError, match=r"(?s)would hold the whole model in RAM.*torch.device\('meta'\).*offload_weights="):
+        OffloadSFTTrainer(
+            model=str(tmp_path / "w"),
+            args=sft_config(tmp_path / "out"),
+            train_dataset=Dataset.from_dict({"text": TEXTS}),
+            processing_class=tokenizer(),
+            offload_config=OFFLOAD_CONFIG,
+        )

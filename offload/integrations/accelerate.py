@@ -176,9 +176,12 @@ class OffloadAccelerator(Accelerator):
     offload.Config); every other argument is accelerate's. The engine computes in accelerate's
     mixed_precision (the argument, or `accelerate launch`'s; fp32 for "no" or unset, as the plain
     script) unless the config names a `precision` (`engine_precision`); it scales the fp16 loss
-    itself, so accelerate's autocast and GradScaler stay off."""
+    itself, so accelerate's autocast and GradScaler stay off. `offload_weights`,
+    `offload_weights_strict`: pretrained weights `prepare` streams into the engine for a model
+    built on the meta device (`offload.initialize`'s `weights`, `weights_strict`)."""
 
-    def __init__(self, *args, offload_config=None, **kwargs) -> None:
+    def __init__(self, *args, offload_config=None, offload_weights=None, offload_weights_strict=True, **kwargs) -> None:
+        self.offload_weights, self.offload_weights_strict = offload_weights, offload_weights_strict
         # a copy: prepare writes into it (the precision, the optimizer type, the accumulation moved to accelerate)
         self.offload_config = copy.deepcopy(load_config(offload_config))
         named = self.offload_config.precision if "precision" in keys_set(offload_config) else None
@@ -246,7 +249,10 @@ class OffloadAccelerator(Accelerator):
             )
             config.optimizer.type = kind
         device = self.device if self.device.type == "cuda" else None
-        self.engine = offload.initialize(model, config, param_groups=groups, device=device)
+        self.engine = offload.initialize(
+            model, config, param_groups=groups, device=device, weights=self.offload_weights,
+            weights_strict=self.offload_weights_strict,
+        )  # fmt: skip
         self._offloaded_optimizer = OffloadedOptimizer(optimizer, self.engine)
         self._optimizers.append(self._offloaded_optimizer)
 

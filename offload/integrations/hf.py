@@ -47,6 +47,7 @@ except ImportError as error:  # pragma: no cover - transformers is in the test e
 
 import offload
 from offload.errors import ConfigError, OffloadError
+from offload.integrations.pretrained import check_from_pretrained_fits
 from offload.integrations.trainer_config import _scheduler_name, split_offload_config, trainer_config
 
 if TYPE_CHECKING:
@@ -166,10 +167,21 @@ class OffloadTrainer(Trainer):
 
     The engine is built by the first `train()` (`trainer.offload_engine`) and stays open for
     `evaluate`, `save_model` and more training; `trainer.end()` closes it (the model then holds
-    the final fp32 weights on the CPU)."""
+    the final fp32 weights on the CPU).
 
-    def __init__(self, *args, offload_config=None, **kwargs) -> None:
+    `offload_weights`: pretrained weights the engine streams into its tiers (what
+    `offload.initialize(weights=)` takes: a .safetensors file or a model directory), for a `model`
+    built on the meta device, never whole in RAM (docs/pretrained.md); `offload_weights_strict`
+    as `initialize`'s `weights_strict`. A TRL trainer given a model directory by name, which it
+    would load with from_pretrained, is refused when that would not fit in RAM, naming this route."""
+
+    def __init__(self, *args, offload_config=None, offload_weights=None, offload_weights_strict=True, **kwargs) -> None:
         self.offload_config = offload_config
+        self.offload_weights, self.offload_weights_strict = offload_weights, offload_weights_strict
+        named = kwargs.get("model", args[0] if args else None)
+        if isinstance(named, str):  # TRL loads it with from_pretrained in its __init__
+            init_kwargs = getattr(kwargs.get("args", args[1] if len(args) > 1 else None), "model_init_kwargs", None) or {}
+            check_from_pretrained_fits(named, init_kwargs.get("dtype", "float32"))
         self.offload_engine: Engine | None = None
         self._offloaded_model: OffloadedModel | None = None
         super().__init__(*args, **kwargs)
@@ -300,7 +312,10 @@ class OffloadTrainer(Trainer):
             config.gradient_clipping,
             self.args.gradient_accumulation_steps,
         )
-        return offload.initialize(model, config, param_groups=groups, device=self.args.device)
+        return offload.initialize(
+            model, config, param_groups=groups, device=self.args.device, weights=self.offload_weights,
+            weights_strict=self.offload_weights_strict,
+        )  # fmt: skip
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
         # training and evaluation both run through the engine; an evaluate() before train()

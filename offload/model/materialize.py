@@ -22,6 +22,10 @@ How values are made:
   initialised on a shallow copy that holds fresh storage for all of its params, and only
   this unit's params take the copy's values: another unit's weights are never written.
   A module reached a second time through a tied weight already initialised is skipped.
+  PEFT's LoRA layers initialise their adapters themselves (`reset_lora_parameters`: B zero),
+  before the modules inside them are visited.
+  With pretrained weights (`initialize(..., weights=)`), only the params the file does not
+  fill are materialised here (`params=`); the others get their values from the file.
 - Buffers: buffers left on the meta device (e.g. a Hugging Face rotary `inv_freq`, computed
   in `__init__` and therefore meta too) get CPU storage and are recomputed by the same
   init call (Hugging Face's `_init_weights` recomputes rotary frequencies; torch modules'
@@ -55,9 +59,10 @@ class MaterializeError(OffloadError):
     """A model built on the meta device has a param or buffer offload cannot give values to."""
 
 
-def has_meta_state(model: nn.Module, spec: UnitSpec) -> bool:
-    """Whether the unit has a meta param, or a meta buffer in its territory, to materialise."""
-    if any(param.is_meta for param in spec.params):
+def has_meta_state(model: nn.Module, spec: UnitSpec, params: list[nn.Parameter] | None = None) -> bool:
+    """Whether the unit has a meta param (of `params`, by default all of its own), or a meta
+    buffer in its territory, to materialise."""
+    if any(param.is_meta for param in (spec.params if params is None else params)):
         return True
     owned = {id(param) for param in spec.params}
     return any(
@@ -131,8 +136,9 @@ def _real_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.zeros(tensor.shape, dtype=tensor.dtype, device="cpu")
 
 
-def _give_storage(param: nn.Parameter, storage: torch.Tensor) -> None:
-    """Swaps zero-filled CPU storage into a meta param, keeping the Python object (and its id)."""
+def give_storage(param: nn.Parameter, storage: torch.Tensor) -> None:
+    """Swaps `storage` (a tensor of the param's numel, any device) into a meta param, keeping the
+    Python object (and its id); `param.data = ...` refuses to turn a meta tensor into a real one."""
     real = nn.Parameter(storage.view(param.shape), requires_grad=param.requires_grad)
     real.__dict__.update(param.__dict__)  # swap_tensors swaps __dict__ too: keep the attributes
     torch.utils.swap_tensors(param, real)
@@ -182,13 +188,14 @@ def _describe(names: Iterable[str]) -> str:
 
 
 @torch.no_grad()
-def materialize_unit_params(model: nn.Module, spec: UnitSpec) -> None:
-    """Gives the unit's meta params (and the meta buffers in its territory) real CPU storage and
-    initialises them as the model would; see the module docstring for the rules."""
+def materialize_unit_params(model: nn.Module, spec: UnitSpec, params: list[nn.Parameter] | None = None) -> None:
+    """Gives the unit's meta params (those of `params`, by default all; pretrained weights fill
+    the others) and the meta buffers in its territory real CPU storage and initialises them as
+    the model would; see the module docstring for the rules."""
     owned = {id(param) for param in spec.params}
     modules = territory(spec.module, owned)
     parents, names = _model_maps(model)
-    pending_params = {id(p): p for p in spec.params if p.is_meta}
+    pending_params = {id(p): p for p in (spec.params if params is None else params) if p.is_meta}
     versions: dict[int, tuple[str, torch.Tensor, int]] = {}  # id -> (name, tensor, version after allocation)
     for dtype in {p.dtype for p in pending_params.values()}:
         # one mapping per dtype for the whole unit (see mapped_zeros); it is unmapped once the
@@ -197,7 +204,7 @@ def materialize_unit_params(model: nn.Module, spec: UnitSpec) -> None:
         block = mapped_zeros(sum(_padded(p.numel()) for p in group), dtype)
         offset = 0
         for param in group:
-            _give_storage(param, block[offset : offset + param.numel()])
+            give_storage(param, block[offset : offset + param.numel()])
             offset += _padded(param.numel())
     for param in pending_params.values():
         versions[id(param)] = (names.get(id(param), "<param>"), param, param._version)
@@ -212,7 +219,8 @@ def materialize_unit_params(model: nn.Module, spec: UnitSpec) -> None:
     if not versions:
         return
 
-    initialised: set[int] = set()  # ids of params already initialised by this call
+    # ids of params already initialised by this call (PEFT's adapters first, by their layer)
+    initialised: set[int] = _init_adapters(model, modules, pending_params)
     uncovered: list[str] = []
     for module in modules:
         direct = {name: p for name, p in module._parameters.items() if p is not None}
@@ -222,7 +230,10 @@ def materialize_unit_params(model: nn.Module, spec: UnitSpec) -> None:
         if not fresh and not buffers:
             continue  # nothing of this unit's to create here (or a tied weight done already)
         owner = init_owner(model, module, parents)
-        if len(mine) == len(direct) and not (set(mine) - set(fresh)):
+        # with pretrained weights, the module's real buffers hold the file's values: its init
+        # (which resets every buffer it has) runs on a copy, and only what is created here is kept
+        loaded = params is not None and any(b is not None and name not in buffers for name, b in module._buffers.items())
+        if len(mine) == len(direct) and not (set(mine) - set(fresh)) and not loaded:
             ok = _run_init(module, owner)
         else:
             targets: dict[str, torch.Tensor] = {name: p for name, p in fresh.items()}
@@ -251,6 +262,34 @@ def materialize_unit_params(model: nn.Module, spec: UnitSpec) -> None:
         sum(len(v) for v in meta_buffers.values()),
         spec.name,
     )
+
+
+def _init_adapters(model: nn.Module, modules: list[nn.Module], pending: dict[int, nn.Parameter]) -> set[int]:
+    """PEFT's LoRA layers initialise their adapters as PEFT does (`reset_lora_parameters`:
+    A as torch's Linear, B zero, so a new adapter changes nothing), not by the enclosing model's
+    `_init_weights` (which would draw B at random). Returns the ids of the params initialised."""
+    done: set[int] = set()
+    configs = getattr(model, "peft_config", None)
+    for layer in modules:
+        reset = getattr(layer, "reset_lora_parameters", None)
+        adapters = getattr(layer, "lora_A", None)
+        if not callable(reset) or not isinstance(adapters, nn.ModuleDict):
+            continue
+        for adapter in list(adapters.keys()) + list(getattr(layer, "lora_embedding_A", {}).keys()):
+            owned = [p for name, p in layer.named_parameters() if adapter in name.split(".") and id(p) in pending]
+            if not owned:
+                continue
+            config = configs.get(adapter) if isinstance(configs, dict) else None
+            kind = getattr(config, "init_lora_weights", True)
+            if kind is not True and kind != "gaussian":
+                raise MaterializeError(
+                    f"LoRA adapter {adapter!r}: init_lora_weights={kind!r} derives the adapter from the base weights, "
+                    "which a model built on the meta device does not have at that point; use init_lora_weights=True or "
+                    "'gaussian', or build the adapter on a loaded model"
+                )
+            reset(adapter, kind)
+            done.update(id(p) for p in owned)
+    return done
 
 
 _MAPS: weakref.WeakKeyDictionary[nn.Module, tuple[dict, dict]] = weakref.WeakKeyDictionary()
@@ -282,3 +321,16 @@ def iter_meta(model: nn.Module) -> Iterator[str]:
     for name, buffer in model.named_buffers(remove_duplicate=False):
         if buffer is not None and buffer.is_meta:
             yield name
+
+
+def check_has_storage(name: str, param: torch.Tensor) -> None:
+    """A parameter whose storage is smaller than its view (freed by an engine, resized by
+    hand) would be read out of bounds: an error instead."""
+    if param.is_meta:
+        return
+    needed = (param.storage_offset() + param.numel()) * param.element_size() if param.numel() else 0
+    if param.untyped_storage().nbytes() < needed:
+        raise OffloadError(
+            f"parameter {name!r} has {param.untyped_storage().nbytes()} bytes of storage for a view of {needed}: its "
+            "memory was freed (by an offload engine that owned it, or its storage resized); rebuild or reload the model"
+        )

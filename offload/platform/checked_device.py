@@ -18,9 +18,12 @@ Threads, and who waits on what:
 
 The rules, each an `OrderingError` naming the rule, the stream and the buffer (never a hang: a
 wait that cannot end raises after `STUCK_SECONDS`):
-- `read-before-wait`: the host or compute reads memory a queued op writes before waiting for it;
-  a copy's destination also holds NaN (or 0xA5 bytes) from its queueing until it lands, so an
-  unchecked read shows up in the numbers;
+- `read-before-wait`: the host or compute reads memory a queued op writes before waiting for it:
+  the reads the engine declares (`compute_reads`, `host_reads`), and every read of a parameter
+  that the user's code makes on a thread the engine watches (a weight norm right after step():
+  offload.runtime.param_reads declares it, naming the parameter); a copy's destination also
+  holds NaN (or 0xA5 bytes) from its queueing until it lands, so an unchecked read shows up in
+  the numbers;
 - `source-changed`: a copy's source is checksummed when queued and again when the stream reads
   it: a write in between;
 - `reuse-in-flight`: a buffer goes back to its pool, or its storage is freed, while an op on it
@@ -388,6 +391,10 @@ class CheckedDevice(Device):
     @property
     def pin_host_memory(self) -> bool:
         return False
+
+    @property
+    def checks_orderings(self) -> bool:
+        return True
 
     def violation(self, rule: str, stream: CheckedStream | None, what: str, detail: str) -> OrderingError:
         where = "compute" if stream is None else f"the {stream.name} stream"

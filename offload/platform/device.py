@@ -153,6 +153,13 @@ class Device:
     def pin_host_memory(self) -> bool:
         return self.is_cuda
 
+    @property
+    def checks_orderings(self) -> bool:
+        """Whether the declarations below are checked (the checked stand-in): the engine then
+        also declares each read of a parameter its user makes (param_reads.py), whatever it
+        watches otherwise."""
+        return False
+
     def record_compute_event(self):
         """An event completed when the work issued so far on the compute stream is done."""
         if not self.is_cuda:
@@ -201,3 +208,19 @@ class Device:
 
     def __repr__(self) -> str:
         return f"Device({self.torch_device})"
+
+
+def to_device_inputs(value, device: torch.device, compute_dtype: torch.dtype):
+    """A forward's inputs for the device: tensors in `value` (nested in tuples, lists and dicts)
+    go to `device`, floating-point ones in `compute_dtype` (integer ids, masks and labels keep
+    theirs); anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        dtype = compute_dtype if value.is_floating_point() else value.dtype
+        return value.to(device=device, dtype=dtype, non_blocking=True)
+    if isinstance(value, tuple):
+        return tuple(to_device_inputs(v, device, compute_dtype) for v in value)
+    if isinstance(value, list):
+        return [to_device_inputs(v, device, compute_dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: to_device_inputs(v, device, compute_dtype) for k, v in value.items()}
+    return value

@@ -25,8 +25,13 @@ from offload.config.placement import OptimizerTier, ParamTier
 from offload.config.schema import Config
 from offload.config.sizes import parse_size
 from offload.config.state_layout import StateBytes, state_bytes_for
-from offload.errors import OffloadError
-from offload.model.materialize import has_meta_state, mapped_zeros, materialize_unit_params
+from offload.model.materialize import (
+    check_has_storage,
+    give_storage,
+    has_meta_state,
+    mapped_zeros,
+    materialize_unit_params,
+)
 from offload.model.unit_state import UnitState
 from offload.model.units import build_units, plan_flat_layout, single_unit_warning
 from offload.optim import kernels
@@ -37,7 +42,8 @@ from offload.plan.step_split import candidates_for, step_traffic
 from offload.platform.choose import device_choice, make_device
 from offload.platform.collectives import Collectives
 from offload.platform.device import Device
-from offload.platform.process import OwningProcess
+from offload.platform.process import DrivingThread, OwningProcess
+from offload.platform.process import driven as driven  # for the engine's calls, which enter Runtime.driver
 from offload.runtime.device_step import DeviceStepper
 from offload.runtime.gradients import GradientOffload
 from offload.runtime.overlap import OverlapPolicy, Stepping, overlap_policy
@@ -45,6 +51,7 @@ from offload.runtime.residency import Residency
 from offload.runtime.schedule import Schedule, ScheduleContext
 from offload.runtime.step_rates import SplitPlanner, step_rates
 from offload.runtime.stepper import UnitStepper
+from offload.runtime.weights_in import LoadStats, PretrainedWeights, ShardValues, open_pretrained
 from offload.runtime.weights_out import WeightsReader
 from offload.runtime.window import GradientWindow
 from offload.storage.memory import TierLedger
@@ -119,10 +126,19 @@ class Runtime:
     device_lane: tuple[ThreadPoolExecutor, DeviceStepper] | None = None
     # what parts made early call on parts made later
     later: _Later = field(default_factory=_Later)
-    # the process all of this exists in (offload.platform.process)
+    # the process all of this exists in, and the thread inside an engine call (offload.platform.process)
     process: OwningProcess = field(default_factory=OwningProcess)
+    driver: DrivingThread = field(init=False)
     # module buffers moved to the device, and where they were (close() puts them back)
     buffer_homes: list[tuple[nn.Module, str, torch.device]] = field(default_factory=list)
+    # the dtype close() hands each frozen parameter back in, by name: its own at initialize, or
+    # the file's where pretrained weights filled it
+    frozen_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    # what this rank read of pretrained weights at start (its shards' byte ranges and the buffers)
+    weights_load: LoadStats | None = None
+
+    def __post_init__(self) -> None:
+        self.driver = DrivingThread(self.process)
 
     # ---- what a checkpoint reaches (offload.checkpoint.engine_state.CheckpointedEngine) ----
     @property
@@ -310,9 +326,35 @@ def state_bytes(config: Config, compute_dtype: torch.dtype) -> StateBytes:
     return state_bytes_for(config, torch.empty(0, dtype=compute_dtype).element_size())
 
 
-def build(model: nn.Module, config: Config, groups: list[dict], *, process_group, device, run_name) -> Runtime:
+def build(
+    model: nn.Module,
+    config: Config,
+    groups: list[dict],
+    *,
+    process_group,
+    device,
+    run_name,
+    weights: str | os.PathLike | None = None,
+    weights_strict: bool = True,
+) -> Runtime:
     """Every part of an engine over `model`, wired, with each unit's initial state on its tiers
-    and the model's hooks installed (see the module docstring)."""
+    and the model's hooks installed (see the module docstring). `weights`: pretrained weights
+    (offload.runtime.weights_in), checked whole against the model before anything is made."""
+    pretrained = open_pretrained(weights, model, strict=weights_strict, io=config.io) if weights is not None else None
+    named = model.named_parameters(remove_duplicate=False)
+    frozen = {name: p.dtype for name, p in named if not p.requires_grad and p.is_floating_point()}
+    try:
+        runtime = _build(
+            model, config, groups, process_group=process_group, device=device, run_name=run_name, pretrained=pretrained
+        )
+    finally:
+        stats = pretrained.close() if pretrained is not None else None
+    runtime.weights_load = stats
+    runtime.frozen_dtypes = {**frozen, **runtime.frozen_dtypes}
+    return runtime
+
+
+def _build(model, config, groups, *, process_group, device, run_name, pretrained: PretrainedWeights | None) -> Runtime:
     collectives, made = _platform(config, process_group, device)
     compute_dtype = COMPUTE_DTYPES[config.precision]
     units = _units(model, config, groups, collectives.world_size, collectives.rank)
@@ -322,7 +364,7 @@ def build(model: nn.Module, config: Config, groups: list[dict], *, process_group
     plan, store, split = _store(config, units, collectives, made, ledger, policy, run_name, compute_dtype)
     runtime = _wire(model, config, groups, collectives, made, compute_dtype, ledger, units, policy, plan, store, split)
     try:
-        _adopt_all(runtime)
+        _adopt_all(runtime, pretrained)
         _move_buffers(runtime)
     except BaseException:
         # nothing half-built outlives a failed start: threads stop, host buffers and swap files go
@@ -417,6 +459,7 @@ def _install_schedule(runtime: Runtime) -> None:
         context,
         watch_external_reads=offloaded or runtime.config.overlap != "none" or distributed,
         process=runtime.process,
+        driver=runtime.driver,
     )
     runtime.stepper.events = context.events
     if runtime.device_lane is not None:
@@ -426,23 +469,35 @@ def _install_schedule(runtime: Runtime) -> None:
     runtime.window.schedule = runtime.schedule = schedule
 
 
-def _adopt_all(runtime: Runtime) -> None:
+def _adopt_all(runtime: Runtime, pretrained: PretrainedWeights | None = None) -> None:
     """Adopts every unit in index order. Unit i + 1's values are made (materialised from the
-    meta device, gathered into one flat fp32 buffer) on a helper thread while unit i's go to
-    their tiers and the device, so the single-threaded random init of a meta-built model
-    overlaps the copies. Units are made in order by that one thread: the random stream, and
-    so the weights, are those of a model initialised unit by unit; at most two units' fp32
-    values exist at once."""
+    meta device and gathered into one flat fp32 buffer; or, from pretrained weights, this rank's
+    shard read from the files) on a helper thread while unit i's go to their tiers and the
+    device, so the single-threaded random init of a meta-built model, or the reads, overlap the
+    copies. Units are made in order by that one thread: the random stream, and so the weights,
+    are those of a model initialised unit by unit; at most two units' fp32 values exist at once."""
     if not runtime.units:
         return
+    model, rank = runtime.model, runtime.collectives.rank
+    if pretrained is not None:
+        pretrained.load_buffers(model)
+        runtime.frozen_dtypes.update(pretrained.frozen_dtypes(model))
+
+    units = runtime.units
+
+    def make(i: int) -> torch.Tensor | ShardValues:
+        if pretrained is None:
+            return _unit_values(model, units[i])
+        return pretrained.unit_values(model, units[i], rank, units[i + 1] if i + 1 < len(units) else None)
+
     with ThreadPoolExecutor(1, thread_name_prefix="offload-materialize") as maker:
-        upcoming = maker.submit(_unit_values, runtime.model, runtime.units[0])
-        for i, unit in enumerate(runtime.units):
-            flat32 = upcoming.result()
-            if i + 1 < len(runtime.units):
-                upcoming = maker.submit(_unit_values, runtime.model, runtime.units[i + 1])
-            _adopt(runtime, unit, flat32)
-            del flat32  # unmapped here, before the next unit's is taken
+        upcoming = maker.submit(make, 0)
+        for i, unit in enumerate(units):
+            values = upcoming.result()
+            if i + 1 < len(units):
+                upcoming = maker.submit(make, i + 1)
+            _adopt(runtime, unit, values)
+            del values  # unmapped here, before the next unit's is taken
 
 
 def _unit_values(model: nn.Module, unit: UnitState) -> torch.Tensor:
@@ -462,19 +517,38 @@ def _unit_values(model: nn.Module, unit: UnitState) -> torch.Tensor:
     return flat32
 
 
-def _adopt(runtime: Runtime, unit: UnitState, flat32: torch.Tensor) -> None:
-    """Moves the unit's params into its flat buffer and stores its initial state (`flat32`,
-    from _unit_values) on the tiers."""
-    layout = unit.layout
-    rank = runtime.collectives.rank
-    # every rank starts from rank 0's weights, whatever seed each rank built its model with
-    runtime.collectives.broadcast_host(flat32, src=0, what=f"initial weights of unit {unit.spec.name}")
-    start, end = layout.shard_range(rank)
-    runtime.store.initialise(unit, flat32[start:end])
+def _adopt(runtime: Runtime, unit: UnitState, values: torch.Tensor | ShardValues) -> None:
+    """Moves the unit's params into its flat buffer and stores its initial state on the tiers.
+    `values`: the whole flat fp32 buffer (`_unit_values`; every rank takes rank 0's), or this
+    rank's shard of it (pretrained weights: `PretrainedWeights.unit_values`)."""
+    layout, collectives = unit.layout, runtime.collectives
+    start, end = layout.shard_range(collectives.rank)
+    if isinstance(values, ShardValues):
+        values.agree(unit, collectives)
+        shard = values.shard32
+    else:
+        # every rank starts from rank 0's weights, whatever seed each rank built its model with
+        collectives.broadcast_host(values, src=0, what=f"initial weights of unit {unit.spec.name}")
+        shard = values[start:end]
+    runtime.store.initialise(unit, shard)
     unit.device_flat = runtime.device.empty(layout.padded_numel, runtime.compute_dtype)
     runtime.ledger.allocate("device", layout.padded_numel * unit.device_flat.element_size(), "param")
-    unit.device_flat.copy_(flat32)
+    if not isinstance(values, ShardValues):
+        unit.device_flat.copy_(values)
+    elif runtime.residency.offloaded:
+        pass  # freed below, unwritten: the unit's first use fetches it from its home tier
+    elif not collectives.is_distributed:
+        unit.device_flat.copy_(shard)
+    else:
+        # `param: none` keeps the whole unit on every rank's device: the ranks' shards, gathered
+        unit.device_flat[start:end].copy_(shard)
+        collectives.all_gather_flat(unit.device_flat, unit.device_flat[start:end].clone(), what=f"weights of {unit.spec.name}")
     for param, offset in zip(unit.spec.params, layout.offsets):
+        if param.is_meta:
+            # filled from pretrained weights, it never had storage: a one-element stand-in first
+            # (set_data refuses a meta tensor), so that, as every param, it takes the view as its
+            # .data and keeps its own version counter (a fetch writing the buffer bumps none)
+            give_storage(param, torch.zeros((), dtype=param.dtype).expand(param.numel()))
         param.data = unit.device_flat[offset : offset + param.numel()].view(param.shape)
     unit.resident = True
     if runtime.residency.offloaded:
@@ -489,16 +563,3 @@ def _move_buffers(runtime: Runtime) -> None:
             if buffer is not None and buffer.device != runtime.device.torch_device:
                 runtime.buffer_homes.append((module, name, buffer.device))
                 setattr(module, name, buffer.to(runtime.device.torch_device))
-
-
-def check_has_storage(name: str, param: torch.Tensor) -> None:
-    """A parameter whose storage is smaller than its view (freed by an engine, resized by
-    hand) would be read out of bounds: an error instead."""
-    if param.is_meta:
-        return
-    needed = (param.storage_offset() + param.numel()) * param.element_size() if param.numel() else 0
-    if param.untyped_storage().nbytes() < needed:
-        raise OffloadError(
-            f"parameter {name!r} has {param.untyped_storage().nbytes()} bytes of storage for a view of {needed}: its "
-            "memory was freed (by an offload engine that owned it, or its storage resized); rebuild or reload the model"
-        )

@@ -242,10 +242,12 @@ class OverlapPolicy:
         True: step it as soon as they land (on the transfer worker)."""
         return False
 
-    def on_window_end(self, stepping: Stepping) -> None:
+    def on_window_end(self, stepping: Stepping) -> bool:
         """`step()`, after the window's steps were submitted: the weights are updated when it
-        returns (the state's write-back may go on)."""
+        returns (the state's write-back may go on). Returns whether the window's steps are done
+        (step() then makes their new weights current for reads, `Residency.weights_current`)."""
         stepping.wait_steps()
+        return True
 
 
 class StepAfterBackward(OverlapPolicy):
@@ -255,8 +257,9 @@ class StepAfterBackward(OverlapPolicy):
 class StepDuringForward(OverlapPolicy):
     name = "forward"
 
-    def on_window_end(self, stepping: Stepping) -> None:
-        """Returns at once: each unit's next fetch or forward waits for its own step."""
+    def on_window_end(self, stepping: Stepping) -> bool:
+        """Returns at once: each unit's next fetch, forward or read waits for its own step."""
+        return False
 
 
 class StepDuringBackward(OverlapPolicy):
@@ -269,11 +272,13 @@ class StepDuringBackward(OverlapPolicy):
     def on_grads_final(self, unit: UnitState) -> bool:
         return True
 
-    def on_window_end(self, stepping: Stepping) -> None:
+    def on_window_end(self, stepping: Stepping) -> bool:
         """Speculative: what step() submits (the units that did not speculate, or all of them
         after a redo) steps during the next forward, each unit's use waiting for its own step."""
-        if not self.speculative:
-            stepping.wait()
+        if self.speculative:
+            return False
+        stepping.wait()
+        return True
 
 
 class StepDuringBoth(OverlapPolicy):
@@ -293,8 +298,9 @@ class StepDuringBoth(OverlapPolicy):
     def on_grads_final(self, unit: UnitState) -> bool:
         return True
 
-    def on_window_end(self, stepping: Stepping) -> None:
-        """Returns at once: each unit's next fetch or forward waits for its own step."""
+    def on_window_end(self, stepping: Stepping) -> bool:
+        """Returns at once: each unit's next fetch, forward or read waits for its own step."""
+        return False
 
 
 POLICIES = {policy.name: policy for policy in (StepAfterBackward, StepDuringForward, StepDuringBackward, StepDuringBoth)}

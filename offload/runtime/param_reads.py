@@ -19,21 +19,40 @@ device, `requires_grad`, `.grad`, hooks) are not reads (`reads_weights`). The mo
 thread's stack when the last engine that installed it there closes; an engine collected without
 `close()` stops being watched (the registry holds engines weakly).
 
-Not seen: reads on threads where no engine ran, reads under `torch._C.DisableTorchFunction`,
-and reads of a tensor taken from a parameter while it was readable (a `detach()` inside
-`engine.params_on_device()`) after the block ended.
+Other threads. The mode is thread-local, and a read on a thread without it went straight to the
+device buffer: with the weights offloaded, to freed storage (a read of another thread segfaulted,
+issue 51). So while an offloaded engine is open its parameters are of class `WatchedParameter`
+(an `nn.Parameter` whose `__torch_function__` sees a read on any thread; set back to
+`nn.Parameter` at close), and a read there goes to the same decision. Which thread may act on a
+read (`read_verdict`): the engine's schedule and holds belong to the thread inside its call
+(`offload.platform.process.DrivingThread`), so a read is decided as a call of the engine (a
+thread reading while another is inside a call gets ConcurrentUseError), and a read from another
+thread than the one whose micro-step is in progress (it ran the forward, whose backward has not
+ended) is refused. Autograd's own reads during the engine's backward (the recompute of a
+checkpointed block, on CUDA on autograd's device thread) pass.
+
+Not seen: with `param: none`, reads on threads where no engine ran (the weights stay allocated:
+they race with the training thread as in plain PyTorch); reads under
+`torch._C.DisableTorchFunction` (and, on such threads, under `DisableTorchFunctionSubclass`);
+reads of a tensor taken from a parameter while it was readable (a `detach()` inside
+`engine.params_on_device()`) after the block ended; parameters of a class of the model's own
+(not `nn.Parameter`), whose class is not changed.
 """
 
 from __future__ import annotations
 
+import enum
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from offload.errors import OffloadError
 from offload.model.unit_state import UnitState
+from offload.platform.process import Driving
 from offload.runtime.overlap import Stepping
 from offload.runtime.residency import Residency
 
@@ -137,31 +156,95 @@ def describe_call(func) -> str:
     return f"{'Tensor.' if getattr(torch.Tensor, name, None) is not None else ''}{name}"
 
 
+class ReadVerdict(enum.Enum):
+    """What a read of a watched parameter gets (`read_verdict`)."""
+
+    # autograd running the engine's backward: its own reads
+    PASS = "pass"
+    # the engine decides (`Schedule.on_param_read`: hold, wait or refuse), inside its
+    # DrivingThread as a call of its own
+    DECIDE = "decide"
+    # refused (ConcurrentUseError): another thread is inside an engine call
+    BUSY = "busy"
+    # refused: another thread's micro-step is in progress (its forward ran, its backward has not
+    # ended), and what the engine holds for it is that thread's to use
+    REFUSE = "refuse"
+
+
+def read_verdict(*, in_backward: bool, in_autograd: bool, mid_step: bool, driving: Driving, forward_here: bool) -> ReadVerdict:
+    """`in_backward`: the engine's backward is running; `in_autograd`: this thread runs autograd's
+    graph (torch's current graph task); `mid_step`: a forward ran whose backward has not ended;
+    `driving`: where the thread inside an engine call is; `forward_here`: this thread ran the
+    last forward (the model's own `model(x)` too, which is no engine call)."""
+    if in_backward and in_autograd:
+        return ReadVerdict.PASS
+    if driving is Driving.ELSEWHERE:
+        return ReadVerdict.BUSY
+    if mid_step and driving is Driving.NOBODY and not forward_here:
+        return ReadVerdict.REFUSE
+    return ReadVerdict.DECIDE
+
+
+class WatchedParameter(nn.Parameter):
+    """An offloaded engine's parameter while the engine is open (see the module docstring): a
+    read on a thread without the mode is checked here; on a thread with it, the mode has
+    checked it already. Copies are plain parameters."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _OWNERS and not getattr(_THREAD, "has_mode", False) and not returns_itself(func, args, kwargs or {}):
+            _check_call(func, args)
+            if kwargs:
+                _check_call(func, tuple(kwargs.values()))
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+        return memo[id(self)]
+
+
 class ParamReads:
     """One engine's parameters, watched while it is open: a call reading one calls
     `on_read(unit_index, param_name, func)` first (on the calling thread), which waits, holds
-    or raises. Inside the engine's own walks over the parameters (`suspend` / `resume`: the
-    model's state_dict, whose `detach()` of each parameter is replaced by fp32 weights) reads
-    are not checked."""
+    or raises; then, on a device that checks orderings, `checked_read(param, what)` declares
+    the read (the checked device raises `OrderingError` if a copy into the parameter's memory
+    was not waited for). `on_read` None: the engine needs no read watched (param none, overlap
+    none, one rank: step() returns with its new weights current), and only the checked device
+    looks. `everywhere`: parameters watched on every thread (an offloaded engine's: they become
+    `WatchedParameter`s while it is open). Inside the engine's own walks over the parameters
+    (`suspend` / `resume` on the walking thread: the model's state_dict, whose `detach()` of
+    each parameter is replaced by fp32 weights) reads are not checked."""
 
-    def __init__(self, params: dict[int, tuple[int, str]], on_read: Callable[[int, str, object], None]) -> None:
+    def __init__(
+        self,
+        params: dict[int, tuple[int, str]],
+        on_read: Callable[[int, str, object], None] | None,
+        checked_read: Callable[[torch.Tensor, str], None] | None = None,
+        everywhere: Sequence[nn.Parameter] = (),
+    ) -> None:
         self.params = params
         self.on_read = on_read
-        self.suspended = 0
+        self.checked_read = checked_read
+        self.everywhere = [param for param in everywhere if type(param) is nn.Parameter]
+        self._walks = threading.local()  # `depth`: this thread's walks in progress
 
     def open(self) -> None:
-        """Watched from now on, on this thread (and on each thread `install` is called from)."""
+        """Watched from now on, on this thread (and on each thread `install` is called from), and
+        the `everywhere` parameters on every thread."""
         keys = tuple(self.params)
         reference = weakref.ref(self, lambda dead: _forget(keys, dead))
         for key in keys:
             _OWNERS[key] = reference
         _OPEN.add(self)
+        for param in self.everywhere:
+            param.__class__ = WatchedParameter
         self.install()
 
     def install(self) -> None:
         """The mode on this thread's stack (each forward calls it: a loop may train from a thread
         other than the one that built the engine)."""
-        self.suspended = 0
+        self._walks.depth = 0
         _install_mode()
 
     def close(self) -> None:
@@ -169,25 +252,38 @@ class ParamReads:
         _forget(tuple(self.params), _OWNERS.get(next(iter(self.params), -1)))
         _OPEN.discard(self)
         self.params = {}
+        for param in self.everywhere:  # each was an nn.Parameter when the engine opened
+            param.__class__ = nn.Parameter
+        self.everywhere = []
         if not _OPEN:
             _remove_mode()
 
+    def _walking(self) -> int:
+        depth: int = getattr(self._walks, "depth", 0)
+        return depth
+
     def suspend(self) -> None:
-        self.suspended += 1
+        self._walks.depth = self._walking() + 1
 
     def resume(self) -> None:
-        self.suspended = max(0, self.suspended - 1)
+        self._walks.depth = max(0, self._walking() - 1)
 
     def check(self, func, tensor: torch.Tensor) -> None:
         found = self.params.get(id(tensor))
-        if found is not None and not self.suspended:
+        if found is None or self._walking():
+            return
+        if self.on_read is not None:
             self.on_read(found[0], found[1], func)
+        if self.checked_read is not None:
+            self.checked_read(tensor, f"parameter {found[1]!r} ({describe_call(func)})")
 
 
 # id(parameter) -> its engine's ParamReads, held weakly: an engine collected without close()
 # leaves (and its parameters with it). `_OPEN`: the engines watching, for the mode's removal.
+# `_THREAD.has_mode`: the mode is on this thread's stack (WatchedParameter leaves it the reads).
 _OWNERS: dict[int, weakref.ref[ParamReads]] = {}
 _OPEN: weakref.WeakSet[ParamReads] = weakref.WeakSet()
+_THREAD = threading.local()
 
 
 def _forget(keys: tuple[int, ...], reference) -> None:
@@ -256,6 +352,7 @@ def _stack() -> list:
 def _install_mode() -> None:
     """At the bottom of this thread's stack, once: the modes above are taken off and put back
     in their order, so each of them still leaves with its own `__exit__` (which pops the top)."""
+    _THREAD.has_mode = True
     if any(mode is _MODE for mode in _stack()):
         return
     above = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
@@ -266,6 +363,7 @@ def _install_mode() -> None:
 
 def _remove_mode() -> None:
     """Off this thread's stack, the modes above it put back in their order."""
+    _THREAD.has_mode = False
     stack = _stack()
     if not any(mode is _MODE for mode in stack):
         return

@@ -169,6 +169,18 @@ class Residency:
             self.device.compute_waits(unit.device_update_event)
             unit.device_update_event = None
 
+    def weights_current(self, units: list[UnitState]) -> None:
+        """Param tier `none`, once step() waited for `units`' steps: compute waits for the copies
+        of their new weights to the device, so that a read right after step() sees them (with
+        overlap `none` on one rank no read is watched: param_reads.py). On CUDA a stream wait,
+        nothing for the host; each event stays for the host waits that need it (the unit's next
+        step rewrites the host copy the copy reads, a checkpoint load too)."""
+        if self.offloaded:
+            return
+        for unit in units:
+            if unit.device_update_event is not None:
+                self.device.compute_waits(unit.device_update_event)
+
     def _gather_resident(self, unit: UnitState) -> None:
         self._await_step(unit)
         start, end = unit.layout.shard_range(self.collectives.rank)

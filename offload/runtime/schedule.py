@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,15 +47,16 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from offload.errors import ConcurrentUseError, OffloadError
 from offload.model.unit_state import UnitState
 from offload.platform.collectives import Collectives
-from offload.platform.process import OwningProcess
+from offload.platform.process import Driving, DrivingThread, OwningProcess
 from offload.platform.rank_order import MISMATCH_HINT, Op, ReduceOrder
 from offload.platform.rank_order import describe as describe_op
 from offload.runtime.events import EntryKind, EventLog, Phase
 from offload.runtime.gradients import GradientOffload
 from offload.runtime.overlap import OverlapPolicy, Stepping
-from offload.runtime.param_reads import ParamReads, read_between_steps
+from offload.runtime.param_reads import ParamReads, ReadVerdict, describe_call, read_between_steps, read_verdict
 from offload.runtime.prefetch import ExecutionOrder
 from offload.runtime.residency import Residency, tensors_in
 
@@ -110,6 +112,9 @@ class ScheduleContext:
     reduce_order: ReduceOrder | None = None
     # the root's forward holds, passed to the backward of each forward whose output needs grad
     root_holds_for_backward: int = 0
+    # (ident, name) of the thread that ran the last forward: its micro-step (forward, loss code,
+    # backward) is in progress until that backward ends (a read elsewhere meanwhile is refused)
+    forward_thread: tuple[int, str] | None = None
     # whether the running backward ends a gradient window
     boundary_backward: bool = False
     # the running backward failed: gradients handed off from here on may be incomplete (set by
@@ -358,6 +363,7 @@ class RootSchedule(UnitSchedule):
         if context.phase is Phase.IDLE and not context.in_backward():
             context.phase = Phase.FORWARD
             context.forward_order.begin()
+            context.forward_thread = (threading.get_ident(), threading.current_thread().name)
         return super().pre_forward()
 
     def post_forward(self, output) -> None:
@@ -439,22 +445,38 @@ class Schedule:
     """The model's hooks, the forward and backward of the model as a whole, and the unit
     schedules they drive."""
 
-    def __init__(self, model: nn.Module, context: ScheduleContext, *, watch_external_reads: bool, process: OwningProcess) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        context: ScheduleContext,
+        *,
+        watch_external_reads: bool,
+        process: OwningProcess,
+        driver: DrivingThread,
+    ) -> None:
         self.model = model
         self.context = context
         # the process the engine was built in: the model's forward anywhere else fails at once
         self.process = process
+        # the thread inside an engine call: a forward on another thread meanwhile fails at once,
+        # a read of a parameter is decided as a call of the engine
+        self.driver = driver
         context.trainable = [{i for i, p in enumerate(unit.spec.params) if p.requires_grad} for unit in context.units]
         context.schedules = [(RootSchedule if unit.index == 0 else UnitSchedule)(unit, context) for unit in context.units]
         # Reads of a parameter outside its unit's forward and backward are seen (param_reads.py)
         # when they could otherwise read freed storage (params offloaded), weights a step is
-        # still writing (overlap), or a shard not yet gathered (several ranks).
+        # still writing (overlap), or a shard not yet gathered (several ranks); on the checked
+        # device every read of a parameter is declared to it, watched or not. Offloaded
+        # parameters are watched on every thread (a read elsewhere reached freed storage).
+        device, offloaded = context.residency.device, context.residency.offloaded
         self.reads = (
             ParamReads(
                 {id(p): (unit.index, name) for unit in context.units for name, p in zip(unit.spec.param_names, unit.spec.params)},
-                self.on_param_read,
+                self.on_param_read if watch_external_reads else None,
+                device.compute_reads if device.checks_orderings else None,
+                [p for unit in context.units for p in unit.spec.params] if offloaded else (),
             )
-            if watch_external_reads
+            if watch_external_reads or device.checks_orderings
             else None
         )
         self.hooks: list = []
@@ -471,7 +493,7 @@ class Schedule:
         hooks = self.hooks
         for schedule in self.schedules:
             module = self.model if schedule.index == 0 else schedule.unit.spec.module
-            hooks.append(module.register_forward_pre_hook(_call(schedule.pre_forward, module, self.process)))
+            hooks.append(module.register_forward_pre_hook(_call(schedule.pre_forward, module, self.process, self.driver)))
             if schedule.has_frozen and schedule.index != 0:  # the root is held for all of backward
                 hooks.append(module.register_forward_pre_hook(_inputs(schedule.watch_inputs, module), with_kwargs=True))
             hooks.append(module.register_forward_hook(_post(schedule.post_forward, module), always_call=True))
@@ -503,8 +525,45 @@ class Schedule:
             raise
 
     def on_param_read(self, unit_index: int, name: str, func) -> None:
-        """A torch call reads parameter `name` of unit `unit_index` outside the engine's own work.
-        Inside a forward, or in the loss code before its backward: the unit is held until the
+        """A torch call reads parameter `name` of unit `unit_index` outside the engine's own work,
+        on any thread. Decided as a call of the engine (`read_verdict`): on the thread inside a
+        call, or, with none inside, on the thread whose micro-step is in progress (it ran the
+        forward), or on any thread between steps; refused on the others."""
+        context = self.context
+        driving = self.driver.where()
+        if driving is Driving.HERE:  # inside this thread's own call (its forward, params_on_device)
+            self._decide_read(unit_index, name, func)
+            return
+        mid_step = (
+            bool(context.entered) or context.phase in (Phase.FORWARD, Phase.BACKWARD) or context.root_holds_for_backward > 0
+        )
+        verdict = read_verdict(
+            in_backward=context.phase is Phase.BACKWARD,
+            in_autograd=torch._C._current_graph_task_id() != -1,
+            mid_step=mid_step,
+            driving=driving,
+            forward_here=context.forward_thread is not None and context.forward_thread[0] == threading.get_ident(),
+        )
+        if verdict is ReadVerdict.PASS:
+            return
+        if verdict is ReadVerdict.REFUSE:
+            forward = context.forward_thread[1] if context.forward_thread is not None else "?"
+            raise OffloadError(
+                f"{describe_call(func)} read parameter {name!r} on thread {threading.current_thread().name!r} while the "
+                f"micro-step of thread {forward!r} is in progress (its forward ran, its backward has not ended): what the "
+                "engine holds for it is that thread's. Read parameters on the thread that trains, or between its steps "
+                "(inside `with engine.params_on_device():` when offloaded), or fp32 copies with "
+                "engine.consolidated_state_dict() between that thread's calls"
+            )
+        # BUSY: refused here (unless that thread's call ended meanwhile: then decided as DECIDE)
+        self.driver.enter(f"{describe_call(func)} of parameter {name!r}")
+        try:
+            self._decide_read(unit_index, name, func)
+        finally:
+            self.driver.leave()
+
+    def _decide_read(self, unit_index: int, name: str, func) -> None:
+        """Inside a forward, or in the loss code before its backward: the unit is held until the
         end of backward (as a tied weight read by the head). During backward: autograd's and the
         engine's own reads. Between steps: `read_between_steps` waits for the unit's step, or
         refuses a read of weights that are not there."""
@@ -632,15 +691,24 @@ class Schedule:
 # modules' hook dicts, and its forward, over weights of its own, must not drive the engine's units.
 
 
-def _call(transition, owner: nn.Module, process: OwningProcess):
+def _call(transition, owner: nn.Module, process: OwningProcess, driver: DrivingThread):
     """A forward pre-hook: returns None, so the module's inputs are left as they are. A forward
-    in a process forked from the engine's fails at once (offload.platform.process)."""
+    in a process forked from the engine's fails at once, and so does one on a thread while
+    another is inside an engine call (`model(x)` called directly is no call of the engine;
+    autograd's recompute of a checkpointed block, on its own thread on CUDA, is the backward's)
+    (offload.platform.process)."""
 
     what = f"a forward of {type(owner).__name__} under an offload engine"
 
     def hook(module, args) -> None:
         if module is owner:
             process.check(what)
+            if torch._C._current_graph_task_id() == -1:
+                try:
+                    driver.check_free(what)
+                except ConcurrentUseError:
+                    _refused_here()[id(owner)] += 1  # its always-called post-hook then does nothing
+                    raise
             transition()
 
     return hook
@@ -657,13 +725,30 @@ def _inputs(watch, owner: nn.Module):
 
 
 def _post(transition, owner: nn.Module):
-    """A forward hook: returns None, so the module's output is left as it is."""
+    """A forward hook: returns None, so the module's output is left as it is. After a pre-hook
+    that refused the forward (another thread inside an engine call), nothing: the unit's
+    entries are that thread's."""
 
     def hook(module, args, output) -> None:
         if module is owner:
+            refused = _refused_here()
+            if refused[id(owner)]:
+                refused[id(owner)] -= 1
+                return
             transition(output)
 
     return hook
+
+
+# per thread, id(module) -> its forward pre-hooks that refused and whose post-hook has not run yet
+_REFUSED = threading.local()
+
+
+def _refused_here() -> collections.Counter:
+    counts = getattr(_REFUSED, "counts", None)
+    if counts is None:
+        counts = _REFUSED.counts = collections.Counter()
+    return counts
 
 
 def _grad(transition, index: int):

@@ -602,12 +602,12 @@ class GradientWindow:
                 unit.needs_gather = True
 
     def _submit_steps(self, units: list[UnitState], hypers: list[StepHyper]) -> None:
-        """The window's units step on the optimizer worker; the overlap policy says whether
-        step() waits for them. The config's schedule (if any) moves on to the next step."""
+        """The window's units step on the optimizer worker; if the policy waits for them, reads see them at once."""
         self._begin_steps(units)
         self.stepping.submit(units, hypers)
         self.hyper.apply_schedule(self.global_steps)
-        self.policy.on_window_end(self.stepping)
+        if self.policy.on_window_end(self.stepping):
+            self.schedule.context.residency.weights_current(units)
 
     def _refuse_stray_grads(self) -> None:
         stray = self.schedule.context.stray_grads
