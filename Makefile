@@ -43,7 +43,8 @@ CHECKED_TESTS := $(addprefix tests/,test_engine.py test_stale_weights.py test_sp
 	test_schedule_order.py test_fresh_weights.py test_checkpoint.py test_distributed.py \
 	test_optimizer_device.py test_optimizer_auto.py test_state_pieces.py test_nvme_step_io.py \
 	test_hf_models.py test_param_access.py test_hardening_checkpoint.py test_rank_agreement.py \
-	test_compact_state.py test_adversarial_threads.py test_weights_stream.py test_pretrained_weights.py)
+	test_compact_state.py test_adversarial_threads.py test_weights_stream.py test_pretrained_weights.py \
+	test_overlap_auto.py test_step_split.py)
 CHECKED_ENV := OFFLOAD_DEVICE=checked OFFLOAD_CHECKED_H2D_GBPS=0.1 OFFLOAD_CHECKED_D2H_GBPS=0.1
 
 # Two pytest-xdist workers, one per core of the dev and CI machines: the tests are independent

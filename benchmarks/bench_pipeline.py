@@ -187,6 +187,10 @@ from offload.plan.pipeline_model import (  # noqa: E402
 )
 
 PLACEMENTS = "none/cpu,cpu/cpu,nvme/nvme"
+# how many times slower than the machine a paced recording runs (`_paced`)
+DEFAULT_PACE = 4.0
+# --overlap values that record the engine's default schedule, overlap auto
+AUTO = ("default", "auto")
 
 # the recording's width (the target's layer count): seconds per step on a 2-core CPU
 RECORD_HIDDEN, RECORD_INTERMEDIATE, RECORD_HEADS = 64, 176, 4
@@ -295,6 +299,10 @@ class Recording:
     backward_starts: list[float]  # engine.backward(...) called
     step_calls: list[tuple[float, float]]  # engine.step(): called, returned
     main_thread: str = "MainThread"  # the thread that ran forward, backward and step()
+    # per unit, whether it steps on the device lane (overlap auto's split; empty: none does)
+    unit_on_device: list[bool] = field(default_factory=list)
+    # engine.speculation_counts at the end (committed / redone / skipped / refused windows)
+    speculation: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0  # how long the recorded run took here
 
 
@@ -331,6 +339,97 @@ def _nvme_pieces(target: Shape, small: Shape) -> tuple[int, int]:
     return max(MIN_SUB_GROUP_SIZE, piece), slots.count
 
 
+def split_settings(target: Shape, small: Shape, placement: str, machine: Machine, work: Workload) -> tuple[str, int]:
+    """(OFFLOAD_STEP_RATES, offload.max_device_memory) under which the recording's engine splits
+    its step (overlap auto) as the engine would on `machine` at the target shape: the machine's
+    rates and the target's backward seconds (compute: two thirds of the step's flops), the rates
+    scaled from the target's units to the recording's (so that each unit's Adam and copies take
+    the time they take there), and the device memory the split may use there
+    (plan.device_room over the target's 16-bit weights and gradients, a quarter of the device
+    kept for activations), scaled the same way."""
+    from offload.plan.optimizer_plan import device_room, engine_device_bytes
+
+    param = placement.split("/")[0]
+    padded = [target.root_params()] + [target.layer_params()] * target.layers
+    memory = int(machine.device_memory_gb * 1e9)
+    engine = engine_device_bytes(padded, params_offloaded=param != "none", compute_bytes=2, prefetch_depth=2)
+    room = device_room(cap=None, memory=(memory, memory), engine_bytes=engine)
+    ratio = small.total_params() / target.total_params()
+    backward = 2 / 3 * work.step_flops() / (machine.device_tflops * 1e12)
+    rates = (
+        f"cpu={machine.cpu_adam_gparams * ratio:.6g},device={machine.device_exact_adam_gparams * ratio:.6g},"
+        f"h2d={machine.h2d_gbps * ratio:.6g},d2h={machine.d2h_gbps * ratio:.6g},backward={backward:.6g}"
+    )
+    return rates, max(1, round(room * ratio))
+
+
+def _target_params(target: Shape, units: int) -> list[int]:
+    """Parameters of each unit of the target: the root's, then a layer's each."""
+    return [target.root_params() if i == 0 else target.layer_params() for i in range(units)]
+
+
+def _sleep_until(began: float, seconds: float) -> None:
+    left = began + seconds - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+def _paced(engine, model, work: Workload, machine: Machine, pace: float, scale_state: list[float]) -> None:
+    """The recording at `machine`'s speed for `work`, `pace` times slower: each layer's forward
+    and backward, and the head's, last what their flops take there (a sleep inside the unit's
+    span: after the engine's pre-forward hook, and in a gradient hook after its pre-backward
+    one), each CPU Adam piece and each exact step on the device what its elements take at the
+    machine's rates (after the real step), and the checked device's copies what their bytes take
+    (its bandwidths, set by `record`). The recording is then a run of the target, slowed down, in
+    which the engine's decisions that depend on timing (overlap auto: which steps the optimizer
+    worker reached before the backward ended) are the target's; the replay prices it as before."""
+    import torch
+
+    flops = 1.0 / (machine.device_tflops * 1e12) * pace
+    layer, head = work.layer_forward_flops() * flops, work.head_forward_flops() * flops
+
+    def forward_then_backward(seconds: float):
+        def before(module, args) -> None:
+            time.sleep(seconds)
+
+        def after(module, args, output) -> None:
+            tensor = output[0] if isinstance(output, tuple) else output
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad: time.sleep(2 * seconds))
+
+        return before, after
+
+    for module, seconds in [*((m, layer) for m in model.model.layers), (model.lm_head, head)]:
+        before, after = forward_then_backward(seconds)
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+    stepper = engine.stepper
+    step_piece = stepper._step_piece
+
+    def paced_piece(step, piece, hypers, mode):
+        began = time.perf_counter()
+        try:
+            return step_piece(step, piece, hypers, mode)
+        finally:
+            elements = (piece.end - piece.start) * scale_state[step.unit.index]
+            _sleep_until(began, elements / (machine.cpu_adam_gparams * 1e9) * pace)
+
+    stepper._step_piece = paced_piece
+    lane = engine.stepping.device_lane
+    if lane is not None:
+        adam = lane[1]._adam
+
+        def paced_adam(unit, state, hypers, ranges, into_device):
+            began = time.perf_counter()
+            try:
+                return adam(unit, state, hypers, ranges, into_device)
+            finally:
+                elements = sum(e - s for _, s, e in ranges) * scale_state[unit.index]
+                _sleep_until(began, elements / (machine.device_exact_adam_gparams * 1e9) * pace)
+
+        lane[1]._adam = paced_adam
+
+
 def record(
     target: Shape,
     placement: str,
@@ -340,10 +439,17 @@ def record(
     steps: int = 3,
     nvme_gradients: str = "ram",
     state_precision: str = "fp32",
+    machine: Machine | None = None,
+    clip: float = 0.0,
+    pace: float = 0.0,
+    workload: Workload | None = None,
 ) -> Recording:
     """Trains the recording shape of `target` for 1 + `steps` steps on the recording checked
-    device, with the Adam moments in `state_precision`, and returns what it recorded (see the
-    module docstring, step 1)."""
+    device, with the Adam moments in `state_precision` and `clip` as gradient_clipping, and
+    returns what it recorded (see the module docstring, step 1). With overlap auto, the engine
+    splits its step between the CPU and the device as it would on `machine` (`split_settings`).
+    `pace` > 0: the recording runs at `machine`'s speed for `workload`, `pace` times slower
+    (`_paced`), so that what the engine decides from timing is what it decides there."""
     import torch
     import transformers
 
@@ -373,11 +479,22 @@ def record(
         "precision": "bf16",
         "optimizer": {"lr": 1e-4, "state_precision": state_precision},
         "offload": offload_config,
+        "gradient_clipping": clip,
     }
     if overlap != "default":  # default: the engine's own schedule
         engine_config["overlap"] = overlap
+    split_env: dict[str, str] = {}
+    if overlap in AUTO and machine is not None:
+        split = split_settings(target, small, placement, machine, workload or Workload(target, 8, 1024))
+        split_env["OFFLOAD_STEP_RATES"], offload_config["max_device_memory"] = split
+    if pace > 0 and machine is not None:
+        # copies as long as the target's, `pace` times (per byte: the target moves `layer` times more)
+        layer = target.layer_params() / small.layer_params()
+        split_env["OFFLOAD_CHECKED_H2D_GBPS"] = f"{machine.h2d_gbps / (layer * pace):.6g}"
+        split_env["OFFLOAD_CHECKED_D2H_GBPS"] = f"{machine.d2h_gbps / (layer * pace):.6g}"
+        split_env["OFFLOAD_CHECKED_LATENCY_US"] = f"{machine.latency_us * pace:.6g}"
     started = time.perf_counter()
-    with _environ(OFFLOAD_CHECKED_RECORD="1"):
+    with _environ(OFFLOAD_CHECKED_RECORD="1", **split_env):
         engine = offload.initialize(model, engine_config, device="checked")
     device = engine.device
     zero = device.time_zero
@@ -389,6 +506,7 @@ def record(
         unit_shard=[u.shard_numel for u in engine.units],
         unit_state=[u.optimizer_numel for u in engine.units],
         optimizer_on_device=[u.optimizer_tier is OptimizerTier.DEVICE for u in engine.units],
+        unit_on_device=[u.steps_on_device for u in engine.units],
         timeline=[],
         events=[],
         adam=[],
@@ -442,6 +560,15 @@ def record(
                 )
 
     stepper._step_piece = spied_step_piece
+    if pace > 0 and machine is not None and workload is not None:
+        _paced(
+            engine,
+            model,
+            workload,
+            machine,
+            pace,
+            [p / n for p, n in zip(_target_params(target, len(rec.unit_names)), rec.unit_state)],
+        )
 
     # each swap read (of a file written before: a never written one reads as zeros) and write
     swap = engine.store.swap
@@ -501,6 +628,7 @@ def record(
             called = now()
             engine.step()
             rec.step_calls.append((called, now()))
+        rec.speculation = dict(engine.speculation_counts)
     finally:
         engine.close(restore_weights=False)
     with device.lock:
@@ -615,6 +743,8 @@ def _role(thread: str, main: str) -> str:
         return "transfer"
     if thread.startswith("offload-step"):
         return "step"
+    if thread.startswith("offload-device-step"):
+        return "device_step"
     return thread
 
 
@@ -652,17 +782,36 @@ class Graph:
     steps: list[int]  # the recorded steps kept (the warm-up left out)
 
 
-def _device_kind(entry: dict) -> tuple[str, str, str]:
-    """(resource, kind, issuing thread) of a timeline op, from its stream and `what`."""
+def _device_kind(entry: dict, main: str) -> tuple[str, str, str]:
+    """(resource, kind, issuing thread) of a timeline op, from its stream and `what`, and the
+    thread that queued it where the timeline says (`main`: the recording's main thread)."""
     what, stream = entry["what"], entry["stream"]
+    queued_by = _role(entry["thread"], main) if entry.get("thread") else None
     if stream == "host-to-device":
         if what.startswith("new weights of unit"):
-            return "host_to_device", "publish", "step"
+            return "host_to_device", "publish", queued_by or "step"
+        if what.startswith("state of unit"):
+            return "host_to_device", "state_up", "device_step"
+        if what.startswith("gradient of unit"):
+            return "host_to_device", "grad_up", queued_by or "device_step"
         return "host_to_device", "fetch", "transfer"
     if stream == "device-to-host":
+        if what.startswith("new weights of unit"):
+            return "device_to_host", "weights_down", "device_step"
+        if what.startswith("state of unit"):
+            return "device_to_host", "state_down", "device_step"
         return "device_to_host", "grad_copy", "transfer"
+    if what.startswith("the Adam step") and what.endswith("(exact)"):
+        return "optimizer", "device_adam_exact", "device_step"
     if what.startswith("the Adam step"):
         return "optimizer", "device_adam", "step"
+    # the device lane's copies up (overlap auto's split) and a restore's cast
+    if what.startswith("gradient of unit") and entry["kind"] == "copy":
+        return "optimizer", "grad_up", queued_by or "device_step"
+    if what.startswith("state of unit"):
+        return "optimizer", "state_up", "device_step"
+    if what.startswith("weights of unit") and what.endswith("cast again on the device"):
+        return "optimizer", "restore", "device_step"
     return "optimizer", "device_grad_add", "transfer"
 
 
@@ -767,13 +916,16 @@ def build_graph(rec: Recording, work: Workload) -> Graph:
     for entry in rec.timeline:
         if entry["type"] != "op":
             continue
-        resource, kind, thread = _device_kind(entry)
+        resource, kind, thread = _device_kind(entry, rec.main_thread)
         unit = entry["unit"]
         node = _Node(entry["queued"], resource, kind, unit, thread, step=step_of(entry["queued"]), label=entry["what"])
-        if kind == "device_adam":
+        if kind in ("device_adam", "device_adam_exact", "restore"):
             node.elements = params[unit]
         elif kind == "device_grad_add":
             node.elements = params[unit] // 4  # ~10 bytes per param moved against ~36 for Adam
+        elif thread == "device_step":
+            # the device lane's copies are of the optimizer state's elements (state, gradient, weights)
+            node.nbytes = round(entry["nbytes"] * scale_state[unit])
         else:
             node.nbytes = round(entry["nbytes"] * scale[unit]) if unit is not None else entry["nbytes"]
         node.after = entry["after"]
@@ -912,8 +1064,13 @@ def build_graph(rec: Recording, work: Workload) -> Graph:
     for node in issued.get("step", []):
         if node.resource != "cpu_adam" and bisect.bisect_right(finished, node.key) >= bisect.bisect_right(begun, node.key):
             depend(node, compute_at(node.key))
-    # a fetch waits for its unit's step (step_done)
+    # a fetch waits for its unit's step (step_done): its last Adam piece, or on the device lane the
+    # copy of its new weights down (param cpu: the unit counts as stepped once they landed)
     last_pieces = {u: [n for n in ns if n.last_piece] for u, ns in adam_by_unit.items()}
+    lane = issued.get("device_step", [])
+    for node in lane:
+        if node.kind == "weights_down":
+            last_pieces.setdefault(node.unit, []).append(node)
     for node in issued.get("transfer", []):
         if node.kind in ("fetch", "read_weights") and node.unit is not None:
             stepped = [t for t in done_at.get(node.unit, []) if t <= node.key]
@@ -940,14 +1097,30 @@ def build_graph(rec: Recording, work: Workload) -> Graph:
                 t = submitted[-1][0]
                 depend(node, last_before(all_copies, copy_keys, t))
                 depend(node, compute_at(t))
+    # the device lane: a unit's gradient goes up after it landed (and, submitted by step(), after
+    # backward and the drain); its state goes up when backward begins (or before its step) and
+    # down once step() kept a speculative step: after the compute issued before it
+    for node in [n for n in nodes if n.kind in ("grad_up", "state_up", "state_down")]:
+        if node.kind == "grad_up":
+            depend(node, last_before(grad_copies[node.unit], [n.key for n in grad_copies[node.unit]], node.key))
+            submitted = [(t, role) for t, u, role in begins if u == node.unit and t <= node.key]
+            if submitted and submitted[-1][1] == "main":
+                depend(node, last_before(all_copies, copy_keys, submitted[-1][0]))
+                depend(node, compute_at(submitted[-1][0]))
+        else:
+            depend(node, compute_at(node.key))
+    lane_adam = [n for n in lane if n.kind == "device_adam_exact"]
+    lane_keys = [n.key for n in lane_adam]
     # what engine calls wait for
     for called in rec.backward_starts:
         head = next((n for n in compute if n.kind == "backward_head" and n.key == called), None)
         depend(host_before.get(id(head)), last_before(adam_all, adam_keys, called))
+        depend(host_before.get(id(head)), last_before(lane_adam, lane_keys, called))
     for _, returned in rec.step_calls:
         after = next_issued("main", returned)
         if rec.overlap == "none" or rec.overlap == "backward":
             depend(after, last_before(adam_all, adam_keys, returned))
+        # (overlap auto: step() waits for the gradients only; the steps still running commit after)
         depend(after, last_before(all_copies, copy_keys, returned))
     main_finals = [
         (unit, t) for name, unit, thread, t in rec.events if name == "grads_final" and _role(thread, rec.main_thread) == "main"
@@ -1114,9 +1287,11 @@ def run(
     nvme_gradients: str = "ram",
     state_precision: str = "fp32",
     background_depth: int = 0,
+    clip: float = 0.0,
+    pace: float = 0.0,
 ) -> tuple[Prediction, Graph, Recording]:
-    """Records `placement` for the Llama `size`, builds its graph at batch x seq and replays it
-    with `background_depth` (`predict`)."""
+    """Records `placement` for the Llama `size` (`clip` as gradient_clipping), builds its graph at
+    batch x seq and replays it with `background_depth` (`predict`)."""
     target = Shape.named(size)
     rec = record(
         target,
@@ -1126,6 +1301,10 @@ def run(
         steps=steps,
         nvme_gradients=nvme_gradients,
         state_precision=state_precision,
+        machine=machine,
+        clip=clip,
+        pace=pace,
+        workload=Workload(target, batch, seq),
     )
     graph = build_graph(rec, Workload(target, batch, seq))
     return predict(graph, machine.for_state_precision(state_precision), background_depth), graph, rec
@@ -1144,7 +1323,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--sizes", default="1.3b,7b", help=f"Llama shapes, comma-separated ({', '.join(SIZES)})")
     parser.add_argument("--placements", default=PLACEMENTS, help="param/optimizer, comma-separated")
     parser.add_argument(
-        "--overlap", default="default", choices=("default", "none", "forward", "backward"), help="default: the engine's own"
+        "--overlap",
+        default="default",
+        choices=("default", "auto", "none", "forward", "backward"),
+        help="default: the engine's own (auto)",
     )
     parser.add_argument("--batch", type=int, default=8, help="the target workload's batch")
     parser.add_argument("--seq", type=int, default=1024, help="the target workload's sequence length")
@@ -1155,6 +1337,25 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--d2h-gbps", type=float, help="device-to-host GB/s")
     parser.add_argument("--cpu-adam-gparams", type=float, help="CPU Adam, billions of params per second")
     parser.add_argument("--device-adam-gparams", type=float, help="device-tier Adam, billions of params per second")
+    parser.add_argument(
+        "--device-exact-adam-gparams", type=float, help="the exact step on the device (overlap auto's split), Gparams/s"
+    )
+    parser.add_argument("--device-memory-gb", type=float, help="device memory, GB (what overlap auto's split may use)")
+    parser.add_argument(
+        "--pace",
+        type=float,
+        default=None,
+        help=f"record at the machine's speed, this many times slower (0: as fast as this host goes; default "
+        f"{DEFAULT_PACE:g} with overlap auto, whose schedule depends on timing, else 0)",
+    )
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="gradient_clipping of the recording (0: off). Overlap auto steps speculatively either way; clipping "
+        "acts in the recording when the tiny model's norm exceeds it (1e-9: every step, so every speculative step "
+        "is redone)",
+    )
     parser.add_argument("--nvme-read-gbps", type=float, help="swap drive read GB/s")
     parser.add_argument("--nvme-write-gbps", type=float, help="swap drive write GB/s")
     parser.add_argument("--latency-us", type=float, help="fixed µs per copy or IO op")
@@ -1214,6 +1415,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         d2h_gbps=args.d2h_gbps,
         cpu_adam_gparams=args.cpu_adam_gparams,
         device_adam_gparams=args.device_adam_gparams,
+        device_exact_adam_gparams=args.device_exact_adam_gparams,
+        device_memory_gb=args.device_memory_gb,
         nvme_read_gbps=args.nvme_read_gbps,
         nvme_write_gbps=args.nvme_write_gbps,
         latency_us=args.latency_us,
@@ -1242,7 +1445,8 @@ def main(argv: list[str] | None = None) -> list[str]:
 
     say(
         f"machine {args.machine}: {machine.device_tflops:g} TFLOPS, PCIe {machine.h2d_gbps:g}/{machine.d2h_gbps:g} GB/s, "
-        f"CPU Adam {machine.cpu_adam_gparams:g} Gparams/s, NVMe {machine.nvme_read_gbps:g}/{machine.nvme_write_gbps:g} GB/s "
+        f"CPU Adam {machine.cpu_adam_gparams:g} Gparams/s, exact device Adam {machine.device_exact_adam_gparams:g} "
+        f"Gparams/s, {machine.device_memory_gb:g} GB device memory, NVMe {machine.nvme_read_gbps:g}/{machine.nvme_write_gbps:g} GB/s "
         f"read/write{'' if machine.nvme_duplex else ' (one queue for both)'}, {machine.latency_us:g} µs per copy; "
         f"overlap {args.overlap}"
     )
@@ -1278,6 +1482,8 @@ def main(argv: list[str] | None = None) -> list[str]:
                         nvme_gradients=args.nvme_gradients,
                         state_precision=precision,
                         background_depth=depths[0],
+                        clip=args.clip,
+                        pace=args.pace if args.pace is not None else (DEFAULT_PACE if args.overlap in AUTO else 0.0),
                     )
                     shutil.rmtree(swap, ignore_errors=True)
                     steps[precision] = prediction.step
@@ -1301,7 +1507,14 @@ def main(argv: list[str] | None = None) -> list[str]:
                             "ops": len(graph.ops),
                         },
                     )
-                    say(busy_line(prediction) + f"; recorded in {rec.seconds:.1f} s, {len(graph.ops)} ops")
+                    split = (
+                        f"; {sum(rec.unit_on_device)} of {len(rec.unit_names)} units step on the device"
+                        if any(rec.unit_on_device)
+                        else ""
+                    )
+                    if any(rec.speculation.values()):
+                        split += "; speculative windows " + " ".join(f"{k} {v}" for k, v in rec.speculation.items() if v)
+                    say(busy_line(prediction) + f"; recorded in {rec.seconds:.1f} s, {len(graph.ops)} ops{split}")
                     if len(depths) > 1:
                         say("    io.background_depth: " + depth_line(graph, machine, depths, prediction))
                     if args.trace:

@@ -408,7 +408,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after 2 warm-up steps)")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--overlap", default="forward", choices=["none", "forward", "backward"])
+    parser.add_argument(
+        "--overlap", default="auto", choices=["auto", "none", "forward", "backward"], help="default: auto, the engine's"
+    )
     parser.add_argument("--runs", default=RUNS, help="param/optimizer[@overlap], comma-separated")
     parser.add_argument("--clip", type=float, default=0.0, help="gradient clipping (global norm) in every run; 0: off")
     parser.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary one under the working directory)")

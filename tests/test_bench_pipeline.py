@@ -19,7 +19,7 @@ def bench():
 
 
 LINE = re.compile(
-    r"^tiny (\S+) forward: step ([0-9.e+-]+) s, floor ([0-9.e+-]+) s \((\w+)\), ([0-9.]+)x floor; hidden .*; critical path "
+    r"^tiny (\S+) (?:auto|forward): step ([0-9.e+-]+) s, floor ([0-9.e+-]+) s \((\w+)\), ([0-9.]+)x floor; hidden .*; critical path "
 )
 
 
@@ -105,7 +105,7 @@ def test_state_precisions_record_each_and_mark_urgent_io(bench, tmp_path, capsys
     argv = ["--sizes", "tiny", "--placements", "nvme/nvme", "--batch", "2", "--seq", "32", "--machine", "h100-pcie5"]
     lines = bench.main([*argv, "--state-precisions", "fp32,int8", "--nvme-path", str(tmp_path), "--host-unit-ms", "0"])
     assert lines == capsys.readouterr().out.splitlines()
-    found = [line for line in lines if re.match(r"^tiny nvme/nvme state=(fp32|int8) forward: step ", line)]
+    found = [line for line in lines if re.match(r"^tiny nvme/nvme state=(fp32|int8) auto: step ", line)]
     assert [line.split()[2] for line in found] == ["state=fp32", "state=int8"], lines
     written = [float(g) for g in re.findall(r"nvme_w [0-9.e+-]+ s \(([0-9.e+-]+) GB\)", "\n".join(lines))]
     assert len(written) == 2 and written[1] < 0.7 * written[0], lines  # int8: 6 state bytes per param against 12
@@ -167,7 +167,7 @@ def test_host_time_per_unit_is_replayed_before_each_compute_op(bench, tmp_path, 
     _, graph, rec = bench.run(
         "tiny", "none/cpu", overlap="default", machine=MACHINES["h100-pcie5"], batch=2, seq=32, steps=3, nvme_path=str(tmp_path)
     )
-    assert rec.overlap == "forward"  # the engine's own schedule, as recorded
+    assert rec.overlap == "auto"  # the engine's own schedule, as recorded
     by_id = {op.id: op for op in graph.ops}
     shares: dict = {}
     for op in graph.ops:
@@ -177,3 +177,20 @@ def test_host_time_per_unit_is_replayed_before_each_compute_op(bench, tmp_path, 
             step = op.label.split(",")[0]
             shares[(op.unit, step)] = shares.get((op.unit, step), 0.0) + hosts[0].share
     assert shares and all(total == pytest.approx(1.0) for total in shares.values())
+
+
+def test_overlap_auto_records_its_split_and_the_device_lane(bench, tmp_path):
+    """The engine's default schedule records as it would run on the machine: its split (the
+    units whose gradients land last, the root first, step on the device), and the device lane's
+    ops in the graph (gradients up, the exact step on the optimizer stream, the new state down),
+    priced at the machine's rates."""
+    machine = MACHINES["h100-pcie5"]
+    prediction, graph, rec = bench.run(
+        "1.3b", "none/cpu", overlap="default", machine=machine, batch=8, seq=1024, steps=3, nvme_path=str(tmp_path)
+    )
+    assert rec.overlap == "auto" and rec.unit_on_device[0] and not all(rec.unit_on_device)
+    kinds = {(op.kind, op.resource) for op in graph.ops}
+    assert {("device_adam_exact", "optimizer"), ("grad_up", "host_to_device"), ("state_down", "device_to_host")} <= kinds
+    exact = [op for op in graph.ops if op.kind == "device_adam_exact"]
+    assert all(op.elements > 0 for op in exact)
+    assert prediction.busy["optimizer"] > 0 and prediction.floor <= prediction.step

@@ -8,6 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload.config.state_layout import INT8_BLOCK, int8_moment_bytes
 from offload.errors import OffloadError
@@ -331,6 +333,82 @@ def test_the_second_moment_comes_back_unbiased(precision, spread):
 
 
 # ---- the step in torch ----------------------------------------------------------------------
+
+
+# ---- the fused multiply-add, two ways --------------------------------------------------------
+def fp32_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def boundary_cases() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """a * b + c whose float64 sum lands exactly on an fp32 midpoint while the exact sum does not:
+    a * b = 2^-24 (1 + r 2^-47), r < 2^18, so 1 + a * b rounds in float64 to 1 + 2^-24, the midpoint
+    between 1 and 1 + 2^-23, and only the exact sum says which way (up, or down for 2^-24 (1 - ...));
+    with either sign of c, and c at the other end of the binade."""
+    pairs = [(8390624, 16773185), (8390625, 16773183), (8390626, 16773181)]
+    a = [m * 2.0**-23 for m, _ in pairs]
+    b = [n * 2.0**-48 for _, n in pairs]
+    rows = []
+    for x, y in zip(a, b):
+        for sign in (1.0, -1.0):
+            rows += [(x, sign * y, sign * 1.0), (x, sign * y, sign * 1.9999998807907104), (-x, sign * y, sign * 1.0)]
+    a, b, c = (torch.tensor([row[i] for row in rows], dtype=torch.float32) for i in range(3))
+    return a, b, c
+
+
+def test_fast_fma_takes_the_slow_way_where_the_float64_sum_is_on_a_midpoint():
+    a, b, c = boundary_cases()
+    exact = M._fma(a, b, c)
+    assert torch.equal(fp32_bits(M._fma_fast(a, b, c)), fp32_bits(exact))
+    assert not torch.equal(fp32_bits((a.double() * b.double() + c.double()).float()), fp32_bits(exact))  # the trap
+
+
+fp32_values = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(fp32_values, fp32_values, fp32_values), min_size=1, max_size=64), st.booleans())
+def test_fast_fma_is_the_round_to_odd_emulation_bit_for_bit(rows, scalar_a):
+    """Any fp32 operands (subnormals, zeros of either sign, infinities, NaN), a as a tensor or as
+    the scalar the step passes: the same bits as `_fma` (whose exactness test_compact_kernels
+    checks against the C++ kernel)."""
+    a, b, c = (torch.tensor([row[i] for row in rows], dtype=torch.float32) for i in range(3))
+    if scalar_a:
+        a_value = float(a[0])
+        got, expected = M._fma_fast(a_value, b, c), M._fma(a_value, b, c)
+    else:
+        got, expected = M._fma_fast(a, b, c), M._fma(a, b, c)
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(fp32_bits(got)[~nan], fp32_bits(expected)[~nan])
+
+
+def test_fast_fma_moves_fewer_bytes():
+    """The reason for it: the step's float64 emulation passes over memory less than half as much
+    (counted per element by a dispatch mode, at training magnitudes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket.__name__ not in ("view", "_unsafe_view", "alias", "detach", "slice"):
+                tensors = [t for t in (*args, out) if isinstance(t, torch.Tensor)]
+                Count.total += sum(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    n = 1 << 16
+    gen = torch.Generator().manual_seed(0)
+    g, m, v = torch.randn(n, generator=gen) * 1e-3, torch.randn(n, generator=gen) * 1e-4, torch.rand(n, generator=gen) * 1e-7
+    counts = []
+    for fma in (M._fma, M._fma_fast):
+        Count.total = 0
+        with Count():
+            fma(0.1, g - m, m)
+            fma(g * 0.001, g, v)
+        counts.append(Count.total / n)
+    assert counts[1] < 0.5 * counts[0], counts
 
 
 @pytest.mark.parametrize(

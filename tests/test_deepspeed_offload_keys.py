@@ -48,7 +48,7 @@ def test_super_offload_false_keeps_the_default_overlap():
     translation = deepspeed_config.translate_deepspeed(stage3(super_offload=False))
     assert "overlap" not in translation.config
     assert ("zero_optimization.offload_optimizer.super_offload", "switched off") in translation.ignored
-    assert load_config(stage3(super_offload=False)).overlap == "forward"
+    assert load_config(stage3(super_offload=False)).overlap == "auto"
 
 
 @pytest.mark.parametrize("share", [0, 1.5, -0.1])
@@ -76,9 +76,9 @@ def test_zenflow_is_refused_as_not_exact_adamw_naming_the_exact_overlap():
         load_config(config)
     assert error.value.key == "zero_optimization.zenflow"
     message = str(error.value)
-    assert "not exact AdamW" in message and "overlap 'forward'" in message and "not a key offload knows" not in message
+    assert "not exact AdamW" in message and "overlap 'auto'" in message and "not a key offload knows" not in message
     off = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": None}}
-    assert load_config(off).overlap == "forward"
+    assert load_config(off).overlap == "auto"
 
 
 def test_auto_precision_on_a_cpu_machine_says_what_it_chose_and_why(monkeypatch, caplog):

@@ -160,9 +160,11 @@ def measured_report(param: str, optimizer: str, precision: str, swap_dir: str, *
 def measured_peaks(
     param: str, optimizer: str, precision: str, swap_dir: str, depth: int = 2, sub_group_size: int | None = None
 ) -> dict:
-    # gradient_memory 0: the estimate is what the placement needs; the engine keeps NVMe units'
-    # gradients in RAM only out of the RAM left over (test_leftover_ram_is_what_the_engine_takes)
-    settings: dict = {"gradient_memory": 0}
+    # gradient_memory and speculation_memory 0: the estimate is what the placement needs; the
+    # engine keeps NVMe units' gradients in RAM, and spare states for the steps overlap auto takes
+    # speculatively during backward, only out of the RAM left over
+    # (test_leftover_ram_is_what_the_engine_takes)
+    settings: dict = {"gradient_memory": 0, "speculation_memory": 0}
     if sub_group_size is not None:
         settings["sub_group_size"] = sub_group_size
     report = measured_report(param, optimizer, precision, swap_dir, depth=depth, **settings)
@@ -265,7 +267,7 @@ def test_leftover_ram_is_what_the_engine_takes(swap_dir, param, optimizer, preci
     settings = dict(settings)
     shape = shape_from_hf_config(MEASURED)
     estimate = est.estimate_tiers(shape, param, optimizer, precision=precision, device=ENGINE_DEVICE)
-    speculate = est.speculates(settings.get("overlap", "forward"), settings.get("gradient_clipping", 0.0), precision)
+    speculate = est.speculates(settings.get("overlap", "auto"), settings.get("gradient_clipping", 0.0), precision)
     full = est.leftover_ram(
         shape, estimate, Machine(None, 0, 0, device=ENGINE_DEVICE), speculate=speculate, max_host_memory=10**12
     )

@@ -5,6 +5,7 @@ what each one takes for the recommended placement (plan.precisions)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -92,13 +93,17 @@ def test_cli_counts_the_weights_disk_traffic_of_param_nvme(capsys, tmp_path):
     report = json.loads(capsys.readouterr().out)
     assert (report["recommended"]["param"], report["recommended"]["optimizer"]) == ("nvme", "auto")
     weights = rows_of(report)[("nvme", "auto")]["weights_disk_per_step"]
-    assert weights["read"] == weights["written"] > 130 * 10**9  # 2 bytes of 70B params each way
+    # 2 bytes of 70B params each way, and a little more read: overlap auto steps some units (those
+    # whose state the RAM left over holds twice) during backward, and their forward fetch reads
+    written = weights["written"]
+    assert written > 130 * 10**9 and written <= weights["read"] < 1.05 * written
     for row in report["state_precisions"]["rows"]:
-        assert row["weights_disk_per_step"] == weights
+        assert row["weights_disk_per_step"]["written"] == written
+        assert written <= row["weights_disk_per_step"]["read"] < 1.05 * written
     assert cli_main([*args, "--nvme-path", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "disk traffic of the 16-bit weights per step: up to 130 GiB read + 130 GiB written" in out
-    assert "the 16-bit weights' on nvme, up to 130 GiB read + 130 GiB written in every precision)" in out
+    assert re.search(r"disk traffic of the 16-bit weights per step: up to 13\d GiB read \+ 130 GiB written", out), out
+    assert "(disk per step: the optimizer state's, and the 16-bit weights' on nvme)" in out
 
 
 def test_each_precision_side_by_side(shape):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import errno
 import logging
+import threading
 
 import pytest
 import torch
@@ -573,3 +574,38 @@ def test_background_depth_trains_bit_for_bit_as_urgent_first(swap_dir, overlap):
     kept_losses, kept_state, kept_norm, _ = train(model, kept, data, check(2))
     assert kept_losses == losses and kept_norm == norm
     assert_same_state(kept_state, state)
+
+
+# ---- a step that fails part way ---------------------------------------------------------------
+def test_a_step_failing_part_way_through_its_stream_leaves_the_engine_closable(swap_dir, monkeypatch):
+    """The kernel fails on a streamed unit's first piece: the failure is raised by the next wait,
+    and close() returns. The stream holds the slots' lock while it yields; left to the garbage
+    collector (the failure's traceback kept it alive) it never let go, and close() waited for the
+    lock forever. The worker that ran it closes it now."""
+    from offload.runtime import stepper
+
+    torch.manual_seed(0)
+    engine = offload.initialize(TinyNet(width=WIDTH, depth=DEPTH), make_config(swap_dir, overlap="forward"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the kernel failed")
+
+    monkeypatch.setattr(stepper.kernels, "adam_step", broken)
+    x, y = batches(1)[0]
+    engine.backward(mse(engine, x, y))
+    engine.step()  # returns at once: the units step during the next forward
+    with pytest.raises(RuntimeError, match="the kernel failed"):
+        engine.stepping.wait_steps()
+    closed: list[BaseException | None] = []
+
+    def close() -> None:
+        try:
+            engine.close(restore_weights=False)
+            closed.append(None)
+        except BaseException as error:  # noqa: BLE001 (reported below)
+            closed.append(error)
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(60)
+    assert not closer.is_alive(), "close() waits for the slots' lock the failed stream holds"

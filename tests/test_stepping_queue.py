@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
+from offload.errors import OffloadError
 from offload.runtime.overlap import Stepping
 
 
@@ -63,3 +65,71 @@ def test_a_failed_write_back_is_raised_by_the_next_wait_of_either_kind(queue):
         stepping.wait_steps()
     stepping.wait_steps()  # raised once, then forgotten
     assert not stepping.pending
+
+
+class GatedStepper(FakeStepper):
+    """`run` records the units it stepped and waits for `gate` (so a job can be held running)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.steps: list = []
+        self.release.set()
+
+    def run(self, units, hypers, mode) -> None:
+        self.started.set()
+        self.gate.wait(10)
+        self.steps.append(list(units))
+
+
+@pytest.fixture
+def gated():
+    worker = ThreadPoolExecutor(1)
+    stepper = GatedStepper()
+    yield Stepping(worker, stepper), stepper
+    stepper.gate.set()
+    worker.shutdown(wait=True)
+
+
+def test_a_job_the_worker_has_not_started_can_be_withdrawn_and_then_does_nothing(gated):
+    """overlap auto's step(): the queued speculative steps come off the queue (the running one
+    cannot), and what is submitted next runs after the running one, in its own order."""
+    stepping, stepper = gated
+    root, block1, block2 = (SimpleNamespace(name=name, steps_on_device=False) for name in ("root", "block 1", "block 2"))
+    (running,) = stepping.submit([block2], [])
+    assert stepper.started.wait(10)
+    (queued,) = stepping.submit([block1], [])
+    (also_queued,) = stepping.submit([root], [])
+    assert not stepping.withdraw(running)
+    assert stepping.withdraw(queued) and stepping.withdraw(also_queued)
+    stepping.submit([root, block1], [])
+    stepper.gate.set()
+    stepping.wait()
+    assert [[unit.name for unit in units] for units in stepper.steps] == [["block 2"], ["root", "block 1"]]
+    assert not stepping.pending
+
+
+class Untouchable(list):
+    def __iter__(self):
+        raise AssertionError("raise_if_failed looked through the futures with no failure noted")
+
+
+def test_raise_if_failed_looks_through_the_futures_only_after_a_failure(queue):
+    """It runs before every unit's forward: with nothing failed it returns at once (it scanned
+    every future of the window before, twice per unit, a quarter of the engine's host time per
+    unit at 49 units); a failure is noted by the future's callback and raised once."""
+    stepping, stepper = queue
+    stepper.release.set()
+    stepping.submit([], [])
+    stepping.worker.submit(lambda: None).result()  # both tasks done
+    kept = stepping._futures
+    stepping._futures = Untouchable(kept)
+    stepping.raise_if_failed()
+    stepping._futures = kept
+    stepper.write_error = OSError(5, "the write-back failed")
+    stepping.submit([], [])
+    stepping.worker.submit(lambda: None).result()
+    with pytest.raises(OffloadError, match="the write-back failed"):
+        stepping.raise_if_failed()
+    stepping.raise_if_failed()  # raised once

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ from offload.errors import ConfigError
 from offload.plan import estimate as est
 from offload.plan.machine import DEVICE_KINDS, Machine, detect_machine
 from offload.plan.model_shapes import ModelShape, shape_from_hf_config, shape_from_param_count
+from offload.plan.optimizer_plan import device_room, engine_device_bytes
 from offload.plan.precisions import compare_state_precisions, state_for
+from offload.plan.step_split import parse_rates, plan_split, predicted_step, step_traffic
 from offload.platform.descriptors import hard_limit_shortfall
 
 logger = logging.getLogger(__name__)
@@ -80,6 +83,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with a DeepSpeed or accelerate --config: drop the keys "
         "offload cannot honour with a warning instead of refusing the config",
+    )
+    parser.add_argument(
+        "--step-rates",
+        default=os.environ.get("OFFLOAD_STEP_RATES"),
+        help="the rates overlap auto's split of the step between the CPU and the GPU is chosen from, as the engine "
+        "measures them at start: cpu=,device=,h2d=,d2h= (CPU Adam and the GPU's exact step in Gparams/s, PCIe GB/s each "
+        "way; default: OFFLOAD_STEP_RATES); with them the schedule line says which units the GPU would step",
+    )
+    parser.add_argument(
+        "--device-tflops",
+        type=float,
+        help="the GPU's achieved TFLOPS on this model: with --step-rates, the schedule line predicts the step "
+        "(6 flops per parameter per token of micro-batch x sequence, two thirds of them in backward)",
     )
     parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
 
@@ -182,7 +198,105 @@ def build_report(args) -> dict:
     if args.state_precision is None:
         report["state_precisions"] = compare_state_precisions(shape, machine, report, **settings)
     report["machine"]["size_notes"] = notes
+    report["schedule"] = schedule_report(shape, machine, report, args, **settings)
     return report
+
+
+def schedule_report(shape: ModelShape, machine: Machine, report: dict, args, **settings) -> dict:
+    """Which schedule the engine runs for the recommended placement, and with overlap auto which
+    units the GPU would step (plan.step_split, from --step-rates and the GPU's memory) and the
+    predicted step (with --device-tflops)."""
+    overlap = settings["overlap"]
+    schedule: dict[str, Any] = {"overlap": overlap, "split": None, "predicted_step_s": None, "compute_s": None}
+    recommended = report["recommended"]
+    if overlap != "auto" or recommended is None:
+        return schedule
+    row = next(
+        r for r in report["placements"] if (r["param"], r["optimizer"]) == (recommended["param"], recommended["optimizer"])
+    )
+    schedule["speculating_units"] = (row.get("leftover_ram") or {}).get("speculating_units", 0)
+    if not args.step_rates or machine.device != "cuda" or machine.gpu_bytes is None or row["param"] == "nvme":
+        return schedule
+    rates, backward = parse_rates(args.step_rates)
+    state, world = settings["state"], settings["world_size"]
+    if args.device_tflops:
+        tokens = args.micro_batch * args.seq_len
+        backward = 4 * shape.num_params * tokens / (args.device_tflops * 1e12)
+    numels = shape.shard_numels(world)
+    if row["optimizer"] == "auto":
+        tiers, _ = est.plan_auto(
+            shape,
+            row["param"],
+            machine,
+            precision=settings["precision"],
+            world_size=world,
+            prefetch_depth=settings["prefetch_depth"],
+            buffer_count=settings["buffer_count"],
+            max_device_memory=settings["max_device_memory"],
+            max_host_memory=settings["max_host_memory"],
+        )
+        eligible = [tier == "cpu" for tier in tiers or []] or [False] * len(numels)  # None: nothing fits
+    else:
+        eligible = [row["optimizer"] == "cpu"] * len(numels)
+    compute_bytes = est.COMPUTE_BYTES[settings["precision"]]
+    traffic = step_traffic(
+        moment_bytes=state.moment_per_element,
+        grad_bytes=state.gradient_bytes,
+        compute_bytes=compute_bytes,
+        param_offloaded=row["param"] != "none",
+    )
+    engine = engine_device_bytes(
+        shape.padded_numels(world),
+        params_offloaded=row["param"] != "none",
+        compute_bytes=compute_bytes,
+        prefetch_depth=settings["prefetch_depth"],
+    )
+    room = device_room(cap=settings["max_device_memory"], memory=(machine.gpu_bytes, machine.gpu_bytes), engine_bytes=engine)
+    room -= row["device"]["by_category"].get("optimizer_state", 0)
+    split = plan_split(numels, eligible, rates, traffic, device_memory=max(0, room), backward_seconds=backward)
+    schedule["split"] = {
+        "device_units": split.device_units,
+        "units": len(numels),
+        "device_bytes": split.device_bytes,
+        "cpu_s": split.cpu_seconds,
+        "device_s": split.device_seconds,
+        "reasons": list(split.reasons),
+    }
+    if backward is not None:
+        schedule["compute_s"] = 1.5 * backward
+        schedule["predicted_step_s"] = predicted_step(numels, split.on_device, rates, traffic, backward)
+    return schedule
+
+
+def schedule_lines(schedule: dict | None) -> list[str]:
+    """The schedule part of the report in words."""
+    if not schedule:
+        return []
+    if schedule["overlap"] != "auto":
+        return [f"schedule: overlap {schedule['overlap']} (the config's)"]
+    lines = [
+        f"schedule: overlap auto, the best exact one: units step during backward as their gradients are final "
+        f"({schedule.get('speculating_units', 0)} with spare states in RAM; on the GPU, none needed) and the rest during "
+        "the next forward, in its order"
+    ]
+    split = schedule["split"]
+    if split is None:
+        lines.append(
+            "  its split between the CPU and the GPU is chosen at start from the rates the engine measures there "
+            "(--step-rates predicts it here)"
+        )
+        return lines
+    lines.append(
+        f"  split: {split['device_units']} of {split['units']} units step on the GPU (a copy of their state there, "
+        f"{est.format_bytes(split['device_bytes'])}), the rest with the CPU Adam; optimizer work per step: CPU "
+        f"{split['cpu_s']:.3g} s, GPU {split['device_s']:.3g} s"
+    )
+    if schedule["predicted_step_s"] is not None:
+        lines.append(
+            f"  predicted step {schedule['predicted_step_s']:.3g} s, against {schedule['compute_s']:.3g} s of compute "
+            f"({schedule['predicted_step_s'] / schedule['compute_s']:.2f}x)"
+        )
+    return lines
 
 
 def _checkpointing_fit(report: dict) -> dict | None:
@@ -286,6 +400,7 @@ def format_report(report: dict) -> str:
     else:
         lines.append(f"recommended: param {recommended['param']}, optimizer {recommended['optimizer']}; config:")
         lines.append(json.dumps(recommended["config"], indent=2))
+        lines.extend(schedule_lines(report.get("schedule")))
     return "\n".join(lines)
 
 
@@ -303,11 +418,13 @@ def precision_lines(table: dict, chosen: str) -> list[str]:
         f"{'precision':<12} {'B/param':>7} {'device':>10} {'host':>10} {'nvme':>10} {'disk per step (read + written)':>32}  "
         "fits  recommended",
     ]
-    # the weights' traffic is the placement's, the same in every precision's row
-    weights = table["rows"][0].get("weights_disk_per_step") if table["rows"] else None
+    weights = None
     for row in table["rows"]:
         name = row["state_precision"] + (" *" if row["state_precision"] == chosen else "")
         disk = row["disk_per_step"]
+        # the weights' traffic: the placement's, and with overlap auto the units that step during
+        # backward (as many as the RAM left over gives spare states, in each precision) read twice
+        weights = row.get("weights_disk_per_step")
         if disk is not None and weights:
             disk = {way: disk[way] + weights[way] for way in ("read", "written")}
         traffic = "-" if disk is None else f"{f(disk['read'])} + {f(disk['written'])}"
@@ -322,10 +439,7 @@ def precision_lines(table: dict, chosen: str) -> list[str]:
         "(* the precision the placement rows above count; every precision keeps fp32 master weights and fp32 checkpoints)"
     )
     if weights and weights["read"] + weights["written"]:
-        lines.append(
-            f"(disk per step: the optimizer state's, and the 16-bit weights' on nvme, up to {f(weights['read'])} read + "
-            f"{f(weights['written'])} written in every precision)"
-        )
+        lines.append("(disk per step: the optimizer state's, and the 16-bit weights' on nvme)")
     return lines
 
 

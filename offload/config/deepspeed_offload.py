@@ -37,8 +37,8 @@ OPTIMIZER_OFFLOAD_KEYS = ("ratio", "super_offload", "cpuadam_cores_perc")
 WHY_ZENFLOW = (
     "ZenFlow's deferred updates (the top-k gradient columns stepped at once, the rest accumulated and applied every "
     "update_interval steps) are not exact AdamW, and offload steps every parameter exactly at every step; for a CPU "
-    "step that overlaps the GPU and stays exact, remove zenflow and use overlap 'forward' (offload's default: each unit "
-    "steps during the next forward) or SuperOffload's super_offload: true (overlap 'backward', speculative)"
+    "step that overlaps the GPU and stays exact, remove zenflow: offload's default, overlap 'auto', steps each unit "
+    "during the backward (speculatively) or the next forward, split between the CPU and the GPU"
 )
 
 

@@ -36,7 +36,7 @@ from offload.errors import ConfigError, name_config_file, raised_at_users_call
 PRECISIONS = ("bf16", "fp16", "fp32")
 PARAM_TIERS = ("none", "cpu", "nvme")
 OPTIMIZER_TIERS = ("auto", "device", "cpu", "nvme")
-OVERLAPS = ("none", "forward", "backward")
+OVERLAPS = ("auto", "none", "forward", "backward")
 OPTIMIZER_TYPES = ("adamw", "adam")
 # how the Adam moments are stored (config.state_layout.StatePrecision), and the gradient
 STATE_PRECISIONS = ("fp32", "bf16", "int8")
@@ -132,7 +132,7 @@ class OffloadConfig(ReadOnlyOnceFrozen):
     max_host_memory: int | str | None = None
     """`auto`: RAM the optimizer state may take, bytes or a size like `"40GB"` / `"40GiB"`; default: the RAM available at start less 10% and the engine's other host buffers."""
     speculation_memory: int | str | None = None
-    """`overlap: backward` with clipping or fp16: RAM the spare states of the speculative steps may take (the master and moments once more: 12 bytes per param of each unit whose state is in RAM with fp32 moments, 8 with bf16, about 6 with int8; last units first), bytes or a size like `"8GiB"`; `0` turns speculation off (units step once the global norm is known); default: what `max_host_memory` (or the RAM available at start less 10%) leaves after everything else."""
+    """`overlap: auto` (the default), and `backward` with clipping or fp16: RAM the spare states of the speculative steps may take (the master and moments once more: 12 bytes per param of each unit whose state is in RAM with fp32 moments, 8 with bf16, about 6 with int8; last units first), bytes or a size like `"8GiB"`; `0` turns speculation off (units step once the global norm is known: `auto` then steps as `forward`); default: what `max_host_memory` (or the RAM available at start less 10%) leaves after everything else."""
     gradient_memory: int | str | None = None
     """Optimizer state on NVMe: RAM the gradients of those units may take instead of their swap files (4 bytes per param, 2 for a 16-bit gradient: `optimizer.gradient_precision`; first units first), so that the step reads and writes only the master and moments (with fp32 moments 24 bytes per param on the disk instead of 32), bytes or a size like `"4GiB"`; `0` keeps every such gradient on NVMe; default: what `max_host_memory` (or the RAM available at start less 10%) leaves after everything else."""
     nvme_path: str | list[str] = "./offload-swap"
@@ -255,8 +255,8 @@ class Config(ReadOnlyOnceFrozen):
     """Where each kind of state lives."""
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     """Fetching parameters ahead of use."""
-    overlap: str = "forward"
-    """When the CPU step runs: `none` (after backward), `forward` (unit by unit during the next forward), `backward` (as each unit's gradients are final; with clipping or fp16 the step is speculative: units with their state in RAM step into spare buffers (the master and moments once more) where RAM allows, and step() commits them, or steps again from the old state when clipping acts or skips on an fp16 overflow; exact either way)."""
+    overlap: str = "auto"
+    """When the CPU step runs: `auto` (the default; the best exact schedule: units step during backward as their gradients are final, speculatively into spare buffers where RAM allows, while the CPU keeps up, and the rest during the next forward in its order; exact, clipping and fp16 included), `none` (after backward), `forward` (unit by unit during the next forward), `backward` (as each unit's gradients are final; with clipping or fp16 the step is speculative: units with their state in RAM step into spare buffers (the master and moments once more) where RAM allows, and step() commits them, or steps again from the old state when clipping acts or skips on an fp16 overflow; exact either way)."""
     io: IOConfig = field(default_factory=IOConfig)
     """Swap I/O settings (`offload bench-io` prints the best for a disk)."""
     wrap: WrapConfig = field(default_factory=WrapConfig)

@@ -100,6 +100,9 @@ class UnitState:
     # and whether the shards of the other ranks still have to be gathered
     device_update_event: PendingCopy | None = None
     needs_gather: bool = False
+    # overlap `auto`'s split (plan/step_split): the unit steps on the accelerator, its state in
+    # RAM with a copy on the device (runtime/device_step), not with the C++ Adam
+    steps_on_device: bool = False
 
     def __post_init__(self) -> None:
         self.step_done.set()
@@ -107,6 +110,12 @@ class UnitState:
             self.optimizer_numel = self.layout.shard_numel
         if not self.param_groups:
             self.param_groups = (0,) * len(self.spec.params)
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether a step before the global norm is known can be taken back: into the spare
+        state, or on the device, whose copy of the state is the spare."""
+        return bool(self.spare_state) or self.steps_on_device
 
     @property
     def swap_kinds(self) -> tuple[str, ...]:

@@ -299,7 +299,7 @@ def leftover_plan(
     `machine`, as it decides at start (tiers.TierStore, plan.plan_leftover_ram): the host cap
     (`max_host_memory`, or the RAM available less HOST_MARGIN, shared by the node's ranks) less
     the placement's host budget, spent on state as wide as `estimate.state`. `speculate`:
-    overlap 'backward' with clipping or fp16 (`speculates`)."""
+    overlap 'auto', or 'backward' with clipping or fp16 (`speculates`)."""
     cap = host_cap_bytes(max_host_memory, machine.ram_bytes, machine.ranks_per_node)
     return plan_leftover_ram(
         shape.shard_numels(world_size),
@@ -409,7 +409,7 @@ def swap_file_count(
 
 def speculates(overlap: str, gradient_clipping: float, precision: str) -> bool:
     """Whether the engine steps speculatively during backward (overlap.overlap_policy)."""
-    return overlap == "backward" and factor_needs_norm(gradient_clipping, precision)
+    return overlap == "auto" or (overlap == "backward" and factor_needs_norm(gradient_clipping, precision))
 
 
 def plan_auto(
@@ -559,7 +559,7 @@ def recommended_config(
             offload["buffer_count"] = buffer_count
     if optimizer in ("nvme", "auto") and sub_group_size is not None:  # the piece the estimate sized the slots with
         offload["sub_group_size"] = sub_group_size
-    config: dict = {"precision": precision, "offload": offload, "overlap": "forward"}
+    config: dict = {"precision": precision, "offload": offload}
     if param != "none":
         config["prefetch"] = {"depth": prefetch_depth}
     if state_precision != StatePrecision.FP32.value:
@@ -601,7 +601,7 @@ def estimate_report(
     sub_group_size: int | None = None,
     max_device_memory: int | None = None,
     max_host_memory: int | None = None,
-    overlap: str = "forward",
+    overlap: str = "auto",
     gradient_clipping: float = 0.0,
     speculation_memory: int | None = None,
     gradient_memory: int | None = None,
@@ -685,7 +685,7 @@ def estimate_report(
         )
         weights = DiskTraffic()
         if placement[0] == "nvme":
-            weights = weights_disk_traffic(shape.shard_numels(world_size), COMPUTE_BYTES[precision], overlap)
+            weights = weights_disk_traffic(shape.shard_numels(world_size), COMPUTE_BYTES[precision], overlap, taken.speculating)
         rows.append(
             {
                 **estimate.as_dict(),

@@ -284,13 +284,19 @@ def step_disk_traffic(
     return DiskTraffic(read=moved, written=moved)
 
 
-def weights_disk_traffic(shard_numels: list[int], compute_bytes: int, overlap: str) -> DiskTraffic:
+def weights_disk_traffic(
+    shard_numels: list[int], compute_bytes: int, overlap: str, speculating: list[bool] | None = None
+) -> DiskTraffic:
     """What the 16-bit weights of param `nvme` move over the disk per step, at most: each unit's
     new weights written once by its step; each unit read by its backward fetch, and by its
-    forward fetch too unless `overlap` is "forward", where that fetch borrows the staging buffer
-    the step has just written them into (storage.param16). The units stepped last can still be
-    lent when the backward reaches them, so the reads can be a little less."""
-    once = sum(round_up(numel * compute_bytes, PAGE) for numel in shard_numels)
+    forward fetch too unless its step ran just before that fetch, which then borrows the staging
+    buffer the step has just written them into (storage.param16): overlap "forward", and under
+    "auto" the units that do not step during backward (not `speculating`). The units stepped last
+    can still be lent when the backward reaches them, so the reads can be a little less."""
+    sizes = [round_up(numel * compute_bytes, PAGE) for numel in shard_numels]
+    once = sum(sizes)
+    if overlap == "auto":
+        return DiskTraffic(read=once + sum(size for size, s in zip(sizes, speculating or []) if s), written=once)
     return DiskTraffic(read=once if overlap == "forward" else 2 * once, written=once)
 
 
@@ -301,7 +307,11 @@ def spare_state_bytes(numel: int, state: StateBytes = FP32_STATE) -> int:
 
 
 def plan_speculation(
-    optimizer_numels: list[int], tiers: list[OptimizerTier], room: int, state: StateBytes = FP32_STATE
+    optimizer_numels: list[int],
+    tiers: list[OptimizerTier],
+    room: int,
+    state: StateBytes = FP32_STATE,
+    on_device: list[bool] | None = None,
 ) -> list[bool]:
     """Which units step speculatively during backward (overlap 'backward' with clipping or fp16:
     stepped into a spare state as soon as their gradients are final, the old state kept for an
@@ -312,11 +322,15 @@ def plan_speculation(
     Units are taken from the last (the first whose gradients are final in backward) to the root,
     while their spare state (`spare_state_bytes` under `state`) fits in `room` bytes of RAM; a
     unit that does not fit is passed over and smaller ones after it may still be taken. Units
-    not taken step once the norm is known, exactly as with overlap 'none'."""
+    not taken step once the norm is known, exactly as with overlap 'none'. Units `on_device`
+    (overlap `auto`'s split) speculate on the device, whose copy of their state is the spare: they
+    take none here."""
     chosen = [False] * len(optimizer_numels)
     left = room
     for index in reversed(range(len(optimizer_numels))):
         need = spare_state_bytes(optimizer_numels[index], state)
+        if on_device is not None and on_device[index]:
+            continue
         if tiers[index] is OptimizerTier.HOST and optimizer_numels[index] and need <= left:
             chosen[index] = True
             left -= need
@@ -387,6 +401,7 @@ def plan_leftover_ram(
     speculation_cap: int | None,
     gradient_cap: int | None,
     state: StateBytes = FP32_STATE,
+    on_device: list[bool] | None = None,
 ) -> LeftoverRam:
     """Spends `room` bytes of RAM (the host cap less everything the placement needs): first on
     spare states (`plan_speculation`, at most `speculation_cap` bytes, only when `speculate`),
@@ -396,7 +411,7 @@ def plan_leftover_ram(
     room = max(0, room)
     speculating = [False] * len(optimizer_numels)
     if speculate:
-        speculating = plan_speculation(optimizer_numels, tiers, _capped(room, speculation_cap), state)
+        speculating = plan_speculation(optimizer_numels, tiers, _capped(room, speculation_cap), state, on_device)
     spare = sum(spare_state_bytes(n, state) for n, chosen in zip(optimizer_numels, speculating) if chosen)
     in_ram = plan_gradients_in_ram(optimizer_numels, tiers, _capped(room - spare, gradient_cap), state)
     gradients = sum(gradient_bytes(n, state) for n, chosen in zip(optimizer_numels, in_ram) if chosen)

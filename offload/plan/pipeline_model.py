@@ -80,6 +80,11 @@ class Machine:
     # parameters per second; None: as with fp32 moments (`for_state_precision`)
     cpu_adam_bf16_gparams: float | None = None
     cpu_adam_int8_gparams: float | None = None
+    # billions of parameters per second of the exact step on the device (overlap auto's split:
+    # optim/moments.adam_step_torch, the C++ kernel's bits; far more memory traffic than the fused Adam)
+    device_exact_adam_gparams: float = 10.0
+    # GB (1e9 bytes) of device memory: what overlap auto's split may keep a copy of the state in
+    device_memory_gb: float = 80.0
     # True: the drive reads and writes at once, each direction at its own rate (two queues).
     # False: one queue serves both, each transfer at its direction's rate, as a drive whose mixed
     # load gets no more than its reads or writes alone (this VM's virtual disk: 1 GiB read and
@@ -148,6 +153,11 @@ MACHINES: dict[str, Machine] = {
         host_unit_us=HOST_UNIT_US,
         cpu_adam_bf16_gparams=GPU_HOST_ADAM_BF16_GPARAMS,
         cpu_adam_int8_gparams=GPU_HOST_ADAM_INT8_GPARAMS,
+        # the exact step (moments.adam_step_torch, eager torch: ~96 kernels, ~340 bytes moved per
+        # element, counted at training magnitudes): ~7.7 at 2.6 TB/s, less the launches of
+        # 16M-element chunks; an estimate, unmeasured on a GPU yet
+        device_exact_adam_gparams=6.0,
+        device_memory_gb=80.0,
     ),
     # The same H100 on a PCIe 4.0 x16 host link: only the link differs.
     "h100-pcie4": Machine(
@@ -161,6 +171,8 @@ MACHINES: dict[str, Machine] = {
         host_unit_us=HOST_UNIT_US,
         cpu_adam_bf16_gparams=GPU_HOST_ADAM_BF16_GPARAMS,
         cpu_adam_int8_gparams=GPU_HOST_ADAM_INT8_GPARAMS,
+        device_exact_adam_gparams=6.0,  # same GPU as h100-pcie5
+        device_memory_gb=80.0,
     ),
     # H200 SXM (the H100's compute, 4.8 TB/s HBM3e) on PCIe 5.0 x16.
     "h200-pcie5": Machine(
@@ -174,6 +186,8 @@ MACHINES: dict[str, Machine] = {
         host_unit_us=HOST_UNIT_US,
         cpu_adam_bf16_gparams=GPU_HOST_ADAM_BF16_GPARAMS,
         cpu_adam_int8_gparams=GPU_HOST_ADAM_INT8_GPARAMS,
+        device_exact_adam_gparams=8.0,  # h100-pcie5's, its memory-bound part scaled by 4.8 / 3.35
+        device_memory_gb=141.0,
     ),
     # A100 SXM 80GB on PCIe 4.0 x16, an older 2-socket host.
     "a100-pcie4": Machine(
@@ -185,6 +199,8 @@ MACHINES: dict[str, Machine] = {
         nvme_read_gbps=6.0,  # one PCIe 4.0 x4 drive
         nvme_write_gbps=5.0,  # sustained writes of the same drive
         host_unit_us=HOST_UNIT_US,  # the VM's reading, as for the others
+        device_exact_adam_gparams=4.0,  # ~340 B/element at ~1.6 TB/s, less the launches
+        device_memory_gb=80.0,
     ),
     # A 2-core VM with no accelerator: the "device" is the CPU itself, copies are memcpy.
     "this-cpu": Machine(
@@ -197,6 +213,8 @@ MACHINES: dict[str, Machine] = {
         nvme_write_gbps=0.5,  # its writes, slower than its reads
         nvme_duplex=False,  # its reads and writes share one queue (measured with dd, above)
         host_unit_us=HOST_UNIT_US,  # this VM's reading (above)
+        device_exact_adam_gparams=0.008,  # moments.adam_step_torch on the two cores (float64 emulation)
+        device_memory_gb=24.0,  # the host's RAM stands in
     ),
 }
 
@@ -271,7 +289,10 @@ def duration(op: Op, machine: Machine) -> float:
     if op.resource == "compute":
         return op.flops / (machine.device_tflops * 1e12)
     if op.resource == "optimizer":
-        return op.elements / (machine.device_adam_gparams * 1e9) + op.flops / (machine.device_tflops * 1e12)
+        # its work, and the copies up the device lane (overlap auto's split) queues on it
+        rate = machine.device_exact_adam_gparams if op.kind == "device_adam_exact" else machine.device_adam_gparams
+        copy = latency + op.nbytes / (machine.h2d_gbps * 1e9) if op.nbytes else 0.0
+        return op.elements / (rate * 1e9) + op.flops / (machine.device_tflops * 1e12) + copy
     if op.resource == "cpu_adam":
         return op.elements / (machine.cpu_adam_gparams * 1e9)
     if op.resource == "host":

@@ -41,8 +41,9 @@ def compare_state_precisions(shape: ModelShape, machine: Machine, report: dict, 
     """What each `optimizer.state_precision` takes for the placement `report` (an
     `estimate_report` of `shape` on `machine` with `settings`, its keyword arguments) is shown for
     (`shown_placement`): per precision, bytes per param, per tier, the optimizer state's disk
-    traffic per step (`step_disk_bytes`) and the weights' (`weights_disk_traffic`, the same in
-    every precision), whether it fits, and that precision's own
+    traffic per step (`step_disk_bytes`) and the weights' (`weights_disk_traffic`: the same in
+    every precision, but for the units overlap auto steps during backward, as many as that
+    precision's leftover RAM gives spare states), whether it fits, and that precision's own
     recommendation. The gradient keeps the width `settings["state"]` gives it."""
     placement, why = shown_placement(report)
     base = settings.pop("state", FP32_STATE)

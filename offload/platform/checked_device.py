@@ -116,6 +116,7 @@ class _Op:
     event: CheckedEvent | None = None  # a wait's event
     source_checksum: int | None = None
     queued_at: float = 0.0
+    queued_by: str = ""  # the host thread that queued it
     after: list[int] = field(default_factory=list)  # events waited on before it, since the last op
     result: Any = None
     error: BaseException | None = None
@@ -263,6 +264,7 @@ class CheckedStream(CopyStream):
         self.queued += 1
         op = _Op(next(self.device.ids), self, self.queued, kind, what, unit, reads, writes, nbytes, run, event, checksum)
         op.queued_at = time.perf_counter()
+        op.queued_by = threading.current_thread().name
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name=f"offload-checked-{self.name}", daemon=True)
             self._worker.start()
@@ -599,6 +601,7 @@ class CheckedDevice(Device):
                     "unit": op.unit,
                     "nbytes": op.nbytes,
                     "after": list(op.after),
+                    "thread": op.queued_by,
                     "queued": op.queued_at - self.time_zero,
                     "start": started - self.time_zero,
                     "end": ended - self.time_zero,

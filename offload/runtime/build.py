@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from offload.config.placement import ParamTier
+from offload.config.placement import OptimizerTier, ParamTier
 from offload.config.schema import Config
+from offload.config.sizes import parse_size
 from offload.config.state_layout import StateBytes, state_bytes_for
 from offload.model.materialize import (
     check_has_storage,
@@ -35,22 +36,26 @@ from offload.model.unit_state import UnitState
 from offload.model.units import build_units, plan_flat_layout, single_unit_warning
 from offload.optim import kernels
 from offload.optim.hyperparameters import GroupHyperparameters
-from offload.plan.optimizer_plan import OptimizerPlan, factor_needs_norm
+from offload.plan.optimizer_plan import OptimizerPlan, device_room, engine_device_bytes, factor_needs_norm
 from offload.plan.room import plan_optimizer
+from offload.plan.step_split import candidates_for, step_traffic
 from offload.platform.choose import device_choice, make_device
 from offload.platform.collectives import Collectives
 from offload.platform.device import Device
 from offload.platform.process import DrivingThread, OwningProcess
 from offload.platform.process import driven as driven  # for the engine's calls, which enter Runtime.driver
+from offload.runtime.device_step import DeviceStepper
 from offload.runtime.gradients import GradientOffload
 from offload.runtime.overlap import OverlapPolicy, Stepping, overlap_policy
 from offload.runtime.residency import Residency
 from offload.runtime.schedule import Schedule, ScheduleContext
+from offload.runtime.step_rates import SplitPlanner, step_rates
 from offload.runtime.stepper import UnitStepper
 from offload.runtime.weights_in import LoadStats, PretrainedWeights, ShardValues, open_pretrained
 from offload.runtime.weights_out import WeightsReader
 from offload.runtime.window import GradientWindow
 from offload.storage.memory import TierLedger
+from offload.storage.state_codec import make_codec
 from offload.storage.tiers import TierStore, default_run_name
 
 logger = logging.getLogger(__name__)
@@ -115,6 +120,10 @@ class Runtime:
     weights: WeightsReader
     window: GradientWindow
     schedule: Schedule | None = None
+    # overlap `auto`'s split: what it chose, and the device lane's worker and stepper (None
+    # when every unit steps on the CPU)
+    split: SplitPlanner | None = None
+    device_lane: tuple[ThreadPoolExecutor, DeviceStepper] | None = None
     # what parts made early call on parts made later
     later: _Later = field(default_factory=_Later)
     # the process all of this exists in, and the thread inside an engine call (offload.platform.process)
@@ -175,8 +184,12 @@ class Runtime:
         and swap files (the streams' queued copies read and write buffers the store frees)."""
         self.transfer.shutdown(wait=True)
         self.optimizer_worker.shutdown(wait=True)
+        if self.device_lane is not None:
+            self.device_lane[0].shutdown(wait=True)
         try:
             self.device.close()
+            if self.device_lane is not None:
+                self.device_lane[1].close()
         finally:
             self.store.close()
 
@@ -252,6 +265,7 @@ def _store(config: Config, units, collectives: Collectives, device: Device, ledg
         device_memory=device.memory(),
         state=state,
     )
+    split = _plan_split(config, units, device, plan.tiers, policy, state, compute_dtype, collectives.rank)
     store = TierStore(
         units,
         config,
@@ -268,7 +282,42 @@ def _store(config: Config, units, collectives: Collectives, device: Device, ledg
         speculate=policy.speculative,
         state=state,
     )
-    return plan, store
+    return plan, store, split
+
+
+def _plan_split(config: Config, units, device: Device, tiers, policy, state: StateBytes, compute_dtype, rank: int):
+    """Overlap `auto`: which units step on the device (plan.step_split, from the rates measured
+    here or declared by OFFLOAD_STEP_RATES); marks them (`UnitState.steps_on_device`). None when
+    the config asks for another schedule, the weights are on NVMe, or nothing can move."""
+    eligible = [tier is OptimizerTier.HOST for tier in tiers]
+    if policy.name != "auto" or ParamTier(config.offload.param) is ParamTier.NVME or not any(eligible):
+        return None
+    codec = make_codec(state, compute_dtype, rank, config.optimizer.rounding_seed)
+    rates, backward = step_rates(device, codec, codec.grad_dtype, os.environ)
+    if rates is None:
+        return None
+    compute_bytes = torch.empty(0, dtype=compute_dtype).element_size()
+    offloaded = ParamTier(config.offload.param).offloaded
+    engine_bytes = engine_device_bytes(
+        [unit.layout.padded_numel for unit in units],
+        params_offloaded=offloaded,
+        compute_bytes=compute_bytes,
+        prefetch_depth=config.prefetch.depth,
+    )
+    room = device_room(cap=parse_size(config.offload.max_device_memory), memory=device.memory(), engine_bytes=engine_bytes)
+    room -= sum(state.total_bytes(unit.optimizer_numel) for unit, tier in zip(units, tiers) if tier is OptimizerTier.DEVICE)
+    traffic = step_traffic(
+        moment_bytes=state.moment_per_element,
+        grad_bytes=state.gradient_bytes,
+        compute_bytes=compute_bytes,
+        param_offloaded=offloaded,
+    )
+    numels = [unit.optimizer_numel for unit in units]
+    planner = SplitPlanner(
+        units, eligible, candidates_for(numels, eligible, traffic, max(0, room)), rates, traffic, max(0, room), backward
+    )
+    planner.apply(planner.plan())
+    return planner
 
 
 def state_bytes(config: Config, compute_dtype: torch.dtype) -> StateBytes:
@@ -312,8 +361,8 @@ def _build(model, config, groups, *, process_group, device, run_name, pretrained
     _log_start(config, units, collectives)
     policy = overlap_policy(config.overlap, factor_needs_norm=factor_needs_norm(config.gradient_clipping, config.precision))
     ledger = TierLedger()
-    plan, store = _store(config, units, collectives, made, ledger, policy, run_name, compute_dtype)
-    runtime = _wire(model, config, groups, collectives, made, compute_dtype, ledger, units, policy, plan, store)
+    plan, store, split = _store(config, units, collectives, made, ledger, policy, run_name, compute_dtype)
+    runtime = _wire(model, config, groups, collectives, made, compute_dtype, ledger, units, policy, plan, store, split)
     try:
         _adopt_all(runtime, pretrained)
         _move_buffers(runtime)
@@ -325,7 +374,7 @@ def _build(model, config, groups, *, process_group, device, run_name, pretrained
     return runtime
 
 
-def _wire(model, config, groups, collectives, made, compute_dtype, ledger, units, policy, plan, store) -> Runtime:
+def _wire(model, config, groups, collectives, made, compute_dtype, ledger, units, policy, plan, store, split) -> Runtime:
     """The workers and the run-time parts over the store, each bound to what it reports to."""
     later = _Later()
 
@@ -335,8 +384,15 @@ def _wire(model, config, groups, collectives, made, compute_dtype, ledger, units
     transfer = ThreadPoolExecutor(1, thread_name_prefix="offload-transfer")
     optimizer_worker = ThreadPoolExecutor(1, thread_name_prefix="offload-step")
     timings: dict[str, float] = dict.fromkeys(TIMING_KEYS, 0.0)
-    stepper = UnitStepper(store, made, collectives.rank, prefetch_next_step=not policy.steps_in_backward)
-    stepping = Stepping(optimizer_worker, stepper)
+    stepper = UnitStepper(
+        store, made, collectives.rank, prefetch_next_step=not policy.steps_in_backward or policy.defers_to_forward
+    )
+    device_lane = None
+    if split is not None and any(split.candidates):
+        candidates = [unit for unit, candidate in zip(units, split.candidates) if candidate]
+        device_stepper = DeviceStepper(store, made, collectives.rank, candidates, ledger=ledger)
+        device_lane = (ThreadPoolExecutor(1, thread_name_prefix="offload-device-step"), device_stepper)
+    stepping = Stepping(optimizer_worker, stepper, device_lane)
     residency = Residency(
         units,
         device=made,
@@ -375,8 +431,10 @@ def _wire(model, config, groups, collectives, made, compute_dtype, ledger, units
     )
     runtime = Runtime(
         model, config, collectives, made, compute_dtype, ledger, units, policy, plan, store, transfer, optimizer_worker,
-        timings, stepper, stepping, residency, gradients, hyper, weights, later.window, later=later,
+        timings, stepper, stepping, residency, gradients, hyper, weights, later.window, later=later, device_lane=device_lane,
+        split=split,
     )  # fmt: skip
+    later.window.split = split
     return runtime
 
 
@@ -393,6 +451,7 @@ def _install_schedule(runtime: Runtime) -> None:
         prefetch_depth=runtime.config.prefetch.depth,
         timings=runtime.timings,
         on_outside_backward=runtime.window.outside_backward_began,
+        before_read_between_steps=runtime.window.before_read_between_steps,
     )
     offloaded, distributed = runtime.residency.offloaded, runtime.collectives.is_distributed
     schedule = Schedule(
@@ -403,6 +462,8 @@ def _install_schedule(runtime: Runtime) -> None:
         driver=runtime.driver,
     )
     runtime.stepper.events = context.events
+    if runtime.device_lane is not None:
+        runtime.device_lane[1].events = context.events
     runtime.later.context = context
     schedule.install()
     runtime.window.schedule = runtime.schedule = schedule

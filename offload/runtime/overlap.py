@@ -16,6 +16,9 @@ weights; the policies differ in how far they push it into the surrounding comput
   they used was the right one) or takes them back and steps every unit again from its old
   state with the true factor (or skips the step), then lets the rest step during the next
   forward as `forward` does. Exact either way.
+- `auto` (StepDuringBoth, the default): both. Units step speculatively during backward while the
+  optimizer worker keeps up; `step()` withdraws from the queue those it has not reached and
+  steps them with the rest of the window in the next forward's order, returning at once.
 """
 
 from __future__ import annotations
@@ -28,7 +31,22 @@ from concurrent.futures import Executor, Future
 from offload.errors import OffloadError
 from offload.model.unit_state import UnitState
 from offload.optim.step_hyper import StepHyper
+from offload.runtime.device_step import DeviceStepper
 from offload.runtime.stepper import StepMode, UnitStepper
+
+
+class StepJob:
+    """One `Stepping.submit`: units the optimizer worker steps in one run of the stepper, in
+    this order. It is queued until the worker starts it; until then the main thread may
+    withdraw it (`Stepping.withdraw`), and the worker then skips it. `started` and `withdrawn`
+    change under the queue's lock."""
+
+    def __init__(self, units: list[UnitState], hypers: tuple[StepHyper, ...], mode: StepMode) -> None:
+        self.units = units
+        self.hypers = hypers
+        self.mode = mode
+        self.started = False
+        self.withdrawn = False
 
 
 class Stepping:
@@ -36,23 +54,129 @@ class Stepping:
     the transfer worker during backward), waited for, their failures re-raised. Each step is
     followed on the worker by the settling of its write-back (`UnitStepper.settle_writes`, a
     task of its own): `wait` waits for both, `wait_steps` for the steps only, so that a
-    backward or the next `step()` goes on while the last step's state is still being written."""
+    backward or the next `step()` goes on while the last step's state is still being written.
 
-    def __init__(self, worker: Executor, stepper: UnitStepper) -> None:
+    A job the worker has not started yet can be withdrawn (`withdraw`): its tasks then do
+    nothing. Reordering is withdrawing and submitting again: the overlap `auto` schedule queues
+    each unit as its gradients are final and, when backward ends, withdraws those the worker has
+    not reached, to submit them again in the next forward's order.
+
+    With `device_lane` (overlap `auto`'s split: a worker of its own and a `DeviceStepper`), the
+    units that step on the device (`UnitState.steps_on_device`) go there, the others to the
+    optimizer worker: the two step at once. The lane's copies down are waited for by `wait`,
+    on the caller's thread (`DeviceStepper.settle_writes`), not after each of its runs."""
+
+    def __init__(self, worker: Executor, stepper: UnitStepper, device_lane: tuple[Executor, DeviceStepper] | None = None) -> None:
         self.worker = worker
         self.stepper = stepper
+        self.device_lane = device_lane
         # in submission order: (future, whether it is a write-back's settling)
         self._futures: list[tuple[Future, bool]] = []
         self._lock = threading.Lock()
+        # some future in `_futures` may have failed (set by its done callback): `raise_if_failed`,
+        # called before each unit runs, then looks through them, else it returns at once
+        self._failed = False
 
-    def submit(self, units: list[UnitState], hypers: Sequence[StepHyper], mode: StepMode = StepMode.STEP) -> None:
+    def submit(self, units: list[UnitState], hypers: Sequence[StepHyper], mode: StepMode = StepMode.STEP) -> list[StepJob]:
         """Steps `units` in this order (each param with its group's `hypers[g]`; `mode` says
         how); each unit's `step_done` is set as it finishes. The caller has called
-        `begin_step()` on each (their weights now change)."""
-        step = self.worker.submit(self.stepper.run, units, tuple(hypers), mode)
-        writes = self.worker.submit(self.stepper.settle_writes)
+        `begin_step()` on each (their weights now change). Returns the jobs (one per worker the
+        units went to: the device lane's first), for `withdraw`."""
+        on_device = [unit for unit in units if unit.steps_on_device]
+        jobs = []
+        if on_device:
+            assert self.device_lane is not None, "a unit steps on the device, but the engine has no device lane"
+            worker, stepper = self.device_lane
+            job = StepJob(on_device, tuple(hypers), mode)
+            self._track(worker.submit(self._run, job, stepper), writes=False)
+            jobs.append(job)
+        on_host = [unit for unit in units if not unit.steps_on_device]
+        if on_host or not on_device:
+            job = StepJob(on_host, tuple(hypers), mode)
+            self._track(self.worker.submit(self._run, job, self.stepper), writes=False)
+            self._track(self.worker.submit(self._settle, job), writes=True)
+            jobs.append(job)
+        return jobs
+
+    def _track(self, future: Future, *, writes: bool) -> None:
         with self._lock:
-            self._futures += [(step, False), (writes, True)]
+            self._futures.append((future, writes))
+        future.add_done_callback(self._note_failure)
+
+    def _note_failure(self, future: Future) -> None:
+        """Whoever completes `future`: a failure is noted, for `raise_if_failed` to look for."""
+        if not future.cancelled() and future.exception() is not None:
+            self._failed = True
+
+    def withdraw(self, job: StepJob) -> bool:
+        """Takes `job` back if the worker has not started it (True): it will not run. Its units'
+        `step_done` stay as they are: the caller sets them, or submits the units again."""
+        with self._lock:
+            if job.started:
+                return False
+            job.withdrawn = True
+            return True
+
+    def _run(self, job: StepJob, stepper: UnitStepper) -> None:
+        with self._lock:
+            if job.withdrawn:
+                return
+            job.started = True
+        stepper.run(job.units, job.hypers, job.mode)
+
+    def _settle(self, job: StepJob) -> None:
+        if not job.withdrawn:  # set before the job's run task, which came first on this worker
+            self.stepper.settle_writes()
+
+    def commit(self, units: list[UnitState]) -> None:
+        """Speculative steps that stand: each unit's results become its state and its window
+        ends, on the worker that stepped it, after that step (a task queued behind it there: the
+        caller need not wait for the steps still running)."""
+        on_host = [unit for unit in units if not unit.steps_on_device]
+        if on_host:
+            self._track(self.worker.submit(self._commit_on_host, on_host), writes=False)
+        self._on_lane("commit", [unit for unit in units if unit.steps_on_device])
+
+    def _commit_on_host(self, units: list[UnitState]) -> None:
+        for unit in units:
+            unit.commit_spare()
+            unit.end_window()
+            if self.stepper.events is not None:
+                self.stepper.events.record("step_commit", unit.index)
+
+    # ---- the device lane's copy of the state (runtime/device_step) ---------------------------
+    def prefetch_on_device(self, units: list[UnitState]) -> None:
+        """The device units' state up where the device's copy is not current, in this order."""
+        self._on_lane("prefetch", [unit for unit in units if unit.steps_on_device])
+
+    def write_back_on_device(self) -> None:
+        """The device lane's new states still on the device go down to their home, queued after
+        what is submitted so far (step() calls it last: the next forward's steps go first)."""
+        if self.device_lane is not None:
+            self._track(self.device_lane[0].submit(self.device_lane[1].write_back), writes=True)
+
+    def upload_grad_on_device(self, unit: UnitState) -> None:
+        """The transfer worker, a device unit's gradient landed: it goes up now."""
+        if unit.steps_on_device and self.device_lane is not None:
+            self.device_lane[1].upload_grad(unit)
+
+    def begin_window_on_device(self) -> None:
+        if self.device_lane is not None:
+            self.device_lane[1].begin_window()
+
+    def take_back_on_device(self, units: list[UnitState]) -> None:
+        """Speculative steps on the device that do not stand: the device's copies are forgotten."""
+        self._on_lane("take_back", [unit for unit in units if unit.steps_on_device])
+
+    def invalidate_device_copies(self) -> None:
+        """The host state was replaced: the device's copies load again (called settled)."""
+        if self.device_lane is not None:
+            self.device_lane[1].invalidate()
+
+    def _on_lane(self, action: str, units: list[UnitState]) -> None:
+        if units and self.device_lane is not None:
+            worker, stepper = self.device_lane
+            self._track(worker.submit(getattr(stepper, action), units), writes=False)
 
     @property
     def pending(self) -> bool:
@@ -81,10 +205,16 @@ class Stepping:
             self._futures = [entry for entry in self._futures if not entry[0].done()]
         for future, _ in done:
             future.result()
+        if writes_too and self.device_lane is not None:
+            self.device_lane[1].settle_writes()
 
     def raise_if_failed(self) -> None:
-        """Without waiting: a step (or write-back) that already failed is raised in the main thread."""
+        """Without waiting: a step (or write-back) that already failed is raised in the main thread.
+        (Before each unit's forward: nothing to look through unless a failure was noted.)"""
+        if not self._failed:
+            return
         with self._lock:
+            self._failed = False
             failed = [entry for entry in self._futures if entry[0].done() and entry[0].exception() is not None]
             for entry in failed:
                 self._futures.remove(entry)
@@ -101,6 +231,11 @@ class OverlapPolicy:
     steps_in_backward = False
     # whether those steps are speculative (clipping or fp16: step() commits or redoes them)
     speculative = False
+    # whether step() takes back the steps queued during backward that the optimizer worker has
+    # not started, to submit them again in the next forward's order (overlap `auto`), and a
+    # forward or backward before step() takes the window's speculative steps back instead of
+    # being refused (as with `forward`, nothing of the window is stepped then)
+    defers_to_forward = False
 
     def on_grads_final(self, unit: UnitState) -> bool:
         """Main thread, backward: the unit's last gradients of the window were handed off.
@@ -146,12 +281,35 @@ class StepDuringBackward(OverlapPolicy):
         return True
 
 
-POLICIES = {policy.name: policy for policy in (StepAfterBackward, StepDuringForward, StepDuringBackward)}
+class StepDuringBoth(OverlapPolicy):
+    """Overlap `auto`, the default: the best exact schedule. Units step during backward as their
+    gradients are final, speculatively (into their spare state, whatever the clipping: a clip by
+    user code, a `zero_grad()` or a failed backward can then always take them back), while the
+    optimizer worker keeps up; when backward ends, `step()` takes back from the queue the units
+    the worker has not reached and steps them, with the rest of the window, in the next
+    forward's order during that forward, returning at once. The forward needs the units whose
+    gradients were final last first, so the worker steps during both halves of the compute."""
+
+    name = "auto"
+    steps_in_backward = True
+    speculative = True
+    defers_to_forward = True
+
+    def on_grads_final(self, unit: UnitState) -> bool:
+        return True
+
+    def on_window_end(self, stepping: Stepping) -> bool:
+        """Returns at once: each unit's next fetch, forward or read waits for its own step."""
+        return False
+
+
+POLICIES = {policy.name: policy for policy in (StepAfterBackward, StepDuringForward, StepDuringBackward, StepDuringBoth)}
 
 
 def overlap_policy(name: str, *, factor_needs_norm: bool = False) -> OverlapPolicy:
     """The policy of config `overlap`. `factor_needs_norm`: the gradients' factor is known only
-    from every gradient (clipping, or fp16's overflow check): `backward` then speculates."""
+    from every gradient (clipping, or fp16's overflow check): `backward` then speculates (`auto`
+    always does)."""
     if name == StepDuringBackward.name:
         return StepDuringBackward(speculative=factor_needs_norm)
     return POLICIES[name]()

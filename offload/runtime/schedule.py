@@ -127,6 +127,9 @@ class ScheduleContext:
     # called (inside autograd) when a backward reaches the model's outputs while the engine
     # did not start one: a plain loss.backward() (set by the engine)
     on_outside_backward: Callable[[], None] | None = None
+    # called before a read of a parameter between steps (set by the engine: with overlap `auto`,
+    # a window's speculative steps are taken back first when step() has not decided them)
+    before_read_between_steps: Callable[[], None] | None = None
     # names of params whose gradient arrived outside any backward the engine saw (not handed off)
     stray_grads: list[str] = field(default_factory=list)
 
@@ -571,6 +574,8 @@ class Schedule:
             if not self._is_active(unit_index):
                 self._hold_external(unit_index)
             return
+        if context.before_read_between_steps is not None:
+            context.before_read_between_steps()
         read_between_steps(context.residency, context.stepping, context.units[unit_index], name, func)
 
     def _is_active(self, unit_index: int) -> bool:

@@ -128,6 +128,7 @@ class UnitStepper:
         piece is done."""
         self._settle_publish()  # a write left pending by an interrupted run
         current: _UnitStep | None = None
+        stream = None
         try:
             stream = self.store.stream_optimizer_states(
                 units,
@@ -162,6 +163,10 @@ class UnitStepper:
                     self.events.record("step_done", unit.index)
             self._settle_publish()
         finally:
+            if stream is not None:
+                # a stream left part way (a failed step) ends here, on this thread: it holds the
+                # store's slots lock, which only this thread can release
+                stream.close()
             if current is not None and self.store.param_tier is ParamTier.NVME:
                 self.store.give_back_staging(current.out)  # taken, never published
             self._settle_publish(quiet=True)
@@ -445,3 +450,5 @@ class _UnitStep:
     # where the new 16-bit (fp32 with fp32 compute) weights of the whole shard are written; with
     # param nvme a staging buffer, given back once its write-back completed
     out: torch.Tensor
+    # the device computed it (runtime/device_step: the new weights may be on the device already)
+    on_device: bool = False

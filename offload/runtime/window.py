@@ -35,7 +35,8 @@ from offload.runtime.gradients import GradientOffload
 from offload.runtime.overlap import OverlapPolicy, Stepping
 from offload.runtime.prefetch import step_order
 from offload.runtime.schedule import Schedule
-from offload.runtime.stepper import StepMode
+from offload.runtime.speculation import Speculation
+from offload.runtime.step_rates import SplitPlanner
 from offload.runtime.weights_out import WeightsReader
 from offload.storage.tiers import TierStore
 
@@ -73,6 +74,10 @@ class GradientWindow:
         self.timings = timings
         # the per-unit schedule, attached once built (it reports plain backwards to this window)
         self.schedule: Schedule
+        # overlap `auto`'s split (set by build when some unit may step on the device), and the
+        # seconds of the backwards that ended a window, which plan it again once
+        self.split: SplitPlanner | None = None
+        self._boundary_seconds: list[float] = []
         self.closed = False
         self.scaler = DynamicLossScaler(
             scale=config.loss_scale.initial if config.precision == "fp16" else 1.0,
@@ -88,12 +93,11 @@ class GradientWindow:
         self._stepped_at_micro = -1  # micro_steps at the last step() that ended a window
         # overlap 'backward': units whose gradients were not finite (not stepped); transfer worker
         self._nonfinite_units: list[str] = []
-        # overlap 'backward', speculative: units stepped into their spare state in this window,
-        # appended by the transfer worker, committed or taken back by step() after it drained
-        self._speculated: dict[int, UnitState] = {}
-        # speculative windows step() committed, stepped again (clipping acted, or the
-        # hyperparameters changed), skipped (fp16 overflow) or refused (non-finite gradients)
-        self.speculation_counts = {"committed": 0, "redone": 0, "skipped": 0, "refused": 0}
+        # overlap `auto`, and 'backward' with clipping or fp16: the window's speculative steps
+        self.speculation = Speculation(
+            policy, stepping, gradients, weights, self._begin_steps, lambda: self.schedule.context.events
+        )
+        self.speculation_counts = self.speculation.counts
         # overlap 'backward': each group's hyperparameters for the window's steps, read on the main
         # thread when its last backward begins (the transfer worker submits the steps)
         self._window_hypers: list[StepHyper] | None = None
@@ -134,13 +138,15 @@ class GradientWindow:
         for failure in self.settle():
             logger.warning("offload: load_checkpoint discards failed work in flight: %s", failure)
         self.handles.clear()
-        self.take_back_undecided("load_checkpoint in the middle of a window")
+        self.speculation.take_back_undecided("load_checkpoint in the middle of a window")
         self._window_hypers = None
 
     def after_load(self) -> None:
-        """A checkpoint was loaded: weights partly stepped by a failed backward are gone."""
+        """A checkpoint was loaded: weights partly stepped by a failed backward are gone, and the
+        device's copies of the state (overlap `auto`'s split) load again."""
         self._partly_stepped = []
         self._part_loaded = None
+        self.stepping.invalidate_device_copies()
 
     def load_failed(self, reason: str) -> None:
         """A checkpoint was applied in part: training is refused until a load succeeds."""
@@ -153,6 +159,10 @@ class GradientWindow:
         self._finish_abandoned_backward()
         self.refuse_partly_stepped()
         if self.policy.steps_in_backward and self._window_ended_without_step():
+            if self.policy.defers_to_forward:
+                # as with overlap 'forward', nothing of the window is stepped before step()
+                self.speculation.take_back_before_step("a forward before step()")
+                return
             if self.policy.speculative:
                 raise OffloadError(
                     "overlap 'backward' with gradient clipping or fp16: the last backward ended a gradient window and its "
@@ -163,6 +173,13 @@ class GradientWindow:
             # by the transfer worker as gradients land; let them be, so that the forward's fetches
             # ask for the weights they will get
             self.gradients.wait_all()
+
+    def before_read_between_steps(self) -> None:
+        """A parameter is read between steps (main thread): with overlap `auto`, after the
+        backward that ended a window and before step(), its speculative steps are taken back,
+        so the read sees the weights overlap 'forward' shows there (the last step's)."""
+        if self.policy.defers_to_forward and self._window_ended_without_step():
+            self.speculation.take_back_before_step("a read of the weights before step()")
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` / gradient_accumulation_steps (times the loss scale in fp16)."""
@@ -189,6 +206,8 @@ class GradientWindow:
             raise
         finally:
             self.timings["backward"] += time.perf_counter() - started
+        if boundary:
+            self._boundary_seconds = [*self._boundary_seconds[-1:], time.perf_counter() - started]
         self._count_backward()
 
     def _before_backward(self) -> bool:
@@ -196,8 +215,13 @@ class GradientWindow:
         it ends a gradient window. Deterministic on every rank (same counters and config)."""
         trainable.refuse_unfrozen(self.units, self.schedule.context.trainable)
         self._drop_handles_before_backward()
+        if self.policy.defers_to_forward:
+            self.stepping.wait_steps()  # the last window's steps (and commits) end their windows
         accumulation = self.config.gradient_accumulation_steps
-        if self.policy.steps_in_backward and self._window_ended_without_step():
+        if self.policy.defers_to_forward and self._window_ended_without_step():
+            # another backward adds its gradients to the window, as with overlap 'forward'
+            self.speculation.take_back_before_step("a backward before step()")
+        elif self.policy.steps_in_backward and self._window_ended_without_step():
             raise OffloadError(
                 f"overlap 'backward': the last backward ended a gradient window (gradient_accumulation_steps "
                 f"{accumulation}) and its units were stepped as their gradients landed, but engine.step() was not "
@@ -211,6 +235,7 @@ class GradientWindow:
             self.hyper.check_untouched()
             self._window_hypers = self.hyper.step_hypers(self._unclipped_multiplier())
             self._stepped_in_backward = []
+            self.speculation.begin_window()
         return boundary
 
     def _agree_on_backward(self, nonfinite: bool, loss_value: float | None) -> None:
@@ -235,10 +260,27 @@ class GradientWindow:
         starts reading the master and moments of the first NVMe pieces the step will stream, in
         its order, while backward computes (TierStore.prefetch_optimizer_states). Not with overlap
         'backward' without speculation, whose units step one by one as their gradients land."""
-        if not boundary or not self.store.streamed_units or (self.policy.steps_in_backward and not self.policy.speculative):
+        if not boundary:
             return
+        self._replan_split()
         order = step_order(self.schedule.context.forward_order.recorded, len(self.units))
+        # the device units' state up to the device (overlap `auto`'s split), the last to land first
+        self.stepping.begin_window_on_device()
+        self.stepping.prefetch_on_device([self.units[i] for i in reversed(order)])
+        if not self.store.streamed_units or (self.policy.steps_in_backward and not self.policy.speculative):
+            return
         self.optimizer_worker.submit(self.store.prefetch_optimizer_states, [self.units[i] for i in order])
+
+    def _replan_split(self) -> None:
+        """Overlap `auto`'s split, planned again once its rates were measured (not declared with a
+        backward's seconds), from the second backward that ended a window (the first warms up);
+        between steps, with every new state home first (units may change lanes)."""
+        split = self.split
+        if split is None or not split.waits_for_a_backward or len(self._boundary_seconds) < 2:
+            return
+        self.stepping.wait()
+        if split.apply(split.replan(self._boundary_seconds[-1])):
+            self.stepping.invalidate_device_copies()
 
     def _window_ended_without_step(self) -> bool:
         """The last backward ended a gradient window and step() has not taken it yet."""
@@ -297,7 +339,7 @@ class GradientWindow:
         from weights partly stepped until a checkpoint is loaded. Units whose gradients were
         handed off after the failure did not step (`step_during_backward`)."""
         if self.policy.speculative:
-            self._abandon_speculation(why)
+            self.speculation.abandon(why, self.settle)
             return
         if not (self.policy.steps_in_backward and self.schedule.context.boundary_backward):
             return
@@ -341,10 +383,8 @@ class GradientWindow:
         # read when the window's last backward began, before any of its units could be final
         assert self._window_hypers is not None
         if self.policy.speculative:
-            if finite and unit.spare_state and unit.grads_in_window and unit.index not in self._speculated:
-                self._begin_steps([unit])
-                self._speculated[unit.index] = unit
-                self.stepping.submit([unit], self._window_hypers, StepMode.SPECULATE)
+            if finite and unit.can_speculate and unit.grads_in_window and self.speculation.this_window:
+                self.speculation.submit(unit, self._window_hypers)
             return
         if not finite:
             self._nonfinite_units.append(unit.spec.name)
@@ -384,7 +424,13 @@ class GradientWindow:
         if self.micro_steps == self._stepped_at_micro:
             return False
         self.hyper.check_untouched()
-        self.drain(write_backs=False)  # the next step streams after the last one's write-back
+        if self.policy.defers_to_forward:
+            # the units the optimizer worker has not reached step in the next forward's order;
+            # those it is stepping go on (their commit is queued after them: `_commit`)
+            self.gradients.wait_all()
+            self.speculation.withdraw_queued()
+        else:
+            self.drain(write_backs=False)  # the next step streams after the last one's write-back
         # what user code's clip_grad_norm_ multiplied the window's gradients by (an error, before
         # anything changes, when it scaled some and not others)
         user_factor = self.handles.factor()
@@ -403,17 +449,17 @@ class GradientWindow:
             norms, total = self._window_sq_norms(window)
         except BaseException:
             # the window stays unstepped, as without speculation: so do its speculated units
-            self._abandon_speculation("step() failed before it knew the global norm")
+            self.speculation.abandon("step() failed before it knew the global norm", self.settle)
             raise
         multiplier, norm = self._multiplier(total, user_factor)
         self.last_grad_norm = norm
-        speculated, self._speculated = list(self._speculated.values()), {}
+        speculated = self.speculation.take()
         window_hypers, self._window_hypers = self._window_hypers, None
         if not math.isfinite(norm):
             bad = [unit.spec.name for unit in window if not math.isfinite(norms[unit.index])]
             if speculated:
                 self.speculation_counts["skipped" if self.config.precision == "fp16" else "refused"] += 1
-            self._take_back(speculated, restore=True)
+            self.speculation.take_back(speculated, restore=True)
             self._discard_window()
             if self.config.precision == "fp16":
                 self.scaler.update(overflow=True)
@@ -429,23 +475,19 @@ class GradientWindow:
                 "the step was skipped and the weights are unchanged; lower the learning rate, check the data, or enable clipping"
             )
         hypers = self.hyper.step_hypers(multiplier)
-        if speculated:
-            # the speculative steps stand if they used this very factor and hyperparameters
-            # (read when the window's last backward began: an lr set since is a redo too)
-            used = [dataclasses.replace(h, grad_multiplier=multiplier) for h in window_hypers or []]
-            clipped = multiplier != self._unclipped_multiplier()
-            if not clipped and used == hypers:
-                self._commit(speculated)
-                self.speculation_counts["committed"] += 1
-            else:
-                self._take_back(speculated, restore=False)
-                self.speculation_counts["redone"] += 1
-                self._log_redo(len(speculated), clipped=clipped)
+        # the speculative steps stand if they used this very factor and hyperparameters (read
+        # when the window's last backward began: an lr set since is a redo too)
+        used = [dataclasses.replace(h, grad_multiplier=multiplier) for h in window_hypers or []]
+        clipped = multiplier != self._unclipped_multiplier()
+        why = "clips the gradients" if clipped else "has other hyperparameters than its backward began with"
+        committed = self.speculation.decide(speculated, stands=not clipped and used == hypers, why=why, step=self.global_steps)
         if self.config.precision == "fp16":
             self.scaler.update(overflow=False)
         self.global_steps += 1
         order = step_order(self.schedule.context.forward_order.recorded, len(self.units))
-        self._submit_steps([self.units[i] for i in order if self.units[i].window_started], hypers)
+        # (a commit queued after a running step ends that unit's window only once it ran)
+        self._submit_steps([self.units[i] for i in order if self.units[i].window_started and i not in committed], hypers)
+        self.stepping.write_back_on_device()
         return True
 
     def _window_sq_norms(self, window: list[UnitState]) -> tuple[dict[int, float], float]:
@@ -491,6 +533,9 @@ class GradientWindow:
         if self.policy.steps_in_backward and not self.policy.speculative:
             raise OffloadError(self._clip_refusal())
         current = self.handles.factor()
+        if self.policy.defers_to_forward:
+            self.gradients.wait_all()
+            self.speculation.withdraw_queued()  # the factor changes: the steps would be redone
         self.drain()
         if norm_type == 2.0:
             _, total = self._window_sq_norms([unit for unit in self.units if unit.window_started])
@@ -527,66 +572,6 @@ class GradientWindow:
                 "after clip_grad_norm_ (clip only after the backward that ends a window)"
             )
         self.handles.clear()
-
-    def _commit(self, speculated: list[UnitState]) -> None:
-        """The speculative steps stand (the factor they used is the true one): each unit's spare
-        state becomes its state, and its window ends."""
-        events = self.schedule.context.events
-        self.weights.invalidate()
-        for unit in speculated:
-            unit.commit_spare()
-            unit.end_window()
-            events.record("step_commit", unit.index)
-
-    def _take_back(self, speculated: list[UnitState], *, restore: bool) -> None:
-        """The speculative steps do not stand: their states are left in the spare buffers and
-        their step counts undone. `restore`: no step follows (skipped, refused, or the window
-        abandoned), so the 16-bit weights they published are cast again from the untouched
-        masters (and waited for); otherwise the units stay in the window and step again from
-        their old state."""
-        if not speculated:
-            return
-        events = self.schedule.context.events
-        self.weights.invalidate()
-        for unit in speculated:
-            unit.step_count -= 1
-            events.record("step_take_back", unit.index)
-        if restore:
-            self._begin_steps(speculated)
-            self.stepping.submit(speculated, (), StepMode.RESTORE)
-            self.stepping.wait()
-
-    def _log_redo(self, count: int, *, clipped: bool) -> None:
-        logger.info(
-            "offload: step %d %s: the %d units stepped during backward step again from their old state "
-            "(%d of %d speculative windows redone so far)",
-            self.global_steps,
-            "clips the gradients" if clipped else "has other hyperparameters than its backward began with",
-            count,
-            self.speculation_counts["redone"],
-            sum(self.speculation_counts.values()),
-        )
-
-    def _abandon_speculation(self, why: str) -> None:
-        """A window's speculative steps that will not be decided by step() (its backward, or
-        step() itself, failed): the work in flight is settled and they are taken back, leaving
-        the units as a run without speculation would (not stepped). Errors of the settled work
-        are logged: the failure being raised is the one to report."""
-        if not self.policy.speculative:
-            return
-        # first every hand-off in flight: the transfer worker may still submit speculative steps
-        for failure in self.settle():
-            logger.warning("offload: %s; discarding failed work in flight: %s", why, failure)
-        self.take_back_undecided(why)
-
-    def take_back_undecided(self, why: str) -> None:
-        """The speculative steps of a window step() will not decide (the work in flight is
-        settled already), taken back."""
-        if not self._speculated:
-            return
-        speculated, self._speculated = list(self._speculated.values()), {}
-        logger.warning("offload: %s; the %d units stepped speculatively are taken back", why, len(speculated))
-        self._take_back(speculated, restore=True)
 
     def _finish_window_stepped_in_backward(self, window: list[UnitState]) -> bool:
         nonfinite, self._nonfinite_units = self._nonfinite_units, []
@@ -676,6 +661,7 @@ class GradientWindow:
             return
         # the gradients in flight land first (and, overlap 'backward', the steps they started)
         self.gradients.wait_all()
+        self.speculation.withdraw_queued()
         self.stepping.wait()
         if self._stepped_in_backward:
             names = [unit.spec.name for unit in sorted(self._stepped_in_backward, key=lambda unit: unit.index)]
@@ -688,8 +674,7 @@ class GradientWindow:
             )
         # the window's .grad handles and any clip recorded on them go with its gradients
         self.handles.clear()
-        speculated, self._speculated = list(self._speculated.values()), {}
-        self._take_back(speculated, restore=True)
+        self.speculation.take_back(self.speculation.take(), restore=True)
         self._discard_window()
         self._nonfinite_units = []
         self._window_hypers = None
@@ -732,6 +717,7 @@ class GradientWindow:
         if error is not None:
             raise error
         optimizer_state.write(self.units, self.store, self.collectives.rank, moments, steps)
+        self.stepping.invalidate_device_copies()
 
     def _warn_step_without_backward(self) -> None:
         """A step() with no backward since the last one applies nothing: warned once (a loop that

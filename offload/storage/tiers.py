@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -183,6 +183,7 @@ class TierStore:
             speculation_cap=parse_size(config.offload.speculation_memory),
             gradient_cap=parse_size(config.offload.gradient_memory),
             state=self.state,
+            on_device=[unit.steps_on_device for unit in self.units],
         )
         self.speculating = leftover.speculating
         for unit, in_ram in zip(self.units, leftover.gradients_in_ram):
@@ -195,9 +196,10 @@ class TierStore:
             del self.budget["grad_slot"]
         if speculate:
             logger.info(
-                "offload: overlap backward: %d of %d units (of %d with their state in RAM) step speculatively during "
+                "offload: overlap %s: %d of %d units (of %d with their state in RAM) step speculatively during "
                 "backward (%s of spare state in RAM, %s was free for it); the rest step once the global "
                 "gradient norm is known",
+                config.overlap,
                 sum(leftover.speculating),
                 len(self.units),
                 sum(tier is OptimizerTier.HOST for tier in tiers),
@@ -397,7 +399,7 @@ class TierStore:
         timings: dict[str, float] | None = None,
         prefetch_next: bool = False,
         leave_writes: bool = False,
-    ) -> Iterator[StatePiece]:
+    ) -> Generator[StatePiece, None, None]:
         """Yields each unit's optimizer state in order, piece by piece: a resident unit (host or
         device) as one piece of its own buffers (slot None); an NVMe one as the pieces of
         `state_pieces`, piece i read into the slot of position i (`_slot_at`) while piece i + 1

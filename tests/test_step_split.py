@@ -1,0 +1,311 @@
+"""Overlap `auto`'s split of the step between the CPU and the device (plan/step_split.py, the cost
+model, tested directly; runtime/device_step.py, the device lane).
+
+The device's step is the C++ kernel's arithmetic in torch (optim/moments.adam_step_torch), so a
+run whose units step on the device is bit for bit the run where the CPU steps them all: the
+reference is overlap 'none'. `OFFLOAD_STEP_RATES` declares the rates (and a backward's seconds)
+the split is chosen from, on any device; `offload.max_device_memory` bounds its copies. The
+module runs on the plain CPU and, in `make test`, on the checked device, which checks the lane's
+orderings (its copies up and down, the exact step on the optimizer stream)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import TinyNet, batches, mse
+from test_speculative_step import assert_same
+
+import offload
+from offload.plan.step_split import (
+    StepRates,
+    candidates_for,
+    finish_after_backward,
+    parse_rates,
+    plan_split,
+    step_traffic,
+)
+
+TRAFFIC = step_traffic(moment_bytes=4, grad_bytes=2, compute_bytes=2, param_offloaded=False)
+# TinyNet's units step in about 0.2 s each on a CPU this slow, against a backward of 1 ms: the
+# model sends the last units to land (the root, the first blocks) to the device
+SLOW_CPU = "cpu=0.00001,device=0.00001,h2d=10,d2h=10,backward=0.001"
+
+
+# ---- the cost model (plain functions) ------------------------------------------------------
+def test_no_device_apart_from_the_cpu_splits_nothing():
+    split = plan_split([10, 20, 30], [True] * 3, None, TRAFFIC, device_memory=10**9)
+    assert split.on_device == (False, False, False) and split.reasons
+
+
+def test_the_split_balances_the_two_workers_without_a_backward():
+    numels = [10**8] * 10
+    equal = StepRates(cpu_adam_gparams=1.0, device_adam_gparams=1.0, h2d_gbps=1000.0, d2h_gbps=1000.0)
+    split = plan_split(numels, [True] * 10, equal, TRAFFIC, device_memory=10**12)
+    assert split.on_device == (True,) * 5 + (False,) * 5  # the first half (the last to land)
+    assert split.cpu_seconds == pytest.approx(0.5) and split.device_seconds == pytest.approx(0.5)
+
+
+def test_device_memory_bounds_the_split():
+    numels = [10**8] * 10
+    rates = StepRates(1.0, 100.0, 1000.0, 1000.0)
+    room = int(3.5 * 10**8 * TRAFFIC.device_memory)
+    split = plan_split(numels, [True] * 10, rates, TRAFFIC, device_memory=room)
+    assert split.device_units == 3 and "device memory" in split.reasons
+    assert candidates_for(numels, [True] * 10, TRAFFIC, room) == [True] * 3 + [False] * 7
+
+
+def test_parse_rates_reads_the_declaration_and_refuses_what_it_cannot():
+    rates, backward = parse_rates("cpu=5,device=6,h2d=48,d2h=40,backward=0.8")
+    assert rates == StepRates(5.0, 6.0, 48.0, 40.0) and backward == 0.8
+    assert parse_rates("cpu=5,device=6,h2d=48,d2h=40")[1] is None
+    with pytest.raises(ValueError, match="d2h missing"):
+        parse_rates("cpu=5,device=6,h2d=48")
+    with pytest.raises(ValueError, match="expected cpu="):
+        parse_rates("cpu=5,gpu=6,h2d=48,d2h=48")
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
+        parse_rates("cpu=0,device=6,h2d=48,d2h=48")
+
+
+positive = st.floats(min_value=0.01, max_value=100.0, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    numels=st.lists(st.integers(min_value=0, max_value=10**9), min_size=1, max_size=12),
+    eligible=st.lists(st.booleans(), min_size=12, max_size=12),
+    cpu=positive,
+    device=positive,
+    link=positive,
+    memory=st.integers(min_value=0, max_value=10**11),
+    backward=st.one_of(st.none(), st.floats(min_value=0.01, max_value=10.0)),
+)
+def test_the_split_is_the_best_prefix_that_fits(numels, eligible, cpu, device, link, memory, backward):
+    """The device takes eligible units from the front of the forward order (the last to land),
+    within its memory, and no other such prefix is predicted faster."""
+    eligible = eligible[: len(numels)]
+    rates = StepRates(cpu, device, link, link)
+    split = plan_split(numels, eligible, rates, TRAFFIC, device_memory=memory, backward_seconds=backward)
+    order = [i for i, n in enumerate(numels) if eligible[i] and n]
+    chosen = [i for i, on in enumerate(split.on_device) if on]
+    assert chosen == order[: len(chosen)]
+    assert sum(numels[i] for i in chosen) * TRAFFIC.device_memory <= memory
+    assert split.device_bytes <= memory
+
+    def score(k: int) -> float:
+        trial = [i in order[:k] for i in range(len(numels))]
+        on_device = sum(n for n, c in zip(numels, trial) if c)
+        cpu_s = (sum(numels) - on_device) / (cpu * 1e9)
+        d2h = (on_device * TRAFFIC.device_d2h + sum(numels) * TRAFFIC.base_d2h) / (link * 1e9)
+        h2d = (on_device * TRAFFIC.device_h2d + (sum(numels) - on_device) * TRAFFIC.cpu_h2d) / (link * 1e9)
+        device_s = max(h2d, d2h, on_device / (device * 1e9)) if on_device else 0.0
+        if backward is None:
+            return max(cpu_s, device_s)
+        return max(finish_after_backward(numels, trial, rates, TRAFFIC, backward), max(h2d, d2h) - backward / 2)
+
+    fits = [k for k in range(len(order) + 1) if sum(numels[i] for i in order[:k]) * TRAFFIC.device_memory <= memory]
+    best = min(score(k) for k in fits)
+    assert score(len(chosen)) == pytest.approx(best, rel=1e-12, abs=1e-15)
+
+
+@settings(max_examples=40, deadline=None)
+@given(numels=st.lists(st.integers(min_value=1, max_value=10**9), min_size=1, max_size=10), slow=positive, fast=positive)
+def test_a_faster_device_never_gets_fewer_units(numels, slow, fast):
+    slow, fast = sorted((slow, fast))
+    count = [
+        plan_split(numels, [True] * len(numels), StepRates(1.0, rate, 1e6, 1e6), TRAFFIC, device_memory=10**13).device_units
+        for rate in (slow, fast)
+    ]
+    assert count[0] <= count[1]
+
+
+def test_finish_after_backward_steps_the_units_as_they_land():
+    # two units of 1e9 elements, a backward of 1 s: unit 1 lands at 0.5 s, the root at 1 s
+    rates = StepRates(cpu_adam_gparams=1.0, device_adam_gparams=2.0, h2d_gbps=1e6, d2h_gbps=1e6)
+    numels = [10**9, 10**9]
+    assert finish_after_backward(numels, [False, False], rates, TRAFFIC, 1.0) == pytest.approx(2.5)  # 0.5 + 1 + 1
+    assert finish_after_backward(numels, [True, False], rates, TRAFFIC, 1.0) == pytest.approx(1.5)  # the root on the device
+    assert math.isclose(finish_after_backward(numels, [True, True], rates, TRAFFIC, 1.0), 1.5)
+
+
+# ---- the engine: bit for bit the CPU's training ----------------------------------------------
+def make_config(swap_dir, overlap=None, *, param="none", precision="fp32", clip=0.0, state="fp32"):
+    config = {
+        "precision": precision,
+        "optimizer": {"lr": 1e-2, "weight_decay": 0.01, "state_precision": state},
+        "offload": {"param": param, "optimizer": "cpu", "nvme_path": swap_dir, "max_device_memory": "1GB"},
+        "gradient_clipping": clip,
+    }
+    if overlap is not None:
+        config["overlap"] = overlap
+    return config
+
+
+def train(model, config, data, *, save_at=None, tmp_path=None):
+    engine = offload.initialize(copy.deepcopy(model), config)
+    try:
+        on_device = [unit.steps_on_device for unit in engine.units]
+        for i, (x, y) in enumerate(data):
+            engine.backward(mse(engine, x, y))
+            engine.step()
+            if save_at == i:
+                engine.save_checkpoint(tmp_path / "ckpt")
+        return engine.consolidated_state_dict(), engine.optimizer.state_dict()["state"], on_device
+    finally:
+        engine.close()
+
+
+def assert_same_optimizer_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        for name, value in a[key].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b[key][name])), (key, name)
+
+
+@pytest.mark.parametrize("param", ["none", "cpu"])
+@pytest.mark.parametrize("precision,clip", [("fp32", 0.0), ("fp32", 1e-3), ("bf16", 0.0), ("bf16", 1e-3)])
+def test_a_split_step_trains_bit_for_bit_as_the_cpu(swap_dir, monkeypatch, param, precision, clip):
+    monkeypatch.setenv("OFFLOAD_STEP_RATES", SLOW_CPU)
+    torch.manual_seed(0)
+    model = TinyNet(depth=4)
+    data = batches(5)
+    expected, expected_state, none_on_device = train(
+        model, make_config(swap_dir, "none", param=param, precision=precision, clip=clip), data
+    )
+    state, optimizer_state, on_device = train(model, make_config(swap_dir, param=param, precision=precision, clip=clip), data)
+    assert not any(none_on_device)  # explicit overlap values keep today's schedule: no split
+    assert on_device[0] and any(on_device) and not all(on_device)  # the root (the last to land) is on the device
+    assert_same(state, expected)
+    assert_same_optimizer_state(optimizer_state, expected_state)  # the host state is home again
+
+
+@pytest.mark.parametrize("state", ["bf16", "int8"])
+def test_compact_moments_step_on_the_device_bit_for_bit(swap_dir, monkeypatch, state):
+    monkeypatch.setenv("OFFLOAD_STEP_RATES", SLOW_CPU)
+    torch.manual_seed(0)
+    model = TinyNet(width=64, depth=3)
+    data = batches(4)
+    expected, expected_state, _ = train(model, make_config(swap_dir, "none", precision="bf16", state=state), data)
+    got, optimizer_state, on_device = train(model, make_config(swap_dir, precision="bf16", state=state), data)
+    assert any(on_device)
+    assert_same(got, expected)
+    assert_same_optimizer_state(optimizer_state, expected_state)
+
+
+def test_a_checkpoint_of_a_split_run_resumes_exactly(swap_dir, monkeypatch, tmp_path):
+    """The save reads the host state (every state the device stepped is home first); the load
+    replaces it, and the device's copies load again before their next step."""
+    monkeypatch.setenv("OFFLOAD_STEP_RATES", SLOW_CPU)
+    torch.manual_seed(0)
+    model = TinyNet(depth=3)
+    data = batches(6)
+    config = make_config(swap_dir, clip=0.05)
+    straight, _, _ = train(model, config, data, save_at=2, tmp_path=tmp_path)
+    engine = offload.initialize(copy.deepcopy(model), config)
+    try:
+        assert any(unit.steps_on_device for unit in engine.units)
+        for x, y in data[:1]:  # steps that the load replaces
+            engine.backward(mse(engine, x, y))
+            engine.step()
+        engine.load_checkpoint(tmp_path / "ckpt")
+        for x, y in data[3:]:
+            engine.backward(mse(engine, x, y))
+            engine.step()
+        assert_same(engine.consolidated_state_dict(), straight)
+    finally:
+        engine.close()
+
+
+def test_measured_backwards_plan_the_split_again_once(swap_dir, monkeypatch, caplog):
+    """Rates declared without a backward's seconds: the split is the balance at start, then
+    planned again from the second backward that ended a window; the training is the same."""
+    monkeypatch.setenv("OFFLOAD_STEP_RATES", "cpu=0.00001,device=0.00001,h2d=10,d2h=10")
+    torch.manual_seed(0)
+    model = TinyNet(depth=4)
+    data = batches(5)
+    expected, _, _ = train(model, make_config(swap_dir, "none"), data)
+    with caplog.at_level("INFO", logger="offload"):
+        state, _, at_start = train(model, make_config(swap_dir), data)
+    planned = [r.getMessage() for r in caplog.records if "units step on the device" in r.getMessage()]
+    assert len(planned) == 2 and "chosen for a backward of" in planned[1], planned
+    assert any(at_start)
+    assert_same(state, expected)
+
+
+def test_the_device_copies_are_in_the_ledger(swap_dir, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_STEP_RATES", SLOW_CPU)
+    engine = offload.initialize(TinyNet(depth=3), make_config(swap_dir))
+    try:
+        copies = engine.memory_report()["device"]["by_category"]["step_state"]["current"]
+        on_device = [unit for unit in engine.units if unit.steps_on_device]
+        # master and fp32 moments, the 16-bit gradient (bf16 compute keeps it 16-bit; fp32 here: 4)
+        assert on_device and copies >= sum(16 * unit.optimizer_numel for unit in on_device)
+    finally:
+        engine.close()
+
+
+# ---- on a GPU -------------------------------------------------------------------------------
+@pytest.mark.cuda
+def test_on_cuda_the_rates_are_measured_and_the_split_is_exact(swap_dir, monkeypatch):
+    """The next GPU session: the probe measures four finite rates, and a split forced by declared
+    rates trains bit for bit as overlap 'none' on the same GPU."""
+    from offload.config.state_layout import StateBytes, StatePrecision
+    from offload.platform.device import Device
+    from offload.runtime.step_rates import measure_rates
+    from offload.storage.state_codec import make_codec
+
+    codec = make_codec(StateBytes(StatePrecision.FP32, 2), torch.bfloat16, 0)
+    rates = measure_rates(Device(), codec, torch.bfloat16)
+    assert all(
+        math.isfinite(v) and v > 0 for v in (rates.cpu_adam_gparams, rates.device_adam_gparams, rates.h2d_gbps, rates.d2h_gbps)
+    )
+    monkeypatch.setenv("OFFLOAD_STEP_RATES", SLOW_CPU)
+    torch.manual_seed(0)
+    model = TinyNet(depth=4)
+    data = batches(4)
+    expected, _, _ = train(model, make_config(swap_dir, "none", precision="bf16", clip=0.05), data)
+    got, _, on_device = train(model, make_config(swap_dir, precision="bf16", clip=0.05), data)
+    assert any(on_device)
+    assert_same(got, expected)
+
+
+# ---- offload estimate ---------------------------------------------------------------------------
+def test_estimate_says_the_schedule_the_split_and_the_predicted_step(capsys, tmp_path):
+    import json
+
+    from offload.cli import main as cli_main
+
+    args = ["estimate", "7B", "--gpu-memory", "80GB", "--ram", "512GiB", "--disk", "2TB", "--nvme-path", str(tmp_path)]
+    args += ["--micro-batch", "8", "--seq-len", "1024", "--step-rates", "cpu=5,device=6,h2d=48,d2h=48"]
+    assert cli_main([*args, "--device-tflops", "270", "--json"]) == 0
+    schedule = json.loads(capsys.readouterr().out)["schedule"]
+    assert schedule["overlap"] == "auto" and 0 < schedule["split"]["device_units"] < schedule["split"]["units"]
+    assert schedule["compute_s"] < schedule["predicted_step_s"] < 2 * schedule["compute_s"]
+    assert cli_main(args) == 0  # no TFLOPS: the split, no predicted step
+    out = capsys.readouterr().out
+    assert "schedule: overlap auto, the best exact one" in out and "units step on the GPU" in out
+    assert "predicted step" not in out
+    assert (
+        cli_main(
+            [
+                "estimate",
+                "7B",
+                "--gpu-memory",
+                "80GB",
+                "--ram",
+                "512GiB",
+                "--disk",
+                "2TB",
+                "--nvme-path",
+                str(tmp_path),
+                "--step-rates",
+                "",
+            ]
+        )
+        == 0
+    )
+    assert "chosen at start from the rates the engine measures there" in capsys.readouterr().out
