@@ -42,9 +42,9 @@ def test_bench_step(tmp_path):
     record = newest("bench_step")
     cases = {(" ".join(row["case"].split()[4:]), row["metric"]) for row in record["rows"]}
     assert cases == {
-        ("none/cpu@forward state fp32", "s/step"),
-        ("none/cpu@forward state int8", "s/step"),
-        ("none/cpu@forward state int8", "speed-up"),
+        ("none/cpu@auto state fp32", "s/step"),
+        ("none/cpu@auto state int8", "s/step"),
+        ("none/cpu@auto state int8", "speed-up"),
     }
     for row in record["rows"]:
         if row["metric"] == "s/step":
