@@ -54,7 +54,7 @@ PYBIND11_MODULE(_aio_ext, m) {
       .def("set_fault", &Engine::set_fault, py::arg("op"), py::arg("err"), py::arg("after_offset"),
            py::arg("count") = -1)
       .def("clear_fault", &Engine::clear_fault)
-      .def("set_delay_us", &Engine::set_delay_us, py::arg("us"))
+      .def("set_delay_us", &Engine::set_delay_us, py::arg("us"), py::arg("op") = -1)
       .def_property_readonly("block_size", &Engine::block_size)
       .def_property_readonly("queue_depth", &Engine::queue_depth)
       .def_property_readonly("threads", &Engine::threads)

@@ -224,7 +224,11 @@ void Engine::run_piece(const Piece& p) {
 
   if (r.want_crc_ && r.op_ == Op::Write) crc = crc32c_extend(0, buf, crc_len);
 
-  if (uint64_t us = delay_us_.load()) std::this_thread::sleep_for(std::chrono::microseconds(us));
+  if (uint64_t us = delay_us_.load()) {
+    const int delayed = delay_op_.load();
+    if (delayed < 0 || delayed == static_cast<int>(r.op_))
+      std::this_thread::sleep_for(std::chrono::microseconds(us));
+  }
   if (take_fault(r.op_, off + len)) {
     int err = fault_err_.load();
     IoError e =

@@ -106,8 +106,11 @@ class Engine {
   // `count` >= 0: only the next `count` such pieces fail, then the fault is spent.
   void set_fault(int op, int err, uint64_t after_offset, int64_t count = -1);
   void clear_fault();
-  // Test hook: every piece sleeps this long before its I/O (0: off).
-  void set_delay_us(uint64_t us) { delay_us_.store(us); }
+  // Test hook: every piece of `op` (-1: of either op) sleeps this long before its I/O (0: off).
+  void set_delay_us(uint64_t us, int op = -1) {
+    delay_op_.store(op);
+    delay_us_.store(us);
+  }
   size_t block_size() const { return block_size_; }
   size_t queue_depth() const { return queue_depth_; }
   size_t threads() const { return workers_.size(); }
@@ -158,6 +161,7 @@ class Engine {
   std::atomic<uint64_t> fault_after_{0};
   std::atomic<int64_t> fault_left_{-1};  // pieces still to fail; -1: every matching piece
   std::atomic<uint64_t> delay_us_{0};
+  std::atomic<int> delay_op_{-1};  // the op the delay applies to; -1: both
 };
 
 }  // namespace offload_aio

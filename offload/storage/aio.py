@@ -397,9 +397,10 @@ class AioEngine:
     def clear_fault(self) -> None:
         self._engine.clear_fault()
 
-    def set_delay(self, seconds: float) -> None:
-        """Test hook: every piece sleeps this long before its I/O (0 turns it off)."""
-        self._engine.set_delay_us(int(seconds * 1e6))
+    def set_delay(self, seconds: float, op: str | None = None) -> None:
+        """Test hook: every piece (of `op`, "read"/"write", if given) sleeps this long before its
+        I/O (0 turns it off)."""
+        self._engine.set_delay_us(int(seconds * 1e6), -1 if op is None else 0 if op == "read" else 1)
 
     def close(self) -> None:
         """Finish every queued piece, then stop the workers (idempotent). Handles still held
