@@ -33,12 +33,12 @@ def stage3(**offload_optimizer) -> dict:
     return {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", **offload_optimizer}}}
 
 
-def test_super_offload_config_maps_to_the_speculative_overlap_threads_and_auto(monkeypatch):
+def test_super_offload_config_maps_to_overlap_auto_threads_and_optimizer_auto(monkeypatch):
     monkeypatch.setattr(deepspeed_offload, "_cpus", lambda: 10)
     translation = deepspeed_config.translate_deepspeed(SUPER_OFFLOAD)
     assert translation.unsupported == []
     config = load_config(SUPER_OFFLOAD)
-    assert (config.overlap, config.optimizer.threads, config.offload.optimizer) == ("backward", 9, "auto")
+    assert (config.overlap, config.optimizer.threads, config.offload.optimizer) == ("auto", 9, "auto")
     assert translation.sources["overlap"] == "zero_optimization.offload_optimizer.super_offload"
     assert translation.sources["optimizer.threads"] == "zero_optimization.offload_optimizer.cpuadam_cores_perc"
     assert translation.sources["offload.optimizer"] == "zero_optimization.offload_optimizer.ratio"

@@ -6,9 +6,11 @@ does (`offload.config.deepspeed` calls these while it reads `zero_optimization`)
   configs write it) leaves offload's default piece for the tier: DeepSpeed's small sub-groups are
   whole parameters, offload's pieces are slices of a unit's flat state, and pieces of a few
   thousand elements make the NVMe step crawl (one request per state file per piece).
-* SuperOffload's `offload_optimizer.super_offload: true` -> `overlap: backward`, offload's
-  speculative step (each unit steps as its gradients are final, redone when clipping or an fp16
-  overflow says so: exact, like SuperOffload's speculation-then-validation);
+* SuperOffload's `offload_optimizer.super_offload: true` -> `overlap: auto`, offload's own
+  version of what it does (units step speculatively as their gradients are final, redone when
+  clipping or an fp16 overflow says so, the rest during the next forward, the units whose
+  gradients land last stepped on the GPU: exact, like SuperOffload's speculation-then-validation);
+  `auto` is also the default, so the key changes nothing but the log's source of the choice;
   `offload_optimizer.cpuadam_cores_perc` -> `optimizer.threads` (that share of this process's CPUs).
 * `offload_optimizer.ratio` (the share of optimizer state offloaded; the rest stays on the GPU)
   -> `offload.optimizer: auto`, which keeps on the device what fits its spare memory and offloads
@@ -74,7 +76,7 @@ def optimizer_offload(b: _Builder, section: dict, device: str) -> None:
     path = "zero_optimization.offload_optimizer"
     if "super_offload" in section:
         if b.flag(section["super_offload"], f"{path}.super_offload"):
-            b.set("overlap", "backward", f"{path}.super_offload")
+            b.set("overlap", "auto", f"{path}.super_offload")
         else:
             b.ignored(f"{path}.super_offload", "switched off")
     if "cpuadam_cores_perc" in section:
