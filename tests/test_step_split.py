@@ -140,18 +140,19 @@ FAST_LINK = step_traffic(moment_bytes=4, grad_bytes=0, compute_bytes=0, param_of
 
 
 def test_each_worker_steps_the_landed_unit_the_forward_needs_first():
-    """Three units of 1e9 elements, a backward of 1 s: unit 2 lands at 1/3 s, unit 1 at 2/3 s,
-    the root at 1 s; the CPU steps one a second. Once unit 2 is done (4/3 s), units 1 and 0 have
-    landed and the root goes first: the forward needs it first (first come, first served would
-    step unit 1 first, and the forward would wait for the root until 10/3 s)."""
+    """Three units of 1e9 elements, a backward of 1 s (the root's head first: a third of it):
+    unit 2 lands at 2/3 s, unit 1 and the root at 1 s; the CPU steps one a second. Once unit 2 is
+    done (5/3 s), units 1 and 0 have landed and the root goes first: the forward needs it first
+    (first come, first served would step unit 1 first, and the forward would wait for the root
+    until 11/3 s)."""
     rates = StepRates(cpu_adam_gparams=1.0, device_adam_gparams=2.0, h2d_gbps=1e6, d2h_gbps=1e6)
     numels = [10**9] * 3
     ready = step_finishes(numels, [False] * 3, rates, FAST_LINK, 1.0)
-    assert ready == pytest.approx([7 / 3, 10 / 3, 4 / 3])
+    assert ready == pytest.approx([8 / 3, 11 / 3, 5 / 3])
     # the root on the device (half a second): the CPU steps the two blocks as they land
-    assert step_finishes(numels, [True, False, False], rates, FAST_LINK, 1.0) == pytest.approx([1.5, 7 / 3, 4 / 3])
-    # the next forward starts at 1 s and needs unit k after 0.5 s * k / 3
-    assert forward_stall(numels, [7 / 3, 10 / 3, 4 / 3], 1.0) == pytest.approx(10 / 3 - 1 - 0.5 / 3)
+    assert step_finishes(numels, [True, False, False], rates, FAST_LINK, 1.0) == pytest.approx([1.5, 8 / 3, 5 / 3])
+    # the next forward starts at 1 s and needs unit 1 at once, unit 2 after half a second / 2
+    assert forward_stall(numels, [8 / 3, 11 / 3, 5 / 3], 1.0) == pytest.approx(11 / 3 - 1)
     assert forward_stall(numels, [0.5, 0.5, 0.5], 1.0) == 0.0
 
 

@@ -127,17 +127,19 @@ def step_finishes(
 ) -> list[float]:
     """When each unit is ready for the next forward, in seconds from the start of a backward of
     `backward_seconds`. Units land in reverse forward order (the root, unit 0, last): each once
-    the backward has computed its share of the elements and its gradient went down (one link,
-    one copy after the other). Each worker steps its units one at a time, and when it is free
+    the backward has computed its share of the elements (the root's first: its head's backward
+    comes first, its gradients are final at the end) and its gradient went down (one link, one
+    copy after the other). Each worker steps its units one at a time, and when it is free
     takes, of those landed, the one the forward needs first (runtime/overlap.JobQueue): the CPU
     at its Adam's rate, its new weights then going up (param `none`); the device once the
     gradient went up, at its exact Adam's rate (param `cpu`: its new weights then go down). With
     param `cpu` every unit's weights then go up for its forward."""
     total = sum(numels) or 1
     landed: dict[int, float] = {}
-    computed = link = 0.0
-    for index in reversed(range(len(numels))):
-        computed += numels[index]
+    # the root's part comes first (the head's backward), its gradients are final last
+    computed, link = float(numels[0]) if numels else 0.0, 0.0
+    for index in [*reversed(range(1, len(numels))), 0][: len(numels)]:
+        computed += numels[index] if index else 0
         link = max(link, backward_seconds * computed / total) + numels[index] * traffic.base_d2h / (rates.d2h_gbps * 1e9)
         landed[index] = link
     h2d, d2h = rates.h2d_gbps * 1e9, rates.d2h_gbps * 1e9
