@@ -865,11 +865,15 @@ def _compute_nodes(rec: Recording, work: Workload, step_of) -> list[_Node]:
         else:
             start = max(began, last_post_recompute.get(unit, began))
             spans.append((start, t, "backward", unit, 2 * layer_fwd))
-    # the head's backward: from engine.backward to the first pre_backward after it
+    # the head's backward: from engine.backward to the first pre_backward after it, after what
+    # engine.backward queued before autograd ran (the first units' prefetches: their compute
+    # events mark the forward, not the head's backward)
     for called in rec.backward_starts:
         first = next((t for name, _, t in main if name == "pre_backward" and t >= called), None)
         if first is not None:
-            spans.append((called, first, "backward_head", 0, 2 * head_fwd))
+            queued = marks[bisect.bisect_left(marks, called) : bisect.bisect_left(marks, first)]
+            start = math.nextafter(queued[-1], math.inf) if queued else called
+            spans.append((start, first, "backward_head", 0, 2 * head_fwd))
     nodes = []
     for start, _, kind, unit, flops in sorted(spans, key=lambda s: (s[0], s[1])):
         nodes.append(_Node(start, "compute", kind, unit, "main", step=step_of(start), flops=flops))
@@ -1113,7 +1117,7 @@ def build_graph(rec: Recording, work: Workload) -> Graph:
     lane_keys = [n.key for n in lane_adam]
     # what engine calls wait for
     for called in rec.backward_starts:
-        head = next((n for n in compute if n.kind == "backward_head" and n.key == called), None)
+        head = next((n for n in compute if n.kind == "backward_head" and n.key >= called), None)
         depend(host_before.get(id(head)), last_before(adam_all, adam_keys, called))
         depend(host_before.get(id(head)), last_before(lane_adam, lane_keys, called))
     for _, returned in rec.step_calls:
