@@ -37,7 +37,8 @@ Method
      post_forward, its backward pre_backward -> grads_final (after its recompute, if any), a
      recompute pre_recompute -> post_recompute; the root unit (embeddings, final norm, lm_head)
      as embedding forward (pre_forward 0 -> the first layer), head forward (the last layer ->
-     post_forward 0), head backward (engine.backward called -> the first pre_backward) and
+     post_forward 0), head backward (engine.backward called, after the compute events it
+     recorded before autograd ran -> the first pre_backward) and
      embedding backward (the last layer's hand-off of gradients -> the root's grads_final);
    - host_to_device: "weights of unit" copies (fetches) and "new weights of unit" copies
      (param none: publishing a step's weights); device_to_host: gradient copies; optimizer:
