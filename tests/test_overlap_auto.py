@@ -13,21 +13,14 @@ itself is pinned from the EventLog with a gated Adam (the worker held until the 
 from __future__ import annotations
 
 import copy
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from reference import TinyNet, batches, mse
 from test_speculative_step import CheckpointedNet, assert_same, median_norm
 
 import offload
-from offload.runtime.overlap import JobQueue, StepJob, Stepping
-from offload.runtime.stepper import StepMode
 
 
 def make_config(swap_dir, overlap=None, *, param="cpu", optimizer="cpu", precision="fp32", clip=0.0, gradient="auto", **extra):
@@ -264,66 +257,3 @@ def test_step_withdraws_the_steps_the_worker_did_not_reach_and_returns_at_once(s
         assert got.index(("pre_forward", 0)) < got.index(("step_done", max(withdrawn))), got
     finally:
         engine.close()
-
-
-# ---- the order a worker steps what it was given ----------------------------------------------
-@settings(max_examples=60, deadline=None)
-@given(
-    positions=st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=12),
-    withdrawn=st.lists(st.booleans(), min_size=12, max_size=12),
-)
-def test_a_job_queue_runs_the_job_the_forward_needs_first(positions, withdrawn):
-    """Of the jobs queued, `pop` gives the one whose first unit the next forward needs first (the
-    first queued on a tie), skips the withdrawn ones, and marks what it gives started."""
-    queue = JobQueue()
-    jobs = [StepJob([], (), StepMode.STEP, position) for position in positions]
-    for job, out in zip(jobs, withdrawn):
-        queue.push(job)
-        job.withdrawn = out
-    popped = []
-    while (job := queue.pop()) is not None:
-        assert job.started
-        popped.append(job)
-    expected = sorted((job for job in jobs if not job.withdrawn), key=lambda job: (job.position, jobs.index(job)))
-    assert popped == expected
-    assert not any(job.started for job in jobs if job.withdrawn)
-
-
-class _HeldStepper:
-    """A stepper whose runs wait for `gate` and record the units they stepped."""
-
-    events = None
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.gate = threading.Event()
-        self.ran: list[list[int]] = []
-
-    def run(self, units, hypers, mode) -> None:
-        self.entered.set()
-        assert self.gate.wait(timeout=60)
-        self.ran.append([unit.index for unit in units])
-
-    def settle_writes(self) -> None:
-        pass
-
-
-@pytest.mark.parametrize("forward_order", [None, [0, 4, 3, 2, 1, 5]])
-def test_a_busy_worker_steps_the_landed_unit_the_forward_needs_first(forward_order):
-    """Units land in reverse forward order (5, 4, 3, 2) while the worker is held in the first's
-    step: it then steps the one the forward needs first (2), not the one queued first (4); with
-    another forward order it follows that one. A withdrawn job does not run."""
-    stepper = _HeldStepper()
-    with ThreadPoolExecutor(1) as worker:
-        stepping = Stepping(worker, stepper)  # type: ignore[arg-type]
-        if forward_order is not None:
-            stepping.order_by(forward_order)
-        units = {i: SimpleNamespace(index=i, steps_on_device=False) for i in range(6)}
-        jobs = {5: stepping.submit([units[5]], ())}  # type: ignore[list-item]
-        assert stepper.entered.wait(timeout=60)  # the worker is in unit 5's step
-        jobs.update({i: stepping.submit([units[i]], ()) for i in (4, 3, 2, 1)})  # type: ignore[list-item]
-        assert stepping.withdraw(jobs[1][0])
-        stepper.gate.set()
-        stepping.wait()
-    expected = [[5], [2], [3], [4]] if forward_order is None else [[5], [4], [3], [2]]
-    assert stepper.ran == expected
