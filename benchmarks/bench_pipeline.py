@@ -37,7 +37,8 @@ Method
      post_forward, its backward pre_backward -> grads_final (after its recompute, if any), a
      recompute pre_recompute -> post_recompute; the root unit (embeddings, final norm, lm_head)
      as embedding forward (pre_forward 0 -> the first layer), head forward (the last layer ->
-     post_forward 0), head backward (engine.backward called -> the first pre_backward) and
+     post_forward 0), head backward (engine.backward called, after the compute events it
+     recorded before autograd ran -> the first pre_backward) and
      embedding backward (the last layer's hand-off of gradients -> the root's grads_final);
    - host_to_device: "weights of unit" copies (fetches) and "new weights of unit" copies
      (param none: publishing a step's weights); device_to_host: gradient copies; optimizer:
@@ -865,11 +866,15 @@ def _compute_nodes(rec: Recording, work: Workload, step_of) -> list[_Node]:
         else:
             start = max(began, last_post_recompute.get(unit, began))
             spans.append((start, t, "backward", unit, 2 * layer_fwd))
-    # the head's backward: from engine.backward to the first pre_backward after it
+    # the head's backward: from engine.backward to the first pre_backward after it, after what
+    # engine.backward queued before autograd ran (the first units' prefetches: their compute
+    # events mark the forward, not the head's backward)
     for called in rec.backward_starts:
         first = next((t for name, _, t in main if name == "pre_backward" and t >= called), None)
         if first is not None:
-            spans.append((called, first, "backward_head", 0, 2 * head_fwd))
+            queued = marks[bisect.bisect_left(marks, called) : bisect.bisect_left(marks, first)]
+            start = math.nextafter(queued[-1], math.inf) if queued else called
+            spans.append((start, first, "backward_head", 0, 2 * head_fwd))
     nodes = []
     for start, _, kind, unit, flops in sorted(spans, key=lambda s: (s[0], s[1])):
         nodes.append(_Node(start, "compute", kind, unit, "main", step=step_of(start), flops=flops))
@@ -1113,7 +1118,7 @@ def build_graph(rec: Recording, work: Workload) -> Graph:
     lane_keys = [n.key for n in lane_adam]
     # what engine calls wait for
     for called in rec.backward_starts:
-        head = next((n for n in compute if n.kind == "backward_head" and n.key == called), None)
+        head = next((n for n in compute if n.kind == "backward_head" and n.key >= called), None)
         depend(host_before.get(id(head)), last_before(adam_all, adam_keys, called))
         depend(host_before.get(id(head)), last_before(lane_adam, lane_keys, called))
     for _, returned in rec.step_calls:

@@ -168,3 +168,31 @@ def test_a_recompute_takes_a_backward_hold_and_gives_it_back(swap_dir):
         assert all(unit.holders == 0 for unit in engine.units)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("param", ["cpu", "nvme"])
+def test_the_backwards_first_units_are_fetched_before_autograd_reaches_them(swap_dir, param):
+    """The forward let its last blocks go; the backward needs them first. engine.backward starts
+    their fetches (the first unit of the recorded backward order and `prefetch.depth` after it)
+    before autograd runs, so they come in while the head's backward computes: when the loss's
+    gradient is taken, before any block's backward, they are on their way or there."""
+    engine = traced_engine(swap_dir, "none", param=param)
+    try:
+        data = batches(2)
+        one_step(engine, data[0])  # records the orders
+        x, y = data[1]
+        out = engine(x)
+        blocks = engine.units[1:]
+        assert not any(unit.resident or unit.fetch_future is not None for unit in blocks)
+        seen: list[list[bool]] = []
+
+        def at_the_head(grad):
+            seen.append([unit.resident or unit.fetch_future is not None for unit in blocks])
+            return grad
+
+        out.register_hook(at_the_head)
+        engine.backward(torch.nn.functional.mse_loss(out, y))
+        engine.step()
+        assert seen == [[True, True]]  # block 2 (the backward's first) and block 1 (depth 1 after it)
+    finally:
+        engine.close()

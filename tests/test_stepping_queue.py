@@ -10,9 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload.errors import OffloadError
-from offload.runtime.overlap import Stepping
+from offload.runtime.overlap import JobQueue, StepJob, Stepping
+from offload.runtime.stepper import StepMode
 
 
 class FakeStepper:
@@ -96,7 +99,10 @@ def test_a_job_the_worker_has_not_started_can_be_withdrawn_and_then_does_nothing
     """overlap auto's step(): the queued speculative steps come off the queue (the running one
     cannot), and what is submitted next runs after the running one, in its own order."""
     stepping, stepper = gated
-    root, block1, block2 = (SimpleNamespace(name=name, steps_on_device=False) for name in ("root", "block 1", "block 2"))
+    root, block1, block2 = (
+        SimpleNamespace(name=name, index=index, steps_on_device=False)
+        for index, name in enumerate(("root", "block 1", "block 2"))
+    )
     (running,) = stepping.submit([block2], [])
     assert stepper.started.wait(10)
     (queued,) = stepping.submit([block1], [])
@@ -108,6 +114,47 @@ def test_a_job_the_worker_has_not_started_can_be_withdrawn_and_then_does_nothing
     stepping.wait()
     assert [[unit.name for unit in units] for units in stepper.steps] == [["block 2"], ["root", "block 1"]]
     assert not stepping.pending
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    positions=st.lists(st.integers(min_value=0, max_value=5), min_size=1, max_size=12),
+    withdrawn=st.lists(st.booleans(), min_size=12, max_size=12),
+)
+def test_a_job_queue_gives_the_job_the_forward_needs_first(positions, withdrawn):
+    """Of the jobs queued, `pop` gives the one whose first unit the next forward needs first (the
+    first queued on a tie), skips the withdrawn ones, and marks what it gives started."""
+    queue = JobQueue()
+    jobs = [StepJob([], (), StepMode.STEP, position) for position in positions]
+    for job, out in zip(jobs, withdrawn):
+        queue.push(job)
+        job.withdrawn = out
+    popped = []
+    while (job := queue.pop()) is not None:
+        assert job.started
+        popped.append(job)
+    expected = sorted((job for job in jobs if not job.withdrawn), key=lambda job: (job.position, jobs.index(job)))
+    assert popped == expected
+    assert not any(job.started for job in jobs if job.withdrawn)
+
+
+@pytest.mark.parametrize("forward_order", [None, [0, 4, 3, 2, 1, 5]])
+def test_a_busy_worker_steps_the_landed_unit_the_forward_needs_first(gated, forward_order):
+    """Units land in reverse forward order (5, 4, 3, 2) while the worker is held in the first's
+    step: it then steps the one the forward needs first (2), not the one queued first (4); with
+    another forward order (`order_by`) it follows that one. A withdrawn job does not run."""
+    stepping, stepper = gated
+    if forward_order is not None:
+        stepping.order_by(forward_order)
+    units = [SimpleNamespace(name=f"unit {i}", index=i, steps_on_device=False) for i in range(6)]
+    jobs = {5: stepping.submit([units[5]], [])}
+    assert stepper.started.wait(10)  # the worker is in unit 5's step
+    jobs.update({i: stepping.submit([units[i]], []) for i in (4, 3, 2, 1)})
+    assert stepping.withdraw(jobs[1][0])
+    stepper.gate.set()
+    stepping.wait()
+    ran = [unit.index for units in stepper.steps for unit in units]
+    assert ran == ([5, 2, 3, 4] if forward_order is None else [5, 4, 3, 2])
 
 
 class Untouchable(list):

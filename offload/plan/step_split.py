@@ -8,15 +8,20 @@ home in RAM. The device's share is bounded by three things: PCIe each way (share
 every step moves anyway: gradients down, weights up), the device's exact Adam (serial queues of
 the step, each), and its memory, which holds the device units' copies.
 
-The device takes the units whose gradients land last (the first in forward order, the root
-first): the CPU, stepping top-down as gradients land, reaches them last, and the next forward
-needs them first. `plan_split` takes units from the front of that order while the busier of the
-two workers gets less busy: the split where the CPU's Adam and the device's busiest queue take
-about as long (it minimises the longer of the two, `StepSplit.optimizer_seconds`).
+Which units the device takes comes from a model of the schedule (`step_finishes`): gradients
+land in reverse forward order, each worker steps, of the units landed, the one the next forward
+needs first, and the next forward waits for a unit not ready when it needs it (`forward_stall`).
+The units that land last and are needed first (the root, then the first blocks) set what is
+left for after the backward: the device takes the root, and the CPU, which reaches the blocks
+that landed last first, the blocks after it, the device those it cannot keep up with.
+`plan_split` searches the sets for the shortest predicted step (without a measured backward:
+the prefix of the forward order where the CPU's Adam and the device's busiest queue take about
+as long, `StepSplit.optimizer_seconds`).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,6 +62,9 @@ class Traffic:
     cpu_h2d: float
     # device memory a device unit's copy of its state takes per element (runtime/device_step)
     device_memory: float
+    # a device unit's new weights going down before they count (param `cpu`: the next fetch
+    # reads them from the host)
+    weights_down: float = 0.0
 
 
 def step_traffic(*, moment_bytes: float, grad_bytes: float, compute_bytes: float, param_offloaded: bool) -> Traffic:
@@ -73,6 +81,7 @@ def step_traffic(*, moment_bytes: float, grad_bytes: float, compute_bytes: float
         cpu_h2d=0.0 if param_offloaded else compute_bytes,
         # (with param `none` the step writes the new weights where the compute reads them)
         device_memory=state + grad_bytes + (compute_bytes if param_offloaded else 0.0),
+        weights_down=compute_bytes if param_offloaded else 0.0,
     )
 
 
@@ -113,26 +122,70 @@ def _seconds(numels: list[int], chosen: list[bool], rates: StepRates, traffic: T
     return cpu, (max(h2d, d2h, adam) if on_device else 0.0), h2d, d2h
 
 
-def finish_after_backward(
-    numels: list[int], chosen: list[bool], rates: StepRates, traffic: Traffic, backward_seconds: float
-) -> float:
-    """When the last unit's step ends, from the start of a backward of `backward_seconds`: units
-    land in reverse forward order, each when the backward has computed its share of the elements
-    (the root, unit 0, last); each worker steps its units in that order, one after the other, a
-    unit once it landed (the CPU at its Adam's rate; the device at the slower of its exact Adam
-    and its gradient's copy up)."""
+def step_finishes(
+    numels: list[int], chosen: Sequence[bool], rates: StepRates, traffic: Traffic, backward_seconds: float
+) -> list[float]:
+    """When each unit is ready for the next forward, in seconds from the start of a backward of
+    `backward_seconds`. Units land in reverse forward order (the root, unit 0, last): each once
+    the backward has computed its share of the elements (the root's first: its head's backward
+    comes first, its gradients are final at the end) and its gradient went down (one link, one
+    copy after the other). Each worker steps its units one at a time, and when it is free
+    takes, of those landed, the one the forward needs first (runtime/overlap.JobQueue): the CPU
+    at its Adam's rate, its new weights then going up (param `none`); the device once the
+    gradient went up, at its exact Adam's rate (param `cpu`: its new weights then go down). With
+    param `cpu` every unit's weights then go up for its forward."""
     total = sum(numels) or 1
-    per_device = max(1 / (rates.device_adam_gparams * 1e9), traffic.device_h2d / (rates.h2d_gbps * 1e9))
-    landed = 0
-    cpu = device = 0.0
-    for index in reversed(range(len(numels))):
-        landed += numels[index]
-        lands = backward_seconds * landed / total
-        if chosen[index]:
-            device = max(device, lands) + numels[index] * per_device
+    landed: dict[int, float] = {}
+    # the root's part comes first (the head's backward), its gradients are final last
+    computed, link = float(numels[0]) if numels else 0.0, 0.0
+    for index in [*reversed(range(1, len(numels))), 0][: len(numels)]:
+        computed += numels[index] if index else 0
+        link = max(link, backward_seconds * computed / total) + numels[index] * traffic.base_d2h / (rates.d2h_gbps * 1e9)
+        landed[index] = link
+    h2d, d2h = rates.h2d_gbps * 1e9, rates.d2h_gbps * 1e9
+    fetch = traffic.base_h2d / 2 / h2d  # a unit's weights up for its forward, per element (param `cpu`)
+    ready = [0.0] * len(numels)
+    for on_device in (False, True):
+        mine = [i for i in range(len(numels)) if bool(chosen[i]) == on_device]
+        if on_device:
+            release = {i: landed[i] + numels[i] * traffic.device_h2d / h2d for i in mine}
+            cost = {i: numels[i] / (rates.device_adam_gparams * 1e9) for i in mine}
+            after = {i: numels[i] * (traffic.weights_down / d2h + fetch) for i in mine}
         else:
-            cpu = max(cpu, lands) + numels[index] / (rates.cpu_adam_gparams * 1e9)
-    return max(cpu, device)
+            release = {i: landed[i] for i in mine}
+            cost = {i: numels[i] / (rates.cpu_adam_gparams * 1e9) for i in mine}
+            after = {i: numels[i] * (traffic.cpu_h2d / h2d + fetch) for i in mine}
+        waiting = sorted(mine, key=lambda i: release[i])  # by release time
+        landed_now: list[int] = []  # a heap of indices: the forward needs the lowest first
+        free, taken = 0.0, 0
+        while taken < len(waiting) or landed_now:
+            while taken < len(waiting) and release[waiting[taken]] <= free:
+                heapq.heappush(landed_now, waiting[taken])
+                taken += 1
+            if not landed_now:
+                free = release[waiting[taken]]
+                continue
+            index = heapq.heappop(landed_now)
+            free += cost[index]
+            ready[index] = free + after[index]
+    return ready
+
+
+def forward_stall(numels: list[int], ready: Sequence[float], backward_seconds: float) -> float:
+    """How long the next forward waits in all, from units ready at `ready` (`step_finishes`):
+    it starts when the backward ends and needs each unit once it has computed the units before
+    it (a forward of half the backward, in proportion to the blocks' elements: the root's part,
+    a lookup at the start and the head at the end, is not counted before any block), later by
+    what it has waited so far."""
+    blocks = sum(numels[1:]) or 1
+    before = 0
+    stall = 0.0
+    for index, numel in enumerate(numels):
+        need = backward_seconds * (1 + 0.5 * before / blocks)
+        stall = max(stall, ready[index] - need)
+        if index:
+            before += numel
+    return stall
 
 
 def plan_split(
@@ -148,13 +201,17 @@ def plan_split(
     """The split of one step's optimizer work (module docstring). `numels`: each unit's optimizer
     elements on this rank, in forward order (the root first); `eligible`: the units that may step
     on the device (state resident in host RAM); `rates`: None when there is no device apart from
-    the CPU (nothing moves). The device takes units from the front of the order, skipping
-    ineligible ones, while their copies fit in `device_memory` bytes (and, given `candidates`,
-    only those): as many as give the shortest predicted step. Without `backward_seconds` that is
-    where the longer of the two workers' times per step is shortest (`optimizer_seconds`); with
-    it (measured, or declared), where the last step ends soonest after the backward starts
-    (`finish_after_backward`), and no link carries more than a step's worth (a backward and a
-    forward of half its length)."""
+    the CPU (nothing moves). The device may take the eligible units from the front of that order
+    while their copies fit in `device_memory` bytes (given `candidates`, only those).
+
+    Without `backward_seconds` it takes a prefix of them: as many as make the longer of the two
+    workers' times per step shortest (`optimizer_seconds`). With it (measured, or declared), the
+    set whose predicted step (`predicted_step`: the compute and what the next forward waits for
+    its units) is shortest, fewer elements on the device on a tie: the best prefix, then single
+    changes while one shortens it (a unit added or taken off, or moved to a neighbouring
+    candidate). The best set is often not a prefix: the root, which lands last and is needed
+    first, on the device, and the blocks after it on the CPU, which gets to them first because
+    each worker steps what the forward needs first."""
     if len(numels) != len(eligible):
         raise ValueError(f"plan_split: {len(numels)} numels for {len(eligible)} eligibility flags")
     if any(n < 0 for n in numels):
@@ -163,31 +220,43 @@ def plan_split(
     if rates is None:
         return StepSplit(tuple(chosen), 0.0, 0.0, reasons=("no accelerator apart from the CPU",))
 
-    def score(trial: list[bool]) -> float:
-        cpu, device, h2d, d2h = _seconds(numels, trial, rates, traffic)
-        if backward_seconds is None:
-            return max(cpu, device)
-        finish = finish_after_backward(numels, trial, rates, traffic, backward_seconds)
-        return max(finish, max(h2d, d2h) - backward_seconds / 2)
-
-    order = [i for i, n in enumerate(numels) if eligible[i] and n and (candidates is None or candidates[i])]
-    best_k, best, used, reasons = 0, score(chosen), 0.0, []
-    trial = list(chosen)
-    for k, index in enumerate(order, start=1):
+    order, used, reasons = [], 0.0, []
+    for index in (i for i, n in enumerate(numels) if eligible[i] and n and (candidates is None or candidates[i])):
         used += numels[index] * traffic.device_memory
         if used > device_memory:
             reasons.append("device memory")
             break
-        trial[index] = True
-        value = score(trial)
-        if value < best:
-            best_k, best = k, value
-    for index in order[:best_k]:
-        chosen[index] = True
-    if best_k < len(order) and "device memory" not in reasons:
+        order.append(index)
+
+    def on(units: frozenset[int]) -> list[bool]:
+        return [i in units for i in range(len(numels))]
+
+    def score(units: frozenset[int]) -> tuple[float, int]:
+        if backward_seconds is None:
+            cpu, device, _, _ = _seconds(numels, on(units), rates, traffic)
+            value = max(cpu, device)
+        else:
+            value = predicted_step(numels, on(units), rates, traffic, backward_seconds)
+        # (rounded: a tie in seconds is decided by the elements on the device)
+        return round(value, 12), sum(numels[i] for i in units)
+
+    prefixes = [frozenset(order[:k]) for k in range(len(order) + 1)]
+    best = min(prefixes, key=score)
+    if backward_seconds is not None:
+        while True:
+            moves = [best ^ {index} for index in order]
+            for k, index in enumerate(order):
+                if index in best:
+                    moves += [(best - {index}) | {other} for other in order[max(0, k - 1) : k + 2] if other not in best]
+            trial = min(moves, key=score, default=best)
+            if score(trial) >= score(best):
+                break
+            best = trial
+    chosen = on(best)
+    if len(best) < len(order) and "device memory" not in reasons:
         reasons.append("balanced" if backward_seconds is None else "fastest predicted step")
     cpu, device, h2d, d2h = _seconds(numels, chosen, rates, traffic)
-    memory = int(sum(numels[i] for i in order[:best_k]) * traffic.device_memory)
+    memory = int(sum(numels[i] for i in best) * traffic.device_memory)
     return StepSplit(tuple(chosen), cpu, device, h2d, d2h, memory, tuple(reasons))
 
 
@@ -195,11 +264,11 @@ def predicted_step(
     numels: list[int], on_device: Sequence[bool], rates: StepRates, traffic: Traffic, backward_seconds: float
 ) -> float:
     """Overlap auto's step under this split, from a backward of `backward_seconds` and a forward
-    of half that: the compute, unless the last unit's step ends after the backward has (the next
-    forward waits for it: `finish_after_backward`), or a link carries more than the step's worth."""
-    finish = finish_after_backward(numels, list(on_device), rates, traffic, backward_seconds)
+    of half that: the compute and what the next forward waits for its units (`forward_stall`),
+    or what a link carries in a step if that is longer."""
+    ready = step_finishes(numels, on_device, rates, traffic, backward_seconds)
     _, _, h2d, d2h = _seconds(numels, list(on_device), rates, traffic)
-    return max(backward_seconds / 2 + max(backward_seconds, finish), h2d, d2h)
+    return max(1.5 * backward_seconds + forward_stall(numels, ready, backward_seconds), h2d, d2h)
 
 
 def candidates_for(numels: list[int], eligible: list[bool], traffic: Traffic, device_memory: int) -> list[bool]:

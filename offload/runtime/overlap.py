@@ -24,6 +24,7 @@ weights; the policies differ in how far they push it into the surrounding comput
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future
@@ -39,14 +40,46 @@ class StepJob:
     """One `Stepping.submit`: units the optimizer worker steps in one run of the stepper, in
     this order. It is queued until the worker starts it; until then the main thread may
     withdraw it (`Stepping.withdraw`), and the worker then skips it. `started` and `withdrawn`
-    change under the queue's lock."""
+    change under the queue's lock. `position`: where the next forward needs its first unit
+    (`JobQueue` runs the job needed first)."""
 
-    def __init__(self, units: list[UnitState], hypers: tuple[StepHyper, ...], mode: StepMode) -> None:
+    def __init__(self, units: list[UnitState], hypers: tuple[StepHyper, ...], mode: StepMode, position: int = 0) -> None:
         self.units = units
         self.hypers = hypers
         self.mode = mode
+        self.position = position
         self.started = False
         self.withdrawn = False
+
+
+class JobQueue:
+    """The jobs one worker has been given and not started, and which it runs next: of those
+    queued, the one whose first unit the next forward needs first (the lowest `position`; on a
+    tie, the first queued). Each job is queued with one task on its worker, and each task runs
+    the job `pop` gives then, so a worker that falls behind the gradients landing during backward
+    steps the unit that landed last before those that landed before it: the forward needs it
+    first (the blocks land in reverse forward order). What it leaves for after backward are the
+    units the forward needs last, which step while it computes the units before them. (First
+    come, first served, the backlog would be the units the forward needs first, and it would
+    wait for each.) Plain logic: the caller holds the lock that guards `started`/`withdrawn`."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, StepJob]] = []
+        self._count = 0
+
+    def push(self, job: StepJob) -> None:
+        heapq.heappush(self._heap, (job.position, self._count, job))
+        self._count += 1
+
+    def pop(self) -> StepJob | None:
+        """The job to run now (marked started), skipping withdrawn ones; None when none is left
+        (another task ran this task's job first)."""
+        while self._heap:
+            job = heapq.heappop(self._heap)[2]
+            if not job.withdrawn:
+                job.started = True
+                return job
+        return None
 
 
 class Stepping:
@@ -59,7 +92,8 @@ class Stepping:
     A job the worker has not started yet can be withdrawn (`withdraw`): its tasks then do
     nothing. Reordering is withdrawing and submitting again: the overlap `auto` schedule queues
     each unit as its gradients are final and, when backward ends, withdraws those the worker has
-    not reached, to submit them again in the next forward's order.
+    not reached, to submit them again in the next forward's order. Each worker runs its queued
+    jobs in the order the next forward needs them (`JobQueue`, `order_by`), not as submitted.
 
     With `device_lane` (overlap `auto`'s split: a worker of its own and a `DeviceStepper`), the
     units that step on the device (`UnitState.steps_on_device`) go there, the others to the
@@ -70,6 +104,12 @@ class Stepping:
         self.worker = worker
         self.stepper = stepper
         self.device_lane = device_lane
+        # each worker's jobs not started yet (under _lock), and each unit's position in the next
+        # forward's order (`order_by`; by default its index: the root, then the blocks)
+        self._queues: dict[int, JobQueue] = {id(worker): JobQueue()}
+        if device_lane is not None:
+            self._queues[id(device_lane[0])] = JobQueue()
+        self._positions: dict[int, int] = {}
         # in submission order: (future, whether it is a write-back's settling)
         self._futures: list[tuple[Future, bool]] = []
         self._lock = threading.Lock()
@@ -87,16 +127,31 @@ class Stepping:
         if on_device:
             assert self.device_lane is not None, "a unit steps on the device, but the engine has no device lane"
             worker, stepper = self.device_lane
-            job = StepJob(on_device, tuple(hypers), mode)
-            self._track(worker.submit(self._run, job, stepper), writes=False)
+            job = self._queue(worker, stepper, on_device, hypers, mode)
             jobs.append(job)
         on_host = [unit for unit in units if not unit.steps_on_device]
         if on_host or not on_device:
-            job = StepJob(on_host, tuple(hypers), mode)
-            self._track(self.worker.submit(self._run, job, self.stepper), writes=False)
+            job = self._queue(self.worker, self.stepper, on_host, hypers, mode)
             self._track(self.worker.submit(self._settle, job), writes=True)
             jobs.append(job)
         return jobs
+
+    def order_by(self, order: Sequence[int]) -> None:
+        """The next forward's order of the units (indices), which the workers' queues follow."""
+        with self._lock:
+            self._positions = {unit: position for position, unit in enumerate(order)}
+
+    def _queue(
+        self, worker: Executor, stepper: UnitStepper, units: list[UnitState], hypers: Sequence[StepHyper], mode: StepMode
+    ) -> StepJob:
+        """Queues a job of `units` on `worker`, and the task that runs its queue's next job."""
+        with self._lock:
+            first = units[0].index if units else -1
+            job = StepJob(units, tuple(hypers), mode, self._positions.get(first, first))
+            queue = self._queues[id(worker)]
+            queue.push(job)
+        self._track(worker.submit(self._run_next, queue, stepper), writes=False)
+        return job
 
     def _track(self, future: Future, *, writes: bool) -> None:
         with self._lock:
@@ -117,12 +172,14 @@ class Stepping:
             job.withdrawn = True
             return True
 
-    def _run(self, job: StepJob, stepper: UnitStepper) -> None:
+    def _run_next(self, queue: JobQueue, stepper: UnitStepper) -> None:
+        """The worker's task: the job of its queue the next forward needs first, if one is left
+        (each job has one such task; a withdrawn job's, or one whose job an earlier task ran,
+        finds another's or none)."""
         with self._lock:
-            if job.withdrawn:
-                return
-            job.started = True
-        stepper.run(job.units, job.hypers, job.mode)
+            job = queue.pop()
+        if job is not None:
+            stepper.run(job.units, job.hypers, job.mode)
 
     def _settle(self, job: StepJob) -> None:
         if not job.withdrawn:  # set before the job's run task, which came first on this worker

@@ -647,6 +647,12 @@ class Schedule:
         context.backward_order.begin()
         if context.reduce_order is not None:
             self._grads_final(context.reduce_order.start())
+        # the backward's first units come in while the head's backward runs (the forward let
+        # them go): what its first unit's pre_backward would fetch, a head's backward earlier
+        for index in context.backward_order.upcoming(context.prefetch_depth + 1):
+            for borrowed in context.units[index].spec.borrows:
+                context.residency.prefetch(context.units[borrowed])
+            context.residency.prefetch(context.units[index])
 
     def end_backward(self) -> None:
         """Hands off what is left, gives every backward hold back; no unit stays held."""

@@ -264,6 +264,8 @@ class GradientWindow:
             return
         self._replan_split()
         order = step_order(self.schedule.context.forward_order.recorded, len(self.units))
+        # the workers step what they were given in this order (a unit landed later first)
+        self.stepping.order_by(order)
         # the device units' state up to the device (overlap `auto`'s split), the last to land first
         self.stepping.begin_window_on_device()
         self.stepping.prefetch_on_device([self.units[i] for i in reversed(order)])
