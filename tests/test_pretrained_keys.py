@@ -9,7 +9,7 @@ import peft
 import pytest
 import torch
 import transformers
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from torch import nn
 
@@ -23,7 +23,11 @@ dotted = st.lists(name_part, min_size=1, max_size=4).map(".".join)
 
 @given(prefix=name_part, names=st.sets(dotted, min_size=1, max_size=8), with_prefix=st.booleans(), saved_with=st.booleans())
 def test_the_base_model_prefix_is_added_or_stripped(prefix, names, with_prefix, saved_with):
-    """A model with or without the prefix loads a file saved with or without it, key for key."""
+    """A model with or without the prefix loads a file saved with or without it, key for key.
+    (Names that themselves begin with the prefix are left out: with them the two layouts are the
+    same keys, and transformers reads such a model as prefixed too; hypothesis found
+    prefix 'a', names {'a.a', 'a'}.)"""
+    assume(not any(n == prefix or n.startswith(prefix + ".") for n in names))
     model_keys = [f"{prefix}.{n}" if with_prefix else n for n in names]
     file_keys = [f"{prefix}.{n}" if saved_with else n for n in names]
     match = match_keys(file_keys, KeyRules(groups=tuple((k,) for k in model_keys), base_model_prefix=prefix))
