@@ -9,8 +9,10 @@ training is bit for bit what the CPU gives, whichever units the split sends to t
 
 One step of a unit, on the device lane's thread (`DeviceStepper.run`):
 - its state up, if the device's copy is not current (the first window, after a load, after a
-  speculative step taken back): master and moments (`host_to_device`); `prefetch` does this for
-  every device unit when the window's last backward begins;
+  speculative step taken back, after the CPU stepped the unit: overlap `auto`'s splits move
+  units between the lanes, runtime/step_rates.SplitPlanner): master and moments
+  (`host_to_device`); `prefetch` does this for every device unit when the window's last
+  backward begins;
 - its gradient up, once landed in the host's fp32 (or 16-bit) gradient (`host_to_device`);
 - the exact Adam in place on the device's copy (`optimizer` stream, after those copies), over the
   unit's ranges in chunks of CHUNK elements (the fp64 emulation of the fused operations needs
@@ -184,11 +186,15 @@ class DeviceStepper(UnitStepper):
             state = self._states[unit.index]
             state.current = state.speculated = False
 
-    def invalidate(self) -> None:
-        """The host state was replaced (a checkpoint or optimizer state loaded): every device copy
-        loads again before its next step. Called with the lane settled (`Stepping.wait`)."""
-        for state in self._states.values():
-            state.current = state.speculated = False
+    def invalidate(self, units: Sequence[UnitState] | None = None) -> None:
+        """The host state was replaced (a checkpoint or optimizer state loaded: every unit), or
+        the CPU steps `units` there (main thread: they step on the CPU in this window, not here;
+        `Stepping._host_state_changes`): their device copies load again before their next step
+        here. A load calls it with the lane settled (`Stepping.wait`)."""
+        indices = None if units is None else {unit.index for unit in units}
+        for index, state in self._states.items():
+            if indices is None or index in indices:
+                state.current = state.speculated = False
 
     # ---- the step (UnitStepper.run calls these) -------------------------------------------
 
