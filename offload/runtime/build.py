@@ -186,6 +186,7 @@ class Runtime:
         self.optimizer_worker.shutdown(wait=True)
         if self.device_lane is not None:
             self.device_lane[0].shutdown(wait=True)
+            self.device_lane[1].stop_writing()
         try:
             self.device.close()
             if self.device_lane is not None:

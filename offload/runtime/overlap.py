@@ -209,12 +209,6 @@ class Stepping:
         """The device units' state up where the device's copy is not current, in this order."""
         self._on_lane("prefetch", [unit for unit in units if unit.steps_on_device])
 
-    def write_back_on_device(self) -> None:
-        """The device lane's new states still on the device go down to their home, queued after
-        what is submitted so far (step() calls it last: the next forward's steps go first)."""
-        if self.device_lane is not None:
-            self._track(self.device_lane[0].submit(self.device_lane[1].write_back), writes=True)
-
     def upload_grad_on_device(self, unit: UnitState) -> None:
         """The transfer worker, a device unit's gradient landed: it goes up now."""
         if unit.steps_on_device and self.device_lane is not None:

@@ -512,7 +512,6 @@ class GradientWindow:
         order = step_order(self.schedule.context.forward_order.recorded, len(self.units))
         # (a commit queued after a running step ends that unit's window only once it ran)
         self._submit_steps([self.units[i] for i in order if self.units[i].window_started and i not in committed], hypers)
-        self.stepping.write_back_on_device()
         return True
 
     def _window_sq_norms(self, window: list[UnitState]) -> tuple[dict[int, float], float]:
