@@ -1500,6 +1500,8 @@ def main(argv: list[str] | None = None) -> list[str]:
                     recorder.add(
                         f"{size} b{args.batch}x{args.seq} {placement}@{args.overlap}"
                         + ("" if precision == "fp32" else f" state {precision}")
+                        # (a clipping run is a case of its own: its step is not the unclipped one's)
+                        + (f" clip {args.clip:g}" if args.clip else "")
                         + f", {args.machine}",
                         "s/step (predicted)",
                         prediction.step,
