@@ -32,6 +32,7 @@ from offload.plan.step_split import (
     step_finishes,
     step_traffic,
 )
+from offload.runtime.device_step import WRITE_BACK_PIECES
 
 TRAFFIC = step_traffic(moment_bytes=4, grad_bytes=2, compute_bytes=2, param_offloaded=False)
 # TinyNet's blocks step in about 0.6 s each on a CPU this slow (the device three times faster),
@@ -346,6 +347,24 @@ def test_windows_whose_clipping_acts_switch_split_bit_for_bit(swap_dir, monkeypa
     assert {(False, True, False, False, False), (False, True, True, False, False), (False, True, True, True, False)} <= splits
     assert_same(state, expected)
     assert_same_optimizer_state(optimizer_state, expected_state)
+
+
+def test_the_device_lane_sends_new_states_down_on_its_writer_thread(swap_dir, monkeypatch):
+    """With speculation paused the lane steps its units after the backward, one after the other:
+    each one's new state goes down (piece by piece) on the writer thread while the lane steps
+    the next, not on the lane after all of them."""
+    monkeypatch.setenv("OFFLOAD_STEP_RATES", WINDOWS_DIFFER)
+    monkeypatch.setenv("OFFLOAD_CHECKED_RECORD", "1")
+    torch.manual_seed(0)
+    with offload.initialize(TinyNet(depth=4), make_config(swap_dir, clip=1e-3), device="checked") as engine:
+        for x, y in batches(3):
+            engine.backward(mse(engine, x, y))
+            engine.step()
+        engine.consolidated_state_dict()  # (every write settled)
+        timeline = list(engine.device.timeline)
+    down = [e for e in timeline if e["type"] == "op" and e["what"].startswith("state of unit") and e["what"].endswith("host")]
+    assert len(down) >= 3 * WRITE_BACK_PIECES
+    assert {e["thread"].split("_")[0] for e in down} == {"offload-device-write-back"}
 
 
 def test_without_spare_state_the_device_alone_speculates_under_its_own_split(swap_dir, monkeypatch, caplog):
