@@ -487,6 +487,11 @@ def test_estimate_says_the_schedule_the_split_and_the_predicted_step(capsys, tmp
     schedule = json.loads(capsys.readouterr().out)["schedule"]
     assert schedule["overlap"] == "auto" and 0 < schedule["split"]["device_units"] < schedule["split"]["units"]
     assert schedule["compute_s"] < schedule["predicted_step_s"] < 2 * schedule["compute_s"]
+    # while clipping acts, the split of the windows that step after the backward: more on the GPU
+    assert schedule["paused"]["device_units"] > schedule["split"]["device_units"]
+    assert schedule["predicted_step_s"] < schedule["paused"]["predicted_step_s"] < 2 * schedule["compute_s"]
+    assert cli_main([*args, "--device-tflops", "270"]) == 0
+    assert "while clipping acts" in capsys.readouterr().out
     assert cli_main(args) == 0  # no TFLOPS: the split, no predicted step
     out = capsys.readouterr().out
     assert "schedule: overlap auto, the best exact one" in out and "units step on the GPU" in out
