@@ -737,7 +737,8 @@ def _measure_host(layers: int, steps: int, torch, transformers, offload, statist
 # ---- the op graph --------------------------------------------------------------------------
 def _role(thread: str, main: str) -> str:
     """The engine thread a recorded thread name is: main (`main`, the thread that drove the
-    recording), transfer (the transfer worker) or step (the optimizer worker)."""
+    recording), transfer (the transfer worker), step (the optimizer worker), device_step (the
+    device lane) or device_write (the device lane's copies of new states down)."""
     if thread == main:
         return "main"
     if thread.startswith("offload-transfer"):
@@ -746,6 +747,8 @@ def _role(thread: str, main: str) -> str:
         return "step"
     if thread.startswith("offload-device-step"):
         return "device_step"
+    if thread.startswith("offload-device-write-back"):
+        return "device_write"
     return thread
 
 
@@ -800,7 +803,7 @@ def _device_kind(entry: dict, main: str) -> tuple[str, str, str]:
         if what.startswith("new weights of unit"):
             return "device_to_host", "weights_down", "device_step"
         if what.startswith("state of unit"):
-            return "device_to_host", "state_down", "device_step"
+            return "device_to_host", "state_down", queued_by or "device_step"
         return "device_to_host", "grad_copy", "transfer"
     if what.startswith("the Adam step") and what.endswith("(exact)"):
         return "optimizer", "device_adam_exact", "device_step"
@@ -928,7 +931,7 @@ def build_graph(rec: Recording, work: Workload) -> Graph:
             node.elements = params[unit]
         elif kind == "device_grad_add":
             node.elements = params[unit] // 4  # ~10 bytes per param moved against ~36 for Adam
-        elif thread == "device_step":
+        elif thread in ("device_step", "device_write"):
             # the device lane's copies are of the optimizer state's elements (state, gradient, weights)
             node.nbytes = round(entry["nbytes"] * scale_state[unit])
         else:
@@ -1497,6 +1500,8 @@ def main(argv: list[str] | None = None) -> list[str]:
                     recorder.add(
                         f"{size} b{args.batch}x{args.seq} {placement}@{args.overlap}"
                         + ("" if precision == "fp32" else f" state {precision}")
+                        # (a clipping run is a case of its own: its step is not the unclipped one's)
+                        + (f" clip {args.clip:g}" if args.clip else "")
                         + f", {args.machine}",
                         "s/step (predicted)",
                         prediction.step,

@@ -194,3 +194,16 @@ def test_overlap_auto_records_its_split_and_the_device_lane(bench, tmp_path):
     exact = [op for op in graph.ops if op.kind == "device_adam_exact"]
     assert all(op.elements > 0 for op in exact)
     assert prediction.busy["optimizer"] > 0 and prediction.floor <= prediction.step
+
+
+def test_a_clipping_run_is_recorded_as_a_case_of_its_own(bench, tmp_path, capsys, monkeypatch):
+    """`--clip` changes the schedule (clipping that acts redoes the speculative steps): its record
+    names the clip, so that RESULTS.md keeps the unclipped step beside it instead of replacing it."""
+    argv = ["--sizes", "tiny", "--placements", "cpu/cpu", "--batch", "2", "--seq", "32", "--host-unit-ms", "0"]
+    folder = tmp_path / "records"
+    folder.mkdir()
+    monkeypatch.setenv("OFFLOAD_RESULTS_DIR", str(folder))
+    bench.main([*argv, "--machine", "this-cpu", "--clip", "0.5", "--nvme-path", str(tmp_path)])
+    capsys.readouterr()
+    (record,) = [json.loads(path.read_text()) for path in folder.iterdir()]
+    assert [row["case"] for row in record["rows"]] == ["tiny b2x32 cpu/cpu@default clip 0.5, this-cpu"]

@@ -18,11 +18,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import TinyNet, batches, mse
-from test_speculative_step import assert_same
+from test_speculative_step import assert_same, median_norm
 
 import offload
 from offload.plan.step_split import (
     StepRates,
+    StepWindow,
     candidates_for,
     forward_stall,
     parse_rates,
@@ -31,6 +32,7 @@ from offload.plan.step_split import (
     step_finishes,
     step_traffic,
 )
+from offload.runtime.device_step import WRITE_BACK_PIECES
 
 TRAFFIC = step_traffic(moment_bytes=4, grad_bytes=2, compute_bytes=2, param_offloaded=False)
 # TinyNet's blocks step in about 0.6 s each on a CPU this slow (the device three times faster),
@@ -86,15 +88,21 @@ positive = st.floats(min_value=0.01, max_value=100.0, allow_nan=False, allow_inf
     link=positive,
     memory=st.integers(min_value=0, max_value=10**11),
     backward=st.one_of(st.none(), st.floats(min_value=0.01, max_value=10.0)),
+    window=st.sampled_from(StepWindow),
+    stale=st.lists(st.booleans(), min_size=12, max_size=12),
 )
-def test_the_split_fits_and_no_prefix_or_single_change_is_faster(numels, eligible, cpu, device, link, memory, backward):
+def test_the_split_fits_and_no_prefix_or_single_change_is_faster(
+    numels, eligible, cpu, device, link, memory, backward, window, stale
+):
     """The device takes eligible units that fit its memory together, from the front of the
     forward order while they fit. Without a backward: the prefix that balances the two workers.
     With one: no prefix, and no unit added, taken off or moved to a neighbouring candidate, is
-    predicted faster (the search's local optimum)."""
-    eligible = eligible[: len(numels)]
+    predicted faster (the search's local optimum), for every kind of window."""
+    eligible, stale = eligible[: len(numels)], stale[: len(numels)]
     rates = StepRates(cpu, device, link, link)
-    split = plan_split(numels, eligible, rates, TRAFFIC, device_memory=memory, backward_seconds=backward)
+    split = plan_split(
+        numels, eligible, rates, TRAFFIC, device_memory=memory, backward_seconds=backward, window=window, stale=stale
+    )
     order = [i for i, n in enumerate(numels) if eligible[i] and n]
     fits = [i for k, i in enumerate(order) if sum(numels[j] for j in order[: k + 1]) * TRAFFIC.device_memory <= memory]
     chosen = [i for i, on in enumerate(split.on_device) if on]
@@ -110,7 +118,7 @@ def test_the_split_fits_and_no_prefix_or_single_change_is_faster(numels, eligibl
             h2d = (on_device * TRAFFIC.device_h2d + (sum(numels) - on_device) * TRAFFIC.cpu_h2d) / (link * 1e9)
             device_s = max(h2d, d2h, on_device / (device * 1e9)) if on_device else 0.0
             return max(cpu_s, device_s)
-        return predicted_step(numels, trial, rates, TRAFFIC, backward)
+        return predicted_step(numels, trial, rates, TRAFFIC, backward, window, stale)
 
     got = score(chosen)
     prefixes = [fits[:k] for k in range(len(fits) + 1)]
@@ -154,6 +162,85 @@ def test_each_worker_steps_the_landed_unit_the_forward_needs_first():
     # the next forward starts at 1 s and needs unit 1 at once, unit 2 after half a second / 2
     assert forward_stall(numels, [8 / 3, 11 / 3, 5 / 3], 1.0) == pytest.approx(11 / 3 - 1)
     assert forward_stall(numels, [0.5, 0.5, 0.5], 1.0) == 0.0
+
+
+def test_a_window_that_does_not_speculate_steps_every_unit_once_the_norm_is_known():
+    """The units of test_each_worker_steps_the_landed_unit_the_forward_needs_first: the last
+    gradient lands at 1 s, and nothing steps before (the global norm is known then); the CPU
+    then steps them in forward order, one a second. With the root on the device (half a
+    second) the CPU starts at unit 1. In a window redone, a unit that speculated on the device
+    loads its state first (12 bytes an element over 12 GB/s: a second more)."""
+    rates = StepRates(cpu_adam_gparams=1.0, device_adam_gparams=2.0, h2d_gbps=1e6, d2h_gbps=1e6)
+    numels = [10**9] * 3
+    after = StepWindow.AFTER_BACKWARD
+    assert step_finishes(numels, [False] * 3, rates, FAST_LINK, 1.0, after) == pytest.approx([2.0, 3.0, 4.0])
+    assert step_finishes(numels, [True, False, False], rates, FAST_LINK, 1.0, after) == pytest.approx([1.5, 2.0, 3.0])
+    # the forward needs unit 2 at 1.25 s and waits for it until 4 s; its last quarter second then
+    assert predicted_step(numels, [False] * 3, rates, FAST_LINK, 1.0, after) == pytest.approx(4.25)
+    slow_up = StepRates(cpu_adam_gparams=1.0, device_adam_gparams=2.0, h2d_gbps=12.0, d2h_gbps=1e6)
+    redone = step_finishes(numels, [True, False, False], slow_up, FAST_LINK, 1.0, StepWindow.REDONE, [True, False, False])
+    assert redone == pytest.approx([2.5, 2.0, 3.0])
+    # the device's units alone speculate (no spare state in RAM): unit 2 as it lands (2/3 s),
+    # then the root; the CPU's unit 1 once the norm is known
+    only_device = step_finishes(numels, [True, False, True], rates, FAST_LINK, 1.0, StepWindow.DEVICE_SPECULATIVE)
+    assert only_device == pytest.approx([5 / 3, 2.0, 7 / 6])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    numels=st.lists(st.integers(min_value=0, max_value=10**9), min_size=1, max_size=10),
+    chosen=st.lists(st.booleans(), min_size=10, max_size=10),
+    cpu=positive,
+    device=positive,
+    link=positive,
+    backward=st.floats(min_value=0.01, max_value=10.0),
+)
+def test_what_does_not_speculate_steps_after_the_last_gradient_landed(numels, chosen, cpu, device, link, backward):
+    """In a window that does not speculate every unit is ready no sooner than the last gradient
+    landed plus its own Adam; where only the device's units speculate, so is every CPU unit."""
+    chosen = chosen[: len(numels)]
+    rates = StepRates(cpu, device, link, link)
+    # the root's gradients are final last, once the backward is done (the global norm no sooner;
+    # with no elements at all, nothing to wait for)
+    landed = backward if sum(numels) else 0.0
+    for window in (StepWindow.AFTER_BACKWARD, StepWindow.REDONE, StepWindow.DEVICE_SPECULATIVE):
+        ready = step_finishes(numels, chosen, rates, TRAFFIC, backward, window)
+        for index, numel in enumerate(numels):
+            if window is StepWindow.DEVICE_SPECULATIVE and chosen[index]:
+                continue
+            own = numel / ((device if chosen[index] else cpu) * 1e9)
+            assert ready[index] >= (landed + own) * (1 - 1e-9)
+
+
+def test_a_window_that_does_not_speculate_gives_the_device_a_larger_share_at_7b():
+    """The 7B step at the H100 hosts' rates when clipping acts (speculation paused): every unit
+    steps after the backward. The split planned for that window gives the device far more of
+    the step than the speculating window's (which leaves the CPU most of it) and is predicted
+    much faster there; the one for a window redone is in between (the units that speculated on
+    the device load their state again first)."""
+    numels = [262_148_096] + [202_383_360] * 32
+    traffic = step_traffic(moment_bytes=4, grad_bytes=2, compute_bytes=2, param_offloaded=False)
+    rates = StepRates(5.0, 6.0, 48.0, 48.0)
+    memory = int(15.5 * numels[1] * traffic.device_memory + numels[0] * traffic.device_memory)
+    backward = 0.8345
+
+    def plan(window, stale=None):
+        return plan_split(
+            numels, [True] * 33, rates, traffic, device_memory=memory, backward_seconds=backward, window=window, stale=stale
+        )
+
+    speculative = plan(StepWindow.SPECULATIVE)
+    after = plan(StepWindow.AFTER_BACKWARD)
+    redone = plan(StepWindow.REDONE, speculative.on_device)
+    assert after.device_units >= 3 * speculative.device_units
+    assert speculative.device_units < redone.device_units < after.device_units + 1
+
+    def step(split, window, stale=None):
+        return predicted_step(numels, split.on_device, rates, traffic, backward, window, stale)
+
+    assert step(after, StepWindow.AFTER_BACKWARD) < 0.8 * step(speculative, StepWindow.AFTER_BACKWARD)
+    stale = speculative.on_device
+    assert step(redone, StepWindow.REDONE, stale) < 0.9 * step(speculative, StepWindow.REDONE, stale)
 
 
 def test_the_split_of_a_7b_step_is_the_root_on_the_device_and_the_blocks_after_it_on_the_cpu():
@@ -224,6 +311,78 @@ def test_a_split_step_trains_bit_for_bit_as_the_cpu(swap_dir, monkeypatch, param
     assert on_device[0] and any(on_device) and not all(on_device)  # the root (the last to land) is on the device
     assert_same(state, expected)
     assert_same_optimizer_state(optimizer_state, expected_state)  # the host state is home again
+
+
+# the splits differ by window: speculating, the device steps unit 1 alone (the CPU keeps up
+# with the rest during the backward); after the backward, units 1 and 2; redone, units 1 to 3
+WINDOWS_DIFFER = "cpu=0.00003,device=0.00006,h2d=10,d2h=10,backward=1"
+
+
+@pytest.mark.parametrize("param", ["none", "cpu"])
+@pytest.mark.parametrize("clipping", ["always", "sometimes"])
+def test_windows_whose_clipping_acts_switch_split_bit_for_bit(swap_dir, monkeypatch, param, clipping):
+    """Clipping that acts redoes the speculative window (under the split for a window redone)
+    and pauses speculation (the windows after it under the split for windows that step after
+    the backward), then speculates again under its own split: units change lanes between
+    windows, their state in RAM either way, and the training is overlap 'none''s bit for bit."""
+    monkeypatch.setenv("OFFLOAD_STEP_RATES", WINDOWS_DIFFER)
+    torch.manual_seed(0)
+    model = TinyNet(depth=4)
+    data = batches(7)
+    clip = 1e-3 if clipping == "always" else median_norm(model, swap_dir, data)
+    expected, expected_state, _ = train(model, make_config(swap_dir, "none", param=param, clip=clip), data)
+    engine = offload.initialize(copy.deepcopy(model), make_config(swap_dir, param=param, clip=clip))
+    try:
+        splits = set()
+        for x, y in data:
+            engine.backward(mse(engine, x, y))
+            splits.add(tuple(unit.steps_on_device for unit in engine.units))
+            engine.step()
+            splits.add(tuple(unit.steps_on_device for unit in engine.units))
+        assert engine.speculation_counts["redone"] >= 2
+        state, optimizer_state = engine.consolidated_state_dict(), engine.optimizer.state_dict()["state"]
+    finally:
+        engine.close()
+    # speculating, after the backward, redone
+    assert {(False, True, False, False, False), (False, True, True, False, False), (False, True, True, True, False)} <= splits
+    assert_same(state, expected)
+    assert_same_optimizer_state(optimizer_state, expected_state)
+
+
+def test_the_device_lane_sends_new_states_down_on_its_writer_thread(swap_dir, monkeypatch):
+    """With speculation paused the lane steps its units after the backward, one after the other:
+    each one's new state goes down (piece by piece) on the writer thread while the lane steps
+    the next, not on the lane after all of them."""
+    monkeypatch.setenv("OFFLOAD_STEP_RATES", WINDOWS_DIFFER)
+    monkeypatch.setenv("OFFLOAD_CHECKED_RECORD", "1")
+    torch.manual_seed(0)
+    with offload.initialize(TinyNet(depth=4), make_config(swap_dir, clip=1e-3), device="checked") as engine:
+        for x, y in batches(3):
+            engine.backward(mse(engine, x, y))
+            engine.step()
+        engine.consolidated_state_dict()  # (every write settled)
+        timeline = list(engine.device.timeline)
+    down = [e for e in timeline if e["type"] == "op" and e["what"].startswith("state of unit") and e["what"].endswith("host")]
+    assert len(down) >= 3 * WRITE_BACK_PIECES
+    assert {e["thread"].split("_")[0] for e in down} == {"offload-device-write-back"}
+
+
+def test_without_spare_state_the_device_alone_speculates_under_its_own_split(swap_dir, monkeypatch, caplog):
+    """`offload.speculation_memory: 0`: no unit on the CPU can speculate; the split is planned for
+    windows where only the device's units do (here units 1 to 3), and the training is the same."""
+    monkeypatch.setenv("OFFLOAD_STEP_RATES", WINDOWS_DIFFER)
+    torch.manual_seed(0)
+    model = TinyNet(depth=4)
+    data = batches(4)
+    expected, expected_state, _ = train(model, make_config(swap_dir, "none", clip=1e6), data)
+    config = make_config(swap_dir, clip=1e6)
+    config["offload"]["speculation_memory"] = 0
+    with caplog.at_level("INFO", logger="offload"):
+        state, optimizer_state, on_device = train(model, config, data)
+    assert on_device == [False, True, True, True, False]
+    assert any("speculate on the device only" in r.getMessage() for r in caplog.records)
+    assert_same(state, expected)
+    assert_same_optimizer_state(optimizer_state, expected_state)
 
 
 @pytest.mark.parametrize("state", ["bf16", "int8"])
@@ -328,6 +487,11 @@ def test_estimate_says_the_schedule_the_split_and_the_predicted_step(capsys, tmp
     schedule = json.loads(capsys.readouterr().out)["schedule"]
     assert schedule["overlap"] == "auto" and 0 < schedule["split"]["device_units"] < schedule["split"]["units"]
     assert schedule["compute_s"] < schedule["predicted_step_s"] < 2 * schedule["compute_s"]
+    # while clipping acts, the split of the windows that step after the backward: more on the GPU
+    assert schedule["paused"]["device_units"] > schedule["split"]["device_units"]
+    assert schedule["predicted_step_s"] < schedule["paused"]["predicted_step_s"] < 2 * schedule["compute_s"]
+    assert cli_main([*args, "--device-tflops", "270"]) == 0
+    assert "while clipping acts" in capsys.readouterr().out
     assert cli_main(args) == 0  # no TFLOPS: the split, no predicted step
     out = capsys.readouterr().out
     assert "schedule: overlap auto, the best exact one" in out and "units step on the GPU" in out

@@ -19,7 +19,7 @@ from offload.plan.machine import DEVICE_KINDS, Machine, detect_machine
 from offload.plan.model_shapes import ModelShape, shape_from_hf_config, shape_from_param_count
 from offload.plan.optimizer_plan import device_room, engine_device_bytes
 from offload.plan.precisions import compare_state_precisions, state_for
-from offload.plan.step_split import parse_rates, plan_split, predicted_step, step_traffic
+from offload.plan.step_split import StepWindow, parse_rates, plan_split, predicted_step, step_traffic
 from offload.platform.descriptors import hard_limit_shortfall
 
 logger = logging.getLogger(__name__)
@@ -265,6 +265,15 @@ def schedule_report(shape: ModelShape, machine: Machine, report: dict, args, **s
     if backward is not None:
         schedule["compute_s"] = 1.5 * backward
         schedule["predicted_step_s"] = predicted_step(numels, split.on_device, rates, traffic, backward)
+        # a window that does not speculate (clipping acted: speculation paused) has a split of its own
+        window = StepWindow.AFTER_BACKWARD
+        paused = plan_split(
+            numels, eligible, rates, traffic, device_memory=max(0, room), backward_seconds=backward, window=window
+        )
+        schedule["paused"] = {
+            "device_units": paused.device_units,
+            "predicted_step_s": predicted_step(numels, paused.on_device, rates, traffic, backward, window),
+        }
     return schedule
 
 
@@ -295,6 +304,13 @@ def schedule_lines(schedule: dict | None) -> list[str]:
         lines.append(
             f"  predicted step {schedule['predicted_step_s']:.3g} s, against {schedule['compute_s']:.3g} s of compute "
             f"({schedule['predicted_step_s'] / schedule['compute_s']:.2f}x)"
+        )
+    paused = schedule.get("paused")
+    if paused is not None:
+        lines.append(
+            f"  while clipping acts (speculation paused, every unit steps after the backward): {paused['device_units']} "
+            f"units on the GPU, predicted step {paused['predicted_step_s']:.3g} s "
+            f"({paused['predicted_step_s'] / schedule['compute_s']:.2f}x)"
         )
     return lines
 

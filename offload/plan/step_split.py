@@ -17,14 +17,43 @@ that landed last first, the blocks after it, the device those it cannot keep up 
 `plan_split` searches the sets for the shortest predicted step (without a measured backward:
 the prefix of the forward order where the CPU's Adam and the device's busiest queue take about
 as long, `StepSplit.optimizer_seconds`).
+
+That is the split of a window that speculates. One that does not (`StepWindow`: speculation
+paused after clipping acted, a window redone because it acted; or the CPU's units without spare
+state) steps what did not speculate once the backward ended and the global norm is known, every
+such unit at once, each worker in forward order, and the next backward waits for all of it:
+there the device takes a larger share, in a split planned for that kind of window (`plan_split`'s
+`window`), and the engine switches between the splits at window boundaries (runtime/window.py).
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+class StepWindow(enum.Enum):
+    """The kinds of window a split is planned for: which units step before the backward ended,
+    as their gradients land (speculatively: the global norm is not known yet; the others step
+    once it is), and whether the device's copies of the state are current."""
+
+    # overlap `auto` speculating: every unit (the CPU's into spare state, the device's on its copy)
+    SPECULATIVE = "speculative"
+    # the device's units only (their copy on the device is the spare): the CPU's have no spare
+    # state (`offload.speculation_memory: 0`)
+    DEVICE_SPECULATIVE = "device-speculative"
+    # none: speculation paused after clipping acted (runtime/speculation)
+    AFTER_BACKWARD = "after-backward"
+    # none: a speculative window clipping acted in, stepped again from the old state; the units
+    # that speculated on the device load their state again first (their copies are taken back)
+    REDONE = "redone"
+
+    def early(self, on_device: bool) -> bool:
+        """Whether a unit on this lane steps as its gradients land."""
+        return self is StepWindow.SPECULATIVE or (self is StepWindow.DEVICE_SPECULATIVE and on_device)
 
 
 @dataclass(frozen=True)
@@ -65,6 +94,9 @@ class Traffic:
     # a device unit's new weights going down before they count (param `cpu`: the next fetch
     # reads them from the host)
     weights_down: float = 0.0
+    # a device unit's master and moments going up when the device's copy is not current (on the
+    # lane's stream, before its step: `step_finishes`'s `stale`)
+    device_load: float = 0.0
 
 
 def step_traffic(*, moment_bytes: float, grad_bytes: float, compute_bytes: float, param_offloaded: bool) -> Traffic:
@@ -82,6 +114,7 @@ def step_traffic(*, moment_bytes: float, grad_bytes: float, compute_bytes: float
         # (with param `none` the step writes the new weights where the compute reads them)
         device_memory=state + grad_bytes + (compute_bytes if param_offloaded else 0.0),
         weights_down=compute_bytes if param_offloaded else 0.0,
+        device_load=state,
     )
 
 
@@ -123,7 +156,13 @@ def _seconds(numels: list[int], chosen: list[bool], rates: StepRates, traffic: T
 
 
 def step_finishes(
-    numels: list[int], chosen: Sequence[bool], rates: StepRates, traffic: Traffic, backward_seconds: float
+    numels: list[int],
+    chosen: Sequence[bool],
+    rates: StepRates,
+    traffic: Traffic,
+    backward_seconds: float,
+    window: StepWindow = StepWindow.SPECULATIVE,
+    stale: Sequence[bool] | None = None,
 ) -> list[float]:
     """When each unit is ready for the next forward, in seconds from the start of a backward of
     `backward_seconds`. Units land in reverse forward order (the root, unit 0, last): each once
@@ -133,7 +172,13 @@ def step_finishes(
     takes, of those landed, the one the forward needs first (runtime/overlap.JobQueue): the CPU
     at its Adam's rate, its new weights then going up (param `none`); the device once the
     gradient went up, at its exact Adam's rate (param `cpu`: its new weights then go down). With
-    param `cpu` every unit's weights then go up for its forward."""
+    param `cpu` every unit's weights then go up for its forward.
+
+    A unit that does not step early (`window`) is released when the last gradient landed (the
+    global norm is known then), or on the device once its gradient went up if later (it goes up
+    as it lands either way: runtime/window.step_during_backward). In a window redone every device
+    unit's gradient goes up again with its step, on the lane, and a unit `stale` (its copy not
+    current: it speculated on the device) has its state loaded first."""
     total = sum(numels) or 1
     landed: dict[int, float] = {}
     # the root's part comes first (the head's backward), its gradients are final last
@@ -142,17 +187,25 @@ def step_finishes(
         computed += numels[index] if index else 0
         link = max(link, backward_seconds * computed / total) + numels[index] * traffic.base_d2h / (rates.d2h_gbps * 1e9)
         landed[index] = link
+    norm_known = max(landed.values(), default=0.0)
     h2d, d2h = rates.h2d_gbps * 1e9, rates.d2h_gbps * 1e9
     fetch = traffic.base_h2d / 2 / h2d  # a unit's weights up for its forward, per element (param `cpu`)
     ready = [0.0] * len(numels)
     for on_device in (False, True):
         mine = [i for i in range(len(numels)) if bool(chosen[i]) == on_device]
         if on_device:
-            release = {i: landed[i] + numels[i] * traffic.device_h2d / h2d for i in mine}
-            cost = {i: numels[i] / (rates.device_adam_gparams * 1e9) for i in mine}
+            up = {i: numels[i] * traffic.device_h2d / h2d for i in mine}
+            if window is StepWindow.REDONE:  # its gradient goes up again, on the lane, with its step
+                release = dict.fromkeys(mine, norm_known)
+                load = {i: up[i] + (numels[i] * traffic.device_load / h2d if stale and stale[i] else 0.0) for i in mine}
+            else:
+                start = 0.0 if window.early(True) else norm_known
+                release = {i: max(start, landed[i] + up[i]) for i in mine}
+                load = dict.fromkeys(mine, 0.0)
+            cost = {i: load[i] + numels[i] / (rates.device_adam_gparams * 1e9) for i in mine}
             after = {i: numels[i] * (traffic.weights_down / d2h + fetch) for i in mine}
         else:
-            release = {i: landed[i] for i in mine}
+            release = {i: landed[i] if window.early(False) else norm_known for i in mine}
             cost = {i: numels[i] / (rates.cpu_adam_gparams * 1e9) for i in mine}
             after = {i: numels[i] * (traffic.cpu_h2d / h2d + fetch) for i in mine}
         waiting = sorted(mine, key=lambda i: release[i])  # by release time
@@ -197,6 +250,8 @@ def plan_split(
     device_memory: int,
     backward_seconds: float | None = None,
     candidates: list[bool] | None = None,
+    window: StepWindow = StepWindow.SPECULATIVE,
+    stale: Sequence[bool] | None = None,
 ) -> StepSplit:
     """The split of one step's optimizer work (module docstring). `numels`: each unit's optimizer
     elements on this rank, in forward order (the root first); `eligible`: the units that may step
@@ -211,7 +266,11 @@ def plan_split(
     changes while one shortens it (a unit added or taken off, or moved to a neighbouring
     candidate). The best set is often not a prefix: the root, which lands last and is needed
     first, on the device, and the blocks after it on the CPU, which gets to them first because
-    each worker steps what the forward needs first."""
+    each worker steps what the forward needs first.
+
+    `window`: the kind of window the split is for (`StepWindow`, the predicted step's; `stale`:
+    the units whose device copy a redone window loads again). Where nothing steps before the
+    backward ended, the device takes a larger share."""
     if len(numels) != len(eligible):
         raise ValueError(f"plan_split: {len(numels)} numels for {len(eligible)} eligibility flags")
     if any(n < 0 for n in numels):
@@ -236,7 +295,7 @@ def plan_split(
             cpu, device, _, _ = _seconds(numels, on(units), rates, traffic)
             value = max(cpu, device)
         else:
-            value = predicted_step(numels, on(units), rates, traffic, backward_seconds)
+            value = predicted_step(numels, on(units), rates, traffic, backward_seconds, window, stale)
         # (rounded: a tie in seconds is decided by the elements on the device)
         return round(value, 12), sum(numels[i] for i in units)
 
@@ -261,14 +320,23 @@ def plan_split(
 
 
 def predicted_step(
-    numels: list[int], on_device: Sequence[bool], rates: StepRates, traffic: Traffic, backward_seconds: float
+    numels: list[int],
+    on_device: Sequence[bool],
+    rates: StepRates,
+    traffic: Traffic,
+    backward_seconds: float,
+    window: StepWindow = StepWindow.SPECULATIVE,
+    stale: Sequence[bool] | None = None,
 ) -> float:
     """Overlap auto's step under this split, from a backward of `backward_seconds` and a forward
     of half that: the compute and what the next forward waits for its units (`forward_stall`),
-    or what a link carries in a step if that is longer."""
-    ready = step_finishes(numels, on_device, rates, traffic, backward_seconds)
+    or, if later, when the last unit is ready (the next backward waits for every step), or what
+    a link carries in a step if that is longer. `window`: the kind of window (`StepWindow`), and
+    `stale` its units whose device copy loads again (`step_finishes`)."""
+    ready = step_finishes(numels, on_device, rates, traffic, backward_seconds, window, stale)
     _, _, h2d, d2h = _seconds(numels, list(on_device), rates, traffic)
-    return max(1.5 * backward_seconds + forward_stall(numels, ready, backward_seconds), h2d, d2h)
+    compute = 1.5 * backward_seconds + forward_stall(numels, ready, backward_seconds)
+    return max(compute, max(ready, default=0.0), h2d, d2h)
 
 
 def candidates_for(numels: list[int], eligible: list[bool], traffic: Traffic, device_memory: int) -> list[bool]:

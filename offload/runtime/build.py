@@ -38,7 +38,7 @@ from offload.optim import kernels
 from offload.optim.hyperparameters import GroupHyperparameters
 from offload.plan.optimizer_plan import OptimizerPlan, device_room, engine_device_bytes, factor_needs_norm
 from offload.plan.room import plan_optimizer
-from offload.plan.step_split import candidates_for, step_traffic
+from offload.plan.step_split import StepWindow, candidates_for, step_traffic
 from offload.platform.choose import device_choice, make_device
 from offload.platform.collectives import Collectives
 from offload.platform.device import Device
@@ -186,6 +186,7 @@ class Runtime:
         self.optimizer_worker.shutdown(wait=True)
         if self.device_lane is not None:
             self.device_lane[0].shutdown(wait=True)
+            self.device_lane[1].stop_writing()
         try:
             self.device.close()
             if self.device_lane is not None:
@@ -313,10 +314,19 @@ def _plan_split(config: Config, units, device: Device, tiers, policy, state: Sta
         param_offloaded=offloaded,
     )
     numels = [unit.optimizer_numel for unit in units]
+    # `speculation_memory: 0`: no unit on the CPU has a spare state; only the device's speculate
+    no_spares = parse_size(config.offload.speculation_memory) == 0
     planner = SplitPlanner(
-        units, eligible, candidates_for(numels, eligible, traffic, max(0, room)), rates, traffic, max(0, room), backward
+        units,
+        eligible,
+        candidates_for(numels, eligible, traffic, max(0, room)),
+        rates,
+        traffic,
+        max(0, room),
+        backward,
+        speculating=StepWindow.DEVICE_SPECULATIVE if no_spares else StepWindow.SPECULATIVE,
     )
-    planner.apply(planner.plan())
+    planner.use(planner.speculating)
     return planner
 
 

@@ -9,8 +9,10 @@ training is bit for bit what the CPU gives, whichever units the split sends to t
 
 One step of a unit, on the device lane's thread (`DeviceStepper.run`):
 - its state up, if the device's copy is not current (the first window, after a load, after a
-  speculative step taken back): master and moments (`host_to_device`); `prefetch` does this for
-  every device unit when the window's last backward begins;
+  speculative step taken back, after the CPU stepped the unit: overlap `auto`'s splits move
+  units between the lanes, runtime/step_rates.SplitPlanner): master and moments
+  (`host_to_device`); `prefetch` does this for every device unit when the window's last
+  backward begins;
 - its gradient up, once landed in the host's fp32 (or 16-bit) gradient (`host_to_device`);
 - the exact Adam in place on the device's copy (`optimizer` stream, after those copies), over the
   unit's ranges in chunks of CHUNK elements (the fp64 emulation of the fused operations needs
@@ -23,9 +25,13 @@ One step of a unit, on the device lane's thread (`DeviceStepper.run`):
 A speculative step (`StepMode.SPECULATE`, the gradients' factor not known yet) is the same step:
 the host state, untouched, is the old state a redo needs. `commit` then sends the new state down
 into it; `take_back` only forgets the device's copy (loaded again before the next step). A step
-in place (`StepMode.STEP`) sends its state down at the end of the run. The copies down are of the
-state's home only: nothing on the device waits for them, and `settle_writes` (`Stepping.wait`:
-checkpoints, state reads) and the next load or speculative step of the unit wait for them.
+in place (`StepMode.STEP`) sends its state down once it is done. The copies down run on a thread
+of their own (`_write_back`), a unit's as soon as its new state is complete, while the lane steps
+the next unit (after a redo or with speculation paused the lane steps a large share of the window
+during the next forward: sent down at the window's end, its state would still be going down as
+the next backward's gradients land on the same link). They are of the state's home only: nothing
+on the device waits for them, and `settle_writes` (`Stepping.wait`: checkpoints, state reads, a
+change of split) and the next load or speculative step of the unit wait for them.
 
 A restore (`StepMode.RESTORE`: a speculative step taken back with no step after it) casts the
 16-bit weights again from the host master: on the host, as the CPU stepper does, or with param
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -87,8 +94,10 @@ class DeviceStepper(UnitStepper):
         self._bytes = sum(t.numel() * t.element_size() for state in self._states.values() for t in state.views.values())
         ledger.allocate("device", self._bytes, "step_state")
         self._lock = threading.Lock()
-        # units whose new state is to go down into the host state (`write_back`), under _lock
-        self._to_write_back: list[UnitState] = []
+        # the copies down of each unit's new state (`_send_down`): the writer thread runs them,
+        # one unit after the other; each unit's until it is settled (`_settle`), under _lock
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="offload-device-write-back")
+        self._writing: dict[int, Future] = {}
         # the gradient window, counted by `begin_window` (main thread, when its last backward
         # begins, after the last window's steps): which gradient copies up are current
         self.window = 0
@@ -146,36 +155,40 @@ class DeviceStepper(UnitStepper):
 
     def commit(self, units: Sequence[UnitState]) -> None:
         """The lane's thread, after their steps: the speculative steps of `units` stand, and their
-        windows end; their new state is to go down into the host state (`write_back`)."""
+        windows end; their new state goes down into the host state (`_send_down`)."""
         for unit in units:
             state = self._states[unit.index]
             if state.speculated:
                 state.speculated = False
-                with self._lock:
-                    self._to_write_back.append(unit)
+                self._send_down(unit)
             unit.end_window()
             if self.events is not None:
                 self.events.record("step_commit", unit.index)
 
-    def write_back(self, only: int | None = None) -> None:
-        """The lane's thread (or any, with the lane idle): the new state of each unit committed or
-        stepped in place since the last call (`only`: of that unit) goes down into its host state,
-        piece by piece, each piece waited for before the next is queued (the stream's other
-        copies, gradients landing, go in between)."""
+    def _send_down(self, unit: UnitState) -> None:
+        """The lane's thread: `unit`'s new state is complete on the device (its step done); its
+        copies down start now, on the writer thread, after what the lane's stream ran so far."""
+        self._settle(unit.index)  # (its last state down is settled before its next step already)
+        written = self.device.optimizer.record_event()
         with self._lock:
-            units = [unit for unit in self._to_write_back if only is None or unit.index == only]
-            self._to_write_back = [unit for unit in self._to_write_back if unit not in units]
+            self._writing[unit.index] = self._writer.submit(self._write_back, unit, written)
+
+    def _write_back(self, unit: UnitState, written) -> None:
+        """The writer thread: `unit`'s new state goes down into its host state, after the
+        optimizer stream's `written`, piece by piece, each piece waited for before the next is
+        queued (the stream's other copies, gradients landing or new weights going down, go in
+        between)."""
+        state = self._states[unit.index]
         to_host = self.device.device_to_host
-        for unit in units:
-            state = self._states[unit.index]
-            for kind in STEPPED_KINDS:
-                source, target = state.views[kind], unit.resident_state[kind]
-                step = -(-source.numel() // WRITE_BACK_PIECES)
-                for low in range(0, source.numel(), step):
-                    high = min(source.numel(), low + step)
-                    what = f"state of unit {unit.spec.name} to the host"
-                    to_host.copy(target[low:high], source[low:high], what=what, unit=unit.index)
-                    to_host.record_event().synchronize()
+        to_host.waits(written)
+        for kind in STEPPED_KINDS:
+            source, target = state.views[kind], unit.resident_state[kind]
+            step = -(-source.numel() // WRITE_BACK_PIECES)
+            for low in range(0, source.numel(), step):
+                high = min(source.numel(), low + step)
+                what = f"state of unit {unit.spec.name} to the host"
+                to_host.copy(target[low:high], source[low:high], what=what, unit=unit.index)
+                to_host.record_event().synchronize()
 
     def take_back(self, units: Sequence[UnitState]) -> None:
         """The lane's thread: the speculative steps of `units` do not stand. The host state never
@@ -184,11 +197,15 @@ class DeviceStepper(UnitStepper):
             state = self._states[unit.index]
             state.current = state.speculated = False
 
-    def invalidate(self) -> None:
-        """The host state was replaced (a checkpoint or optimizer state loaded): every device copy
-        loads again before its next step. Called with the lane settled (`Stepping.wait`)."""
-        for state in self._states.values():
-            state.current = state.speculated = False
+    def invalidate(self, units: Sequence[UnitState] | None = None) -> None:
+        """The host state was replaced (a checkpoint or optimizer state loaded: every unit), or
+        the CPU steps `units` there (main thread: they step on the CPU in this window, not here;
+        `Stepping._host_state_changes`): their device copies load again before their next step
+        here. A load calls it with the lane settled (`Stepping.wait`)."""
+        indices = None if units is None else {unit.index for unit in units}
+        for index, state in self._states.items():
+            if indices is None or index in indices:
+                state.current = state.speculated = False
 
     # ---- the step (UnitStepper.run calls these) -------------------------------------------
 
@@ -231,18 +248,16 @@ class DeviceStepper(UnitStepper):
         launched.value()
         step.on_device = True
         state.speculated = mode is StepMode.SPECULATE
-        if mode is StepMode.STEP:
-            with self._lock:
-                self._to_write_back.append(unit)
         if into_device:
             unit.device_update_event = stepped
-            return
-        to_host = self.device.device_to_host
-        for _, s, e in ranges:
-            to_host.copy(
-                step.out[s:e], state.views["out"][s:e], what=f"new weights of unit {unit.spec.name} to the host", unit=unit.index
-            )
-        to_host.record_event().synchronize()  # the next fetch reads them from the host
+        else:
+            to_host = self.device.device_to_host
+            for _, s, e in ranges:
+                what = f"new weights of unit {unit.spec.name} to the host"
+                to_host.copy(step.out[s:e], state.views["out"][s:e], what=what, unit=unit.index)
+            to_host.record_event().synchronize()  # the next fetch reads them from the host
+        if mode is StepMode.STEP:
+            self._send_down(unit)  # (after the new weights: the next fetch waits for those)
 
     def _adam(self, unit: UnitState, state: DeviceState, hypers: Sequence[StepHyper], ranges, into_device: bool) -> None:
         """On the optimizer stream: the exact step over `ranges` of the device's copy, in chunks."""
@@ -322,16 +337,31 @@ class DeviceStepper(UnitStepper):
 
     # ---- the copies down ------------------------------------------------------------------
     def _settle(self, index: int) -> None:
-        """The unit's new state, if still to go down, goes down now (its host copy is read next,
-        or is the old state a speculative step must leave behind)."""
-        self.write_back(only=index)
+        """The lane's thread: the unit's new state, if going down, is waited for (its host copy is
+        read next, or is the old state a speculative step must leave behind)."""
+        with self._lock:
+            writing = self._writing.pop(index, None)
+        if writing is not None:
+            writing.result()
 
     def settle_writes(self) -> None:
-        """Every new state still to go down goes down (`Stepping.wait`, with the lane idle)."""
-        self.write_back()
+        """Every new state going down is waited for (`Stepping.wait`, with the lane idle); the
+        first failure is raised, once every one is done."""
+        with self._lock:
+            writing, self._writing = list(self._writing.values()), {}
+        for future in writing:
+            future.exception()
+        for future in writing:
+            future.result()
+
+    def stop_writing(self) -> None:
+        """Shutdown, the lane stopped: the writer thread queues nothing more (before the device's
+        streams are waited for)."""
+        self._writer.shutdown(wait=True)
 
     def close(self) -> None:
         """Frees the device's copies (after the device's streams were waited for)."""
+        self.stop_writing()
         for state in self._states.values():
             for tensor in state.views.values():
                 self.device.releasing(tensor, "a device unit's state on the device")

@@ -130,6 +130,8 @@ class Stepping:
             job = self._queue(worker, stepper, on_device, hypers, mode)
             jobs.append(job)
         on_host = [unit for unit in units if not unit.steps_on_device]
+        if on_host and mode is StepMode.STEP:
+            self._host_state_changes(on_host)
         if on_host or not on_device:
             job = self._queue(self.worker, self.stepper, on_host, hypers, mode)
             self._track(self.worker.submit(self._settle, job), writes=True)
@@ -191,6 +193,7 @@ class Stepping:
         caller need not wait for the steps still running)."""
         on_host = [unit for unit in units if not unit.steps_on_device]
         if on_host:
+            self._host_state_changes(on_host)
             self._track(self.worker.submit(self._commit_on_host, on_host), writes=False)
         self._on_lane("commit", [unit for unit in units if unit.steps_on_device])
 
@@ -206,12 +209,6 @@ class Stepping:
         """The device units' state up where the device's copy is not current, in this order."""
         self._on_lane("prefetch", [unit for unit in units if unit.steps_on_device])
 
-    def write_back_on_device(self) -> None:
-        """The device lane's new states still on the device go down to their home, queued after
-        what is submitted so far (step() calls it last: the next forward's steps go first)."""
-        if self.device_lane is not None:
-            self._track(self.device_lane[0].submit(self.device_lane[1].write_back), writes=True)
-
     def upload_grad_on_device(self, unit: UnitState) -> None:
         """The transfer worker, a device unit's gradient landed: it goes up now."""
         if unit.steps_on_device and self.device_lane is not None:
@@ -226,9 +223,17 @@ class Stepping:
         self._on_lane("take_back", [unit for unit in units if unit.steps_on_device])
 
     def invalidate_device_copies(self) -> None:
-        """The host state was replaced: the device's copies load again (called settled)."""
+        """The host state was replaced (a load): the device's copies load again (called settled)."""
         if self.device_lane is not None:
             self.device_lane[1].invalidate()
+
+    def _host_state_changes(self, units: list[UnitState]) -> None:
+        """The CPU steps (or commits) `units` in their home in RAM: a device copy of their state,
+        left from when they stepped on the device (overlap `auto`'s splits move units between the
+        lanes), no longer mirrors it and loads again if they step there again. A unit that only
+        speculated on the CPU and was taken back keeps its copy: its home did not change."""
+        if self.device_lane is not None:
+            self.device_lane[1].invalidate(units)
 
     def _on_lane(self, action: str, units: list[UnitState]) -> None:
         if units and self.device_lane is not None:

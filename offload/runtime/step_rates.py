@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ import torch
 from offload.config.sizes import format_bytes
 from offload.model.unit_state import UnitState
 from offload.optim import kernels, moments
-from offload.plan.step_split import StepRates, StepSplit, Traffic, parse_rates, plan_split, predicted_step
+from offload.plan.step_split import StepRates, StepSplit, StepWindow, Traffic, parse_rates, plan_split, predicted_step
 from offload.platform.device import Device
 from offload.storage.state_codec import StateCodec
 
@@ -56,7 +56,19 @@ class SplitPlanner:
     """What overlap `auto`'s split is planned from, kept to plan it again once a backward was
     measured: the units (in index order: the root, then the blocks, the order they run), which
     may step on the device (`eligible`) and which have a copy of their state there
-    (`candidates`: the device lane made one for each), the rates, the traffic per element."""
+    (`candidates`: the device lane made one for each), the rates, the traffic per element.
+
+    A split per kind of window (`StepWindow`), each planned when first used: the windows that
+    speculate (`speculating`: every unit, or the device's only when the CPU's have no spare
+    state), those that do not (paused after clipping acted) and those redone (clipping acted
+    after they speculated), where everything steps after the backward and the device takes a
+    larger share. `use` marks the units of one (`UnitState.steps_on_device`); the window calls it
+    between steps, the lanes settled (runtime/window.py). Both lanes read and write a unit's
+    state in its home in RAM (the device's copy mirrors it), so a unit changes lanes without
+    moving state: a device copy the CPU made stale since is loaded again before the unit's next
+    step there (`Stepping._host_state_changes`), a current one is used as it is. The windows that
+    speculate always run under the split the spare states were planned for (a unit another split
+    moves to the CPU has none: it would step only after the backward)."""
 
     units: list[UnitState]
     eligible: list[bool]
@@ -67,38 +79,61 @@ class SplitPlanner:
     # a backward's seconds, declared with the rates; None: measured, and the split planned
     # again once (`replan`)
     backward_seconds: float | None
+    # the kind of window that speculates: every unit, or the device's only
+    speculating: StepWindow = StepWindow.SPECULATIVE
+    # the split each kind of window has been planned (cleared by `replan`), and the one in use
+    splits: dict[StepWindow, StepSplit] = field(default_factory=dict)
+    current: StepWindow | None = None
 
-    def plan(self, backward_seconds: float | None = None) -> StepSplit:
-        return plan_split(
-            [unit.optimizer_numel for unit in self.units],
-            self.eligible,
-            self.rates,
-            self.traffic,
-            device_memory=self.device_memory,
-            backward_seconds=backward_seconds if backward_seconds is not None else self.backward_seconds,
-            candidates=self.candidates,
-        )
+    def plan(self, window: StepWindow | None = None) -> StepSplit:
+        """The split for `window`'s kind of window (default: `speculating`)."""
+        window = self.speculating if window is None else window
+        if window not in self.splits:
+            self.splits[window] = plan_split(
+                [unit.optimizer_numel for unit in self.units],
+                self.eligible,
+                self.rates,
+                self.traffic,
+                device_memory=self.device_memory,
+                backward_seconds=self.backward_seconds,
+                candidates=self.candidates,
+                window=window,
+                # a window redone: the units that speculated on the device load their state again
+                stale=self.plan().on_device if window is StepWindow.REDONE else None,
+            )
+            self._log(window, self.splits[window])
+        return self.splits[window]
 
     @property
     def waits_for_a_backward(self) -> bool:
         return self.backward_seconds is None
 
-    def replan(self, backward_seconds: float) -> StepSplit:
-        """With a measured backward: the split again (`apply` it between steps, the lanes idle)."""
+    def replan(self, backward_seconds: float) -> list[UnitState]:
+        """With a measured backward: the splits again, the one in use applied (between steps,
+        the lanes idle); returns the units that changed lanes."""
         self.backward_seconds = backward_seconds
-        return self.plan()
+        self.splits.clear()
+        current, self.current = self.current, None
+        return self.use(current or self.speculating)
 
-    def apply(self, split: StepSplit) -> bool:
-        """Marks the units `split` sends to the device and says what it chose; whether that moved
-        any unit."""
-        moved = False
-        for unit, on_device in zip(self.units, split.on_device):
-            moved |= unit.steps_on_device != on_device
-            unit.steps_on_device = on_device
+    def use(self, window: StepWindow) -> list[UnitState]:
+        """Marks the units the split for `window` sends to the device (between steps, the lanes
+        idle); returns those that changed lanes."""
+        split = self.plan(window)
+        moved = [unit for unit, on in zip(self.units, split.on_device) if unit.steps_on_device != on]
+        for unit, on in zip(self.units, split.on_device):
+            unit.steps_on_device = on
+        if self.current is not window:
+            logger.debug("offload: overlap auto: the split for windows %s (%d units change lanes)", WINDOWS[window], len(moved))
+        self.current = window
+        return moved
+
+    def _log(self, window: StepWindow, split: StepSplit) -> None:
         logger.info(
-            "offload: overlap auto: %d of %d units step on the device (their state in RAM, a copy on the device: %s), "
-            "the rest with the CPU Adam; predicted optimizer work per step: CPU %.3f s, device %.3f s (PCIe %.3f s up, "
-            "%.3f s down)%s%s",
+            "offload: overlap auto, windows %s: %d of %d units step on the device (their state in RAM, a copy on the "
+            "device: %s), the rest with the CPU Adam; predicted optimizer work per step: CPU %.3f s, device %.3f s "
+            "(PCIe %.3f s up, %.3f s down)%s%s",
+            WINDOWS[window],
             split.device_units,
             len(self.units),
             format_bytes(split.device_bytes),
@@ -106,20 +141,29 @@ class SplitPlanner:
             split.device_seconds,
             split.h2d_seconds,
             split.d2h_seconds,
-            self._predicted(split),
+            self._predicted(split, window),
             f"; stopped by {', '.join(split.reasons)}" if split.reasons else "",
         )
-        return moved
 
-    def _predicted(self, split: StepSplit) -> str:
+    def _predicted(self, split: StepSplit, window: StepWindow) -> str:
         if not self.backward_seconds:
             return ""
         numels = [unit.optimizer_numel for unit in self.units]
-        step = predicted_step(numels, split.on_device, self.rates, self.traffic, self.backward_seconds)
+        stale = self.plan().on_device if window is StepWindow.REDONE else None
+        step = predicted_step(numels, split.on_device, self.rates, self.traffic, self.backward_seconds, window, stale)
         return (
             f"; chosen for a backward of {self.backward_seconds:.3g} s: predicted step {step:.3g} s against "
             f"{1.5 * self.backward_seconds:.3g} s of compute"
         )
+
+
+# how the log names the windows each split is for
+WINDOWS = {
+    StepWindow.SPECULATIVE: "that speculate",
+    StepWindow.DEVICE_SPECULATIVE: "that speculate on the device only (no spare state in RAM)",
+    StepWindow.AFTER_BACKWARD: "that do not speculate (paused after clipping acted)",
+    StepWindow.REDONE: "redone (clipping acted after they speculated)",
+}
 
 
 def _best_seconds(run: Callable[[], None], repeats: int = 3) -> float:

@@ -26,6 +26,7 @@ from offload.model.unit_state import UnitState
 from offload.optim.hyperparameters import GroupHyperparameters
 from offload.optim.loss_scaling import DynamicLossScaler, clip_coefficient, gradient_multiplier
 from offload.optim.step_hyper import StepHyper
+from offload.plan.step_split import StepWindow
 from offload.platform.collectives import Collectives
 from offload.runtime import optimizer_state, trainable
 from offload.runtime.counters import check_counters
@@ -263,6 +264,8 @@ class GradientWindow:
         if not boundary:
             return
         self._replan_split()
+        if self.split is not None:
+            self._use_split(self.split.speculating if self.speculation.this_window else StepWindow.AFTER_BACKWARD)
         order = step_order(self.schedule.context.forward_order.recorded, len(self.units))
         # the workers step what they were given in this order (a unit landed later first)
         self.stepping.order_by(order)
@@ -281,8 +284,20 @@ class GradientWindow:
         if split is None or not split.waits_for_a_backward or len(self._boundary_seconds) < 2:
             return
         self.stepping.wait()
-        if split.apply(split.replan(self._boundary_seconds[-1])):
-            self.stepping.invalidate_device_copies()
+        split.replan(self._boundary_seconds[-1])
+
+    def _use_split(self, window: StepWindow) -> None:
+        """Overlap `auto`: the window steps under the split planned for it (`SplitPlanner`: one
+        for windows that speculate, one for those that do not), switched here when it changes:
+        at the start of a window's last backward (before anything of it steps), or in step()
+        before a redo, with every step and new state of the windows before it home first. A
+        unit that changes lanes reads its state from RAM either way (a device copy the CPU made
+        stale since loads again: `Stepping`)."""
+        split = self.split
+        if split is None or split.current is window:
+            return
+        self.stepping.wait()
+        split.use(window)
 
     def _window_ended_without_step(self) -> bool:
         """The last backward ended a gradient window and step() has not taken it yet."""
@@ -387,6 +402,10 @@ class GradientWindow:
         if self.policy.speculative:
             if finite and unit.can_speculate and unit.grads_in_window and self.speculation.this_window:
                 self.speculation.submit(unit, self._window_hypers)
+            elif finite and unit.grads_in_window:
+                # a device unit that does not speculate: its gradient goes up now all the same
+                # (the copy is of this window: a gradient that changes is of another one)
+                self.stepping.upload_grad_on_device(unit)
             return
         if not finite:
             self._nonfinite_units.append(unit.spec.name)
@@ -482,14 +501,17 @@ class GradientWindow:
         used = [dataclasses.replace(h, grad_multiplier=multiplier) for h in window_hypers or []]
         clipped = multiplier != self._unclipped_multiplier()
         why = "clips the gradients" if clipped else "has other hyperparameters than its backward began with"
-        committed = self.speculation.decide(speculated, stands=not clipped and used == hypers, why=why, step=self.global_steps)
+        stands = not clipped and used == hypers
+        committed = self.speculation.decide(speculated, stands=stands, why=why, step=self.global_steps)
+        if speculated and not stands and self.policy.defers_to_forward:
+            # the whole window steps again now, each device unit's state loaded again first
+            self._use_split(StepWindow.REDONE)
         if self.config.precision == "fp16":
             self.scaler.update(overflow=False)
         self.global_steps += 1
         order = step_order(self.schedule.context.forward_order.recorded, len(self.units))
         # (a commit queued after a running step ends that unit's window only once it ran)
         self._submit_steps([self.units[i] for i in order if self.units[i].window_started and i not in committed], hypers)
-        self.stepping.write_back_on_device()
         return True
 
     def _window_sq_norms(self, window: list[UnitState]) -> tuple[dict[int, float], float]:
