@@ -13,7 +13,7 @@ read first after some step:
   a forward or `params_on_device` gathers it); never NaN, never the weights before the step;
 - `model.state_dict()`, and the parameters inside `engine.params_on_device()`: equal to it.
 
-param none / cpu / nvme x overlap none / forward / backward in fp32 on one rank, a few bf16 and
+param none / cpu / nvme x overlap none / forward / backward / auto (the default) in fp32 on one rank, a few bf16 and
 two-rank cases. And the checked device itself: a read whose copy step() did not wait for raises
 OrderingError naming the parameter (before, it read NaN with overlap none, unreported).
 """
@@ -120,18 +120,18 @@ def run_case(swap, param, overlap, precision, device, world_size=1) -> list[str]
         engine.close()
 
 
-@pytest.mark.parametrize("overlap", ["none", "forward", "backward"])
+@pytest.mark.parametrize("overlap", ["none", "forward", "backward", "auto"])
 @pytest.mark.parametrize("param", ["none", "cpu", "nvme"])
 def test_reads_right_after_step_see_the_new_weights(swap_dir, param, overlap):
     assert run_case(swap_dir, param, overlap, "fp32", slow_checked_device()) == []
 
 
-@pytest.mark.parametrize("param,overlap", [("none", "none"), ("none", "backward"), ("nvme", "forward")])
+@pytest.mark.parametrize("param,overlap", [("none", "none"), ("none", "backward"), ("none", "auto"), ("nvme", "forward")])
 def test_bf16_reads_right_after_step_are_the_masters_cast(swap_dir, param, overlap):
     assert run_case(swap_dir, param, overlap, "bf16", slow_checked_device()) == []
 
 
-@pytest.mark.parametrize("overlap", ["none", "forward"])
+@pytest.mark.parametrize("overlap", ["none", "forward", "auto"])
 def test_reads_right_after_step_on_the_engines_own_device(swap_dir, overlap):
     # the device the suite runs on (plain CPU; CUDA on a GPU machine, where a read right after
     # step() with overlap none ran before the copy of the new weights)
