@@ -41,6 +41,8 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import bench_io  # noqa: E402
 
 GB = 1e9
 SHAPES = {
@@ -112,14 +114,9 @@ def shard_files(directory: str) -> list[str]:
 
 
 def drop_cache(files: list[str]) -> None:
-    """Evicts the files' pages from the page cache (fsync first: dirty pages are not evicted)."""
+    """Evicts the files' pages from the page cache (bench_io's eviction, file by file)."""
     for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        bench_io.drop_cache(path)
 
 
 def raw_read(files: list[str]) -> tuple[int, float]:
